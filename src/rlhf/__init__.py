@@ -1,0 +1,3 @@
+"""rlhf: reinforcement learning from feedback for language models."""
+
+__version__ = "0.1.0"

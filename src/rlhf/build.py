@@ -1,0 +1,87 @@
+"""Builds every component of a run from its config, in an order that fails cheaply first.
+
+Names are resolved, tokenizers compared and prompts prepared before any model weights load, so a typo
+or a vocabulary mismatch costs a second, not a model load.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlhf import registry
+from rlhf.config.validate import DerivedSizes
+from rlhf.data.prompts import PromptExample, PromptStream
+from rlhf.models.loading import check_vocab_match, load_tokenizer, pick_device
+from rlhf.rewards.combine import RewardSet
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Components:
+    """The parts the schedules wire together."""
+
+    device: torch.device
+    tokenizer: Any
+    prompts: PromptStream
+    eval_examples: list[PromptExample]
+    rewards: RewardSet
+    estimator: Any
+    estimator_cfg: Any
+    generator: Any
+    policy: Any
+    reference: Any | None
+
+
+def build_components(cfg, sizes: DerivedSizes) -> Components:
+    device = pick_device(cfg.cluster.device)
+    # 1. names: every registry lookup, so an unknown component fails before anything loads
+    factories = {
+        "dataset": registry.resolve("dataset", cfg.dataset.name, key="dataset.name"),
+        "estimator": registry.resolve("estimator", cfg.algorithm.estimator, key="algorithm.estimator"),
+        "generator": registry.resolve("generator", cfg.generator.name, key="generator.name"),
+        "policy": registry.resolve("policy", cfg.policy.name, key="policy.name"),
+        "reference": registry.resolve("reference", cfg.reference.name, key="reference.name"),
+    }
+    rewards = RewardSet(cfg.reward)
+    estimator = factories["estimator"](cfg=cfg.algorithm)
+    # 2. tokenizers and data (cheap), including the reference's vocabulary when it is another model
+    model = cfg.model
+    tokenizer = load_tokenizer(model.tokenizer or model.name_or_path, model.revision, model.trust_remote_code)
+    if estimator.needs_reference and cfg.reference.name_or_path:
+        ref_tok = load_tokenizer(cfg.reference.name_or_path, None, model.trust_remote_code)
+        check_vocab_match(tokenizer, ref_tok, f"policy `{model.name_or_path}`", f"reference `{cfg.reference.name_or_path}`")
+    splits = factories["dataset"](cfg=cfg.dataset, tokenizer=tokenizer)
+    log.info("dataset %s: %d train prompts, %d eval prompts", cfg.dataset.name, len(splits.train), len(splits.eval))
+    # 3. models
+    policy = factories["policy"](
+        cfg=cfg.policy, model_cfg=model, train_cfg=cfg.train, total_optimizer_steps=sizes.optimizer_steps, device=device
+    )
+    if policy.model.get_output_embeddings().weight.shape[0] < len(tokenizer):
+        raise ValueError(
+            f"model `{model.name_or_path}` has {policy.model.get_output_embeddings().weight.shape[0]} output rows "
+            f"but its tokenizer has {len(tokenizer)} tokens; model.tokenizer must match the model"
+        )
+    reference = None
+    if estimator.needs_reference:
+        reference = factories["reference"](cfg=cfg.reference, model_cfg=model, device=device)
+    else:
+        log.info("reference model not loaded: algorithm.beta=0 disables the KL term")
+    generator = factories["generator"](cfg=cfg.generator, model_cfg=model, tokenizer=tokenizer, device=device)
+    generator.update_weights(policy.state_dict())
+    return Components(
+        device=device,
+        tokenizer=tokenizer,
+        prompts=PromptStream(splits.train, seed=cfg.seed),
+        eval_examples=splits.eval,
+        rewards=rewards,
+        estimator=estimator,
+        estimator_cfg=cfg.algorithm,
+        generator=generator,
+        policy=policy,
+        reference=reference,
+    )

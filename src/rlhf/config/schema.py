@@ -1,0 +1,134 @@
+"""Structured config: the typed schema every composed run config is validated against.
+
+Each section lives next to nothing else so a reader sees every key at once; every field carries a
+one-line comment (a test checks). Hydra merges `conf/` YAML onto these dataclasses, so an unknown key
+or a wrong type fails at compose time, naming the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = MISSING  # hub name, local folder, or `builtin:<name>` for a model shipped in rlhf/assets
+    tokenizer: Optional[str] = None  # tokenizer hub name or folder; null = same as name_or_path
+    revision: Optional[str] = None  # hub revision (branch, tag or commit); null = default branch
+    dtype: str = "float32"  # weights and compute dtype: float32, bfloat16 or float16
+    trust_remote_code: bool = False  # allow model code from the hub; off unless you trust the repository
+
+
+@dataclass
+class DatasetConfig:
+    name: str = MISSING  # registered dataset builder (built-in: arith)
+    max_operand: int = 9  # arith: operands are drawn from 0..max_operand
+    max_prompt_length: int = 64  # prompts longer than this many tokens are an error for now
+    eval_size: int = 0  # prompts held out for evaluation; 0 = evaluate on the training prompts
+
+
+@dataclass
+class AlgorithmConfig:
+    estimator: str = MISSING  # advantage estimator: grpo, reinforce, rloo, or an import path
+    num_samples_per_prompt: int = 4  # completions sampled per prompt (the group size for grpo/rloo)
+    norm_adv_by_std: bool = True  # grpo: divide group-centred rewards by the group std (false = Dr.GRPO style)
+    whiten_advantages: bool = False  # reinforce/rloo: whiten advantages across the whole batch
+    clip_eps_low: float = 0.2  # clipped surrogate: lower clip range, ratio >= 1 - clip_eps_low
+    clip_eps_high: float = 0.2  # clipped surrogate: upper clip range, ratio <= 1 + clip_eps_high
+    loss_agg: str = "token_mean"  # token_mean (every token weighs the same) or seq_mean_token_mean
+    beta: float = 0.0  # KL coefficient to the reference policy; 0 disables the reference model
+    kl_estimator: str = "k3"  # k1 (log ratio) or k3 (unbiased, non-negative)
+    kl_in_reward: bool = False  # true: -beta*KL is added to the reward; false: beta*KL is a loss term
+
+
+@dataclass
+class GeneratorConfig:
+    name: str = "hf"  # generator backend: hf (transformers generate) or an import path
+    max_new_tokens: int = 8  # response length limit; responses that hit it without a stop token are non-stop
+    temperature: float = 1.0  # sampling temperature (also used by the trainer's logprobs)
+    top_p: float = 1.0  # nucleus sampling mass
+    stop_token: str = "eos"  # `eos` for the tokenizer's EOS, or a literal token that ends a response
+    batch_size: int = 256  # sequences per generate() call, to bound memory
+
+
+@dataclass
+class RewardFunctionConfig:
+    name: str = MISSING  # registered reward function or import path `pkg.module.fn`
+    weight: float = 1.0  # weight of this function in the summed score
+    args: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments passed to the function
+
+
+@dataclass
+class RewardConfig:
+    functions: list[RewardFunctionConfig] = field(default_factory=list)  # scored and summed with weights
+    non_stop_penalty: bool = True  # replace the score of responses that never stopped
+    penalty_reward_value: float = -10.0  # the score given to a non-stop response
+
+
+@dataclass
+class PolicyConfig:
+    name: str = "torch"  # training backend: torch (single process, CPU or one GPU) or an import path
+    gradient_checkpointing: bool = False  # trade compute for activation memory
+
+
+@dataclass
+class ReferenceConfig:
+    name: str = "frozen"  # frozen copy of a model, used for the KL term
+    name_or_path: Optional[str] = None  # reference weights; null = the policy's starting weights
+
+
+@dataclass
+class TrainConfig:
+    num_steps: int = 100  # RL steps (generate -> score -> update) in the run
+    prompts_per_step: int = 32  # distinct prompts per step; samples per step = this * num_samples_per_prompt
+    num_epochs: int = 1  # optimisation passes over each step's samples (PPO epochs)
+    num_mini_batches: int = 1  # optimiser steps per pass; samples per step must divide evenly
+    micro_batch_size: int = 32  # samples per forward/backward; a mini batch must divide evenly
+    lr: float = 1e-4  # peak learning rate
+    lr_schedule: str = "constant"  # constant or linear (decay to 0 over the run)
+    warmup_steps: int = 0  # optimiser steps of linear warm-up
+    weight_decay: float = 0.0  # AdamW weight decay
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
+    adam_eps: float = 1e-8  # AdamW epsilon
+    max_grad_norm: float = 1.0  # gradient clipping by global norm; <= 0 disables
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local"  # placement: local = every role in this process
+    device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda or cuda:N
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0  # evaluate every N steps (and before the first and after the last); 0 = start and end only
+    num_samples: int = 4  # sampled completions per eval prompt (at the training temperature)
+    greedy: bool = True  # also evaluate greedy decoding
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 1  # console line every N steps
+    tensorboard: bool = True  # write TensorBoard events to <output_dir>/tensorboard
+    sample_every: int = 20  # log a table of sample prompt/completion/reward texts every N steps
+    num_sample_texts: int = 4  # rows in that table
+
+
+@dataclass
+class RunConfig:
+    seed: int = 1  # seeds python, numpy and torch
+    output_dir: Optional[str] = None  # run folder; null = Hydra's job output folder
+    model: ModelConfig = field(default_factory=ModelConfig)  # the policy's starting model
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)  # where prompts come from
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # estimator and loss
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)  # rollout backend and sampling
+    reward: RewardConfig = field(default_factory=RewardConfig)  # how completions are scored
+    policy: PolicyConfig = field(default_factory=PolicyConfig)  # the trained model's backend
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)  # the KL anchor
+    train: TrainConfig = field(default_factory=TrainConfig)  # batch sizes, optimiser, run length
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # placement and devices
+    eval: EvalConfig = field(default_factory=EvalConfig)  # periodic evaluation
+    logging: LoggingConfig = field(default_factory=LoggingConfig)  # console and TensorBoard

@@ -1,0 +1,119 @@
+"""Checks that need more than types, and the sizes derived from the config.
+
+Everything here runs before any model or tokenizer loads, so a bad run fails in a second with the key
+and the arithmetic in the message. Derived sizes are returned (and logged), never written back into the
+config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+ESTIMATORS_NEEDING_GROUPS = ("grpo", "rloo")
+KL_ESTIMATORS = ("k1", "k3")
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
+LR_SCHEDULES = ("constant", "linear")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the key and the fix."""
+
+
+@dataclass(frozen=True)
+class DerivedSizes:
+    """Batch sizes that follow from the config (logged at start, never stored back)."""
+
+    samples_per_step: int  # prompts_per_step * num_samples_per_prompt
+    mini_batch_size: int  # samples per optimiser step
+    grad_accum_steps: int  # micro batches per optimiser step
+    optimizer_steps: int  # optimiser steps over the whole run
+    total_episodes: int  # completions generated over the whole run
+    prompts_seen: int  # prompts drawn over the whole run (reused each epoch when above the dataset size)
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def derive_sizes(cfg: DictConfig) -> DerivedSizes:
+    """Check the batch arithmetic and return the derived sizes."""
+    train, algo = cfg.train, cfg.algorithm
+    for key, value in (
+        ("train.num_steps", train.num_steps),
+        ("train.prompts_per_step", train.prompts_per_step),
+        ("algorithm.num_samples_per_prompt", algo.num_samples_per_prompt),
+        ("train.num_epochs", train.num_epochs),
+        ("train.num_mini_batches", train.num_mini_batches),
+        ("train.micro_batch_size", train.micro_batch_size),
+    ):
+        _require(value >= 1, f"{key}={value} must be >= 1")
+    samples = train.prompts_per_step * algo.num_samples_per_prompt
+    _require(
+        samples % train.num_mini_batches == 0,
+        f"samples per step ({train.prompts_per_step} train.prompts_per_step * {algo.num_samples_per_prompt} "
+        f"algorithm.num_samples_per_prompt = {samples}) is not divisible by train.num_mini_batches="
+        f"{train.num_mini_batches}; pick num_mini_batches from the divisors of {samples}",
+    )
+    mini = samples // train.num_mini_batches
+    _require(
+        mini % train.micro_batch_size == 0,
+        f"mini batch ({samples} samples per step / {train.num_mini_batches} train.num_mini_batches = {mini}) "
+        f"is not divisible by train.micro_batch_size={train.micro_batch_size}; "
+        f"pick micro_batch_size from the divisors of {mini}",
+    )
+    optimizer_steps = train.num_steps * train.num_epochs * train.num_mini_batches
+    return DerivedSizes(
+        samples_per_step=samples,
+        mini_batch_size=mini,
+        grad_accum_steps=mini // train.micro_batch_size,
+        optimizer_steps=optimizer_steps,
+        total_episodes=train.num_steps * samples,
+        prompts_seen=train.num_steps * train.prompts_per_step,
+    )
+
+
+def validate(cfg: DictConfig) -> DerivedSizes:
+    """Every check that needs no model: choices, ranges, batch arithmetic. Returns the derived sizes."""
+    algo, gen, train = cfg.algorithm, cfg.generator, cfg.train
+    _require(
+        algo.estimator not in ESTIMATORS_NEEDING_GROUPS or algo.num_samples_per_prompt >= 2,
+        f"algorithm.estimator={algo.estimator} compares samples within a prompt's group, so "
+        f"algorithm.num_samples_per_prompt must be >= 2 (got {algo.num_samples_per_prompt})",
+    )
+    _require(
+        algo.kl_estimator in KL_ESTIMATORS,
+        f"algorithm.kl_estimator={algo.kl_estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}",
+    )
+    _require(
+        algo.loss_agg in LOSS_AGGREGATIONS,
+        f"algorithm.loss_agg={algo.loss_agg!r}; choose one of {', '.join(LOSS_AGGREGATIONS)}",
+    )
+    _require(algo.beta >= 0, f"algorithm.beta={algo.beta} must be >= 0")
+    _require(
+        algo.clip_eps_low > 0 and algo.clip_eps_high > 0,
+        f"algorithm.clip_eps_low={algo.clip_eps_low} and algorithm.clip_eps_high={algo.clip_eps_high} must be > 0",
+    )
+    _require(gen.max_new_tokens >= 1, f"generator.max_new_tokens={gen.max_new_tokens} must be >= 1")
+    _require(gen.temperature > 0, f"generator.temperature={gen.temperature} must be > 0 (the trainer divides logits by it)")
+    _require(0 < gen.top_p <= 1, f"generator.top_p={gen.top_p} must be in (0, 1]")
+    _require(gen.batch_size >= 1, f"generator.batch_size={gen.batch_size} must be >= 1")
+    _require(train.lr > 0, f"train.lr={train.lr} must be > 0")
+    _require(
+        train.lr_schedule in LR_SCHEDULES,
+        f"train.lr_schedule={train.lr_schedule!r}; choose one of {', '.join(LR_SCHEDULES)}",
+    )
+    _require(len(train.adam_betas) == 2, f"train.adam_betas={list(train.adam_betas)} must hold two numbers")
+    _require(cfg.model.dtype in DTYPES, f"model.dtype={cfg.model.dtype!r}; choose one of {', '.join(DTYPES)}")
+    _require(len(cfg.reward.functions) >= 1, "reward.functions is empty; name at least one reward function")
+    _require(cfg.eval.every >= 0, f"eval.every={cfg.eval.every} must be >= 0")
+    _require(cfg.eval.num_samples >= 0, f"eval.num_samples={cfg.eval.num_samples} must be >= 0")
+    _require(cfg.logging.log_every >= 1, f"logging.log_every={cfg.logging.log_every} must be >= 1")
+    _require(cfg.cluster.name == "local", f"cluster.name={cfg.cluster.name!r}: only `local` exists so far")
+    return derive_sizes(cfg)

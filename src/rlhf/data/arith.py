@@ -1,0 +1,41 @@
+"""The built-in verifiable task: single-digit addition, `3+4=` -> `7`.
+
+Small enough for a tiny model to learn on a CPU in minutes, and checkable exactly, so the reward is a
+verifier rather than a learned model.
+"""
+
+from __future__ import annotations
+
+import random
+
+from rlhf.data.prompts import PromptExample, PromptSplits
+from rlhf.registry import register
+
+ALPHABET = "0123456789+="
+
+
+def arith_problems(max_operand: int) -> list[tuple[str, str]]:
+    """Every (prompt, answer) pair `a+b=` with 0 <= a, b <= max_operand, in a fixed order."""
+    return [(f"{a}+{b}=", str(a + b)) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+
+
+@register("dataset", "arith")
+def arith_dataset(cfg, tokenizer) -> PromptSplits:
+    """All addition problems as prompts; ``cfg.eval_size`` of them (seeded) held out for evaluation."""
+    if not 0 <= cfg.max_operand <= 49:
+        raise ValueError(f"dataset.max_operand={cfg.max_operand} must be within 0..49")
+    examples = []
+    for prompt, answer in arith_problems(cfg.max_operand):
+        ids = tuple(tokenizer(prompt)["input_ids"])
+        if len(ids) > cfg.max_prompt_length:
+            raise ValueError(
+                f"prompt {prompt!r} has {len(ids)} tokens > dataset.max_prompt_length={cfg.max_prompt_length}"
+            )
+        examples.append(PromptExample(text=prompt, token_ids=ids, ground_truth=answer))
+    if cfg.eval_size == 0:
+        return PromptSplits(train=examples, eval=examples)
+    if not 0 < cfg.eval_size < len(examples):
+        raise ValueError(f"dataset.eval_size={cfg.eval_size} must be in 0..{len(examples) - 1} for {len(examples)} problems")
+    shuffled = examples[:]
+    random.Random(0).shuffle(shuffled)
+    return PromptSplits(train=shuffled[cfg.eval_size :], eval=shuffled[: cfg.eval_size])

@@ -1,0 +1,65 @@
+"""Prompt datasets and the stream that feeds them to the orchestrator, epoch by epoch.
+
+A factory registered as kind ``dataset`` is called as ``factory(cfg=<dataset config>, tokenizer=...)``
+and returns a `PromptSplits`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PromptExample:
+    """One prompt: its text, its token ids and what a verifier needs to check a response."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    ground_truth: Any = None
+
+
+@dataclass(frozen=True)
+class PromptSplits:
+    train: list[PromptExample]
+    eval: list[PromptExample]
+
+
+class PromptStream:
+    """Draws batches of prompts without replacement; reshuffles and starts a new epoch when exhausted.
+
+    The order is a pure function of (seed, epoch), so a run is reproducible and no prompt is skipped or
+    seen twice within an epoch.
+    """
+
+    def __init__(self, examples: list[PromptExample], seed: int) -> None:
+        if not examples:
+            raise ValueError("the training split has no prompts")
+        self.examples = examples
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
+
+    def next_batch(self, size: int) -> list[PromptExample]:
+        """``size`` prompts; a batch may span the end of one epoch and the start of the next."""
+        batch = []
+        while len(batch) < size:
+            if self.position == len(self._order):
+                self.epoch += 1
+                self.position = 0
+                self._order = self._permutation(self.epoch)
+            take = min(size - len(batch), len(self._order) - self.position)
+            batch.extend(self.examples[i] for i in self._order[self.position : self.position + take])
+            self.position += take
+        return batch
+
+    @property
+    def epochs_done(self) -> float:
+        """Fractional epochs consumed, for the `epoch` metric."""
+        return self.epoch + self.position / len(self.examples)

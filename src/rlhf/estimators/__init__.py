@@ -1,0 +1,45 @@
+"""Estimators, registered by name: grpo, reinforce, rloo."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf import functional as F
+from rlhf.estimators.base import Estimator, PolicyGradientEstimator
+from rlhf.registry import register
+
+
+@register("estimator", "grpo")
+class GRPO(PolicyGradientEstimator):
+    """Group-relative advantages: centred (and by default std-scaled) within each prompt's samples."""
+
+    def sequence_advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        return F.group_normalized_advantages(rewards, self.group_size, self.cfg.norm_adv_by_std)
+
+
+@register("estimator", "reinforce")
+class Reinforce(PolicyGradientEstimator):
+    """REINFORCE with the batch-mean baseline (optionally whitened across the batch)."""
+
+    def sequence_advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        adv = F.baseline_advantages(rewards)
+        return _maybe_whiten(adv, self.cfg.whiten_advantages)
+
+
+@register("estimator", "rloo")
+class RLOO(PolicyGradientEstimator):
+    """REINFORCE leave-one-out: the baseline of a sample is the mean of its prompt's other samples."""
+
+    def sequence_advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        adv = F.rloo_advantages(rewards, self.group_size)
+        return _maybe_whiten(adv, self.cfg.whiten_advantages)
+
+
+def _maybe_whiten(adv: torch.Tensor, whiten: bool) -> torch.Tensor:
+    if not whiten or adv.numel() < 2:
+        return adv
+    ones = torch.ones_like(adv)
+    return F.masked_whiten(adv, ones)
+
+
+__all__ = ["Estimator", "PolicyGradientEstimator", "GRPO", "Reinforce", "RLOO"]

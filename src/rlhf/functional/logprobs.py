@@ -1,0 +1,17 @@
+"""Per-token log-probabilities and entropies from logits."""
+
+from __future__ import annotations
+
+import torch
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each label. Shape: logits (B, T, V), labels (B, T) -> (B, T)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return torch.gather(logp, -1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of each position's distribution, in nats. Shape: (B, T, V) -> (B, T)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)

@@ -1,0 +1,123 @@
+"""Generator on transformers' `generate`: left-padded batches, KV cache, sampling or greedy."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf.functional import logprobs_from_logits
+from rlhf.generators.base import Rollout, SamplingParams
+from rlhf.models.loading import load_causal_lm
+from rlhf.registry import register
+
+
+def stop_token_id(tokenizer, stop_token: str) -> int:
+    """The id that ends a response: the tokenizer's EOS for ``eos``, else the id of that literal token."""
+    if stop_token == "eos":
+        if tokenizer.eos_token_id is None:
+            raise ValueError("generator.stop_token=eos but the tokenizer has no EOS token; name a stop token")
+        return int(tokenizer.eos_token_id)
+    token_id = tokenizer.convert_tokens_to_ids(stop_token)
+    if token_id is None or token_id == tokenizer.unk_token_id:
+        raise ValueError(f"generator.stop_token={stop_token!r} is not a single token of this tokenizer")
+    return int(token_id)
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask), each (B, longest prompt), padded on the left."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        if prompt:
+            ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            mask[row, width - len(prompt) :] = 1
+    return ids, mask
+
+
+def truncate_at_stop(tokens: torch.Tensor, stop_id: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cut each response after its first stop token. Shape: (B, L) -> (ids (B, L), mask (B, L), stopped (B,)).
+
+    The stop token itself stays (mask 1) so the policy learns to emit it; what follows becomes padding.
+    """
+    is_stop = tokens == stop_id
+    stopped = is_stop.any(dim=1)
+    # index of the first stop token, or L when there is none
+    first = torch.where(stopped, is_stop.float().argmax(dim=1), torch.full_like(stopped, tokens.shape[1], dtype=torch.long))
+    positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+    mask = (positions <= first.unsqueeze(1)).float()
+    return torch.where(mask.bool(), tokens, torch.full_like(tokens, pad_id)), mask, stopped
+
+
+@register("generator", "hf")
+class HFGenerator:
+    """Samples with its own copy of the policy weights, refreshed by `update_weights` after each step."""
+
+    def __init__(self, cfg, model_cfg, tokenizer, device: torch.device) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.device = device
+        self.model = load_causal_lm(
+            model_cfg.name_or_path, model_cfg.dtype, model_cfg.revision, model_cfg.trust_remote_code, device
+        ).eval()
+        self.model.requires_grad_(False)
+        self.stop_id = stop_token_id(tokenizer, cfg.stop_token)
+        self.pad_id = int(tokenizer.pad_token_id)
+
+    @torch.no_grad()
+    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state_dict, strict=True)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollout:
+        chunks = [
+            self._generate_chunk(prompts[start : start + self.cfg.batch_size], sampling)
+            for start in range(0, len(prompts), self.cfg.batch_size)
+        ]
+        return _concat(chunks, self.pad_id)
+
+    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollout:
+        query_ids, query_mask = left_pad(prompts, self.pad_id)
+        query_ids, query_mask = query_ids.to(self.device), query_mask.to(self.device)
+        options = dict(do_sample=False) if sampling.greedy else dict(
+            do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0
+        )
+        out = self.model.generate(
+            input_ids=query_ids,
+            attention_mask=query_mask,
+            max_new_tokens=sampling.max_new_tokens,
+            eos_token_id=self.stop_id,
+            pad_token_id=self.pad_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **options,
+        )
+        raw = out.sequences[:, query_ids.shape[1] :]
+        response_ids, response_mask, stopped = truncate_at_stop(raw, self.stop_id, self.pad_id)
+        temperature = 1.0 if sampling.greedy else sampling.temperature
+        logits = torch.stack(out.logits, dim=1).float() / temperature
+        logprobs = logprobs_from_logits(logits, raw) * response_mask
+        return Rollout(query_ids, query_mask, response_ids, response_mask, logprobs, stopped)
+
+
+def _pad_right(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+
+def _pad_left(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (width - t.shape[1], 0), value=value)
+
+
+def _concat(chunks: list[Rollout], pad_id: int) -> Rollout:
+    """Stack rollouts of different widths (prompts padded left, responses right)."""
+    if len(chunks) == 1:
+        return chunks[0]
+    q = max(c.query_ids.shape[1] for c in chunks)
+    r = max(c.response_ids.shape[1] for c in chunks)
+    return Rollout(
+        query_ids=torch.cat([_pad_left(c.query_ids, q, pad_id) for c in chunks]),
+        query_mask=torch.cat([_pad_left(c.query_mask, q, 0) for c in chunks]),
+        response_ids=torch.cat([_pad_right(c.response_ids, r, pad_id) for c in chunks]),
+        response_mask=torch.cat([_pad_right(c.response_mask, r, 0) for c in chunks]),
+        logprobs=torch.cat([_pad_right(c.logprobs, r, 0) for c in chunks]),
+        stopped=torch.cat([c.stopped for c in chunks]),
+    )

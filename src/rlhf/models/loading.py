@@ -1,0 +1,100 @@
+"""Loading tokenizers and causal LMs through the normal `from_pretrained` path.
+
+``name_or_path`` is a hub name, a local folder, or ``builtin:<name>`` for a model shipped in
+``rlhf/assets`` (the tiny model of the default task, reproducible with ``python -m rlhf.warmstart``).
+"""
+
+from __future__ import annotations
+
+import logging
+from importlib import resources
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+BUILTIN_PREFIX = "builtin:"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """A `from_pretrained` argument: builtin names become their folder inside the installed package."""
+    if not name_or_path.startswith(BUILTIN_PREFIX):
+        return name_or_path
+    name = name_or_path[len(BUILTIN_PREFIX) :]
+    folder = Path(str(resources.files("rlhf.assets"))) / name
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"built-in model {name!r} not found at {folder}; rebuild it with `python -m rlhf.warmstart` "
+            f"or point model.name_or_path at a model folder"
+        )
+    return str(folder)
+
+
+def load_tokenizer(name_or_path: str, revision: str | None = None, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """A tokenizer that left-pads and has a pad token (EOS doubles as pad when the model has none)."""
+    tokenizer = AutoTokenizer.from_pretrained(
+        resolve_model_path(name_or_path), revision=revision, trust_remote_code=trust_remote_code
+    )
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"tokenizer {name_or_path!r} has neither a pad nor an EOS token; set one in its files")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Set every dropout probability to 0 (RL logprobs must be deterministic given the weights)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def load_causal_lm(
+    name_or_path: str,
+    dtype: str = "float32",
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    device: torch.device | str = "cpu",
+) -> torch.nn.Module:
+    """A causal LM with dropout off in its config and its modules, on ``device``."""
+    path = resolve_model_path(name_or_path)
+    config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    for key, value in list(vars(config).items()):
+        if "dropout" in key and isinstance(value, float):
+            setattr(config, key, 0.0)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, config=config, revision=revision, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
+    )
+    return disable_dropout(model).to(device)
+
+
+def check_vocab_match(
+    reference: PreTrainedTokenizerBase, other: PreTrainedTokenizerBase, reference_name: str, other_name: str
+) -> None:
+    """Raise ValueError unless both tokenizers map the same strings to the same ids."""
+    ref_vocab, other_vocab = reference.get_vocab(), other.get_vocab()
+    if ref_vocab == other_vocab:
+        return
+    only_ref = len(ref_vocab.keys() - other_vocab.keys())
+    only_other = len(other_vocab.keys() - ref_vocab.keys())
+    moved = sum(1 for tok, idx in ref_vocab.items() if tok in other_vocab and other_vocab[tok] != idx)
+    raise ValueError(
+        f"vocabulary mismatch: {other_name} ({len(other_vocab)} tokens) does not match {reference_name} "
+        f"({len(ref_vocab)} tokens): {only_ref} only in {reference_name}, {only_other} only in {other_name}, "
+        f"{moved} with different ids. Token ids are shared between them, so use models with the same tokenizer."
+    )
+
+
+def pick_device(name: str) -> torch.device:
+    """`auto` means CUDA when available, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"cluster.device={name!r} but CUDA is not available here; use cluster.device=cpu or auto")
+    return device

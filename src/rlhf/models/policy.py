@@ -1,0 +1,79 @@
+"""The trained policy: single-process torch on CPU or one GPU.
+
+A factory registered as kind ``policy`` is called as
+``factory(cfg=<policy config>, model_cfg=..., train_cfg=..., total_optimizer_steps=int, device=...)`` and
+returns an object with the methods of `TorchPolicy` used by `rlhf.update`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlhf.generators.base import Rollout
+from rlhf.models.loading import load_causal_lm
+from rlhf.models.logprobs import response_logprobs
+from rlhf.registry import register
+
+
+def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
+    """Multiplier of the peak learning rate at each optimiser step: linear warm-up, then constant or linear decay."""
+
+    def factor(step: int) -> float:
+        if warmup_steps > 0 and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "linear":
+            remaining = total_steps - warmup_steps
+            return max(0.0, 1.0 - (step - warmup_steps) / max(1, remaining))
+        return 1.0
+
+    return factor
+
+
+@register("policy", "torch")
+class TorchPolicy:
+    """A causal LM with AdamW and an LR schedule; gradients accumulate over micro batches."""
+
+    def __init__(self, cfg, model_cfg, train_cfg, total_optimizer_steps: int, device: torch.device) -> None:
+        self.cfg, self.train_cfg = cfg, train_cfg
+        self.model = load_causal_lm(
+            model_cfg.name_or_path, model_cfg.dtype, model_cfg.revision, model_cfg.trust_remote_code, device
+        )
+        self.model.train()  # dropout is already 0; train() only matters for modules such as gradient checkpointing
+        if cfg.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=train_cfg.lr,
+            betas=tuple(train_cfg.adam_betas),
+            eps=train_cfg.adam_eps,
+            weight_decay=train_cfg.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(train_cfg.lr_schedule, train_cfg.warmup_steps, total_optimizer_steps)
+        )
+
+    def logprobs(self, rollout: Rollout, temperature: float, with_entropy: bool = False):
+        """(logprobs (B, Lr), entropy or None) with gradients enabled."""
+        return response_logprobs(self.model, rollout, temperature, with_entropy)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def optimizer_step(self) -> float:
+        """Clip, step, advance the schedule, clear grads; returns the pre-clip gradient norm."""
+        max_norm = self.train_cfg.max_grad_norm
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm > 0 else math.inf)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model weights, as the generator loads them."""
+        return self.model.state_dict()

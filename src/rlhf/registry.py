@@ -1,0 +1,88 @@
+"""Named registries for every component kind, so a user's own class plugs in by config alone.
+
+A config names a component either by its registered name (``grpo``, ``hf``, ``arith_correct``) or by
+an import path (``mypkg.rewards.length_bonus``); the latter is imported on demand. The factory's
+keyword arguments are fixed per kind and documented on that kind's base module.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+KINDS = ("dataset", "generator", "policy", "reference", "reward", "estimator")
+
+_REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {kind: {} for kind in KINDS}
+_BUILTINS_LOADED = False
+
+
+class RegistryError(ValueError):
+    """A component name that is neither registered nor importable."""
+
+
+def register(kind: str, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: make ``obj`` buildable as ``name`` for component ``kind``."""
+    if kind not in _REGISTRY:
+        raise RegistryError(f"unknown component kind {kind!r}; kinds are {', '.join(KINDS)}")
+
+    def add(obj: Callable[..., Any]) -> Callable[..., Any]:
+        existing = _REGISTRY[kind].get(name)
+        if existing is not None and existing is not obj:
+            raise RegistryError(f"{kind} {name!r} is registered twice: {existing} and {obj}")
+        _REGISTRY[kind][name] = obj
+        return obj
+
+    return add
+
+
+def _load_builtins() -> None:
+    """Import the modules whose decorators fill the registry (once, lazily: keeps `import rlhf` light)."""
+    global _BUILTINS_LOADED
+    if _BUILTINS_LOADED:
+        return
+    _BUILTINS_LOADED = True
+    for module in (
+        "rlhf.data.arith",
+        "rlhf.estimators",
+        "rlhf.generators.hf",
+        "rlhf.models.policy",
+        "rlhf.models.reference",
+        "rlhf.rewards.rules",
+    ):
+        importlib.import_module(module)
+
+
+def names(kind: str) -> list[str]:
+    """Registered names of one kind, sorted."""
+    _load_builtins()
+    return sorted(_REGISTRY[kind])
+
+
+def resolve(kind: str, name: str, key: str | None = None) -> Callable[..., Any]:
+    """The factory for ``name``: a registered name, else ``package.module.attribute`` imported.
+
+    ``key`` is the config key that named it, quoted in the error so the user knows what to fix.
+    """
+    _load_builtins()
+    where = f" (config key `{key}`)" if key else ""
+    if name in _REGISTRY[kind]:
+        return _REGISTRY[kind][name]
+    module_name, _, attr = name.rpartition(".")
+    if not module_name:
+        raise RegistryError(
+            f"unknown {kind} {name!r}{where}. Registered: {', '.join(names(kind))}; "
+            f"or give an import path such as `mypkg.module.MyClass`."
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise RegistryError(f"cannot import module {module_name!r} for {kind} {name!r}{where}: {err}") from err
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise RegistryError(f"module {module_name!r} has no attribute {attr!r} for {kind} {name!r}{where}") from None
+
+
+def build(kind: str, name: str, key: str | None = None, **kwargs: Any) -> Any:
+    """Resolve ``name`` and call its factory with ``kwargs``."""
+    return resolve(kind, name, key)(**kwargs)

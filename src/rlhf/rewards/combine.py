@@ -1,0 +1,44 @@
+"""Several reward functions summed with weights, and the non-stop penalty."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf import registry
+
+
+class RewardSet:
+    """Scores responses with every configured function; see `rlhf.rewards.rules` for the call signature."""
+
+    def __init__(self, cfg) -> None:
+        self.cfg = cfg
+        self.functions = []
+        for i, fn_cfg in enumerate(cfg.functions):
+            fn = registry.resolve("reward", fn_cfg.name, key=f"reward.functions[{i}].name")
+            if not callable(fn):
+                raise TypeError(f"reward.functions[{i}].name={fn_cfg.name!r} is not callable")
+            self.functions.append((fn_cfg.name, float(fn_cfg.weight), dict(fn_cfg.args), fn))
+
+    def score(
+        self, prompts: list[str], responses: list[str], ground_truths: list, stopped: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """(scores (B,), metrics): weighted sum of every function, then the non-stop penalty."""
+        total = torch.zeros(len(responses))
+        verified = torch.ones(len(responses), dtype=torch.bool)
+        has_verifier = False
+        metrics: dict[str, float] = {}
+        for name, weight, args, fn in self.functions:
+            values = torch.tensor(fn(prompts=prompts, responses=responses, ground_truths=ground_truths, **args), dtype=torch.float32)
+            if values.shape != total.shape:
+                raise ValueError(f"reward function {name!r} returned {values.numel()} scores for {len(responses)} responses")
+            total += weight * values
+            metrics[f"reward/{name}"] = values.mean().item()
+            if getattr(fn, "is_verifier", False):
+                has_verifier = True
+                verified &= values > 0
+        if self.cfg.non_stop_penalty:
+            total = torch.where(stopped.cpu(), total, torch.full_like(total, self.cfg.penalty_reward_value))
+        if has_verifier:  # a truncated response is never counted correct, whatever its text
+            verified &= stopped.cpu()
+            metrics["objective/verifiable_correct_rate"] = verified.float().mean().item()
+        return total, metrics

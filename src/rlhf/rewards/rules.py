@@ -1,0 +1,46 @@
+"""Verifiable, rule-based reward functions.
+
+A reward function is registered as kind ``reward`` and called as
+``fn(prompts=[str], responses=[str], ground_truths=[...], **args) -> list[float]``, one score per response.
+Functions that verify correctness set ``is_verifier = True``; they feed `objective/verifiable_correct_rate`.
+"""
+
+from __future__ import annotations
+
+import re
+
+from rlhf.registry import register
+
+_INTEGER = re.compile(r"-?\d+")
+
+
+def verifier(fn):
+    """Mark a reward function as a correctness check (score > 0 means correct)."""
+    fn.is_verifier = True
+    return fn
+
+
+@register("reward", "exact_match")
+@verifier
+def exact_match(prompts, responses, ground_truths, **_) -> list[float]:
+    """1.0 when the stripped response equals the stripped ground truth, else 0.0."""
+    return [float(r.strip() == str(g).strip()) for r, g in zip(responses, ground_truths)]
+
+
+@register("reward", "arith_correct")
+@verifier
+def arith_correct(prompts, responses, ground_truths, **_) -> list[float]:
+    """1.0 when the response is exactly the integer answer (surrounding whitespace allowed), else 0.0."""
+    return [float(_INTEGER.fullmatch(r.strip()) is not None and int(r.strip()) == int(g)) for r, g in zip(responses, ground_truths)]
+
+
+@register("reward", "integer_format")
+def integer_format(prompts, responses, ground_truths, **_) -> list[float]:
+    """1.0 when the response is a bare integer (the task's answer format), else 0.0."""
+    return [float(_INTEGER.fullmatch(r.strip()) is not None) for r in responses]
+
+
+@register("reward", "length_penalty")
+def length_penalty(prompts, responses, ground_truths, target_chars: int = 0, **_) -> list[float]:
+    """Minus the number of characters beyond ``target_chars``: discourages rambling."""
+    return [-float(max(0, len(r) - target_chars)) for r in responses]

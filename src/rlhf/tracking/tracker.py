@@ -1,0 +1,66 @@
+"""Metrics to TensorBoard, to a JSON Lines file and to the console, under the peers' names."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+log = logging.getLogger("rlhf")
+
+# (metric, console label, format) for the one-line progress report
+CONSOLE_FIELDS = (
+    ("objective/scores", "score", "{:+.3f}"),
+    ("objective/verifiable_correct_rate", "correct", "{:.3f}"),
+    ("objective/kl", "kl", "{:.4f}"),
+    ("objective/entropy", "ent", "{:.3f}"),
+    ("val/sequence_lengths", "len", "{:.2f}"),
+    ("loss/policy_avg", "loss", "{:+.4f}"),
+    ("time/step", "s/step", "{:.2f}"),
+)
+
+
+class Tracker:
+    """Writes scalars and sample texts; `close` flushes everything."""
+
+    def __init__(self, output_dir: Path, tensorboard: bool) -> None:
+        self.output_dir = output_dir
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self.writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(output_dir / "tensorboard"))
+        self.jsonl = open(output_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self.start = time.perf_counter()
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if self.writer is not None:
+            for key, value in metrics.items():
+                self.writer.add_scalar(key, value, step)
+        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.jsonl.flush()
+
+    def console(self, step: int, num_steps: int, metrics: dict[str, float]) -> None:
+        parts = [f"step {step:>4}/{num_steps}"]
+        parts += [f"{label} {fmt.format(metrics[key])}" for key, label, fmt in CONSOLE_FIELDS if key in metrics]
+        log.info(" | ".join(parts))
+
+    def samples(self, step: int, prompts: list[str], responses: list[str], scores: list[float], tag: str = "samples") -> None:
+        """A small markdown table of prompt / completion / score, in TensorBoard's text tab and the log."""
+        rows = ["| prompt | completion | score |", "|---|---|---|"]
+        rows += [f"| `{p}` | `{r}` | {s:+.2f} |" for p, r, s in zip(prompts, responses, scores)]
+        if self.writer is not None:
+            self.writer.add_text(tag, "\n".join(rows), step)
+        for p, r, s in zip(prompts, responses, scores):
+            log.debug("%s step %d: %r -> %r (%+.2f)", tag, step, p, r, s)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+        self.jsonl.close()

@@ -1,0 +1,96 @@
+"""The visible supervised warm start that makes the built-in tiny model a plausible, imperfect policy.
+
+    python -m rlhf.warmstart                     # rebuilds src/rlhf/assets/tiny_arith (the committed one)
+    python -m rlhf.warmstart --output-dir /tmp/m --steps 200
+
+It trains a tiny Llama from scratch on addition demonstrations that are right only part of the time:
+by default 30% correct, 40% off by one (the most common single answer, so greedy decoding starts out
+wrong), 20% a random number and 10% malformed (sometimes too long to stop in time). RL then has real
+errors to fix; none of this runs inside `python -m rlhf.train`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+
+import torch
+
+from rlhf.data.arith import ALPHABET, arith_problems
+from rlhf.models.tiny import build_char_tokenizer, build_tiny_llama
+
+DEFAULT_OUTPUT = Path(__file__).parent / "assets" / "tiny_arith"
+MIX = {"correct": 0.30, "off_by_one": 0.40, "random": 0.20, "malformed": 0.10}
+
+
+def demonstration(answer: str, rng: random.Random, max_sum: int) -> str:
+    """One noisy demonstration for a problem whose correct answer is ``answer``."""
+    kind = rng.choices(list(MIX), weights=list(MIX.values()))[0]
+    if kind == "correct":
+        return answer
+    if kind == "off_by_one":
+        return str(int(answer) + 1)
+    if kind == "random":
+        return str(rng.randint(0, max_sum))
+    return "".join(rng.choice(ALPHABET) for _ in range(rng.randint(1, 6)))
+
+
+def build_examples(tokenizer, max_operand: int, per_problem: int, seed: int) -> list[tuple[list[int], int]]:
+    """(token ids of prompt + demonstration + EOS, prompt length) for every problem, ``per_problem`` times."""
+    rng = random.Random(seed)
+    examples = []
+    for prompt, answer in arith_problems(max_operand):
+        prompt_ids = tokenizer(prompt)["input_ids"]
+        for _ in range(per_problem):
+            reply = tokenizer(demonstration(answer, rng, 2 * max_operand), add_special_tokens=False)["input_ids"]
+            examples.append((prompt_ids + reply + [tokenizer.eos_token_id], len(prompt_ids)))
+    return examples
+
+
+def train(output_dir: Path, steps: int, batch_size: int, lr: float, seed: int, max_operand: int) -> None:
+    torch.manual_seed(seed)
+    tokenizer = build_char_tokenizer(ALPHABET)
+    model = build_tiny_llama(
+        len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
+    )
+    examples = build_examples(tokenizer, max_operand, per_problem=64, seed=seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / steps)
+    rng = random.Random(seed)
+    model.train()
+    for step in range(1, steps + 1):
+        batch = rng.sample(examples, batch_size)
+        width = max(len(ids) for ids, _ in batch)
+        input_ids = torch.full((batch_size, width), tokenizer.pad_token_id)
+        labels = torch.full((batch_size, width), -100)
+        for row, (ids, prompt_len) in enumerate(batch):  # right-padded; loss on the reply and EOS only
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            labels[row, prompt_len : len(ids)] = torch.tensor(ids[prompt_len:])
+        loss = model(input_ids=input_ids, attention_mask=(labels != -100) | (input_ids != tokenizer.pad_token_id), labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        if step % 100 == 0 or step == steps:
+            print(f"warm start step {step}/{steps}: loss {loss.item():.4f}", flush=True)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    print(f"saved to {output_dir}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT, help="where to save model and tokenizer")
+    parser.add_argument("--steps", type=int, default=1500, help="optimiser steps")
+    parser.add_argument("--batch-size", type=int, default=128, help="demonstrations per step")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (linear decay to 0)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds data and initialisation")
+    parser.add_argument("--max-operand", type=int, default=9, help="operands range over 0..max-operand")
+    args = parser.parse_args(argv)
+    train(args.output_dir, args.steps, args.batch_size, args.lr, args.seed, args.max_operand)
+
+
+if __name__ == "__main__":
+    main()
