@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from rlhf import registry
-from rlhf.config.validate import DerivedSizes
+from rlhf.config.validate import ConfigError, DerivedSizes
 from rlhf.data.prompts import PromptExample, PromptStream
-from rlhf.models.loading import check_vocab_match, load_tokenizer, pick_device
+from rlhf.models.loading import check_vocab_match, load_tokenizer, looks_local, pick_device, resolve_model_path
 from rlhf.rewards.combine import RewardSet
 
 log = logging.getLogger(__name__)
@@ -37,8 +38,28 @@ class Components:
     reference: Any | None
 
 
+def check_model_sources(cfg) -> None:
+    """Local model folders exist and built-in names are shipped; hub names are left to `from_pretrained`."""
+    for key, value in (
+        ("model.name_or_path", cfg.model.name_or_path),
+        ("model.tokenizer", cfg.model.tokenizer),
+        ("reference.name_or_path", cfg.reference.name_or_path),
+    ):
+        if not value:
+            continue
+        try:
+            path = resolve_model_path(value)
+        except FileNotFoundError as err:
+            raise ConfigError(f"{key}: {err}") from None
+        if looks_local(path) and not (Path(path).expanduser() / "config.json").is_file() and key != "model.tokenizer":
+            raise ConfigError(f"{key}={value} is not a model folder (no config.json there); give a hub name or a saved model folder")
+        if looks_local(path) and not Path(path).expanduser().is_dir():
+            raise ConfigError(f"{key}={value} is not a folder; give a hub name or a saved tokenizer folder")
+
+
 def build_components(cfg, sizes: DerivedSizes) -> Components:
     device = pick_device(cfg.cluster.device)
+    check_model_sources(cfg)
     # 1. names: every registry lookup, so an unknown component fails before anything loads
     factories = {
         "dataset": registry.resolve("dataset", cfg.dataset.name, key="dataset.name"),
@@ -54,7 +75,10 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
     tokenizer = load_tokenizer(model.tokenizer or model.name_or_path, model.revision, model.trust_remote_code)
     if estimator.needs_reference and cfg.reference.name_or_path:
         ref_tok = load_tokenizer(cfg.reference.name_or_path, None, model.trust_remote_code)
-        check_vocab_match(tokenizer, ref_tok, f"policy `{model.name_or_path}`", f"reference `{cfg.reference.name_or_path}`")
+        try:
+            check_vocab_match(tokenizer, ref_tok, f"policy `{model.name_or_path}`", f"reference `{cfg.reference.name_or_path}`")
+        except ValueError as err:
+            raise ConfigError(f"reference.name_or_path: {err}") from None
     splits = factories["dataset"](cfg=cfg.dataset, tokenizer=tokenizer)
     log.info("dataset %s: %d train prompts, %d eval prompts", cfg.dataset.name, len(splits.train), len(splits.eval))
     # 3. models

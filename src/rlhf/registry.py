@@ -10,13 +10,15 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable
 
+from rlhf.config.validate import ConfigError
+
 KINDS = ("dataset", "generator", "policy", "reference", "reward", "estimator")
 
 _REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {kind: {} for kind in KINDS}
 _BUILTINS_LOADED = False
 
 
-class RegistryError(ValueError):
+class RegistryError(ConfigError):
     """A component name that is neither registered nor importable."""
 
 

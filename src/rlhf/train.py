@@ -16,16 +16,14 @@ from pathlib import Path
 import hydra
 import numpy as np
 import torch
-from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from rlhf.config import RunConfig, validate
-from rlhf.config.validate import ConfigError
+from rlhf.config import ConfigError, register_schema, validate
 
 log = logging.getLogger("rlhf")
 
-ConfigStore.instance().store(name="rlhf_schema", node=RunConfig)
+register_schema()
 
 
 def seed_everything(seed: int) -> None:
@@ -34,26 +32,19 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def output_dir(cfg: DictConfig) -> Path:
-    """`output_dir` when set, else the Hydra job's folder (one per job under --multirun)."""
-    if cfg.output_dir:
-        return Path(cfg.output_dir)
-    return Path(HydraConfig.get().runtime.output_dir)
-
-
-def train(cfg: DictConfig) -> dict:
-    """Validate, build, run the schedule, summarise. Returns the schedule's summary metrics."""
+def train(cfg: DictConfig, out: Path) -> dict:
+    """Validate, build, run the schedule in folder ``out``, summarise. Returns the schedule's summary metrics."""
     from rlhf.build import build_components
     from rlhf.schedules import sync
     from rlhf.tracking.tracker import Tracker
 
     sizes = validate(cfg)
-    out = output_dir(cfg)
     log.info("output folder: %s", out)
     log.info("derived sizes: %s", ", ".join(f"{k}={v}" for k, v in sizes.as_dict().items()))
     seed_everything(cfg.seed)
     components = build_components(cfg, sizes)
     tracker = Tracker(out, cfg.logging.tensorboard)
+    tracker.config(OmegaConf.to_yaml(cfg), sizes.as_dict())
     try:
         summary = sync.run(components, cfg, sizes, tracker)
     finally:
@@ -72,7 +63,7 @@ def summarize(summary: dict, seconds: float) -> None:
 @hydra.main(config_path="pkg://rlhf.conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     try:
-        summary = train(cfg)
+        summary = train(cfg, Path(HydraConfig.get().runtime.output_dir))
     except ConfigError as err:
         log.error("config error: %s", err)
         raise SystemExit(2) from None

@@ -1,6 +1,7 @@
-"""Config schema, its registration with Hydra, and validation."""
+"""Config schema, its registration with Hydra, composition and validation."""
 
+from rlhf.config.compose import compose_config, register_schema
 from rlhf.config.schema import RunConfig
 from rlhf.config.validate import ConfigError, DerivedSizes, validate
 
-__all__ = ["RunConfig", "ConfigError", "DerivedSizes", "validate"]
+__all__ = ["RunConfig", "ConfigError", "DerivedSizes", "compose_config", "register_schema", "validate"]

@@ -112,7 +112,7 @@ class EvalConfig:
 @dataclass
 class LoggingConfig:
     log_every: int = 1  # console line every N steps
-    tensorboard: bool = True  # write TensorBoard events to <output_dir>/tensorboard
+    tensorboard: bool = True  # write TensorBoard events to <run folder>/tensorboard
     sample_every: int = 20  # log a table of sample prompt/completion/reward texts every N steps
     num_sample_texts: int = 4  # rows in that table
 
@@ -120,7 +120,6 @@ class LoggingConfig:
 @dataclass
 class RunConfig:
     seed: int = 1  # seeds python, numpy and torch
-    output_dir: Optional[str] = None  # run folder; null = Hydra's job output folder
     model: ModelConfig = field(default_factory=ModelConfig)  # the policy's starting model
     dataset: DatasetConfig = field(default_factory=DatasetConfig)  # where prompts come from
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # estimator and loss

@@ -20,6 +20,8 @@ def group_normalized_advantages(
     Shape: scores (B,) with B = prompts * G, groups contiguous -> (B,). The std is the unbiased one;
     a group whose samples all scored the same gets advantage 0.
     """
+    if norm_by_std and group_size < 2:
+        raise ValueError("GRPO with std normalisation needs at least 2 samples per prompt")
     grouped = _groups(scores, group_size)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if norm_by_std:

@@ -12,6 +12,9 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of each position's distribution, in nats. Shape: (B, T, V) -> (B, T)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+    """Entropy of each position's distribution, in nats. Shape: (B, T, V) -> (B, T).
+
+    Tokens masked to -inf contribute 0 (the limit of p log p), not NaN.
+    """
+    probs = torch.softmax(logits.float(), dim=-1)
+    return torch.special.entr(probs).sum(-1)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from rlhf.functional.masked import masked_sum
+
 
 def clipped_policy_loss(
     logp: torch.Tensor,
@@ -45,8 +47,8 @@ def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, denominato
     summed / denominator. Summing the results of all micro batches gives the mini batch's loss.
     """
     if mode == "token_mean":
-        return (loss * mask).sum() / denominator
+        return masked_sum(loss, mask) / denominator
     if mode == "seq_mean_token_mean":
-        per_seq = (loss * mask).sum(1) / mask.sum(1).clamp(min=1)
+        per_seq = masked_sum(loss, mask, dim=1) / mask.sum(1).clamp(min=1)
         return per_seq.sum() / denominator
     raise ValueError(f"unknown loss aggregation {mode!r}; choose token_mean or seq_mean_token_mean")

@@ -6,8 +6,11 @@ import torch
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Sum of ``values`` where ``mask`` is set. Shape: values, mask (B, T) -> scalar, or (B,) with dim=1."""
-    masked = values * mask
+    """Sum of ``values`` where ``mask`` is set. Shape: values, mask (B, T) -> scalar, or (B,) with dim=1.
+
+    Entries outside the mask are dropped, not multiplied by 0, so inf or NaN padding cannot leak in.
+    """
+    masked = torch.where(mask.bool(), values, torch.zeros_like(values))
     return masked.sum() if dim is None else masked.sum(dim)
 
 

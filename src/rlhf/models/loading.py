@@ -13,10 +13,17 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from rlhf.config.validate import ConfigError
+
 log = logging.getLogger(__name__)
 
 BUILTIN_PREFIX = "builtin:"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def looks_local(name_or_path: str) -> bool:
+    """Whether a model reference is meant as a local folder rather than a hub name."""
+    return name_or_path.startswith(("/", "./", "../", "~")) or Path(name_or_path).expanduser().exists()
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -96,5 +103,5 @@ def pick_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"cluster.device={name!r} but CUDA is not available here; use cluster.device=cpu or auto")
+        raise ConfigError(f"cluster.device={name!r} but CUDA is not available here; use cluster.device=cpu or auto")
     return device

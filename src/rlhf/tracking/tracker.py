@@ -35,6 +35,13 @@ class Tracker:
         self.jsonl = open(output_dir / "metrics.jsonl", "a", encoding="utf-8")
         self.start = time.perf_counter()
 
+    def config(self, composed_yaml: str, derived: dict[str, int]) -> None:
+        """The composed config and the derived sizes, in TensorBoard's text tab and `derived_sizes.json`."""
+        (self.output_dir / "derived_sizes.json").write_text(json.dumps(derived, indent=2) + "\n")
+        if self.writer is not None:
+            self.writer.add_text("config", "```yaml\n" + composed_yaml + "```", 0)
+            self.writer.add_text("derived_sizes", "```json\n" + json.dumps(derived, indent=2) + "\n```", 0)
+
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if self.writer is not None:
             for key, value in metrics.items():

@@ -1,0 +1,138 @@
+"""Shared fixtures: tiny local models and tokenizers (never the hub), typed configs, hand-made rollouts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from rlhf.config.schema import GeneratorConfig, ModelConfig, PolicyConfig, ReferenceConfig, TrainConfig
+from rlhf.generators.base import Rollout
+from rlhf.generators.hf import HFGenerator, left_pad
+from rlhf.models.loading import load_tokenizer
+from rlhf.models.tiny import build_char_tokenizer, build_tiny_llama
+
+ALPHABET = "0123456789+="
+
+
+def save_tiny_llama(folder: Path, seed: int, weight_std: float = 0.3, **config_overrides) -> str:
+    """Save a seeded random tiny Llama and its char tokenizer to ``folder``; returns the folder as a string.
+
+    Weights are redrawn with a larger std than the default init so greedy decoding is varied (the default
+    init just repeats the last prompt token) and sometimes emits EOS.
+    """
+    torch.manual_seed(seed)
+    tokenizer = build_char_tokenizer(ALPHABET)
+    model = build_tiny_llama(len(tokenizer))
+    for key, value in config_overrides.items():
+        setattr(model.config, key, value)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, weight_std)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(autouse=True)
+def _seed_torch():
+    """Every test starts from the same torch RNG state."""
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def save_llama():
+    """The `save_tiny_llama` helper, for tests that need a model folder with their own config."""
+    return save_tiny_llama
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """Folder with a random tiny Llama (seed 0) and its tokenizer."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def other_model_dir(tmp_path_factory) -> str:
+    """Folder with a second random tiny Llama (seed 1), same tokenizer, different weights."""
+    return save_tiny_llama(tmp_path_factory.mktemp("other_llama"), seed=1)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir):
+    """The tiny model's tokenizer as the framework loads it (left padding, pad token set)."""
+    return load_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture
+def model_cfg(tiny_model_dir):
+    """A typed model config pointing at the tiny model folder."""
+    return OmegaConf.structured(ModelConfig(name_or_path=tiny_model_dir))
+
+
+@pytest.fixture
+def generator_cfg():
+    """Factory: a typed generator config with the given overrides."""
+    return lambda **overrides: OmegaConf.structured(GeneratorConfig(**overrides))
+
+
+@pytest.fixture
+def train_cfg():
+    """Factory: a typed train config with the given overrides."""
+    return lambda **overrides: OmegaConf.structured(TrainConfig(**overrides))
+
+
+@pytest.fixture
+def policy_cfg():
+    """A typed policy config with defaults."""
+    return OmegaConf.structured(PolicyConfig())
+
+
+@pytest.fixture
+def reference_cfg():
+    """Factory: a typed reference config with the given overrides."""
+    return lambda **overrides: OmegaConf.structured(ReferenceConfig(**overrides))
+
+
+@pytest.fixture
+def make_generator(tokenizer, generator_cfg):
+    """Factory: an HFGenerator on CPU for a model folder (default: the tiny model)."""
+
+    def make(model_dir: str, **overrides) -> HFGenerator:
+        model_cfg = OmegaConf.structured(ModelConfig(name_or_path=model_dir))
+        return HFGenerator(generator_cfg(**overrides), model_cfg, tokenizer, torch.device("cpu"))
+
+    return make
+
+
+@pytest.fixture
+def encode(tokenizer):
+    """Factory: token ids (with <bos>) of each text."""
+    return lambda texts: [tokenizer(text)["input_ids"] for text in texts]
+
+
+@pytest.fixture
+def rollout(tokenizer, encode) -> Rollout:
+    """A hand-made rollout: three prompts of different lengths, responses of lengths 3, 2 and 4 (non-stop)."""
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    query_ids, query_mask = left_pad(encode(["1+2=", "12+30=", "7"]), pad)
+    digit = lambda d: tokenizer.convert_tokens_to_ids(str(d))  # noqa: E731
+    response_ids = torch.tensor(
+        [
+            [digit(3), digit(0), eos, pad],
+            [digit(4), eos, pad, pad],
+            [digit(1), digit(2), digit(3), digit(4)],
+        ]
+    )
+    response_mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.float32)
+    return Rollout(
+        query_ids=query_ids,
+        query_mask=query_mask,
+        response_ids=response_ids,
+        response_mask=response_mask,
+        logprobs=torch.zeros(3, 4),
+        stopped=torch.tensor([True, True, False]),
+    )

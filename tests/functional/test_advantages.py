@@ -1,0 +1,114 @@
+"""Sequence-level advantages: GRPO group normalisation, RLOO, REINFORCE baseline, token broadcast."""
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from rlhf.functional import baseline_advantages, group_normalized_advantages, rloo_advantages, to_token_level
+
+# Three contiguous groups of G = 2.
+SCORES = torch.tensor([0.0, 4.0, 1.0, 1.0, 3.0, -1.0])
+
+
+def test_grpo_divides_by_unbiased_group_std():
+    """Group [0, 4]: mean 2, centred [-2, 2], unbiased std sqrt(8/1) = 2.8284271 -> -+0.7071068.
+
+    Group [1, 1] is constant -> 0; group [3, -1]: mean 1, centred [2, -2] -> +-0.7071068.
+    """
+    adv = group_normalized_advantages(SCORES, group_size=2)
+    expected = torch.tensor([-0.7071068, 0.7071068, 0.0, 0.0, 0.7071068, -0.7071068])
+    assert adv.shape == (6,)
+    assert_close(adv, expected, atol=1e-5, rtol=0)
+
+
+def test_grpo_without_std_only_centres():
+    """norm_by_std=False (Dr.GRPO): score minus group mean -> [-2, 2, 0, 0, 2, -2]."""
+    adv = group_normalized_advantages(SCORES, group_size=2, norm_by_std=False)
+    assert_close(adv, torch.tensor([-2.0, 2.0, 0.0, 0.0, 2.0, -2.0]))
+
+
+def test_grpo_group_of_three():
+    """[1, 2, 3]: mean 2, centred [-1, 0, 1], unbiased std sqrt(2/2) = 1 -> [-1, 0, 1] (up to eps)."""
+    adv = group_normalized_advantages(torch.tensor([1.0, 2.0, 3.0, 10.0, 10.0, 10.0]), group_size=3)
+    assert_close(adv, torch.tensor([-1.0, 0.0, 1.0, 0.0, 0.0, 0.0]), atol=1e-5, rtol=0)
+
+
+def test_grpo_identical_scores_give_exactly_zero():
+    """A group whose samples all scored the same gets advantage 0, not NaN, with or without std."""
+    scores = torch.tensor([5.0, 5.0, 5.0, 5.0])
+    for norm in (True, False):
+        adv = group_normalized_advantages(scores, group_size=4, norm_by_std=norm)
+        assert torch.equal(adv, torch.zeros(4))
+
+
+def test_grpo_groups_are_contiguous_not_strided():
+    """Samples 0,1 form a group, not samples 0,2: [0, 0, 10, 10] centres to all zeros."""
+    adv = group_normalized_advantages(torch.tensor([0.0, 0.0, 10.0, 10.0]), group_size=2, norm_by_std=False)
+    assert torch.equal(adv, torch.zeros(4))
+
+
+def test_grpo_rejects_scores_that_do_not_split_into_groups():
+    """B not divisible by G, or scores not 1-D, is an error."""
+    with pytest.raises(ValueError, match="groups of 2"):
+        group_normalized_advantages(torch.tensor([1.0, 2.0, 3.0]), group_size=2)
+    with pytest.raises(ValueError):
+        group_normalized_advantages(torch.ones(2, 2), group_size=2)
+
+
+@pytest.mark.filterwarnings("ignore:std\\(\\)")
+def test_grpo_group_of_one_is_rejected_not_nan():
+    """G = 1 with std normalisation is rejected (like RLOO) instead of yielding NaN advantages."""
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        group_normalized_advantages(torch.tensor([1.0, 2.0, 3.0]), group_size=1)
+
+
+def test_rloo_leave_one_out_group_of_four():
+    """[1, 2, 3, 6] (sum 12): 1 - 11/3 = -8/3, 2 - 10/3 = -4/3, 3 - 9/3 = 0, 6 - 6/3 = 4."""
+    adv = rloo_advantages(torch.tensor([1.0, 2.0, 3.0, 6.0]), group_size=4)
+    assert_close(adv, torch.tensor([-8.0 / 3.0, -4.0 / 3.0, 0.0, 4.0]))
+
+
+def test_rloo_group_of_two_per_prompt():
+    """G = 2: the baseline is the other sample: [5, 1] -> [4, -4]; [2, 2] -> [0, 0]."""
+    adv = rloo_advantages(torch.tensor([5.0, 1.0, 2.0, 2.0]), group_size=2)
+    assert_close(adv, torch.tensor([4.0, -4.0, 0.0, 0.0]))
+
+
+def test_rloo_needs_two_samples_and_whole_groups():
+    """G < 2 has no 'others'; B not divisible by G cannot be grouped."""
+    with pytest.raises(ValueError, match="at least 2"):
+        rloo_advantages(torch.tensor([1.0, 2.0]), group_size=1)
+    with pytest.raises(ValueError):
+        rloo_advantages(torch.tensor([1.0, 2.0, 3.0]), group_size=2)
+
+
+def test_reinforce_batch_mean_baseline():
+    """[1, 2, 6]: batch mean 3 -> [-2, -1, 3], ignoring any grouping."""
+    assert_close(baseline_advantages(torch.tensor([1.0, 2.0, 6.0])), torch.tensor([-2.0, -1.0, 3.0]))
+
+
+def test_to_token_level_broadcasts_and_zeros_padding():
+    """Each valid token gets its sequence's advantage; padding and a fully masked row get 0.
+
+    Row 1 is a short sequence between two long ones.
+    """
+    adv = torch.tensor([2.0, -1.0, 0.5, 3.0])
+    mask = torch.tensor(
+        [
+            [1.0, 1.0, 1.0],
+            [1.0, 0.0, 0.0],
+            [1.0, 1.0, 0.0],
+            [0.0, 0.0, 0.0],
+        ]
+    )
+    expected = torch.tensor(
+        [
+            [2.0, 2.0, 2.0],
+            [-1.0, 0.0, 0.0],
+            [0.5, 0.5, 0.0],
+            [0.0, 0.0, 0.0],
+        ]
+    )
+    out = to_token_level(adv, mask)
+    assert out.shape == (4, 3)
+    assert_close(out, expected)

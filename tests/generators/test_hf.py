@@ -1,0 +1,191 @@
+"""The transformers generator and the Rollout it returns: padding, stop handling, logprobs, weight sync."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf.generators.base import SamplingParams
+from rlhf.generators.hf import left_pad, stop_token_id, truncate_at_stop
+from rlhf.models.logprobs import response_logprobs
+
+PROMPTS = ["1+1=", "12+34=", "5", "9+9+9+9=", "3+4=", "0=", "77+", "8+8=", "40+2=", "6", "123=", "2+2+2="]
+GREEDY = SamplingParams(max_new_tokens=6, greedy=True)
+
+
+def assert_same_rollout(a, b, atol: float = 1e-5) -> None:
+    """Equal token tensors and stop flags, logprobs equal within ``atol``."""
+    for name in ("query_ids", "query_mask", "response_ids", "response_mask", "stopped"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=atol, rtol=0)
+
+
+# --- pure helpers -------------------------------------------------------------------------------------
+
+
+def test_left_pad_puts_padding_before_each_prompt():
+    """Shorter prompts are right-aligned with pad ids and a zero mask on the left."""
+    ids, mask = left_pad([[5, 6], [7], [1, 2, 3]], pad_id=0)
+    assert ids.tolist() == [[0, 5, 6], [0, 0, 7], [1, 2, 3]]
+    assert mask.tolist() == [[0, 1, 1], [0, 0, 1], [1, 1, 1]]
+    assert ids.dtype == mask.dtype == torch.long
+
+
+def test_truncate_at_stop_keeps_first_stop_and_pads_the_rest():
+    """The first stop token stays (mask 1); later tokens become pad (mask 0); no stop means not stopped."""
+    tokens = torch.tensor([[4, 2, 5, 2], [4, 5, 6, 7], [2, 9, 9, 9], [3, 3, 3, 2]])
+    ids, mask, stopped = truncate_at_stop(tokens, stop_id=2, pad_id=0)
+    assert ids.tolist() == [[4, 2, 0, 0], [4, 5, 6, 7], [2, 0, 0, 0], [3, 3, 3, 2]]
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1]]
+    assert stopped.tolist() == [True, False, True, True]
+
+
+def test_stop_token_id_eos_literal_and_unknown(tokenizer):
+    """`eos` maps to the EOS id, a literal token to its id, and a non-token is a ValueError."""
+    assert stop_token_id(tokenizer, "eos") == tokenizer.eos_token_id
+    assert stop_token_id(tokenizer, "=") == tokenizer.convert_tokens_to_ids("=")
+    with pytest.raises(ValueError, match="not a single token"):
+        stop_token_id(tokenizer, "xyz")
+
+
+# --- Rollout ------------------------------------------------------------------------------------------
+
+
+def test_model_inputs_positions_count_real_tokens_only(rollout):
+    """Position ids of real tokens run 0..n-1 whatever the left padding; inputs are prompt then response."""
+    input_ids, attention_mask, position_ids = rollout.model_inputs()
+    assert torch.equal(input_ids, torch.cat([rollout.query_ids, rollout.response_ids], dim=1))
+    assert torch.equal(attention_mask, torch.cat([rollout.query_mask, rollout.response_mask.long()], dim=1))
+    for row in range(len(rollout)):
+        real = attention_mask[row].bool()
+        assert position_ids[row][real].tolist() == list(range(int(real.sum())))
+    assert position_ids.min() >= 0
+
+
+def test_rollout_select_takes_rows_of_every_field(rollout):
+    """`select` with an index tensor or a slice picks the same rows from every tensor."""
+    picked = rollout.select(torch.tensor([2, 0]))
+    assert len(picked) == 2
+    assert torch.equal(picked.query_ids, rollout.query_ids[[2, 0]])
+    assert torch.equal(picked.response_mask, rollout.response_mask[[2, 0]])
+    assert picked.stopped.tolist() == [False, True]
+    assert picked.response_lengths.tolist() == [4.0, 3.0]
+    sliced = rollout.select(slice(1, 3))
+    assert len(sliced) == 2 and torch.equal(sliced.response_ids, rollout.response_ids[1:3])
+
+
+# --- HFGenerator --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def generator(make_generator, tiny_model_dir):
+    """An HFGenerator on the seed-0 tiny model."""
+    return make_generator(tiny_model_dir)
+
+
+def test_generate_left_pads_prompts_of_different_lengths(generator, encode, tokenizer):
+    """The rollout's queries are the prompts left-padded with the tokenizer's pad id."""
+    prompts = encode(PROMPTS)
+    rollout = generator.generate(prompts, GREEDY)
+    expected_ids, expected_mask = left_pad(prompts, tokenizer.pad_token_id)
+    assert torch.equal(rollout.query_ids, expected_ids)
+    assert torch.equal(rollout.query_mask, expected_mask)
+    assert len(rollout) == len(PROMPTS)
+
+
+def test_generate_stops_at_eos_and_flags_non_stop(generator, encode, tokenizer):
+    """Nothing follows the first EOS; `stopped` is false exactly for responses that ran to max_new_tokens."""
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    rollout = generator.generate(encode(PROMPTS), GREEDY)
+    assert rollout.response_ids.shape[1] <= GREEDY.max_new_tokens
+    assert rollout.stopped.any() and not rollout.stopped.all(), "fixture should give both kinds of response"
+    for ids, mask, stopped in zip(rollout.response_ids, rollout.response_mask, rollout.stopped):
+        length = int(mask.sum())
+        assert mask[:length].eq(1).all() and mask[length:].eq(0).all()
+        assert ids[length:].eq(pad).all()
+        real = ids[:length].tolist()
+        if stopped:
+            assert real[-1] == eos and eos not in real[:-1]
+        else:
+            assert eos not in real and length == GREEDY.max_new_tokens
+    assert rollout.logprobs[rollout.response_mask == 0].eq(0).all()
+
+
+def test_greedy_is_deterministic(generator, encode):
+    """Two greedy calls on the same prompts return the same rollout."""
+    prompts = encode(PROMPTS)
+    assert_same_rollout(generator.generate(prompts, GREEDY), generator.generate(prompts, GREEDY), atol=0)
+
+
+def test_greedy_response_does_not_depend_on_batch_padding(generator, encode):
+    """A short prompt alone and inside a batch of longer (so more padded) prompts gets the same greedy answer."""
+    prompts = encode(PROMPTS)
+    batch = generator.generate(prompts, GREEDY)
+    for row, prompt in enumerate(prompts):
+        alone = generator.generate([prompt], GREEDY)
+        width = alone.response_ids.shape[1]
+        assert torch.equal(alone.response_ids[0], batch.response_ids[row, :width]), PROMPTS[row]
+        assert batch.response_mask[row, width:].eq(0).all()
+        assert alone.stopped[0] == batch.stopped[row]
+        torch.testing.assert_close(alone.logprobs[0], batch.logprobs[row, :width], atol=1e-4, rtol=0)
+
+
+def test_chunked_generation_equals_one_batch(make_generator, tiny_model_dir, encode):
+    """generator.batch_size smaller than the number of prompts gives the same greedy rollout as one call."""
+    prompts = encode(PROMPTS)
+    whole = make_generator(tiny_model_dir, batch_size=256).generate(prompts, GREEDY)
+    chunked = make_generator(tiny_model_dir, batch_size=5).generate(prompts, GREEDY)
+    assert_same_rollout(chunked, whole, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        GREEDY,
+        SamplingParams(max_new_tokens=6, temperature=1.0),
+        SamplingParams(max_new_tokens=6, temperature=0.7, top_p=0.9),
+        SamplingParams(max_new_tokens=6, temperature=1.6),
+    ],
+    ids=["greedy", "t1.0", "t0.7-top_p0.9", "t1.6"],
+)
+def test_generator_logprobs_match_teacher_forced(generator, encode, sampling):
+    """The generator's logprobs equal the trainer's teacher-forced logprobs at the same temperature."""
+    rollout = generator.generate(encode(PROMPTS) * 2, sampling)
+    temperature = 1.0 if sampling.greedy else sampling.temperature
+    expected, _ = response_logprobs(generator.model, rollout, temperature)
+    torch.testing.assert_close(rollout.logprobs, expected, atol=1e-4, rtol=0)
+    assert rollout.logprobs.le(0).all() and rollout.logprobs[rollout.response_mask.bool()].lt(0).any()
+
+
+def test_literal_stop_token_ends_responses(make_generator, tiny_model_dir, encode, tokenizer):
+    """With stop_token='=', a response ends at its first '=' and is flagged stopped."""
+    stop = tokenizer.convert_tokens_to_ids("=")
+    rollout = make_generator(tiny_model_dir, stop_token="=").generate(encode(PROMPTS), GREEDY)
+    for ids, mask, stopped in zip(rollout.response_ids, rollout.response_mask, rollout.stopped):
+        real = ids[: int(mask.sum())].tolist()
+        assert bool(stopped) == (stop in real)
+        if stopped:
+            assert real.index(stop) == len(real) - 1
+
+
+@pytest.mark.parametrize("source", ["other_model", "perturbed"])
+def test_update_weights_switches_to_new_weights(make_generator, tiny_model_dir, other_model_dir, encode, source):
+    """After update_weights(new weights), greedy samples and logprobs are those of the new weights' model."""
+    prompts = encode(PROMPTS)
+    generator = make_generator(tiny_model_dir)
+    if source == "other_model":
+        donor = make_generator(other_model_dir)
+    else:
+        donor = make_generator(tiny_model_dir)
+        with torch.no_grad():
+            for param in donor.model.parameters():
+                param.add_(0.2 * torch.randn_like(param))
+    before = generator.generate(prompts, GREEDY)
+    target = donor.generate(prompts, GREEDY)
+    assert not torch.equal(before.response_ids, target.response_ids), "the new weights should answer differently"
+
+    generator.update_weights(donor.model.state_dict())
+    after = generator.generate(prompts, GREEDY)
+    assert_same_rollout(after, target, atol=1e-6)
+    expected, _ = response_logprobs(donor.model, after, 1.0)
+    torch.testing.assert_close(after.logprobs, expected, atol=1e-4, rtol=0)
