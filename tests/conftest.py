@@ -102,6 +102,7 @@ def make_generator(tokenizer, generator_cfg):
     """Factory: an HFGenerator on CPU for a model folder (default: the tiny model)."""
 
     def make(model_dir: str, **overrides) -> HFGenerator:
+        """A generator for ``model_dir`` with generator-config ``overrides``."""
         model_cfg = OmegaConf.structured(ModelConfig(name_or_path=model_dir))
         return HFGenerator(generator_cfg(**overrides), model_cfg, tokenizer, torch.device("cpu"))
 

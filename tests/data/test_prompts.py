@@ -17,6 +17,7 @@ def make_examples(n: int) -> list[PromptExample]:
 
 
 def texts(batch: list[PromptExample]) -> list[str]:
+    """The texts of a batch, in order."""
     return [example.text for example in batch]
 
 

@@ -126,7 +126,7 @@ def test_load_causal_lm_zeroes_every_dropout_module(tmp_path):
 
 
 def test_load_causal_lm_disables_dropout_named_pdrop_in_config(tmp_path):
-    """A GPTBigCode (StarCoder family) model, whose attention reads `attn_pdrop` as a float, trains deterministically."""
+    """A GPTBigCode (StarCoder) model, whose attention reads config `attn_pdrop`, is deterministic in train mode."""
     config = GPTBigCodeConfig(
         vocab_size=16, n_positions=32, n_embd=32, n_layer=2, n_head=2,
         attn_pdrop=0.3, resid_pdrop=0.3, embd_pdrop=0.3, bos_token_id=1, eos_token_id=2,

@@ -18,7 +18,8 @@ CPU = torch.device("cpu")
 
 def make_policy(policy_cfg, model_cfg, train_cfg, total_steps: int = 10, **train_overrides) -> TorchPolicy:
     """A TorchPolicy on CPU for the tiny model."""
-    return TorchPolicy(policy_cfg, model_cfg, train_cfg(**train_overrides), total_optimizer_steps=total_steps, device=CPU)
+    train = train_cfg(**train_overrides)
+    return TorchPolicy(policy_cfg, model_cfg, train, total_optimizer_steps=total_steps, device=CPU)
 
 
 def train_step(policy: TorchPolicy, rollout) -> float:

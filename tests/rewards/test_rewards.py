@@ -72,7 +72,9 @@ def test_verifier_marks():
 
 def test_reward_set_sums_with_weights_and_args():
     """The score is the weighted sum of every function, with each function's args passed through."""
-    cfg = reward_cfg(("arith_correct", 2.0, {}), ("integer_format", 0.5, {}), ("length_penalty", 0.25, {"target_chars": 1}))
+    cfg = reward_cfg(
+        ("arith_correct", 2.0, {}), ("integer_format", 0.5, {}), ("length_penalty", 0.25, {"target_chars": 1})
+    )
     scores, metrics = score(cfg, ["7", "x", "8", "777"], ["7"] * 4, [True] * 4)
     assert scores.tolist() == pytest.approx([2.5, 0.0, 0.5, 0.5 - 0.5])
     assert metrics["reward/arith_correct"] == pytest.approx(0.25)

@@ -72,7 +72,7 @@ def load_causal_lm(
     path = resolve_model_path(name_or_path)
     config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
     for key, value in list(vars(config).items()):
-        if "dropout" in key and isinstance(value, float):
+        if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float):  # attn_pdrop, resid_pdrop, ...
             setattr(config, key, 0.0)
     model = AutoModelForCausalLM.from_pretrained(
         path, config=config, revision=revision, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
