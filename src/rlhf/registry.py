@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from rlhf.config.validate import ConfigError
 
-KINDS = ("dataset", "generator", "policy", "reference", "reward", "estimator")
+KINDS = ("dataset", "generator", "policy", "reference", "reward", "estimator", "schedule")
 
 _REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {kind: {} for kind in KINDS}
 _BUILTINS_LOADED = False
@@ -50,6 +50,7 @@ def _load_builtins() -> None:
         "rlhf.models.policy",
         "rlhf.models.reference",
         "rlhf.rewards.rules",
+        "rlhf.schedules.sync",
     ):
         importlib.import_module(module)
 

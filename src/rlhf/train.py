@@ -34,11 +34,12 @@ def seed_everything(seed: int) -> None:
 
 def train(cfg: DictConfig, out: Path) -> dict:
     """Validate, build, run the schedule in folder ``out``, summarise. Returns the schedule's summary metrics."""
+    from rlhf import registry
     from rlhf.build import build_components
-    from rlhf.schedules import sync
     from rlhf.tracking.tracker import Tracker
 
     sizes = validate(cfg)
+    schedule = registry.resolve("schedule", cfg.schedule.name, key="schedule.name")
     log.info("output folder: %s", out)
     log.info("derived sizes: %s", ", ".join(f"{k}={v}" for k, v in sizes.as_dict().items()))
     seed_everything(cfg.seed)
@@ -46,7 +47,7 @@ def train(cfg: DictConfig, out: Path) -> dict:
     tracker = Tracker(out, cfg.logging.tensorboard)
     tracker.config(OmegaConf.to_yaml(cfg), sizes.as_dict())
     try:
-        summary = sync.run(components, cfg, sizes, tracker)
+        summary = schedule(components, cfg, sizes, tracker)
     finally:
         tracker.close()
     summarize(summary, tracker.elapsed())

@@ -43,7 +43,7 @@ def test_every_experiment_composes_validates_and_matches_snapshot(experiment):
 
 
 @pytest.mark.parametrize(
-    "group", ["algorithm", "model", "dataset", "generator", "reward", "cluster"]
+    "group", ["algorithm", "model", "dataset", "generator", "reward", "cluster", "schedule"]
 )
 def test_every_group_option_composes_and_validates(group):
     """Every option of every group composes with the defaults and validates."""

@@ -103,6 +103,11 @@ class ClusterConfig:
 
 
 @dataclass
+class ScheduleConfig:
+    name: str = "sync"  # when stages run: sync (generate, then train, on the newest weights) or an import path
+
+
+@dataclass
 class EvalConfig:
     every: int = 0  # evaluate every N steps (and before the first and after the last); 0 = start and end only
     num_samples: int = 4  # sampled completions per eval prompt (at the training temperature)
@@ -129,5 +134,6 @@ class RunConfig:
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)  # the KL anchor
     train: TrainConfig = field(default_factory=TrainConfig)  # batch sizes, optimiser, run length
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # placement and devices
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)  # the orchestrator loop
     eval: EvalConfig = field(default_factory=EvalConfig)  # periodic evaluation
     logging: LoggingConfig = field(default_factory=LoggingConfig)  # console and TensorBoard

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import torch
 
 from rlhf import stages
+from rlhf.registry import register
 
 log = logging.getLogger("rlhf")
 
@@ -31,6 +32,7 @@ def run_eval(c, cfg, tracker, step: int) -> dict[str, float]:
     return metrics
 
 
+@register("schedule", "sync")
 def run(c, cfg, sizes, tracker) -> dict[str, dict[str, float]]:
     """Train for `train.num_steps` steps; returns the first and last eval metrics and the last step's metrics."""
     train, algo = cfg.train, cfg.algorithm
