@@ -18,6 +18,7 @@ from rlhf.config.validate import ConfigError, DerivedSizes
 from rlhf.data.prompts import PromptExample, PromptStream
 from rlhf.models.loading import check_vocab_match, load_tokenizer, looks_local, pick_device, resolve_model_path
 from rlhf.rewards.combine import RewardSet
+from rlhf.rewards.model import RewardModelScorer
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class Components:
     generator: Any
     policy: Any
     reference: Any | None
+    critic: Any | None = None
 
 
 def check_model_sources(cfg) -> None:
@@ -44,6 +46,8 @@ def check_model_sources(cfg) -> None:
         ("model.name_or_path", cfg.model.name_or_path),
         ("model.tokenizer", cfg.model.tokenizer),
         ("reference.name_or_path", cfg.reference.name_or_path),
+        ("reward.path", cfg.reward.path),
+        ("critic.name_or_path", cfg.critic.name_or_path),
     ):
         if not value:
             continue
@@ -67,18 +71,24 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
         "generator": registry.resolve("generator", cfg.generator.name, key="generator.name"),
         "policy": registry.resolve("policy", cfg.policy.name, key="policy.name"),
         "reference": registry.resolve("reference", cfg.reference.name, key="reference.name"),
+        "critic": registry.resolve("critic", cfg.critic.name, key="critic.name"),
     }
     rewards = RewardSet(cfg.reward)
-    estimator = factories["estimator"](cfg=cfg.algorithm)
-    # 2. tokenizers and data (cheap), including the reference's vocabulary when it is another model
+    estimator = factories["estimator"](cfg=cfg.algorithm, gen_cfg=cfg.generator)
+    # 2. tokenizers and data (cheap); every other model must share the policy's vocabulary
     model = cfg.model
     tokenizer = load_tokenizer(model.tokenizer or model.name_or_path, model.revision, model.trust_remote_code)
-    if estimator.needs_reference and cfg.reference.name_or_path:
-        ref_tok = load_tokenizer(cfg.reference.name_or_path, None, model.trust_remote_code)
-        try:
-            check_vocab_match(tokenizer, ref_tok, f"policy `{model.name_or_path}`", f"reference `{cfg.reference.name_or_path}`")
-        except ValueError as err:
-            raise ConfigError(f"reference.name_or_path: {err}") from None
+    critic_path = cfg.critic.name_or_path or cfg.reward.path or model.name_or_path
+    for key, path, used in (
+        ("reference.name_or_path", cfg.reference.name_or_path, estimator.needs_reference),
+        ("reward.path", cfg.reward.path, True),
+        ("critic.name_or_path", cfg.critic.name_or_path, estimator.needs_critic),
+    ):
+        if path and used:
+            try:
+                check_vocab_match(tokenizer, load_tokenizer(path), f"policy `{model.name_or_path}`", f"`{path}`")
+            except ValueError as err:
+                raise ConfigError(f"{key}: {err}") from None
     splits = factories["dataset"](cfg=cfg.dataset, tokenizer=tokenizer)
     log.info("dataset %s: %d train prompts, %d eval prompts", cfg.dataset.name, len(splits.train), len(splits.eval))
     # 3. models
@@ -95,6 +105,15 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
         reference = factories["reference"](cfg=cfg.reference, model_cfg=model, device=device)
     else:
         log.info("reference model not loaded: algorithm.beta=0 disables the KL term")
+    critic = None
+    if estimator.needs_critic:
+        critic = factories["critic"](
+            cfg=cfg.critic, model_cfg=model, init_path=critic_path, train_cfg=cfg.train,
+            total_optimizer_steps=sizes.optimizer_steps, device=device,
+        )
+        log.info("critic initialised from %s", critic_path)
+    if cfg.reward.path:
+        rewards.model = RewardModelScorer(cfg.reward, model.dtype, device, cfg.train.micro_batch_size)
     generator = factories["generator"](cfg=cfg.generator, model_cfg=model, tokenizer=tokenizer, device=device)
     generator.update_weights(policy.state_dict())
     return Components(
@@ -108,4 +127,5 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
         generator=generator,
         policy=policy,
         reference=reference,
+        critic=critic,
     )

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from rlhf.config.validate import ConfigError
 
-KINDS = ("dataset", "generator", "policy", "reference", "reward", "estimator", "schedule")
+KINDS = ("dataset", "generator", "policy", "reference", "critic", "reward", "estimator", "schedule")
 
 _REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {kind: {} for kind in KINDS}
 _BUILTINS_LOADED = False
@@ -46,6 +46,9 @@ def _load_builtins() -> None:
     for module in (
         "rlhf.data.arith",
         "rlhf.estimators",
+        "rlhf.estimators.dpo",
+        "rlhf.estimators.ppo",
+        "rlhf.models.critic",
         "rlhf.generators.hf",
         "rlhf.models.policy",
         "rlhf.models.reference",

@@ -47,8 +47,9 @@ def test_every_experiment_composes_validates_and_matches_snapshot(experiment):
 )
 def test_every_group_option_composes_and_validates(group):
     """Every option of every group composes with the defaults and validates."""
+    needs = {("reward", "model"): ["reward.path=builtin:tiny_arith"]}  # options with a required value
     for option in group_options(group):
-        cfg = compose_config([f"{group}={option}"])
+        cfg = compose_config([f"{group}={option}", *needs.get((group, option), [])])
         validate(cfg)
         assert cfg[group] is not None
 

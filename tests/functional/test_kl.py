@@ -52,7 +52,7 @@ def test_k1_and_k3_are_unbiased_estimates_of_kl():
 
 
 def test_unknown_estimator_is_an_error():
-    """Only k1 and k3 exist."""
-    with pytest.raises(ValueError, match="k2"):
-        kl_per_token(LOGP, REF_LOGP, "k2")
+    """Only k1, k2 and k3 exist."""
+    with pytest.raises(ValueError, match="k4"):
+        kl_per_token(LOGP, REF_LOGP, "k4")
 

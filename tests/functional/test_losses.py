@@ -173,8 +173,8 @@ def test_per_micro_batch_denominators_would_be_wrong():
 
 
 def test_unknown_aggregation_mode_is_an_error():
-    """Both functions reject a mode other than token_mean / seq_mean_token_mean."""
-    with pytest.raises(ValueError, match="seq_mean_token_sum"):
-        loss_denominator(MASK, "seq_mean_token_sum")
-    with pytest.raises(ValueError, match="seq_mean_token_sum"):
-        aggregate_loss(LOSS, MASK, "seq_mean_token_sum", torch.tensor(1.0))
+    """Both functions reject a mode they do not know, naming it."""
+    with pytest.raises(ValueError, match="token_max"):
+        loss_denominator(MASK, "token_max")
+    with pytest.raises(ValueError, match="token_max"):
+        aggregate_loss(LOSS, MASK, "token_max", torch.tensor(1.0))

@@ -32,16 +32,28 @@ class DatasetConfig:
 
 @dataclass
 class AlgorithmConfig:
-    estimator: str = MISSING  # advantage estimator: grpo, reinforce, rloo, or an import path
+    estimator: str = MISSING  # grpo, reinforce, rloo, ppo, online_dpo, or an import path
     num_samples_per_prompt: int = 4  # completions sampled per prompt (the group size for grpo/rloo)
     norm_adv_by_std: bool = True  # grpo: divide group-centred rewards by the group std (false = Dr.GRPO style)
     whiten_advantages: bool = False  # reinforce/rloo: whiten advantages across the whole batch
     clip_eps_low: float = 0.2  # clipped surrogate: lower clip range, ratio >= 1 - clip_eps_low
-    clip_eps_high: float = 0.2  # clipped surrogate: upper clip range, ratio <= 1 + clip_eps_high
-    loss_agg: str = "token_mean"  # token_mean (every token weighs the same) or seq_mean_token_mean
-    beta: float = 0.0  # KL coefficient to the reference policy; 0 disables the reference model
-    kl_estimator: str = "k3"  # k1 (log ratio) or k3 (unbiased, non-negative)
+    clip_eps_high: float = 0.2  # clipped surrogate: upper clip range, ratio <= 1 + clip_eps_high (raise it for clip-higher)
+    dual_clip_c: Optional[float] = None  # dual-clip PPO: cap the loss of negative-advantage tokens at -c*A (c > 1); null = off
+    loss_agg: str = "token_mean"  # token_mean, seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm (Dr.GRPO)
+    loss_agg_norm: Optional[float] = None  # seq_mean_token_sum_norm's constant divisor; null = generator.max_new_tokens
+    beta: float = 0.0  # KL coefficient to the reference (DPO: the DPO temperature); 0 disables the reference
+    kl_estimator: str = "k3"  # k1 (log ratio), k2 (squared log ratio / 2) or k3 (unbiased, non-negative)
     kl_in_reward: bool = False  # true: -beta*KL is added to the reward; false: beta*KL is a loss term
+    kl_ctl: str = "fixed"  # fixed coefficient, or adaptive (moves beta so the KL tracks target_kl)
+    target_kl: float = 6.0  # adaptive KL: the per-sequence KL to aim for
+    kl_horizon: int = 10000  # adaptive KL: samples over which the coefficient adapts
+    entropy_coef: float = 0.0  # entropy bonus: loss -= entropy_coef * entropy
+    gamma: float = 1.0  # ppo: discount over response tokens
+    lam: float = 0.95  # ppo: GAE lambda
+    vf_coef: float = 0.1  # ppo: weight of the value loss
+    cliprange_value: Optional[float] = 0.2  # ppo: value clip range around the old values; null = unclipped
+    dpo_loss_type: str = "sigmoid"  # online_dpo: sigmoid (DPO) or ipo
+    reuse_training_logprobs: bool = False  # online_dpo: skip the pre-update forward; KL/entropy come from the training forward
 
 
 @dataclass
@@ -64,6 +76,10 @@ class RewardFunctionConfig:
 @dataclass
 class RewardConfig:
     functions: list[RewardFunctionConfig] = field(default_factory=list)  # scored and summed with weights
+    path: Optional[str] = None  # reward model folder (sequence classification, one label); null = none
+    model_weight: float = 1.0  # weight of the reward model's score in the sum
+    normalize: bool = False  # reward model: scale scores by the running mean and std of all scores so far
+    clip: Optional[float] = None  # reward model: clip scores to [-clip, clip] (after normalising); null = off
     non_stop_penalty: bool = True  # replace the score of responses that never stopped
     penalty_reward_value: float = -10.0  # the score given to a non-stop response
 
@@ -78,6 +94,14 @@ class PolicyConfig:
 class ReferenceConfig:
     name: str = "frozen"  # frozen copy of a model, used for the KL term
     name_or_path: Optional[str] = None  # reference weights; null = the policy's starting weights
+
+
+@dataclass
+class CriticConfig:
+    name: str = "torch"  # value-model backend (used by ppo): torch or an import path
+    name_or_path: Optional[str] = None  # initial weights; null = reward.path when set, else the policy's model
+    lr: Optional[float] = None  # critic learning rate; null = train.lr
+    gradient_checkpointing: bool = False  # trade compute for activation memory
 
 
 @dataclass
@@ -132,6 +156,7 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)  # how completions are scored
     policy: PolicyConfig = field(default_factory=PolicyConfig)  # the trained model's backend
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)  # the KL anchor
+    critic: CriticConfig = field(default_factory=CriticConfig)  # the value model (ppo)
     train: TrainConfig = field(default_factory=TrainConfig)  # batch sizes, optimiser, run length
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # placement and devices
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)  # the orchestrator loop

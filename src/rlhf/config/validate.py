@@ -11,9 +11,12 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-ESTIMATORS_NEEDING_GROUPS = ("grpo", "rloo")
-KL_ESTIMATORS = ("k1", "k3")
-LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
+ESTIMATORS_NEEDING_GROUPS = ("grpo", "rloo", "online_dpo")
+PAIRWISE_ESTIMATORS = ("online_dpo",)  # train on one (chosen, rejected) pair per prompt
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+KL_CONTROLLERS = ("fixed", "adaptive")
+DPO_LOSSES = ("sigmoid", "ipo")
 LR_SCHEDULES = ("constant", "linear")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -27,7 +30,8 @@ class DerivedSizes:
     """Batch sizes that follow from the config (logged at start, never stored back)."""
 
     samples_per_step: int  # prompts_per_step * num_samples_per_prompt
-    mini_batch_size: int  # samples per optimiser step
+    train_units_per_step: int  # what mini batches split: samples, or (chosen, rejected) pairs for online_dpo
+    mini_batch_size: int  # training units per optimiser step (micro batches are capped at this size)
     grad_accum_steps: int  # micro batches per optimiser step
     optimizer_steps: int  # optimiser steps over the whole run
     total_episodes: int  # completions generated over the whole run
@@ -55,6 +59,8 @@ def derive_sizes(cfg: DictConfig) -> DerivedSizes:
     ):
         _require(value >= 1, f"{key}={value} must be >= 1")
     samples = train.prompts_per_step * algo.num_samples_per_prompt
+    if algo.estimator in PAIRWISE_ESTIMATORS:
+        return _derive_pairwise_sizes(cfg, samples)
     _require(
         samples % train.num_mini_batches == 0,
         f"samples per step ({train.prompts_per_step} train.prompts_per_step * {algo.num_samples_per_prompt} "
@@ -62,17 +68,43 @@ def derive_sizes(cfg: DictConfig) -> DerivedSizes:
         f"{train.num_mini_batches}; pick num_mini_batches from the divisors of {samples}",
     )
     mini = samples // train.num_mini_batches
+    micro = min(train.micro_batch_size, mini)  # a micro batch never exceeds its mini batch
     _require(
-        mini % train.micro_batch_size == 0,
+        mini % micro == 0,
         f"mini batch ({samples} samples per step / {train.num_mini_batches} train.num_mini_batches = {mini}) "
         f"is not divisible by train.micro_batch_size={train.micro_batch_size}; "
         f"pick micro_batch_size from the divisors of {mini}",
     )
+    return _sizes(cfg, samples, samples, mini, mini // micro)
+
+
+def _derive_pairwise_sizes(cfg: DictConfig, samples: int) -> DerivedSizes:
+    """online_dpo trains on one pair (2 samples) per prompt; mini and micro batches hold whole pairs."""
+    train = cfg.train
+    pairs = train.prompts_per_step
+    _require(
+        pairs % train.num_mini_batches == 0,
+        f"{cfg.algorithm.estimator} trains on one pair per prompt: {pairs} pairs per step (train.prompts_per_step) "
+        f"is not divisible by train.num_mini_batches={train.num_mini_batches}",
+    )
+    mini = pairs // train.num_mini_batches
+    micro_pairs = min(train.micro_batch_size // 2, mini)
+    _require(
+        micro_pairs >= 1 and mini % micro_pairs == 0,
+        f"{cfg.algorithm.estimator}: train.micro_batch_size={train.micro_batch_size} counts samples (2 per pair) and "
+        f"must be an even number whose half divides the {mini} pairs of a mini batch",
+    )
+    return _sizes(cfg, samples, pairs, mini, mini // micro_pairs)
+
+
+def _sizes(cfg: DictConfig, samples: int, units: int, mini: int, accum: int) -> DerivedSizes:
+    train = cfg.train
     optimizer_steps = train.num_steps * train.num_epochs * train.num_mini_batches
     return DerivedSizes(
         samples_per_step=samples,
+        train_units_per_step=units,
         mini_batch_size=mini,
-        grad_accum_steps=mini // train.micro_batch_size,
+        grad_accum_steps=accum,
         optimizer_steps=optimizer_steps,
         total_episodes=train.num_steps * samples,
         prompts_seen=train.num_steps * train.prompts_per_step,
@@ -97,6 +129,27 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     )
     _require(algo.beta >= 0, f"algorithm.beta={algo.beta} must be >= 0")
     _require(
+        algo.estimator not in PAIRWISE_ESTIMATORS or algo.beta > 0,
+        f"algorithm.estimator={algo.estimator} uses algorithm.beta as the DPO temperature; set it > 0 (e.g. 0.1)",
+    )
+    _require(algo.kl_ctl in KL_CONTROLLERS, f"algorithm.kl_ctl={algo.kl_ctl!r}; choose one of {', '.join(KL_CONTROLLERS)}")
+    _require(
+        algo.kl_ctl != "adaptive" or (algo.target_kl > 0 and algo.kl_horizon > 0),
+        f"algorithm.kl_ctl=adaptive needs algorithm.target_kl > 0 and algorithm.kl_horizon > 0 "
+        f"(got {algo.target_kl} and {algo.kl_horizon})",
+    )
+    _require(
+        algo.dual_clip_c is None or algo.dual_clip_c > 1,
+        f"algorithm.dual_clip_c={algo.dual_clip_c} must be > 1 (or null to turn dual-clip off)",
+    )
+    _require(
+        algo.dpo_loss_type in DPO_LOSSES, f"algorithm.dpo_loss_type={algo.dpo_loss_type!r}; choose one of {', '.join(DPO_LOSSES)}"
+    )
+    _require(0 <= algo.gamma <= 1 and 0 <= algo.lam <= 1, f"algorithm.gamma={algo.gamma} and algorithm.lam={algo.lam} must be in [0, 1]")
+    _require(
+        algo.loss_agg_norm is None or algo.loss_agg_norm > 0, f"algorithm.loss_agg_norm={algo.loss_agg_norm} must be > 0 or null"
+    )
+    _require(
         algo.clip_eps_low > 0 and algo.clip_eps_high > 0,
         f"algorithm.clip_eps_low={algo.clip_eps_low} and algorithm.clip_eps_high={algo.clip_eps_high} must be > 0",
     )
@@ -111,7 +164,11 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     )
     _require(len(train.adam_betas) == 2, f"train.adam_betas={list(train.adam_betas)} must hold two numbers")
     _require(cfg.model.dtype in DTYPES, f"model.dtype={cfg.model.dtype!r}; choose one of {', '.join(DTYPES)}")
-    _require(len(cfg.reward.functions) >= 1, "reward.functions is empty; name at least one reward function")
+    _require(
+        len(cfg.reward.functions) >= 1 or cfg.reward.path,
+        "reward.functions is empty and reward.path is null; name a reward function or a reward model folder",
+    )
+    _require(cfg.reward.clip is None or cfg.reward.clip > 0, f"reward.clip={cfg.reward.clip} must be > 0 or null")
     _require(cfg.eval.every >= 0, f"eval.every={cfg.eval.every} must be >= 0")
     _require(cfg.eval.num_samples >= 0, f"eval.num_samples={cfg.eval.num_samples} must be >= 0")
     _require(cfg.logging.log_every >= 1, f"logging.log_every={cfg.logging.log_every} must be >= 1")

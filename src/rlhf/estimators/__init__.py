@@ -1,11 +1,11 @@
-"""Estimators, registered by name: grpo, reinforce, rloo."""
+"""Estimators, registered by name: grpo, reinforce, rloo (here), ppo and online_dpo (own modules)."""
 
 from __future__ import annotations
 
 import torch
 
 from rlhf import functional as F
-from rlhf.estimators.base import Estimator, PolicyGradientEstimator
+from rlhf.estimators.base import Estimator, Forward, PolicyGradientEstimator, StepInputs, TrainBatch
 from rlhf.registry import register
 
 
@@ -38,8 +38,7 @@ class RLOO(PolicyGradientEstimator):
 def _maybe_whiten(adv: torch.Tensor, whiten: bool) -> torch.Tensor:
     if not whiten or adv.numel() < 2:
         return adv
-    ones = torch.ones_like(adv)
-    return F.masked_whiten(adv, ones)
+    return F.masked_whiten(adv, torch.ones_like(adv))
 
 
-__all__ = ["Estimator", "PolicyGradientEstimator", "GRPO", "Reinforce", "RLOO"]
+__all__ = ["Estimator", "Forward", "PolicyGradientEstimator", "StepInputs", "TrainBatch", "GRPO", "Reinforce", "RLOO"]

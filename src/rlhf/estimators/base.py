@@ -1,78 +1,171 @@
-"""The estimator interface: rollout scores -> advantages -> a policy loss.
+"""The estimator interface: a scored rollout -> a training batch -> a loss per micro batch.
 
-A factory registered as kind ``estimator`` is called as ``factory(cfg=<algorithm config>)`` and returns
-an object with the three methods of `Estimator`. Critic-free estimators only differ in
-`sequence_advantages`; subclass `PolicyGradientEstimator` and override that one method.
+A factory registered as kind ``estimator`` is called as ``factory(cfg=<algorithm config>, gen_cfg=<generator
+config>)`` and returns an object with the attributes and methods of `Estimator`. Critic-free policy-gradient
+estimators differ only in `sequence_advantages`: subclass `PolicyGradientEstimator` and override it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from rlhf import functional as F
+from rlhf.generators.base import Rollout
+
+
+@dataclass
+class StepInputs:
+    """What the orchestrator computed for one rollout batch. Shapes: (B, T) with T = response length."""
+
+    rollout: Rollout
+    scores: torch.Tensor  # (B,) summed reward after the non-stop penalty
+    old_logp: torch.Tensor | None  # policy logprobs before the update; None when the estimator does not ask
+    ref_logp: torch.Tensor | None  # reference logprobs; None without a reference
+    values: torch.Tensor | None  # critic values before the update; None without a critic
+    num_samples_per_prompt: int  # samples of one prompt are contiguous rows
+
+
+@dataclass
+class TrainBatch:
+    """Row-aligned training tensors. Rows are grouped in units of ``rows_per_unit`` (2 for DPO pairs),
+    and mini/micro batches are cut in whole units."""
+
+    rollout: Rollout
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # each (B, ...) aligned with the rollout
+    rows_per_unit: int = 1
+
+    @property
+    def num_units(self) -> int:
+        return len(self.rollout) // self.rows_per_unit
+
+    def select_units(self, units: torch.Tensor) -> "TrainBatch":
+        """The rows of the given units, in order."""
+        rows = (units.unsqueeze(1) * self.rows_per_unit + torch.arange(self.rows_per_unit)).reshape(-1)
+        rows = rows.to(self.rollout.response_ids.device)
+        return TrainBatch(self.rollout.select(rows), {k: v[rows] for k, v in self.tensors.items()}, self.rows_per_unit)
+
+
+@dataclass
+class Forward:
+    """The trained models' outputs on a micro batch, with gradients. Shapes: (B, T)."""
+
+    logp: torch.Tensor
+    entropy: torch.Tensor | None = None  # present when the estimator asks for it
+    values: torch.Tensor | None = None  # present when there is a critic
 
 
 class Estimator(Protocol):
-    needs_reference: bool  # whether the loss or reward uses reference logprobs
+    needs_reference: bool  # reference logprobs are used (KL or DPO)
+    needs_critic: bool  # a value model is trained alongside the policy
+    needs_old_logprobs: bool  # the orchestrator computes pre-update policy logprobs and entropy
+    needs_entropy: bool  # `Forward.entropy` must be computed in the training forward
 
-    def shape_rewards(self, scores: torch.Tensor, kl: torch.Tensor | None, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rlhf_reward (B,), non_score_reward (B,)) from scores (B,) and per-token KL (B, T) or None."""
+    def build_batch(self, inputs: StepInputs) -> tuple[TrainBatch, dict[str, float]]:
+        """Advantages (or pairs) and the step's objective metrics."""
 
-    def advantages(self, rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Per-token advantages (B, T) from rlhf rewards (B,)."""
+    def denominator(self, mini_batch: TrainBatch) -> torch.Tensor:
+        """What a mini batch's loss is divided by, so micro-batch losses add up to the mini-batch loss."""
 
-    def policy_loss(
-        self,
-        logp: torch.Tensor,
-        old_logp: torch.Tensor,
-        ref_logp: torch.Tensor | None,
-        advantages: torch.Tensor,
-        mask: torch.Tensor,
-        denominator: torch.Tensor,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(micro-batch loss, metrics) for one micro batch; all tensors (B, T) but the scalar denominator."""
+    def loss(
+        self, micro: TrainBatch, out: Forward, denominator: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+        """(policy loss, value loss or None, metrics) of one micro batch: its share of the mini-batch loss.
+
+        Metrics named `loss/...` or `objective/loss` are shares too (summed over micro batches); the others
+        are averaged.
+        """
+
+
+def make_kl_controller(cfg):
+    """The fixed or adaptive KL coefficient of `algorithm.kl_ctl`."""
+    if cfg.kl_ctl == "adaptive":
+        return F.AdaptiveKLController(cfg.beta, cfg.target_kl, cfg.kl_horizon)
+    return F.FixedKLController(cfg.beta)
 
 
 class PolicyGradientEstimator:
-    """Clipped policy-gradient loss with optional KL (in the reward or as a loss); advantages per subclass."""
+    """Clipped policy-gradient loss with optional KL (in the reward or as a loss) and entropy bonus;
+    sequence-level advantages come from the subclass."""
 
-    def __init__(self, cfg) -> None:
+    needs_critic = False
+    needs_old_logprobs = True
+
+    def __init__(self, cfg, gen_cfg=None) -> None:
         self.cfg = cfg
         self.group_size = int(cfg.num_samples_per_prompt)
         self.needs_reference = cfg.beta > 0
+        self.needs_entropy = cfg.entropy_coef != 0
+        self.kl_ctl = make_kl_controller(cfg)
+        norm = cfg.loss_agg_norm if cfg.loss_agg_norm is not None else (gen_cfg.max_new_tokens if gen_cfg else 1.0)
+        self.loss_agg_norm = float(norm)
 
     def sequence_advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         """Advantage of each sequence. Shape: (B,) -> (B,)."""
         raise NotImplementedError
 
+    def kl(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Per-token KL of the pre-update policy to the reference (B, T), 0 outside the mask; None without a reference."""
+        if inputs.ref_logp is None or inputs.old_logp is None:
+            return None
+        return F.kl_per_token(inputs.old_logp, inputs.ref_logp, self.cfg.kl_estimator) * inputs.rollout.response_mask
+
     def shape_rewards(self, scores: torch.Tensor, kl: torch.Tensor | None, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores plus -beta * summed KL when the KL lives in the reward. Shape: (B,), (B, T) -> (B,), (B,)."""
         if kl is None or not self.cfg.kl_in_reward:
             return scores, torch.zeros_like(scores)
-        non_score = -self.cfg.beta * F.masked_sum(kl, mask, dim=1)
+        non_score = -self.kl_ctl.value * F.masked_sum(kl, mask, dim=1)
         return scores + non_score, non_score
 
-    def advantages(self, rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Per-token advantages. Shape: rewards (B,), mask (B, T) -> (B, T)."""
-        return F.to_token_level(self.sequence_advantages(rewards), mask)
+    def kl_metrics(self, kl: torch.Tensor | None, mask: torch.Tensor, n_samples: int) -> dict[str, float]:
+        """`objective/kl` (per-sequence sum, batch mean) and the coefficient; updates an adaptive controller."""
+        if kl is None:
+            return {}
+        metrics = {"objective/kl": F.masked_sum(kl, mask, dim=1).mean().item(), "objective/kl_coef": self.kl_ctl.value}
+        self.kl_ctl.update(metrics["objective/kl"], n_samples)
+        return metrics
 
-    def policy_loss(self, logp, old_logp, ref_logp, advantages, mask, denominator):
-        """Clipped surrogate (+ beta * KL when KL is a loss), reduced by `algorithm.loss_agg`."""
-        cfg = self.cfg
-        per_token, clipped, log_ratio = F.clipped_policy_loss(logp, old_logp, advantages, cfg.clip_eps_low, cfg.clip_eps_high)
+    def build_batch(self, inputs: StepInputs) -> tuple[TrainBatch, dict[str, float]]:
+        mask = inputs.rollout.response_mask
+        kl = self.kl(inputs)
+        rewards, non_score = self.shape_rewards(inputs.scores, kl, mask)
+        advantages = F.to_token_level(self.sequence_advantages(rewards), mask)
+        metrics = {
+            "objective/rlhf_reward": rewards.mean().item(),
+            "objective/non_score_reward": non_score.mean().item(),
+            **self.kl_metrics(kl, mask, len(inputs.rollout)),
+        }
+        tensors = {"old_logp": inputs.old_logp, "advantages": advantages}
+        if inputs.ref_logp is not None:
+            tensors["ref_logp"] = inputs.ref_logp
+        return TrainBatch(inputs.rollout, tensors), metrics
+
+    def denominator(self, mini_batch: TrainBatch) -> torch.Tensor:
+        return F.loss_denominator(mini_batch.rollout.response_mask, self.cfg.loss_agg, self.loss_agg_norm)
+
+    def loss(self, micro: TrainBatch, out: Forward, denominator: torch.Tensor):
+        """Clipped surrogate (+ beta * KL when KL is a loss, - entropy_coef * entropy), reduced by `algorithm.loss_agg`."""
+        cfg, t = self.cfg, micro.tensors
+        mask = micro.rollout.response_mask
+        per_token, clipped, log_ratio = F.clipped_policy_loss(
+            out.logp, t["old_logp"], t["advantages"], cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip_c
+        )
         pg_loss = F.aggregate_loss(per_token, mask, cfg.loss_agg, denominator)
         loss = pg_loss
         metrics = {
-            "loss/policy": pg_loss.detach(),
-            "policy/approxkl": F.masked_mean(0.5 * log_ratio.detach() ** 2, mask),
-            "policy/clipfrac": F.masked_mean(clipped.float(), mask),
+            "loss/policy_avg": pg_loss.detach(),
+            "policy/approxkl_avg": F.masked_mean(0.5 * log_ratio.detach() ** 2, mask),
+            "policy/clipfrac_avg": F.masked_mean(clipped.float(), mask),
             "val/ratio": F.masked_mean(log_ratio.detach().exp(), mask),
         }
-        if ref_logp is not None and cfg.beta > 0 and not cfg.kl_in_reward:
-            kl = F.kl_per_token(logp, ref_logp, cfg.kl_estimator)
-            kl_loss = F.aggregate_loss(kl, mask, cfg.loss_agg, denominator)
-            loss = loss + cfg.beta * kl_loss
-            metrics["loss/kl"] = kl_loss.detach()
-        return loss, metrics
+        if "ref_logp" in t and cfg.beta > 0 and not cfg.kl_in_reward:
+            kl_loss = F.aggregate_loss(F.kl_per_token(out.logp, t["ref_logp"], cfg.kl_estimator), mask, cfg.loss_agg, denominator)
+            loss = loss + self.kl_ctl.value * kl_loss
+            metrics["loss/kl_avg"] = kl_loss.detach()
+        if out.entropy is not None and cfg.entropy_coef != 0:
+            entropy = F.aggregate_loss(out.entropy, mask, cfg.loss_agg, denominator)
+            loss = loss - cfg.entropy_coef * entropy
+            metrics["loss/entropy_avg"] = entropy.detach()
+        return loss, None, metrics

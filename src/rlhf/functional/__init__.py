@@ -9,9 +9,17 @@ from rlhf.functional.advantages import (
     rloo_advantages,
     to_token_level,
 )
-from rlhf.functional.kl import kl_per_token
+from rlhf.functional.gae import gae_advantages, last_token_index, token_level_rewards
+from rlhf.functional.kl import AdaptiveKLController, FixedKLController, kl_per_token
 from rlhf.functional.logprobs import entropy_from_logits, logprobs_from_logits
-from rlhf.functional.losses import aggregate_loss, clipped_policy_loss, loss_denominator
+from rlhf.functional.losses import (
+    LOSS_AGGREGATIONS,
+    aggregate_loss,
+    clipped_policy_loss,
+    clipped_value_loss,
+    dpo_loss,
+    loss_denominator,
+)
 from rlhf.functional.masked import masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
@@ -19,11 +27,19 @@ __all__ = [
     "group_normalized_advantages",
     "rloo_advantages",
     "to_token_level",
+    "gae_advantages",
+    "last_token_index",
+    "token_level_rewards",
+    "AdaptiveKLController",
+    "FixedKLController",
     "kl_per_token",
     "entropy_from_logits",
     "logprobs_from_logits",
+    "LOSS_AGGREGATIONS",
     "aggregate_loss",
     "clipped_policy_loss",
+    "clipped_value_loss",
+    "dpo_loss",
     "loss_denominator",
     "masked_mean",
     "masked_sum",

@@ -61,6 +61,14 @@ def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def zero_dropout_config(config):
+    """Set every dropout probability in a model config to 0 (names with `dropout`, and `*_pdrop`)."""
+    for key, value in list(vars(config).items()):
+        if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float):
+            setattr(config, key, 0.0)
+    return config
+
+
 def load_causal_lm(
     name_or_path: str,
     dtype: str = "float32",
@@ -70,10 +78,7 @@ def load_causal_lm(
 ) -> torch.nn.Module:
     """A causal LM with dropout off in its config and its modules, on ``device``."""
     path = resolve_model_path(name_or_path)
-    config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
-    for key, value in list(vars(config).items()):
-        if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float):  # attn_pdrop, resid_pdrop, ...
-            setattr(config, key, 0.0)
+    config = zero_dropout_config(AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code))
     model = AutoModelForCausalLM.from_pretrained(
         path, config=config, revision=revision, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
     )

@@ -31,6 +31,28 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
     return factor
 
 
+def make_optimizer(model: torch.nn.Module, train_cfg, lr: float, total_optimizer_steps: int):
+    """AdamW over the trainable parameters and its LR schedule, from `train.*`."""
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=lr,
+        betas=tuple(train_cfg.adam_betas),
+        eps=train_cfg.adam_eps,
+        weight_decay=train_cfg.weight_decay,
+    )
+    schedule = lr_lambda(train_cfg.lr_schedule, train_cfg.warmup_steps, total_optimizer_steps)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def clip_and_step(model: torch.nn.Module, optimizer, scheduler, max_grad_norm: float) -> float:
+    """Clip the global gradient norm (when > 0), step, advance the schedule, clear grads; returns the pre-clip norm."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)
+
+
 @register("policy", "torch")
 class TorchPolicy:
     """A causal LM with AdamW and an LR schedule; gradients accumulate over micro batches."""
@@ -43,16 +65,7 @@ class TorchPolicy:
         self.model.train()  # dropout is already 0; train() only matters for modules such as gradient checkpointing
         if cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=train_cfg.lr,
-            betas=tuple(train_cfg.adam_betas),
-            eps=train_cfg.adam_eps,
-            weight_decay=train_cfg.weight_decay,
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(train_cfg.lr_schedule, train_cfg.warmup_steps, total_optimizer_steps)
-        )
+        self.optimizer, self.scheduler = make_optimizer(self.model, train_cfg, train_cfg.lr, total_optimizer_steps)
 
     def logprobs(self, rollout: Rollout, temperature: float, with_entropy: bool = False):
         """(logprobs (B, Lr), entropy or None) with gradients enabled."""
@@ -63,12 +76,7 @@ class TorchPolicy:
 
     def optimizer_step(self) -> float:
         """Clip, step, advance the schedule, clear grads; returns the pre-clip gradient norm."""
-        max_norm = self.train_cfg.max_grad_norm
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm > 0 else math.inf)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return clip_and_step(self.model, self.optimizer, self.scheduler, self.train_cfg.max_grad_norm)
 
     @property
     def lr(self) -> float:

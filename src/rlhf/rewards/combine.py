@@ -1,10 +1,11 @@
-"""Several reward functions summed with weights, and the non-stop penalty."""
+"""Several reward functions (and optionally a reward model) summed with weights, and the non-stop penalty."""
 
 from __future__ import annotations
 
 import torch
 
 from rlhf import registry
+from rlhf.generators.base import Rollout
 
 
 class RewardSet:
@@ -12,6 +13,7 @@ class RewardSet:
 
     def __init__(self, cfg) -> None:
         self.cfg = cfg
+        self.model = None  # a RewardModelScorer, attached once models may load
         self.functions = []
         for i, fn_cfg in enumerate(cfg.functions):
             fn = registry.resolve("reward", fn_cfg.name, key=f"reward.functions[{i}].name")
@@ -20,9 +22,10 @@ class RewardSet:
             self.functions.append((fn_cfg.name, float(fn_cfg.weight), dict(fn_cfg.args), fn))
 
     def score(
-        self, prompts: list[str], responses: list[str], ground_truths: list, stopped: torch.Tensor
+        self, prompts: list[str], responses: list[str], ground_truths: list, rollout: Rollout
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """(scores (B,), metrics): weighted sum of every function, then the non-stop penalty."""
+        """(scores (B,), metrics): weighted sum of every function and the model, then the non-stop penalty."""
+        stopped = rollout.stopped.cpu()
         total = torch.zeros(len(responses))
         verified = torch.ones(len(responses), dtype=torch.bool)
         has_verifier = False
@@ -36,9 +39,12 @@ class RewardSet:
             if getattr(fn, "is_verifier", False):
                 has_verifier = True
                 verified &= values > 0
+        if self.model is not None:
+            model_scores, model_metrics = self.model.score(rollout)
+            total += self.cfg.model_weight * model_scores
+            metrics |= model_metrics
         if self.cfg.non_stop_penalty:
-            total = torch.where(stopped.cpu(), total, torch.full_like(total, self.cfg.penalty_reward_value))
+            total = torch.where(stopped, total, torch.full_like(total, self.cfg.penalty_reward_value))
         if has_verifier:  # a truncated response is never counted correct, whatever its text
-            verified &= stopped.cpu()
-            metrics["objective/verifiable_correct_rate"] = verified.float().mean().item()
+            metrics["objective/verifiable_correct_rate"] = (verified & stopped).float().mean().item()
         return total, metrics

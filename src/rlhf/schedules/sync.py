@@ -47,9 +47,11 @@ def run(c, cfg, sizes, tracker) -> dict[str, dict[str, float]]:
                 examples = c.prompts.next_batch(train.prompts_per_step)
                 scored = stages.generate_and_score(c, examples, algo.num_samples_per_prompt, sampling)
             with timed(times, "logprobs"):
-                batch, metrics = stages.prepare(c, scored, cfg.generator.temperature, train.micro_batch_size)
+                batch, metrics = stages.prepare(
+                    c, scored, cfg.generator.temperature, train.micro_batch_size, algo.num_samples_per_prompt
+                )
             with timed(times, "training"):
-                metrics |= stages.update_policy(c, batch, train, algo.loss_agg, cfg.generator.temperature, shuffle)
+                metrics |= stages.update_policy(c, batch, train, cfg.generator.temperature, shuffle)
             with timed(times, "weight_sync"):
                 c.generator.update_weights(c.policy.state_dict())
         metrics |= scored.metrics | times

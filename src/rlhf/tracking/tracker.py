@@ -17,6 +17,8 @@ CONSOLE_FIELDS = (
     ("objective/entropy", "ent", "{:.3f}"),
     ("val/sequence_lengths", "len", "{:.2f}"),
     ("loss/policy_avg", "loss", "{:+.4f}"),
+    ("loss/value_avg", "vloss", "{:.4f}"),
+    ("objective/loss", "dpo_loss", "{:.4f}"),
     ("time/step", "s/step", "{:.2f}"),
 )
 

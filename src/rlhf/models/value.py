@@ -1,0 +1,78 @@
+"""Scalar-head models on a causal LM backbone: reward models (score at the last token) and critics (every token).
+
+Both load with `AutoModelForSequenceClassification` (num_labels=1), so a reward model saved here is a
+normal Hugging Face folder, and a critic can start from a reward model (as the seeds do) or from the
+policy's causal LM (the head is then new).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import AutoConfig, AutoModelForSequenceClassification
+
+from rlhf.functional import last_token_index
+from rlhf.generators.base import Rollout
+from rlhf.models.loading import DTYPES, disable_dropout, resolve_model_path, zero_dropout_config
+
+HEAD_NAMES = ("score", "classifier", "v_head")
+
+
+def score_head(model: torch.nn.Module) -> tuple[str, torch.nn.Linear]:
+    """(attribute name, module) of the scalar head."""
+    for name in HEAD_NAMES:
+        head = getattr(model, name, None)
+        if isinstance(head, torch.nn.Linear):
+            return name, head
+    raise ValueError(f"{type(model).__name__} has no scalar head named one of {HEAD_NAMES}")
+
+
+def init_score_head(head: torch.nn.Linear, hidden_size: int) -> None:
+    """Normal init with std 1/sqrt(hidden + 1) and zero bias (Stiennon et al., 2020)."""
+    torch.nn.init.normal_(head.weight, std=1.0 / math.sqrt(hidden_size + 1))
+    if head.bias is not None:
+        torch.nn.init.zeros_(head.bias)
+
+
+def load_value_model(
+    name_or_path: str,
+    dtype: str = "float32",
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    device: torch.device | str = "cpu",
+) -> torch.nn.Module:
+    """A sequence-classification model with one output, dropout off; a head absent from the checkpoint is
+    initialised with std 1/sqrt(hidden + 1)."""
+    path = resolve_model_path(name_or_path)
+    config = zero_dropout_config(AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code))
+    config.num_labels = 1
+    model, info = AutoModelForSequenceClassification.from_pretrained(
+        path, config=config, revision=revision, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, output_loading_info=True
+    )
+    name, head = score_head(model)
+    if any(key.startswith(name + ".") or key == name for key in info["missing_keys"]):
+        init_score_head(head, model.config.hidden_size)
+    return disable_dropout(model).to(device)
+
+
+def token_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """The scalar head at every position. Shape: (B, L) -> (B, L)."""
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).last_hidden_state
+    return score_head(model)[1](hidden).squeeze(-1).float()
+
+
+def response_values(model: torch.nn.Module, rollout: Rollout) -> torch.Tensor:
+    """Critic values V(s_t) of the state before each response token. Shape: (B, Lr), 0 outside the mask."""
+    input_ids, attention_mask, position_ids = rollout.model_inputs()
+    scores = token_scores(model, input_ids, attention_mask, position_ids)
+    start = rollout.query_ids.shape[1] - 1
+    return scores[:, start : start + rollout.response_ids.shape[1]] * rollout.response_mask
+
+
+def sequence_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The head at each sequence's last real token (prompt + response). Shape: (B, L) -> (B,)."""
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    scores = token_scores(model, input_ids, attention_mask, position_ids)
+    return scores[torch.arange(scores.shape[0], device=scores.device), last_token_index(attention_mask)]

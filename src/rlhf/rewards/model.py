@@ -1,0 +1,59 @@
+"""A learned reward model scoring prompt + response at its last token, with optional normalisation and clipping."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf.generators.base import Rollout
+from rlhf.models.value import load_value_model, sequence_scores
+
+
+class RunningMoments:
+    """Mean and variance of every score seen so far (Chan et al.'s parallel update)."""
+
+    def __init__(self) -> None:
+        self.count, self.mean, self.var = 0, 0.0, 1.0
+
+    def update(self, values: torch.Tensor) -> None:
+        n = values.numel()
+        if n == 0:
+            return
+        batch_mean, batch_var = values.mean().item(), values.var(unbiased=False).item()
+        total = self.count + n
+        delta = batch_mean - self.mean
+        m2 = self.var * self.count + batch_var * n + delta**2 * self.count * n / total
+        self.mean += delta * n / total
+        self.var = m2 / total
+        self.count = total
+
+
+class RewardModelScorer:
+    """Loads `reward.path` (a sequence-classification folder) and scores rollouts with it."""
+
+    def __init__(self, cfg, dtype: str, device: torch.device, chunk: int) -> None:
+        self.cfg = cfg
+        self.chunk = chunk
+        self.model = load_value_model(cfg.path, dtype, None, False, device).eval()
+        self.model.requires_grad_(False)
+        self.moments = RunningMoments()
+
+    @torch.no_grad()
+    def raw_scores(self, rollout: Rollout) -> torch.Tensor:
+        """The model's score of each prompt + response. Shape: (B,)."""
+        parts = []
+        for start in range(0, len(rollout), self.chunk):
+            part = rollout.select(slice(start, start + self.chunk))
+            input_ids, attention_mask, _ = part.model_inputs()
+            parts.append(sequence_scores(self.model, input_ids, attention_mask))
+        return torch.cat(parts)
+
+    def score(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
+        """(scores (B,) after normalisation and clipping, metrics) for a rollout."""
+        raw = self.raw_scores(rollout).cpu()
+        scores = raw
+        if self.cfg.normalize:
+            self.moments.update(raw)
+            scores = (raw - self.moments.mean) / (self.moments.var**0.5 + 1e-8)
+        if self.cfg.clip is not None:
+            scores = scores.clamp(-self.cfg.clip, self.cfg.clip)
+        return scores, {"reward/model": raw.mean().item(), "reward/model_std": raw.std().item() if raw.numel() > 1 else 0.0}
