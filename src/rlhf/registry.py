@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from rlhf.config.validate import ConfigError
 
-KINDS = ("dataset", "generator", "policy", "reference", "critic", "reward", "estimator", "schedule")
+KINDS = ("dataset", "preference_dataset", "generator", "policy", "reference", "critic", "reward", "estimator", "schedule")
 
 _REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {kind: {} for kind in KINDS}
 _BUILTINS_LOADED = False
@@ -45,6 +45,7 @@ def _load_builtins() -> None:
     _BUILTINS_LOADED = True
     for module in (
         "rlhf.data.arith",
+        "rlhf.data.preferences",
         "rlhf.estimators",
         "rlhf.estimators.dpo",
         "rlhf.estimators.ppo",

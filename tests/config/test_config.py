@@ -152,3 +152,34 @@ def test_every_yaml_key_has_a_comment():
             if "#" not in line:
                 missing.append(f"{path.relative_to(ROOT)}:{i + 1}: {stripped}")
     assert not missing, "YAML keys without a comment:\n" + "\n".join(missing)
+
+
+def test_reward_training_config_composes_and_rejects_unknown_keys():
+    cfg = compose_config(config_name="train_reward")
+    assert cfg.preferences.name == "arith_prefs" and cfg.model.name_or_path == "builtin:tiny_arith"
+    with pytest.raises(ConfigCompositionException):
+        compose_config(["train.bogus=1"], config_name="train_reward")
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["algorithm=online_dpo", "train.num_mini_batches=3"], r"16 pairs per step \(train.prompts_per_step\) is not divisible by train.num_mini_batches=3"),
+        (["algorithm=online_dpo", "train.micro_batch_size=3"], r"train.micro_batch_size=3 counts samples \(2 per pair\)"),
+        (["algorithm=online_dpo", "algorithm.beta=0"], r"uses algorithm.beta as the DPO temperature"),
+        (["algorithm=ppo", "algorithm.kl_ctl=pid"], r"algorithm.kl_ctl='pid'"),
+        (["algorithm=ppo", "algorithm.dual_clip_c=0.5"], r"algorithm.dual_clip_c=0.5 must be > 1"),
+        (["algorithm=ppo", "algorithm.lam=1.5"], r"algorithm.lam=1.5 must be in \[0, 1\]"),
+        (["reward=model"], r"reward.functions is empty and reward.path is null"),
+    ],
+)
+def test_infeasible_algorithm_settings_fail_with_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(compose_config(overrides))
+
+
+def test_online_dpo_sizes_count_pairs():
+    sizes = validate(compose_config(["algorithm=online_dpo", "train.num_mini_batches=2", "train.micro_batch_size=4"]))
+    assert sizes.samples_per_step == 16 * 4
+    assert sizes.train_units_per_step == 16
+    assert sizes.mini_batch_size == 8 and sizes.grad_accum_steps == 4

@@ -13,16 +13,13 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 pytestmark = pytest.mark.slow
 
-REQUIRED_METRICS = [
+COMMON_METRICS = [
     "objective/scores",
     "objective/kl",
     "objective/rlhf_reward",
     "objective/non_score_reward",
     "objective/entropy",
     "objective/verifiable_correct_rate",
-    "loss/policy_avg",
-    "policy/approxkl_avg",
-    "policy/clipfrac_avg",
     "val/sequence_lengths",
     "val/num_stop_token_ids",
     "episode",
@@ -34,6 +31,18 @@ REQUIRED_METRICS = [
     "eval/sampled_correct_rate",
     "eval/greedy_correct_rate",
 ]
+POLICY_GRADIENT_METRICS = ["loss/policy_avg", "policy/approxkl_avg", "policy/clipfrac_avg", "val/ratio"]
+ALGORITHM_METRICS = {
+    "grpo": POLICY_GRADIENT_METRICS + ["loss/kl_avg"],
+    "reinforce": POLICY_GRADIENT_METRICS,
+    "rloo": POLICY_GRADIENT_METRICS,
+    "ppo": POLICY_GRADIENT_METRICS + ["loss/value_avg", "val/clipfrac_avg", "critic/grad_norm"],
+    "online_dpo": [
+        "objective/scores_margin", "logps/chosen", "logps/rejected", "reward/chosen", "reward/rejected",
+        "reward_margin", "objective/loss",
+    ],
+}
+SAMPLES_PER_PROMPT = {"grpo": 8, "reinforce": 4, "rloo": 4, "ppo": 4, "online_dpo": 4}
 
 
 def run_cli(*overrides: str, cwd: Path, env_extra: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -59,13 +68,13 @@ def text_tags(run_dir: Path) -> list[str]:
     return acc.Tags()["tensors"]
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "reinforce", "rloo"])
+@pytest.mark.parametrize("algorithm", list(ALGORITHM_METRICS))
 def test_algorithm_learns_and_logs_peer_metric_names(algorithm, tmp_path):
     """The CLI finishes, writes the peers' metric names, and raises the eval correct rate clearly."""
     out = tmp_path / "run"
     run_cli(f"algorithm={algorithm}", "train.num_steps=80", "eval.every=40", "seed=3", f"hydra.run.dir={out}", cwd=tmp_path)
     series = scalars(out)
-    missing = [m for m in REQUIRED_METRICS if m not in series]
+    missing = [m for m in COMMON_METRICS + ALGORITHM_METRICS[algorithm] if m not in series]
     assert not missing, f"metrics missing from TensorBoard: {missing}"
     sampled = dict(series["eval/sampled_correct_rate"])
     greedy = dict(series["eval/greedy_correct_rate"])
@@ -76,7 +85,7 @@ def test_algorithm_learns_and_logs_peer_metric_names(algorithm, tmp_path):
     assert sum(train_rate[-10:]) / 10 > sum(train_rate[:10]) / 10 + 0.2
     assert "samples/text_summary" in text_tags(out) and "eval_samples/text_summary" in text_tags(out)
     episodes = dict(series["episode"])
-    assert episodes[80] == 80 * (16 * (8 if algorithm == "grpo" else 4))
+    assert episodes[80] == 80 * 16 * SAMPLES_PER_PROMPT[algorithm]
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert json.loads(lines[-1])["step"] == 80
 

@@ -1,4 +1,4 @@
-"""Estimators: reward shaping, per-token advantages, policy loss and metrics, registry lookup."""
+"""Policy-gradient estimators: reward shaping, build_batch (advantages, KL metrics), loss and metrics, registry."""
 
 import math
 from dataclasses import asdict
@@ -10,8 +10,10 @@ from omegaconf import OmegaConf
 from torch.testing import assert_close
 
 from rlhf import registry
-from rlhf.config.schema import AlgorithmConfig
-from rlhf.estimators import GRPO, RLOO, PolicyGradientEstimator, Reinforce
+from rlhf.config.schema import AlgorithmConfig, GeneratorConfig
+from rlhf.estimators import GRPO, RLOO, Forward, PolicyGradientEstimator, Reinforce, StepInputs, TrainBatch
+from rlhf.functional import AdaptiveKLController, FixedKLController
+from rlhf.generators.base import Rollout
 
 BIG = 1e6
 
@@ -21,6 +23,36 @@ def make_cfg(**overrides):
     fields = asdict(AlgorithmConfig(estimator="grpo"))
     fields.update(overrides)
     return SimpleNamespace(**fields)
+
+
+def make_rollout(mask: torch.Tensor) -> Rollout:
+    """A rollout with the given response mask; token ids do not matter to the estimators."""
+    rows, length = mask.shape
+    return Rollout(
+        query_ids=torch.ones(rows, 2, dtype=torch.long),
+        query_mask=torch.ones(rows, 2, dtype=torch.long),
+        response_ids=torch.ones(rows, length, dtype=torch.long),
+        response_mask=mask,
+        logprobs=torch.zeros(rows, length),
+        stopped=torch.ones(rows, dtype=torch.bool),
+    )
+
+
+def advantages(est, rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token advantages from `build_batch` on sequence rewards, without a reference (so without KL)."""
+    inputs = StepInputs(make_rollout(mask), rewards, torch.zeros(mask.shape), None, None, est.group_size)
+    batch, _ = est.build_batch(inputs)
+    return batch.tensors["advantages"]
+
+
+def policy_loss(est, logp, old_logp, ref_logp, adv, mask, denominator, entropy=None):
+    """(loss, metrics) of `est.loss` on one micro batch built from plain tensors; the value loss must be None."""
+    tensors = {"old_logp": old_logp, "advantages": adv}
+    if ref_logp is not None:
+        tensors["ref_logp"] = ref_logp
+    loss, value_loss, metrics = est.loss(TrainBatch(make_rollout(mask), tensors), Forward(logp, entropy), denominator)
+    assert value_loss is None
+    return loss, metrics
 
 
 # --- registry ---------------------------------------------------------------------------------------
@@ -38,9 +70,9 @@ def test_estimators_resolve_by_name(name, cls):
 def test_estimator_accepts_an_omegaconf_config():
     """A structured OmegaConf AlgorithmConfig works like the namespace: G=2 group [0, 4] -> [-2, 2]."""
     cfg = OmegaConf.structured(AlgorithmConfig(estimator="grpo", num_samples_per_prompt=2, norm_adv_by_std=False))
-    est = registry.build("estimator", "grpo", cfg=cfg)
+    est = registry.build("estimator", "grpo", cfg=cfg, gen_cfg=OmegaConf.structured(GeneratorConfig()))
     assert est.group_size == 2
-    assert_close(est.advantages(torch.tensor([0.0, 4.0]), torch.ones(2, 1)), torch.tensor([[-2.0], [2.0]]))
+    assert_close(advantages(est, torch.tensor([0.0, 4.0]), torch.ones(2, 1)), torch.tensor([[-2.0], [2.0]]))
 
 
 def test_needs_reference_follows_beta():
@@ -94,7 +126,7 @@ ADV_MASK = torch.tensor(
 
 def test_grpo_advantages_per_token():
     """G=2, rewards [0, 4 | 1, 1]: group 1 -> -+2 / sqrt(8) = -+0.7071068, constant group 2 -> 0."""
-    adv = GRPO(make_cfg(num_samples_per_prompt=2)).advantages(torch.tensor([0.0, 4.0, 1.0, 1.0]), ADV_MASK)
+    adv = advantages(GRPO(make_cfg(num_samples_per_prompt=2)), torch.tensor([0.0, 4.0, 1.0, 1.0]), ADV_MASK)
     s = 0.7071068
     expected = torch.tensor([[-s, -s, 0.0], [s, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     assert adv.shape == (4, 3)
@@ -104,7 +136,7 @@ def test_grpo_advantages_per_token():
 def test_grpo_advantages_without_std():
     """norm_adv_by_std false: rewards [0, 4 | 1, 1] -> [-2, 2 | 0, 0] on valid tokens."""
     est = GRPO(make_cfg(num_samples_per_prompt=2, norm_adv_by_std=False))
-    adv = est.advantages(torch.tensor([0.0, 4.0, 1.0, 1.0]), ADV_MASK)
+    adv = advantages(est, torch.tensor([0.0, 4.0, 1.0, 1.0]), ADV_MASK)
     expected = torch.tensor([[-2.0, -2.0, 0.0], [2.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     assert_close(adv, expected)
 
@@ -112,7 +144,7 @@ def test_grpo_advantages_without_std():
 def test_reinforce_advantages():
     """Batch baseline: [1, 2, 6] - 3 = [-2, -1, 3], spread over valid tokens."""
     mask = ADV_MASK[:3]
-    adv = Reinforce(make_cfg(estimator="reinforce")).advantages(torch.tensor([1.0, 2.0, 6.0]), mask)
+    adv = advantages(Reinforce(make_cfg(estimator="reinforce")), torch.tensor([1.0, 2.0, 6.0]), mask)
     assert_close(adv, torch.tensor([[-2.0, -2.0, 0.0], [-1.0, 0.0, 0.0], [3.0, 3.0, 3.0]]))
 
 
@@ -126,7 +158,7 @@ def test_reinforce_whitened_advantages():
 def test_rloo_advantages():
     """G=2: the other sample is the baseline: [5, 1 | 2, 2] -> [4, -4 | 0, 0]."""
     est = RLOO(make_cfg(estimator="rloo", num_samples_per_prompt=2))
-    adv = est.advantages(torch.tensor([5.0, 1.0, 2.0, 2.0]), ADV_MASK)
+    adv = advantages(est, torch.tensor([5.0, 1.0, 2.0, 2.0]), ADV_MASK)
     expected = torch.tensor([[4.0, 4.0, 0.0], [-4.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     assert_close(adv, expected)
 
@@ -164,20 +196,20 @@ def test_policy_loss_token_mean_and_metrics():
     """
     est = GRPO(make_cfg(loss_agg="token_mean"))
     logp, old_logp, _ = _inputs()
-    loss, metrics = est.policy_loss(logp, old_logp, None, ADV, MASK, torch.tensor(3.0))
+    loss, metrics = policy_loss(est, logp, old_logp, None, ADV, MASK, torch.tensor(3.0))
     assert_close(loss, torch.tensor(-0.5))
-    assert set(metrics) == {"loss/policy", "policy/approxkl", "policy/clipfrac", "val/ratio"}
-    assert_close(metrics["loss/policy"], torch.tensor(-0.5))
-    assert_close(metrics["policy/clipfrac"], torch.tensor(2.0 / 3.0))
+    assert set(metrics) == {"loss/policy_avg", "policy/approxkl_avg", "policy/clipfrac_avg", "val/ratio"}
+    assert_close(metrics["loss/policy_avg"], torch.tensor(-0.5))
+    assert_close(metrics["policy/clipfrac_avg"], torch.tensor(2.0 / 3.0))
     assert_close(metrics["val/ratio"], torch.tensor(1.0333333))
-    assert_close(metrics["policy/approxkl"], torch.tensor(0.1089898), atol=1e-6, rtol=0)
+    assert_close(metrics["policy/approxkl_avg"], torch.tensor(0.1089898), atol=1e-6, rtol=0)
 
 
 def test_policy_loss_seq_mean_token_mean():
     """Sequence means (-1.1 - 1.2) / 2 = -1.15 and 0.8 / 1; (-1.15 + 0.8) / 2 sequences = -0.175."""
     est = GRPO(make_cfg(loss_agg="seq_mean_token_mean"))
     logp, old_logp, _ = _inputs()
-    loss, _ = est.policy_loss(logp, old_logp, None, ADV, MASK, torch.tensor(2.0))
+    loss, _ = policy_loss(est, logp, old_logp, None, ADV, MASK, torch.tensor(2.0))
     assert_close(loss, torch.tensor(-0.175))
 
 
@@ -185,16 +217,17 @@ def test_policy_loss_seq_mean_token_mean():
     "estimator, kl_loss",
     [
         ("k1", -1.0 / 6.0),  # (0.5 - 1 + 0) / 3
+        ("k2", 0.625 / 3.0),  # (0.125 + 0.5 + 0) / 3 = 0.2083333
         ("k3", 0.2749375),  # (0.1065307 + 0.7182818 + 0) / 3
     ],
 )
 def test_policy_loss_adds_beta_kl_when_kl_is_a_loss(estimator, kl_loss):
-    """kl_in_reward false, beta 0.1, ref given: loss = -0.5 + 0.1 * kl_loss, reported as loss/kl."""
+    """kl_in_reward false, beta 0.1, ref given: loss = -0.5 + 0.1 * kl_loss, reported as loss/kl_avg."""
     est = GRPO(make_cfg(beta=0.1, kl_in_reward=False, kl_estimator=estimator))
     logp, old_logp, ref_logp = _inputs()
-    loss, metrics = est.policy_loss(logp, old_logp, ref_logp, ADV, MASK, torch.tensor(3.0))
-    assert_close(metrics["loss/kl"], torch.tensor(kl_loss), atol=1e-6, rtol=0)
-    assert_close(metrics["loss/policy"], torch.tensor(-0.5))
+    loss, metrics = policy_loss(est, logp, old_logp, ref_logp, ADV, MASK, torch.tensor(3.0))
+    assert_close(metrics["loss/kl_avg"], torch.tensor(kl_loss), atol=1e-6, rtol=0)
+    assert_close(metrics["loss/policy_avg"], torch.tensor(-0.5))
     assert_close(loss, torch.tensor(-0.5 + 0.1 * kl_loss), atol=1e-6, rtol=0)
 
 
@@ -210,8 +243,8 @@ def test_policy_loss_has_no_kl_term_otherwise(overrides, with_ref):
     """Without (beta > 0, kl_in_reward false, ref_logp given) the loss is the bare surrogate -0.5."""
     est = GRPO(make_cfg(**overrides))
     logp, old_logp, ref_logp = _inputs()
-    loss, metrics = est.policy_loss(logp, old_logp, ref_logp if with_ref else None, ADV, MASK, torch.tensor(3.0))
-    assert "loss/kl" not in metrics
+    loss, metrics = policy_loss(est, logp, old_logp, ref_logp if with_ref else None, ADV, MASK, torch.tensor(3.0))
+    assert "loss/kl_avg" not in metrics
     assert_close(loss, torch.tensor(-0.5))
 
 
@@ -221,7 +254,7 @@ def test_policy_loss_ignores_masked_positions():
     results = []
     for garbage in (0.0, 3.0, -20.0):
         logp, old_logp, ref_logp = _inputs(garbage)
-        results.append(est.policy_loss(logp, old_logp, ref_logp, ADV, MASK, torch.tensor(3.0)))
+        results.append(policy_loss(est, logp, old_logp, ref_logp, ADV, MASK, torch.tensor(3.0)))
     for loss, metrics in results[1:]:
         assert_close(loss, results[0][0])
         for key, value in metrics.items():
@@ -236,7 +269,7 @@ def test_policy_loss_gradient_and_detached_metrics():
     est = GRPO(make_cfg(beta=0.1, kl_estimator="k1"))
     logp, old_logp, ref_logp = _inputs()
     logp.requires_grad_(True)
-    loss, metrics = est.policy_loss(logp, old_logp, ref_logp, torch.zeros(2, 3), MASK, torch.tensor(3.0))
+    loss, metrics = policy_loss(est, logp, old_logp, ref_logp, torch.zeros(2, 3), MASK, torch.tensor(3.0))
     loss.backward()
     assert_close(logp.grad, MASK * (0.1 / 3.0))
     assert all(not value.requires_grad for value in metrics.values())
@@ -246,8 +279,11 @@ def test_policy_loss_micro_batches_sum_to_mini_batch():
     """Rows fed one at a time with the mini-batch denominator sum to the whole-batch loss (-0.5 - 1/60)."""
     est = GRPO(make_cfg(beta=0.1, kl_estimator="k1"))
     logp, old_logp, ref_logp = _inputs()
-    whole, _ = est.policy_loss(logp, old_logp, ref_logp, ADV, MASK, torch.tensor(3.0))
-    rows = [slice(0, 1), slice(1, 2)]
-    parts = [est.policy_loss(logp[r], old_logp[r], ref_logp[r], ADV[r], MASK[r], torch.tensor(3.0))[0] for r in rows]
+    batch = TrainBatch(make_rollout(MASK), {"old_logp": old_logp, "advantages": ADV, "ref_logp": ref_logp})
+    denominator = est.denominator(batch)
+    assert_close(denominator, torch.tensor(3.0))
+    whole, _, _ = est.loss(batch, Forward(logp), denominator)
+    units = [torch.tensor([0]), torch.tensor([1])]
+    parts = [est.loss(batch.select_units(u), Forward(logp[u]), denominator)[0] for u in units]
     assert_close(sum(parts), whole)
     assert_close(whole, torch.tensor(-0.5 + 0.1 * (-1.0 / 6.0)))

@@ -7,20 +7,22 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
-from rlhf.config.schema import RunConfig
+from rlhf.config.schema import RewardTrainConfig, RunConfig
 
 CONFIG_MODULE = "rlhf.conf"
 SCHEMA_NAME = "rlhf_schema"
 
 
 def register_schema() -> None:
-    """Make `rlhf_schema` (the structured RunConfig) available to the defaults list of conf/config.yaml."""
-    ConfigStore.instance().store(name=SCHEMA_NAME, node=RunConfig)
+    """Make the structured schemas available to the defaults lists of conf/config.yaml and conf/train_reward.yaml."""
+    store = ConfigStore.instance()
+    store.store(name=SCHEMA_NAME, node=RunConfig)
+    store.store(name="reward_train_schema", node=RewardTrainConfig)
 
 
-def compose_config(overrides: list[str] | None = None) -> DictConfig:
-    """The run config `python -m rlhf.train <overrides>` would get (without the `hydra` node)."""
+def compose_config(overrides: list[str] | None = None, config_name: str = "config") -> DictConfig:
+    """The config `python -m rlhf.train <overrides>` would get (or rlhf.train_reward's, with config_name="train_reward")."""
     register_schema()
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides or []))
+        return compose(config_name=config_name, overrides=list(overrides or []))

@@ -162,3 +162,32 @@ class RunConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)  # the orchestrator loop
     eval: EvalConfig = field(default_factory=EvalConfig)  # periodic evaluation
     logging: LoggingConfig = field(default_factory=LoggingConfig)  # console and TensorBoard
+
+
+@dataclass
+class PreferenceDataConfig:
+    name: str = "arith_prefs"  # registered preference dataset (built-in: arith_prefs)
+    max_operand: int = 9  # arith_prefs: operands are drawn from 0..max_operand
+    pairs_per_problem: int = 8  # arith_prefs: (correct, wrong) pairs made for each problem
+    eval_fraction: float = 0.2  # arith_prefs: share of each problem's wrong answers kept for the eval split only
+
+
+@dataclass
+class RewardTrainLoopConfig:
+    num_epochs: int = 3  # passes over the training pairs
+    batch_size: int = 64  # pairs per optimiser step
+    lr: float = 1e-3  # peak learning rate (linear decay to 0)
+    weight_decay: float = 0.0  # AdamW weight decay
+    max_grad_norm: float = 1.0  # gradient clipping by global norm; <= 0 disables
+    eval_every: int = 50  # evaluate every N optimiser steps (and at the end)
+
+
+@dataclass
+class RewardTrainConfig:
+    seed: int = 1  # seeds python, numpy and torch
+    model: ModelConfig = field(default_factory=ModelConfig)  # backbone to start from (its tokenizer is kept)
+    preferences: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)  # chosen/rejected pairs
+    train: RewardTrainLoopConfig = field(default_factory=RewardTrainLoopConfig)  # optimisation
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # device
+    save_dir: Optional[str] = None  # where the reward model folder goes; null = <run folder>/reward_model
+    tensorboard: bool = True  # write TensorBoard events to <run folder>/tensorboard

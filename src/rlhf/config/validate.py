@@ -90,7 +90,7 @@ def _derive_pairwise_sizes(cfg: DictConfig, samples: int) -> DerivedSizes:
     mini = pairs // train.num_mini_batches
     micro_pairs = min(train.micro_batch_size // 2, mini)
     _require(
-        micro_pairs >= 1 and mini % micro_pairs == 0,
+        train.micro_batch_size % 2 == 0 and mini % micro_pairs == 0,
         f"{cfg.algorithm.estimator}: train.micro_batch_size={train.micro_batch_size} counts samples (2 per pair) and "
         f"must be an even number whose half divides the {mini} pairs of a mini batch",
     )

@@ -7,16 +7,20 @@ policy's causal LM (the head is then new).
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification
+from transformers.utils import logging as hf_logging
 
 from rlhf.functional import last_token_index
 from rlhf.generators.base import Rollout
 from rlhf.models.loading import DTYPES, disable_dropout, resolve_model_path, zero_dropout_config
 
 HEAD_NAMES = ("score", "classifier", "v_head")
+
+log = logging.getLogger(__name__)
 
 
 def score_head(model: torch.nn.Module) -> tuple[str, torch.nn.Linear]:
@@ -47,12 +51,19 @@ def load_value_model(
     path = resolve_model_path(name_or_path)
     config = zero_dropout_config(AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code))
     config.num_labels = 1
-    model, info = AutoModelForSequenceClassification.from_pretrained(
-        path, config=config, revision=revision, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, output_loading_info=True
-    )
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # a missing head is expected when starting from a causal LM; we report it below
+    try:
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            path, config=config, revision=revision, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
+            output_loading_info=True,
+        )
+    finally:
+        hf_logging.set_verbosity(verbosity)
     name, head = score_head(model)
     if any(key.startswith(name + ".") or key == name for key in info["missing_keys"]):
         init_score_head(head, model.config.hidden_size)
+        log.info("%s: new scalar head `%s` initialised with std 1/sqrt(%d + 1)", name_or_path, name, model.config.hidden_size)
     return disable_dropout(model).to(device)
 
 
