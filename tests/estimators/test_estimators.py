@@ -287,3 +287,225 @@ def test_policy_loss_micro_batches_sum_to_mini_batch():
     parts = [est.loss(batch.select_units(u), Forward(logp[u]), denominator)[0] for u in units]
     assert_close(sum(parts), whole)
     assert_close(whole, torch.tensor(-0.5 + 0.1 * (-1.0 / 6.0)))
+
+
+# --- flags and denominators ---------------------------------------------------------------------------
+
+
+def test_policy_gradient_flags():
+    """No critic; pre-update logprobs always; entropy in the training forward only with an entropy bonus."""
+    est = GRPO(make_cfg())
+    assert est.needs_critic is False and est.needs_old_logprobs is True and est.needs_entropy is False
+    assert GRPO(make_cfg(entropy_coef=0.01)).needs_entropy is True
+
+
+def test_kl_controller_follows_config():
+    """kl_ctl fixed gives a FixedKLController at beta; adaptive an AdaptiveKLController with target and horizon."""
+    fixed = GRPO(make_cfg(beta=0.1)).kl_ctl
+    assert isinstance(fixed, FixedKLController) and fixed.value == 0.1
+    adaptive = GRPO(make_cfg(beta=0.1, kl_ctl="adaptive", target_kl=2.0, kl_horizon=50)).kl_ctl
+    assert isinstance(adaptive, AdaptiveKLController)
+    assert (adaptive.value, adaptive.target, adaptive.horizon) == (0.1, 2.0, 50)
+
+
+@pytest.mark.parametrize(
+    "loss_agg, loss_agg_norm, max_new_tokens, expected",
+    [
+        ("token_mean", None, 8, 3.0),  # 3 valid tokens
+        ("seq_mean_token_mean", None, 8, 2.0),  # 2 sequences
+        ("seq_mean_token_sum", None, 8, 2.0),  # 2 sequences
+        ("seq_mean_token_sum_norm", None, 8, 16.0),  # 2 sequences * generator.max_new_tokens 8
+        ("seq_mean_token_sum_norm", 4.0, 8, 8.0),  # 2 sequences * loss_agg_norm 4 (wins over the generator)
+        ("seq_mean_token_sum_norm", None, None, 2.0),  # no generator config: constant 1
+    ],
+)
+def test_denominator_per_aggregation(loss_agg, loss_agg_norm, max_new_tokens, expected):
+    """The mini-batch denominator on MASK (rows of 2 and 1 valid tokens) for each loss aggregation."""
+    gen_cfg = OmegaConf.structured(GeneratorConfig(max_new_tokens=max_new_tokens)) if max_new_tokens else None
+    est = GRPO(make_cfg(loss_agg=loss_agg, loss_agg_norm=loss_agg_norm), gen_cfg)
+    batch = TrainBatch(make_rollout(MASK), {"old_logp": torch.zeros(2, 3), "advantages": ADV})
+    assert_close(est.denominator(batch).float(), torch.tensor(expected))
+
+
+@pytest.mark.parametrize(
+    "loss_agg, expected",
+    [
+        ("seq_mean_token_sum", -0.75),  # sequence sums (-1.1 - 1.2) = -2.3 and 0.8 -> -1.5 / 2
+        ("seq_mean_token_sum_norm", -0.09375),  # -1.5 / (2 sequences * max_new_tokens 8)
+    ],
+)
+def test_policy_loss_token_sum_aggregations(loss_agg, expected):
+    """The surrogate summed per sequence, divided by the estimator's own denominator."""
+    est = GRPO(make_cfg(loss_agg=loss_agg), OmegaConf.structured(GeneratorConfig(max_new_tokens=8)))
+    logp, old_logp, _ = _inputs()
+    batch = TrainBatch(make_rollout(MASK), {"old_logp": old_logp, "advantages": ADV})
+    loss, _, _ = est.loss(batch, Forward(logp), est.denominator(batch))
+    assert_close(loss, torch.tensor(expected))
+
+
+# --- clip variants through the config -----------------------------------------------------------------
+
+
+def test_clip_eps_high_from_config():
+    """clip_eps_high 0.6: A=+1 r=1.5 is no longer clipped -> (-1.1 - 1.5 + 0.8) / 3 = -0.6, clipfrac 1/3."""
+    est = GRPO(make_cfg(clip_eps_high=0.6))
+    logp, old_logp, _ = _inputs()
+    loss, metrics = policy_loss(est, logp, old_logp, None, ADV, MASK, torch.tensor(3.0))
+    assert_close(loss, torch.tensor(-0.6))
+    assert_close(metrics["policy/clipfrac_avg"], torch.tensor(1.0 / 3.0))
+
+
+def test_dual_clip_c_from_config():
+    """A=-1, r=5: max(5, 1.2) = 5 without dual-clip; dual_clip_c 3 caps it at 3 and counts it as clipped."""
+    mask, adv, logp = torch.ones(1, 1), -torch.ones(1, 1), torch.tensor([[math.log(5.0)]])
+    plain, plain_metrics = policy_loss(GRPO(make_cfg()), logp, torch.zeros(1, 1), None, adv, mask, torch.tensor(1.0))
+    dual, dual_metrics = policy_loss(GRPO(make_cfg(dual_clip_c=3.0)), logp, torch.zeros(1, 1), None, adv, mask, torch.tensor(1.0))
+    assert_close(plain, torch.tensor(5.0))
+    assert_close(dual, torch.tensor(3.0))
+    assert plain_metrics["policy/clipfrac_avg"].item() == 0.0 and dual_metrics["policy/clipfrac_avg"].item() == 1.0
+
+
+# --- build_batch: KL in the reward, KL metrics --------------------------------------------------------
+
+# Pre-update and reference logprobs whose k1 KL at valid tokens is KL above ([0.5, 0.25], [1.0]); garbage elsewhere.
+OLD_LOGP = torch.tensor([[-1.0, -2.0, 9.0], [-0.5, 9.0, 9.0]])
+REF_LOGP = torch.tensor([[-1.5, -2.25, -9.0], [-1.5, -9.0, -9.0]])
+
+
+def build(est, old_logp=OLD_LOGP, ref_logp=REF_LOGP, scores=SCORES):
+    """`est.build_batch` on the two-row KL example."""
+    return est.build_batch(StepInputs(make_rollout(KL_MASK), scores, old_logp, ref_logp, None, est.group_size))
+
+
+def test_build_batch_with_kl_in_reward():
+    """Reinforce, beta 0.1, k1: rewards [1 - 0.075, 2 - 0.1] = [0.925, 1.9], mean 1.4125 -> advantages -+0.4875.
+
+    non_score_reward mean (-0.075 - 0.1) / 2 = -0.0875; objective/kl = (0.75 + 1.0) / 2 = 0.875.
+    """
+    est = Reinforce(make_cfg(estimator="reinforce", beta=0.1, kl_in_reward=True, kl_estimator="k1"))
+    batch, metrics = build(est)
+    assert_close(batch.tensors["advantages"], torch.tensor([[-0.4875, -0.4875, 0.0], [0.4875, 0.0, 0.0]]))
+    assert metrics["objective/rlhf_reward"] == pytest.approx(1.4125)
+    assert metrics["objective/non_score_reward"] == pytest.approx(-0.0875)
+    assert metrics["objective/kl"] == pytest.approx(0.875)
+    assert metrics["objective/kl_coef"] == pytest.approx(0.1)
+    assert batch.tensors["old_logp"] is OLD_LOGP and batch.tensors["ref_logp"] is REF_LOGP
+    assert batch.rows_per_unit == 1 and batch.num_units == 2
+
+
+def test_build_batch_with_kl_as_a_loss_reports_kl_but_keeps_rewards():
+    """kl_in_reward false: rewards are the scores [1, 2] -> advantages -+0.5; objective/kl is still 0.875."""
+    est = Reinforce(make_cfg(estimator="reinforce", beta=0.1, kl_in_reward=False, kl_estimator="k1"))
+    batch, metrics = build(est)
+    assert_close(batch.tensors["advantages"], torch.tensor([[-0.5, -0.5, 0.0], [0.5, 0.0, 0.0]]))
+    assert metrics["objective/rlhf_reward"] == pytest.approx(1.5)
+    assert metrics["objective/non_score_reward"] == 0.0
+    assert metrics["objective/kl"] == pytest.approx(0.875)
+
+
+def test_build_batch_k3_kl_in_reward():
+    """k3 at x = [0.5, 0.25] and [1.0]: [0.1065307 + 0.0288008, 0.3678794] -> kl sums [0.1353315, 0.3678794];
+    non_score = -0.1 * them, mean -0.0251605; objective/kl = 0.2516055."""
+    est = Reinforce(make_cfg(estimator="reinforce", beta=0.1, kl_in_reward=True, kl_estimator="k3"))
+    _, metrics = build(est)
+    assert metrics["objective/kl"] == pytest.approx(0.2516055, abs=1e-6)
+    assert metrics["objective/non_score_reward"] == pytest.approx(-0.0251605, abs=1e-6)
+    assert metrics["objective/rlhf_reward"] == pytest.approx(1.5 - 0.0251605, abs=1e-6)
+
+
+def test_build_batch_without_reference_has_no_kl():
+    """beta 0: no reference, no KL metrics, no ref_logp tensor; rewards are the scores."""
+    est = Reinforce(make_cfg(estimator="reinforce", beta=0.0))
+    assert est.needs_reference is False
+    batch, metrics = build(est, ref_logp=None)
+    assert set(metrics) == {"objective/rlhf_reward", "objective/non_score_reward"}
+    assert set(batch.tensors) == {"old_logp", "advantages"}
+    assert_close(batch.tensors["advantages"], torch.tensor([[-0.5, -0.5, 0.0], [0.5, 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize("garbage", [0.0, 3.0, -20.0, float("nan")])
+def test_build_batch_ignores_masked_logprobs(garbage):
+    """Any garbage (even NaN) in masked old/ref logprobs leaves advantages and metrics as with clean inputs."""
+    est = GRPO(make_cfg(num_samples_per_prompt=2, beta=0.1, kl_in_reward=True, kl_estimator="k3"))
+    clean_batch, clean_metrics = build(est)
+    dirty = lambda x, g: torch.where(KL_MASK.bool(), x, torch.full_like(x, g))  # noqa: E731
+    batch, metrics = build(est, dirty(OLD_LOGP, garbage), dirty(REF_LOGP, -garbage))
+    assert_close(batch.tensors["advantages"], clean_batch.tensors["advantages"])
+    assert metrics == pytest.approx(clean_metrics)
+
+
+def test_adaptive_kl_coefficient_moves_between_steps():
+    """target 0.5, horizon 20, 2 samples, measured KL 0.875: error 0.75 clipped to 0.2 -> coef * (1 + 0.2 * 2 / 20).
+
+    Step 1 uses 0.1 (non_score mean -0.0875), then 0.102; step 2 uses 0.102: -0.102 * (0.75 + 1.0) / 2 = -0.08925,
+    then 0.102 * 1.02 = 0.10404.
+    """
+    est = Reinforce(make_cfg(estimator="reinforce", beta=0.1, kl_in_reward=True, kl_estimator="k1",
+                             kl_ctl="adaptive", target_kl=0.5, kl_horizon=20))
+    _, first = build(est)
+    assert first["objective/kl_coef"] == pytest.approx(0.1)
+    assert first["objective/non_score_reward"] == pytest.approx(-0.0875)
+    assert est.kl_ctl.value == pytest.approx(0.102)
+    _, second = build(est)
+    assert second["objective/kl_coef"] == pytest.approx(0.102)
+    assert second["objective/non_score_reward"] == pytest.approx(-0.08925)
+    assert est.kl_ctl.value == pytest.approx(0.10404)
+
+
+def test_adaptive_kl_coefficient_shrinks_below_target():
+    """target 2.0: error 0.875 / 2 - 1 = -0.5625 clipped to -0.2 -> 0.1 * (1 - 0.2 * 2 / 20) = 0.098."""
+    est = Reinforce(make_cfg(estimator="reinforce", beta=0.1, kl_estimator="k1",
+                             kl_ctl="adaptive", target_kl=2.0, kl_horizon=20))
+    build(est)
+    assert est.kl_ctl.value == pytest.approx(0.098)
+
+
+def test_kl_loss_uses_the_adaptive_coefficient():
+    """After one adaptive update to 0.102, the k1 KL loss term is 0.102 * (-1/6): loss = -0.5 - 0.017."""
+    est = GRPO(make_cfg(num_samples_per_prompt=2, beta=0.1, kl_in_reward=False, kl_estimator="k1",
+                        kl_ctl="adaptive", target_kl=0.5, kl_horizon=20))
+    build(est)
+    logp, old_logp, ref_logp = _inputs()
+    loss, metrics = policy_loss(est, logp, old_logp, ref_logp, ADV, MASK, torch.tensor(3.0))
+    assert_close(metrics["loss/kl_avg"], torch.tensor(-1.0 / 6.0))
+    assert_close(loss, torch.tensor(-0.5 + 0.102 * (-1.0 / 6.0)))
+
+
+# --- entropy bonus ------------------------------------------------------------------------------------
+
+ENTROPY = torch.tensor([[1.0, 2.0, float("nan")], [3.0, 1e6, -1e6]])  # garbage outside MASK
+
+
+@pytest.mark.parametrize(
+    "loss_agg, denominator, surrogate, entropy",
+    [
+        ("token_mean", 3.0, -0.5, 2.0),  # entropy (1 + 2 + 3) / 3
+        ("seq_mean_token_mean", 2.0, -0.175, 2.25),  # sequence means 1.5 and 3 -> 4.5 / 2
+    ],
+)
+def test_entropy_bonus_lowers_the_loss(loss_agg, denominator, surrogate, entropy):
+    """entropy_coef 0.01: loss = surrogate - 0.01 * aggregated entropy, reported as loss/entropy_avg."""
+    est = GRPO(make_cfg(entropy_coef=0.01, loss_agg=loss_agg))
+    logp, old_logp, _ = _inputs()
+    loss, metrics = policy_loss(est, logp, old_logp, None, ADV, MASK, torch.tensor(denominator), ENTROPY)
+    assert_close(metrics["loss/entropy_avg"], torch.tensor(entropy))
+    assert_close(metrics["loss/policy_avg"], torch.tensor(surrogate))
+    assert_close(loss, torch.tensor(surrogate - 0.01 * entropy))
+
+
+def test_entropy_bonus_gradient():
+    """d loss / d entropy = -entropy_coef / denominator = -0.01 / 3 on valid tokens, 0 elsewhere."""
+    est = GRPO(make_cfg(entropy_coef=0.01))
+    logp, old_logp, _ = _inputs()
+    entropy = ENTROPY.clone().requires_grad_(True)
+    loss, _ = policy_loss(est, logp, old_logp, None, ADV, MASK, torch.tensor(3.0), entropy)
+    loss.backward()
+    assert_close(entropy.grad, MASK * (-0.01 / 3.0))
+
+
+def test_no_entropy_term_without_coefficient():
+    """entropy_coef 0: a given entropy is ignored; the loss is the bare surrogate -0.5."""
+    logp, old_logp, _ = _inputs()
+    loss, metrics = policy_loss(GRPO(make_cfg()), logp, old_logp, None, ADV, MASK, torch.tensor(3.0), ENTROPY)
+    assert "loss/entropy_avg" not in metrics
+    assert_close(loss, torch.tensor(-0.5))
