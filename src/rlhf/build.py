@@ -38,6 +38,7 @@ class Components:
     policy: Any
     reference: Any | None
     critic: Any | None = None
+    shuffle: torch.Generator | None = None  # orders mini batches; its state is checkpointed
 
 
 def check_model_sources(cfg) -> None:
@@ -128,4 +129,5 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
         policy=policy,
         reference=reference,
         critic=critic,
+        shuffle=torch.Generator().manual_seed(cfg.seed),
     )

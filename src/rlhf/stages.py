@@ -5,6 +5,7 @@ Schedules decide when these run; the RL math they call lives in `rlhf.functional
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -77,11 +78,12 @@ def _is_share(key: str) -> bool:
     return key.startswith("loss/") or key == "objective/loss"
 
 
-def update_policy(c, batch: TrainBatch, train_cfg, temperature: float, generator: torch.Generator) -> dict[str, float]:
+def update_policy(c, batch: TrainBatch, train_cfg, temperature: float, guard) -> dict[str, float]:
     """`train.num_epochs` passes over the batch in shuffled mini batches, accumulating micro batches.
 
-    Micro-batch sizes count samples; for pairwise estimators (DPO) a mini batch holds whole pairs.
-    Returns the estimator's metrics averaged over mini batches, and gradient norms.
+    Micro-batch sizes count samples; for pairwise estimators (DPO) a mini batch holds whole pairs. A mini
+    batch with a non-finite loss or gradient changes no weight; ``guard`` counts it and stops the run after
+    too many in a row. Returns the estimator's metrics averaged over mini batches, and gradient norms.
     """
     units = batch.num_units
     mini_units = units // train_cfg.num_mini_batches
@@ -90,28 +92,42 @@ def update_policy(c, batch: TrainBatch, train_cfg, temperature: float, generator
     sums: dict[str, float] = {}
     count = 0
     for _ in range(train_cfg.num_epochs):
-        for mini_ids in torch.randperm(units, generator=generator).split(mini_units):
+        for mini_ids in torch.randperm(units, generator=c.shuffle).split(mini_units):
             mini = batch.select_units(mini_ids)
             denominator = c.estimator.denominator(mini)
             step: dict[str, float] = {}
+            finite = True
             micro_ids = torch.arange(mini.num_units).split(micro_units)
             for ids in micro_ids:
                 micro = mini.select_units(ids)
                 logp, entropy = c.policy.logprobs(micro.rollout, temperature, with_entropy=c.estimator.needs_entropy)
                 values = critic.values(micro.rollout) if critic is not None else None
                 policy_loss, value_loss, metrics = c.estimator.loss(micro, Forward(logp, entropy, values), denominator)
+                losses = [policy_loss] + ([value_loss] if value_loss is not None else [])
+                if not all(torch.isfinite(loss).item() for loss in losses):
+                    finite = False
+                    break  # no backward: a NaN must not reach the gradients
                 c.policy.backward(policy_loss)
                 if value_loss is not None:
                     critic.backward(value_loss)
                 for key, value in metrics.items():
                     step[key] = step.get(key, 0.0) + float(value) * (1.0 if _is_share(key) else 1.0 / len(micro_ids))
-            step["policy/grad_norm"] = c.policy.optimizer_step()
-            if critic is not None:
-                step["critic/grad_norm"] = critic.optimizer_step()
-            for key, value in step.items():
-                sums[key] = sums.get(key, 0.0) + value
-            count += 1
-    return {key: value / count for key, value in sums.items()}
+            if finite:
+                step["policy/grad_norm"] = c.policy.optimizer_step()
+                if critic is not None:
+                    step["critic/grad_norm"] = critic.optimizer_step()
+                finite = all(math.isfinite(v) for k, v in step.items() if k.endswith("grad_norm"))
+                guard.record(not finite, "gradient")
+            else:
+                c.policy.zero_grad()
+                if critic is not None:
+                    critic.zero_grad()
+                guard.record(True, "loss")
+            if finite:
+                for key, value in step.items():
+                    sums[key] = sums.get(key, 0.0) + value
+                count += 1
+    return {key: value / count for key, value in sums.items()} if count else {}
 
 
 def evaluate(c, examples: list[PromptExample], gen_cfg, eval_cfg) -> tuple[dict[str, float], Scored | None]:

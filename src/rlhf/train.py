@@ -20,6 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf.config import ConfigError, register_schema, validate
+from rlhf.schedules.common import NonFiniteError, NonFiniteGuard
 
 log = logging.getLogger("rlhf")
 
@@ -32,30 +33,45 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def train(cfg: DictConfig, out: Path) -> dict:
-    """Validate, build, run the schedule in folder ``out``, summarise. Returns the schedule's summary metrics."""
-    from rlhf import registry
+def train(cfg: DictConfig, out: Path):
+    """Validate, build, resume if asked, run the schedule in folder ``out``, export. Returns the final RunState."""
+    from rlhf import checkpoint, registry
     from rlhf.build import build_components
+    from rlhf.schedules.common import RunState, StopSignals
     from rlhf.tracking.tracker import Tracker
 
     sizes = validate(cfg)
     schedule = registry.resolve("schedule", cfg.schedule.name, key="schedule.name")
+    root = checkpoint.checkpoint_root(cfg, out)
+    resume_from = checkpoint.resume_path(cfg, root)
     log.info("output folder: %s", out)
     log.info("derived sizes: %s", ", ".join(f"{k}={v}" for k, v in sizes.as_dict().items()))
     seed_everything(cfg.seed)
     components = build_components(cfg, sizes)
-    tracker = Tracker(out, cfg.logging.tensorboard)
+    state = RunState(guard=NonFiniteGuard(cfg.train.max_skipped_steps_in_row))
+    if resume_from is not None:
+        state = RunState.from_dict(checkpoint.load(components, resume_from), cfg.train.max_skipped_steps_in_row)
+        components.generator.update_weights(components.policy.state_dict())
+    tracker = Tracker(out, cfg.logging.tensorboard, resume_step=state.step if resume_from else None)
+    tracker.checkpoint_root = root
     tracker.config(OmegaConf.to_yaml(cfg), sizes.as_dict())
+    log.info("run id %s, starting at step %d", state.run_id, state.step)
     try:
-        summary = schedule(components, cfg, sizes, tracker)
+        with StopSignals() as stop:
+            state = schedule(components, cfg, sizes, tracker, state, stop)
     finally:
         tracker.close()
-    summarize(summary, tracker.elapsed())
-    return summary
+    if state.preempted:
+        return state
+    if cfg.checkpoint.save_final_model:
+        components.policy.export(out / "final_model", components.tokenizer)
+        log.info("final policy saved as a Hugging Face folder: %s", out / "final_model")
+    summarize(state, tracker.elapsed())
+    return state
 
 
-def summarize(summary: dict, seconds: float) -> None:
-    first, last = summary["first_eval"], summary["last_eval"]
+def summarize(state, seconds: float) -> None:
+    first, last = state.first_eval, state.last_eval
     log.info("done in %.0f s. eval start -> end:", seconds)
     for key in sorted(set(first) & set(last)):
         log.info("  %-32s %.3f -> %.3f", key, first[key], last[key])
@@ -64,12 +80,15 @@ def summarize(summary: dict, seconds: float) -> None:
 @hydra.main(config_path="pkg://rlhf.conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     try:
-        summary = train(cfg, Path(HydraConfig.get().runtime.output_dir))
+        state = train(cfg, Path(HydraConfig.get().runtime.output_dir))
     except ConfigError as err:
         log.error("config error: %s", err)
         raise SystemExit(2) from None
+    except NonFiniteError as err:
+        log.error("training stopped: %s", err)
+        raise SystemExit(3) from None
     # returned for Hydra sweepers that optimise a value
-    return summary["last_eval"].get("eval/sampled_correct_rate")
+    return state.last_eval.get("eval/sampled_correct_rate")
 
 
 if __name__ == "__main__":

@@ -358,8 +358,9 @@ def test_clip_eps_high_from_config():
 def test_dual_clip_c_from_config():
     """A=-1, r=5: max(5, 1.2) = 5 without dual-clip; dual_clip_c 3 caps it at 3 and counts it as clipped."""
     mask, adv, logp = torch.ones(1, 1), -torch.ones(1, 1), torch.tensor([[math.log(5.0)]])
-    plain, plain_metrics = policy_loss(GRPO(make_cfg()), logp, torch.zeros(1, 1), None, adv, mask, torch.tensor(1.0))
-    dual, dual_metrics = policy_loss(GRPO(make_cfg(dual_clip_c=3.0)), logp, torch.zeros(1, 1), None, adv, mask, torch.tensor(1.0))
+    old_logp, denominator = torch.zeros(1, 1), torch.tensor(1.0)
+    plain, plain_metrics = policy_loss(GRPO(make_cfg()), logp, old_logp, None, adv, mask, denominator)
+    dual, dual_metrics = policy_loss(GRPO(make_cfg(dual_clip_c=3.0)), logp, old_logp, None, adv, mask, denominator)
     assert_close(plain, torch.tensor(5.0))
     assert_close(dual, torch.tensor(3.0))
     assert plain_metrics["policy/clipfrac_avg"].item() == 0.0 and dual_metrics["policy/clipfrac_avg"].item() == 1.0
@@ -378,10 +379,9 @@ def build(est, old_logp=OLD_LOGP, ref_logp=REF_LOGP, scores=SCORES):
 
 
 def test_build_batch_with_kl_in_reward():
-    """Reinforce, beta 0.1, k1: rewards [1 - 0.075, 2 - 0.1] = [0.925, 1.9], mean 1.4125 -> advantages -+0.4875.
-
-    non_score_reward mean (-0.075 - 0.1) / 2 = -0.0875; objective/kl = (0.75 + 1.0) / 2 = 0.875.
-    """
+    """Reinforce, beta 0.1, k1 KL in the reward: shaped rewards, advantages and KL metrics."""
+    # Reinforce, beta 0.1, k1: rewards [1 - 0.075, 2 - 0.1] = [0.925, 1.9], mean 1.4125 -> advantages -+0.4875.
+    # non_score_reward mean (-0.075 - 0.1) / 2 = -0.0875; objective/kl = (0.75 + 1.0) / 2 = 0.875.
     est = Reinforce(make_cfg(estimator="reinforce", beta=0.1, kl_in_reward=True, kl_estimator="k1"))
     batch, metrics = build(est)
     assert_close(batch.tensors["advantages"], torch.tensor([[-0.4875, -0.4875, 0.0], [0.4875, 0.0, 0.0]]))
@@ -404,8 +404,9 @@ def test_build_batch_with_kl_as_a_loss_reports_kl_but_keeps_rewards():
 
 
 def test_build_batch_k3_kl_in_reward():
-    """k3 at x = [0.5, 0.25] and [1.0]: [0.1065307 + 0.0288008, 0.3678794] -> kl sums [0.1353315, 0.3678794];
-    non_score = -0.1 * them, mean -0.0251605; objective/kl = 0.2516055."""
+    """k3 KL in the reward: objective/kl and non_score_reward from k3 sums."""
+    # k3 at x = [0.5, 0.25] and [1.0]: [0.1065307 + 0.0288008, 0.3678794] -> kl sums [0.1353315, 0.3678794];
+    # non_score = -0.1 * them, mean -0.0251605; objective/kl = 0.2516055.
     est = Reinforce(make_cfg(estimator="reinforce", beta=0.1, kl_in_reward=True, kl_estimator="k3"))
     _, metrics = build(est)
     assert metrics["objective/kl"] == pytest.approx(0.2516055, abs=1e-6)
@@ -435,11 +436,10 @@ def test_build_batch_ignores_masked_logprobs(garbage):
 
 
 def test_adaptive_kl_coefficient_moves_between_steps():
-    """target 0.5, horizon 20, 2 samples, measured KL 0.875: error 0.75 clipped to 0.2 -> coef * (1 + 0.2 * 2 / 20).
-
-    Step 1 uses 0.1 (non_score mean -0.0875), then 0.102; step 2 uses 0.102: -0.102 * (0.75 + 1.0) / 2 = -0.08925,
-    then 0.102 * 1.02 = 0.10404.
-    """
+    """The adaptive KL coefficient used by build_batch moves after every step."""
+    # target 0.5, horizon 20, 2 samples, measured KL 0.875: error 0.75 clipped to 0.2 -> coef * (1 + 0.2 * 2 / 20).
+    # Step 1 uses 0.1 (non_score mean -0.0875), then 0.102; step 2 uses 0.102: -0.102 * (0.75 + 1.0) / 2 = -0.08925,
+    # then 0.102 * 1.02 = 0.10404.
     est = Reinforce(make_cfg(estimator="reinforce", beta=0.1, kl_in_reward=True, kl_estimator="k1",
                              kl_ctl="adaptive", target_kl=0.5, kl_horizon=20))
     _, first = build(est)

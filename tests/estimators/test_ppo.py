@@ -64,37 +64,38 @@ def test_ppo_is_registered_and_needs_a_critic():
 
 
 def test_build_batch_gamma_one_lambda_one():
-    """gamma = lam = 1: returns = reward-to-go, advantages = returns - V.
-
-    row 0: to-go [0.98, 0.99, 1.01], A = [0.98 - 0.5, 0.99 - 0.2, 1.01 - 0.4] = [0.48, 0.79, 0.61];
-    row 1: to-go [1.95], A = [0.45];
-    row 2: to-go [-1.06, -1.06, -1.05, -1.03], A = [-1.36, -1.66, -1.95, -1.53].
-    """
+    """gamma = lam = 1: returns are the reward-to-go of the per-token rewards, advantages = returns - V."""
+    # gamma = lam = 1: returns = reward-to-go, advantages = returns - V.
+    # row 0: to-go [0.98, 0.99, 1.01], A = [0.98 - 0.5, 0.99 - 0.2, 1.01 - 0.4] = [0.48, 0.79, 0.61];
+    # row 1: to-go [1.95], A = [0.45];
+    # row 2: to-go [-1.06, -1.06, -1.05, -1.03], A = [-1.36, -1.66, -1.95, -1.53].
     batch, _ = PPO(make_cfg(gamma=1.0, lam=1.0)).build_batch(inputs())
     t = batch.tensors
-    assert_close(t["returns"], torch.tensor([[0.98, 0.99, 1.01, 0.0], [1.95, 0.0, 0.0, 0.0], [-1.06, -1.06, -1.05, -1.03]]))
-    assert_close(t["advantages"], torch.tensor([[0.48, 0.79, 0.61, 0.0], [0.45, 0.0, 0.0, 0.0], [-1.36, -1.66, -1.95, -1.53]]))
+    expected_returns = torch.tensor([[0.98, 0.99, 1.01, 0.0], [1.95, 0.0, 0.0, 0.0], [-1.06, -1.06, -1.05, -1.03]])
+    expected_adv = torch.tensor([[0.48, 0.79, 0.61, 0.0], [0.45, 0.0, 0.0, 0.0], [-1.36, -1.66, -1.95, -1.53]])
+    assert_close(t["returns"], expected_returns)
+    assert_close(t["advantages"], expected_adv)
     assert t["old_values"] is VALUES and t["old_logp"] is OLD_LOGP and t["ref_logp"] is REF_LOGP
 
 
 def test_build_batch_lambda_zero_is_one_step_td():
-    """gamma 1, lam 0: A_t = r_t + V_{t+1} - V_t.
-
-    row 0: [-0.01 + 0.2 - 0.5, -0.02 + 0.4 - 0.2, 1.01 - 0.4] = [-0.31, 0.18, 0.61];  row 1: [1.95 - 1.5] = [0.45];
-    row 2: [0 + 0.6 - 0.3, -0.01 + 0.9 - 0.6, -0.02 + 0.5 - 0.9, -1.03 - 0.5] = [0.3, 0.29, -0.42, -1.53].
-    returns = A + V: row 0 [0.19, 0.38, 1.01]; row 1 [1.95]; row 2 [0.6, 0.89, 0.48, -1.03].
-    """
+    """gamma 1, lam 0: advantages are one-step TD errors r_t + V_{t+1} - V_t."""
+    # gamma 1, lam 0: A_t = r_t + V_{t+1} - V_t.
+    # row 0: [-0.01 + 0.2 - 0.5, -0.02 + 0.4 - 0.2, 1.01 - 0.4] = [-0.31, 0.18, 0.61];  row 1: [1.95 - 1.5] = [0.45];
+    # row 2: [0 + 0.6 - 0.3, -0.01 + 0.9 - 0.6, -0.02 + 0.5 - 0.9, -1.03 - 0.5] = [0.3, 0.29, -0.42, -1.53].
+    # returns = A + V: row 0 [0.19, 0.38, 1.01]; row 1 [1.95]; row 2 [0.6, 0.89, 0.48, -1.03].
     batch, _ = PPO(make_cfg(gamma=1.0, lam=0.0)).build_batch(inputs())
-    assert_close(batch.tensors["advantages"], torch.tensor([[-0.31, 0.18, 0.61, 0.0], [0.45, 0.0, 0.0, 0.0], [0.3, 0.29, -0.42, -1.53]]))
-    assert_close(batch.tensors["returns"], torch.tensor([[0.19, 0.38, 1.01, 0.0], [1.95, 0.0, 0.0, 0.0], [0.6, 0.89, 0.48, -1.03]]))
+    expected_adv = torch.tensor([[-0.31, 0.18, 0.61, 0.0], [0.45, 0.0, 0.0, 0.0], [0.3, 0.29, -0.42, -1.53]])
+    expected_returns = torch.tensor([[0.19, 0.38, 1.01, 0.0], [1.95, 0.0, 0.0, 0.0], [0.6, 0.89, 0.48, -1.03]])
+    assert_close(batch.tensors["advantages"], expected_adv)
+    assert_close(batch.tensors["returns"], expected_returns)
 
 
 def test_build_batch_metrics():
-    """non_score_reward = -0.1 * KL sums [0.2, 0.5, 0.6] -> mean -0.13 / 3 = -0.0433333; objective/kl = 1.3 / 3.
-
-    rlhf_reward = mean row reward sums (0.98 + 1.95 - 1.06) / 3 = 0.6233333; val/values = 4.9 / 8 = 0.6125;
-    val/returns (gamma = lam = 1) = (0.98 + 0.99 + 1.01 + 1.95 - 1.06 - 1.06 - 1.05 - 1.03) / 8 = 0.09125.
-    """
+    """build_batch metrics: rewards, non-score reward, KL, values and returns."""
+    # non_score_reward = -0.1 * KL sums [0.2, 0.5, 0.6] -> mean -0.13 / 3 = -0.0433333; objective/kl = 1.3 / 3.
+    # rlhf_reward = mean row reward sums (0.98 + 1.95 - 1.06) / 3 = 0.6233333; val/values = 4.9 / 8 = 0.6125;
+    # val/returns (gamma = lam = 1) = (0.98 + 0.99 + 1.01 + 1.95 - 1.06 - 1.06 - 1.05 - 1.03) / 8 = 0.09125.
     _, metrics = PPO(make_cfg(gamma=1.0, lam=1.0)).build_batch(inputs())
     assert metrics == pytest.approx(
         {
@@ -110,10 +111,10 @@ def test_build_batch_metrics():
 
 
 def test_build_batch_with_kl_as_a_loss_keeps_the_score_only():
-    """kl_in_reward false: per-token rewards are the scores alone; non_score_reward 0, objective/kl still 1.3 / 3.
-
-    gamma = lam = 1: row 0 A = [1 - 0.5, 1 - 0.2, 1 - 0.4]; row 1 [2 - 1.5]; row 2 [-1 - 0.3, -1 - 0.6, -1 - 0.9, -1 - 0.5].
-    """
+    """kl_in_reward false: per-token rewards are the score alone; objective/kl is still reported."""
+    # kl_in_reward false: per-token rewards are the scores alone; non_score_reward 0, objective/kl still 1.3 / 3.
+    # gamma = lam = 1: row 0 A = [1 - 0.5, 1 - 0.2, 1 - 0.4]; row 1 [2 - 1.5];
+    #                  row 2 [-1 - 0.3, -1 - 0.6, -1 - 0.9, -1 - 0.5].
     batch, metrics = PPO(make_cfg(gamma=1.0, lam=1.0, kl_in_reward=False)).build_batch(inputs())
     expected = torch.tensor([[0.5, 0.8, 0.6, 0.0], [0.5, 0.0, 0.0, 0.0], [-1.3, -1.6, -1.9, -1.5]])
     assert_close(batch.tensors["advantages"], expected)
@@ -145,17 +146,13 @@ def test_build_batch_ignores_finite_garbage_where_masked(garbage):
     """Other finite garbage in masked logprobs and values changes no tensor the loss reads and no metric."""
     clean_batch, clean_metrics = PPO(make_cfg(lam=0.9)).build_batch(inputs())
     dirty = lambda x, g: torch.where(MASK.bool(), x, torch.full_like(x, g))  # noqa: E731
-    batch, metrics = PPO(make_cfg(lam=0.9)).build_batch(inputs(dirty(OLD_LOGP, garbage), dirty(REF_LOGP, -garbage), dirty(VALUES, garbage)))
+    dirty_inputs = inputs(dirty(OLD_LOGP, garbage), dirty(REF_LOGP, -garbage), dirty(VALUES, garbage))
+    batch, metrics = PPO(make_cfg(lam=0.9)).build_batch(dirty_inputs)
     for key in ("advantages", "returns"):
         assert torch.equal(batch.tensors[key], clean_batch.tensors[key])
     assert metrics == pytest.approx(clean_metrics)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="src bug: PPO.build_batch's objective/non_score_reward sums kl_rewards over all tokens; "
-    "PolicyGradientEstimator.kl multiplies by the mask (NaN * 0 = NaN) instead of dropping masked tokens",
-)
 def test_build_batch_metrics_ignore_nan_where_masked():
     """NaN in masked old logprobs must not reach any metric (masked_sum drops padding everywhere else)."""
     dirty_old = torch.where(MASK.bool(), OLD_LOGP, torch.full_like(OLD_LOGP, NAN))
@@ -191,12 +188,11 @@ def loss_batch() -> TrainBatch:
 
 
 def test_loss_returns_policy_loss_and_weighted_value_loss():
-    """token_mean over 6 tokens, vf_coef 0.1, cliprange_value 0.2.
-
-    policy: -A = [-1, 1, -2, -0.5, -0.5, 2] sums to -1 -> -1/6;
-    value: (0.845 + 0.98 + 0.5 + 0.845 + 0.5 + 0) / 6 = 3.67 / 6 = 0.6116667, times 0.1 = 0.0611667;
-    val/clipfrac_avg 2 / 6.
-    """
+    """loss returns (policy loss, vf_coef * value loss, metrics) with token_mean over 6 tokens."""
+    # token_mean over 6 tokens, vf_coef 0.1, cliprange_value 0.2.
+    # policy: -A = [-1, 1, -2, -0.5, -0.5, 2] sums to -1 -> -1/6;
+    # value: (0.845 + 0.98 + 0.5 + 0.845 + 0.5 + 0) / 6 = 3.67 / 6 = 0.6116667, times 0.1 = 0.0611667;
+    # val/clipfrac_avg 2 / 6.
     est = PPO(make_cfg(vf_coef=0.1, cliprange_value=0.2, beta=0.0))
     batch = loss_batch()
     policy_loss, value_loss, metrics = est.loss(batch, Forward(torch.zeros(3, 3), values=NEW_VALUES), est.denominator(batch))
@@ -206,7 +202,9 @@ def test_loss_returns_policy_loss_and_weighted_value_loss():
     assert_close(metrics["val/clipfrac_avg"], torch.tensor(2.0 / 6.0))
     assert_close(metrics["loss/policy_avg"], torch.tensor(-1.0 / 6.0))
     assert_close(metrics["policy/clipfrac_avg"], torch.tensor(0.0))
-    assert {"loss/policy_avg", "policy/approxkl_avg", "policy/clipfrac_avg", "val/ratio", "loss/value_avg", "val/clipfrac_avg"} == set(metrics)
+    assert set(metrics) == {
+        "loss/policy_avg", "policy/approxkl_avg", "policy/clipfrac_avg", "val/ratio", "loss/value_avg", "val/clipfrac_avg"
+    }
 
 
 def test_unclipped_value_loss():
@@ -220,7 +218,8 @@ def test_unclipped_value_loss():
 
 
 def test_value_loss_seq_mean_token_mean():
-    """seq_mean_token_mean: row means (0.845 + 0.98) / 2 = 0.9125, 0.5, (0.845 + 0.5 + 0) / 3 = 0.4483333 -> / 3 = 0.6202778."""
+    """seq_mean_token_mean: the value loss is the mean of per-row token means."""
+    # row means (0.845 + 0.98) / 2 = 0.9125, 0.5, (0.845 + 0.5 + 0) / 3 = 0.4483333 -> 1.8608333 / 3 = 0.6202778
     est = PPO(make_cfg(loss_agg="seq_mean_token_mean", beta=0.0))
     batch = loss_batch()
     _, _, metrics = est.loss(batch, Forward(torch.zeros(3, 3), values=NEW_VALUES), est.denominator(batch))
@@ -228,11 +227,13 @@ def test_value_loss_seq_mean_token_mean():
 
 
 def test_value_loss_gradient_reaches_only_the_values():
-    """d value_loss / dV = vf_coef * (V - R) / 6 on unclipped valid tokens, 0 on clipped and padded ones;
-    the policy loss does not depend on the values."""
+    """The value loss's gradient reaches the values (not logp), 0 on clipped and padded tokens."""
+    # d value_loss / dV = vf_coef * (V - R) / 6 on unclipped valid tokens, 0 on clipped and padded ones;
+    # the policy loss does not depend on the values.
     est = PPO(make_cfg(vf_coef=0.1, beta=0.0))
-    batch = loss_batch()
-    values = NEW_VALUES.clone().requires_grad_(True)
+    batch = loss_batch()  # finite padding here: the chain rule gives 0 * NaN = NaN at NaN-padded tokens
+    batch.tensors = {key: torch.nan_to_num(value, nan=1e3) for key, value in batch.tensors.items()}
+    values = torch.nan_to_num(NEW_VALUES, nan=1e3).requires_grad_(True)
     logp = torch.zeros(3, 3, requires_grad=True)
     policy_loss, value_loss, _ = est.loss(batch, Forward(logp, values=values), est.denominator(batch))
     value_loss.backward()
@@ -264,8 +265,9 @@ def test_loss_needs_the_critic_forward():
 
 
 def test_ppo_loss_adds_kl_when_kl_is_a_loss():
-    """kl_in_reward false, beta 0.1, k1: policy loss -1/6 + 0.1 * (sum of logp - ref) / 6 with ref = -0.3 everywhere:
-    6 valid tokens * 0.3 / 6 = 0.3 -> -1/6 + 0.03."""
+    """kl_in_reward false: the PPO policy loss includes beta * KL, reported as loss/kl_avg."""
+    # kl_in_reward false, beta 0.1, k1: policy loss -1/6 + 0.1 * (sum of logp - ref) / 6 with ref = -0.3 everywhere:
+    # 6 valid tokens * 0.3 / 6 = 0.3 -> -1/6 + 0.03.
     est = PPO(make_cfg(kl_in_reward=False, beta=0.1, kl_estimator="k1"))
     batch = loss_batch()
     batch.tensors["ref_logp"] = torch.full((3, 3), -0.3)

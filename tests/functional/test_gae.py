@@ -54,11 +54,10 @@ def test_last_token_index_of_left_and_right_padded_rows():
 
 
 def test_token_level_rewards_put_the_score_at_the_last_valid_token():
-    """Scores [1, 2, 3] land at positions 2, 0, 3 on top of the per-token KL rewards; padding becomes 0.
-
-    row 0: [-0.1, -0.2, -0.3 + 1] = [-0.1, -0.2, 0.7, 0];  row 1: [-0.5 + 2, 0, 0, 0] = [1.5, 0, 0, 0];
-    row 2: [0, -0.1, 0, -0.2 + 3] = [0, -0.1, 0, 2.8].
-    """
+    """Scores land at each row's last valid token on top of the per-token KL rewards; padding becomes 0."""
+    # Scores [1, 2, 3] land at positions 2, 0, 3 on top of the per-token KL rewards; padding becomes 0.
+    # row 0: [-0.1, -0.2, -0.3 + 1] = [-0.1, -0.2, 0.7, 0];  row 1: [-0.5 + 2, 0, 0, 0] = [1.5, 0, 0, 0];
+    # row 2: [0, -0.1, 0, -0.2 + 3] = [0, -0.1, 0, 2.8].
     kl_rewards = torch.tensor(
         [
             [-0.1, -0.2, -0.3, NAN],
@@ -96,12 +95,10 @@ def test_token_level_rewards_do_not_modify_inputs():
 
 
 def test_gae_gamma_one_lambda_one_returns_are_reward_to_go():
-    """gamma = lam = 1: A_t = sum_{k>=t} r_k - V_t, so returns = A + V = reward-to-go.
-
-    row 0: to-go [1, 1, 1], A = [1 - 0.5, 1 - 0.2, 1 - 0.4] = [0.5, 0.8, 0.6];
-    row 1: to-go [2], A = [2 - 1.5] = [0.5];
-    row 2: to-go [1.1, 1, 1, 1], A = [1.1 - 0.3, 1 - 0.6, 1 - 0.9, 1 - 0.5] = [0.8, 0.4, 0.1, 0.5].
-    """
+    """gamma = lam = 1: A_t = sum_{k>=t} r_k - V_t, so returns = A + V = reward-to-go."""
+    # row 0: to-go [1, 1, 1], A = [1 - 0.5, 1 - 0.2, 1 - 0.4] = [0.5, 0.8, 0.6];
+    # row 1: to-go [2], A = [2 - 1.5] = [0.5];
+    # row 2: to-go [1.1, 1, 1, 1], A = [1.1 - 0.3, 1 - 0.6, 1 - 0.9, 1 - 0.5] = [0.8, 0.4, 0.1, 0.5].
     adv, returns = gae_advantages(REWARDS, VALUES, MASK, gamma=1.0, lam=1.0)
     expected_adv = torch.tensor([[0.5, 0.8, 0.6, 0.0], [0.5, 0.0, 0.0, 0.0], [0.8, 0.4, 0.1, 0.5]])
     expected_returns = torch.tensor([[1.0, 1.0, 1.0, 0.0], [2.0, 0.0, 0.0, 0.0], [1.1, 1.0, 1.0, 1.0]])
@@ -110,12 +107,10 @@ def test_gae_gamma_one_lambda_one_returns_are_reward_to_go():
 
 
 def test_gae_lambda_zero_is_one_step_td():
-    """lam = 0, gamma = 1: A_t = r_t + V_{t+1} - V_t with V = 0 after the last valid token.
-
-    row 0: [0 + 0.2 - 0.5, 0 + 0.4 - 0.2, 1 + 0 - 0.4] = [-0.3, 0.2, 0.6];  row 1: [2 - 1.5] = [0.5];
-    row 2: [0.1 + 0.6 - 0.3, 0 + 0.9 - 0.6, 0 + 0.5 - 0.9, 1 - 0.5] = [0.4, 0.3, -0.4, 0.5].
-    returns = A + V: row 0 [0.2, 0.4, 1.0]; row 1 [2.0]; row 2 [0.7, 0.9, 0.5, 1.0].
-    """
+    """lam = 0, gamma = 1: A_t = r_t + V_{t+1} - V_t with V = 0 after the last valid token."""
+    # row 0: [0 + 0.2 - 0.5, 0 + 0.4 - 0.2, 1 + 0 - 0.4] = [-0.3, 0.2, 0.6];  row 1: [2 - 1.5] = [0.5];
+    # row 2: [0.1 + 0.6 - 0.3, 0 + 0.9 - 0.6, 0 + 0.5 - 0.9, 1 - 0.5] = [0.4, 0.3, -0.4, 0.5].
+    # returns = A + V: row 0 [0.2, 0.4, 1.0]; row 1 [2.0]; row 2 [0.7, 0.9, 0.5, 1.0].
     adv, returns = gae_advantages(REWARDS, VALUES, MASK, gamma=1.0, lam=0.0)
     expected_adv = torch.tensor([[-0.3, 0.2, 0.6, 0.0], [0.5, 0.0, 0.0, 0.0], [0.4, 0.3, -0.4, 0.5]])
     expected_returns = torch.tensor([[0.2, 0.4, 1.0, 0.0], [2.0, 0.0, 0.0, 0.0], [0.7, 0.9, 0.5, 1.0]])
@@ -124,16 +119,15 @@ def test_gae_lambda_zero_is_one_step_td():
 
 
 def test_gae_with_discount_and_lambda():
-    """gamma = 0.9, lam = 0.5 (gamma * lam = 0.45), delta_t = r_t + 0.9 V_{t+1} - V_t, A_t = delta_t + 0.45 A_{t+1}.
-
-    row 0: deltas t2 = 1 - 0.4 = 0.6, t1 = 0.9 * 0.4 - 0.2 = 0.16, t0 = 0.9 * 0.2 - 0.5 = -0.32;
-           A2 = 0.6, A1 = 0.16 + 0.45 * 0.6 = 0.43, A0 = -0.32 + 0.45 * 0.43 = -0.1265.
-    row 1: A0 = 2 - 1.5 = 0.5.
-    row 2: deltas t3 = 1 - 0.5 = 0.5, t2 = 0.9 * 0.5 - 0.9 = -0.45, t1 = 0.9 * 0.9 - 0.6 = 0.21,
-           t0 = 0.1 + 0.9 * 0.6 - 0.3 = 0.34; A3 = 0.5, A2 = -0.45 + 0.225 = -0.225,
-           A1 = 0.21 - 0.45 * 0.225 = 0.10875, A0 = 0.34 + 0.45 * 0.10875 = 0.3889375.
-    returns = A + V: row 0 [0.3735, 0.63, 1.0]; row 1 [2.0]; row 2 [0.6889375, 0.70875, 0.675, 1.0].
-    """
+    """gamma = 0.9, lam = 0.5: A_t = delta_t + 0.45 A_{t+1} with delta_t = r_t + 0.9 V_{t+1} - V_t."""
+    # gamma = 0.9, lam = 0.5 (gamma * lam = 0.45), delta_t = r_t + 0.9 V_{t+1} - V_t, A_t = delta_t + 0.45 A_{t+1}.
+    # row 0: deltas t2 = 1 - 0.4 = 0.6, t1 = 0.9 * 0.4 - 0.2 = 0.16, t0 = 0.9 * 0.2 - 0.5 = -0.32;
+    #        A2 = 0.6, A1 = 0.16 + 0.45 * 0.6 = 0.43, A0 = -0.32 + 0.45 * 0.43 = -0.1265.
+    # row 1: A0 = 2 - 1.5 = 0.5.
+    # row 2: deltas t3 = 1 - 0.5 = 0.5, t2 = 0.9 * 0.5 - 0.9 = -0.45, t1 = 0.9 * 0.9 - 0.6 = 0.21,
+    #        t0 = 0.1 + 0.9 * 0.6 - 0.3 = 0.34; A3 = 0.5, A2 = -0.45 + 0.225 = -0.225,
+    #        A1 = 0.21 - 0.45 * 0.225 = 0.10875, A0 = 0.34 + 0.45 * 0.10875 = 0.3889375.
+    # returns = A + V: row 0 [0.3735, 0.63, 1.0]; row 1 [2.0]; row 2 [0.6889375, 0.70875, 0.675, 1.0].
     adv, returns = gae_advantages(REWARDS, VALUES, MASK, gamma=0.9, lam=0.5)
     expected_adv = torch.tensor(
         [[-0.1265, 0.43, 0.6, 0.0], [0.5, 0.0, 0.0, 0.0], [0.3889375, 0.10875, -0.225, 0.5]]

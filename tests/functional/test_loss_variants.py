@@ -1,5 +1,4 @@
-"""Loss variants: clipped value loss, dual-clip and clip-higher, every loss aggregation, KL estimators and
-controllers, DPO/IPO."""
+"""Loss variants: value loss, dual-clip, clip-higher, loss aggregations, KL estimators and controllers, DPO."""
 
 import math
 
@@ -73,8 +72,9 @@ def test_wide_value_clip_range_equals_unclipped():
 
 
 def test_dual_clip_caps_negative_advantages_with_large_ratio():
-    """c = 3, eps 0.2. A=-1: r=5 -> max(5, 1.2) = 5 capped at 3 (flagged); r=2 -> 2 < 3 unchanged;
-    r=0.5 -> max(0.5, 0.8) = 0.8 (ordinary clip). A=-2, r=4: max(8, 2.4) = 8 capped at 6."""
+    """Dual-clip (c = 3) caps the loss of negative-advantage tokens at -c * A, flagging them clipped."""
+    # c = 3, eps 0.2. A=-1: r=5 -> max(5, 1.2) = 5 capped at 3 (flagged); r=2 -> 2 < 3 unchanged;
+    # r=0.5 -> max(0.5, 0.8) = 0.8 (ordinary clip). A=-2, r=4: max(8, 2.4) = 8 capped at 6.
     logp = _log([5.0, 2.0, 0.5, 4.0])
     adv = torch.tensor([[-1.0, -1.0, -1.0, -2.0]])
     loss, clipped, _ = clipped_policy_loss(logp, torch.zeros(1, 4), adv, 0.2, 0.2, dual_clip_c=3.0)
@@ -112,8 +112,9 @@ def test_dual_clip_constant_must_exceed_one(c):
 
 
 def test_clip_higher_raises_only_the_upper_bound():
-    """eps_low 0.2, eps_high 0.28 (range [0.8, 1.28]): A=+1 r=1.25 -> -1.25 (symmetric 0.2 gives -1.2);
-    A=+1 r=1.4 -> -1.28 (clipped); A=-1 r=0.7 -> max(0.7, 0.8) = 0.8 (clipped, lower bound unchanged)."""
+    """Clip-higher (eps_low 0.2, eps_high 0.28) widens the range above 1 only."""
+    # eps_low 0.2, eps_high 0.28 (range [0.8, 1.28]): A=+1 r=1.25 -> -1.25 (symmetric 0.2 gives -1.2);
+    # A=+1 r=1.4 -> -1.28 (clipped); A=-1 r=0.7 -> max(0.7, 0.8) = 0.8 (clipped, lower bound unchanged).
     logp = _log([1.25, 1.4, 0.7])
     adv = torch.tensor([[1.0, 1.0, -1.0]])
     loss, clipped, _ = clipped_policy_loss(logp, torch.zeros(1, 3), adv, 0.2, 0.28)
@@ -274,10 +275,9 @@ REF_CHOSEN, REF_REJECTED = torch.tensor([-2.5, -4.0]), torch.tensor([-2.5, -4.5]
 
 
 def test_dpo_sigmoid_loss_and_implicit_rewards():
-    """-log sigmoid(0.5 h) = log(1 + e^(-0.5 h)): log(1 + e^-0.5) = 0.4740770, log(1 + e^0.75) = 1.1368710.
-
-    Implicit rewards beta * log-ratio: chosen [0.25, -0.5], rejected [-0.25, 0.25].
-    """
+    """Sigmoid DPO loss -log sigmoid(beta h) and implicit rewards beta * log-ratio."""
+    # -log sigmoid(0.5 h) = log(1 + e^(-0.5 h)): log(1 + e^-0.5) = 0.4740770, log(1 + e^0.75) = 1.1368710.
+    # Implicit rewards beta * log-ratio: chosen [0.25, -0.5], rejected [-0.25, 0.25].
     loss, chosen_reward, rejected_reward = dpo_loss(CHOSEN, REJECTED, REF_CHOSEN, REF_REJECTED, 0.5, "sigmoid")
     assert_close(loss, torch.tensor([0.4740770, 1.1368710]))
     assert_close(chosen_reward, torch.tensor([0.25, -0.5]))

@@ -1,33 +1,51 @@
-"""Rule-based reward functions and RewardSet: weights, the non-stop penalty, verifier metrics, plug-ins."""
+"""Reward functions, RewardSet (weights, penalty, verifiers, plug-ins, reward model) and RewardModelScorer."""
 
 from __future__ import annotations
 
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from rlhf.config.schema import RewardConfig, RewardFunctionConfig
+from rlhf.generators.base import Rollout
 from rlhf.registry import RegistryError
+from rlhf.models.value import load_value_model, sequence_scores
 from rlhf.rewards.combine import RewardSet
+from rlhf.rewards.model import RewardModelScorer, RunningMoments
 from rlhf.rewards.rules import arith_correct, exact_match, integer_format, length_penalty
 
 
-def reward_cfg(*functions: tuple, non_stop_penalty: bool = True, penalty: float = -10.0):
-    """A typed reward config from (name, weight, args) tuples."""
+def reward_cfg(*functions: tuple, non_stop_penalty: bool = True, penalty: float = -10.0, **model_options):
+    """A typed reward config from (name, weight, args) tuples; ``model_options`` are the reward-model fields."""
     return OmegaConf.structured(
         RewardConfig(
             functions=[RewardFunctionConfig(name=name, weight=weight, args=args) for name, weight, args in functions],
             non_stop_penalty=non_stop_penalty,
             penalty_reward_value=penalty,
+            **model_options,
         )
+    )
+
+
+def stopped_rollout(stopped: list[bool]) -> Rollout:
+    """A one-token rollout whose only meaningful field is ``stopped`` (all RewardSet reads without a model)."""
+    rows = len(stopped)
+    return Rollout(
+        query_ids=torch.ones(rows, 1, dtype=torch.long),
+        query_mask=torch.ones(rows, 1, dtype=torch.long),
+        response_ids=torch.ones(rows, 1, dtype=torch.long),
+        response_mask=torch.ones(rows, 1),
+        logprobs=torch.zeros(rows, 1),
+        stopped=torch.tensor(stopped),
     )
 
 
 def score(cfg, responses, ground_truths, stopped):
     """RewardSet(cfg).score on the given responses (prompts are irrelevant to these functions)."""
-    return RewardSet(cfg).score(["p"] * len(responses), responses, ground_truths, torch.tensor(stopped))
+    return RewardSet(cfg).score(["p"] * len(responses), responses, ground_truths, stopped_rollout(stopped))
 
 
 # --- rule functions -----------------------------------------------------------------------------------
@@ -190,4 +208,163 @@ def test_wrong_number_of_scores_raises(user_rewards):
     """A function returning a different number of scores than responses is a ValueError naming it."""
     rewards = RewardSet(reward_cfg((f"{user_rewards}.one_score_only", 1.0, {})))
     with pytest.raises(ValueError, match="one_score_only.*1 scores for 3 responses"):
-        rewards.score(["p"] * 3, ["a", "b", "c"], [None] * 3, torch.ones(3, dtype=torch.bool))
+        rewards.score(["p"] * 3, ["a", "b", "c"], [None] * 3, stopped_rollout([True] * 3))
+
+
+# --- RunningMoments -----------------------------------------------------------------------------------
+
+
+def test_running_moments_hand_computed():
+    """Running mean and population variance over two batches, by hand."""
+    # [1, 2, 3, 6]: mean 3, variance (4 + 1 + 0 + 9) / 4 = 3.5; then [7, 7]: all six have mean 26 / 6 = 4.3333333
+    # and variance 148 / 6 - 4.3333333^2 = 5.8888889 (population variances).
+    moments = RunningMoments()
+    assert (moments.count, moments.mean, moments.var) == (0, 0.0, 1.0)
+    moments.update(torch.tensor([1.0, 2.0, 3.0, 6.0]))
+    assert (moments.count, moments.mean, moments.var) == (4, pytest.approx(3.0), pytest.approx(3.5))
+    moments.update(torch.tensor([7.0, 7.0]))
+    assert (moments.count, moments.mean, moments.var) == (6, pytest.approx(4.3333333), pytest.approx(5.8888889))
+
+
+def test_running_moments_match_numpy_over_concatenated_batches():
+    """After every batch (sizes 3, 1, 5, 0, 7, with shifted scales) mean and variance equal numpy's over all so far."""
+    generator = torch.Generator().manual_seed(0)
+    moments, seen = RunningMoments(), []
+    for size, shift, scale in [(3, 0.0, 1.0), (1, 5.0, 1.0), (5, -2.0, 3.0), (0, 0.0, 1.0), (7, 10.0, 0.5)]:
+        batch = torch.randn(size, generator=generator) * scale + shift
+        moments.update(batch)
+        seen.extend(batch.tolist())
+        if seen:
+            assert moments.count == len(seen)
+            assert moments.mean == pytest.approx(np.mean(seen), rel=1e-5, abs=1e-6)
+            assert moments.var == pytest.approx(np.var(seen), rel=1e-5, abs=1e-6)
+
+
+# --- RewardSet with a reward model --------------------------------------------------------------------
+
+
+class FakeScorer:
+    """Stands in for RewardModelScorer: fixed scores and metrics; remembers the rollout it was given."""
+
+    def __init__(self, scores: list[float]) -> None:
+        self.scores = torch.tensor(scores)
+        self.seen = None
+
+    def score(self, rollout):
+        """(the fixed scores, a metric), as RewardModelScorer.score returns."""
+        self.seen = rollout
+        return self.scores.clone(), {"reward/model": self.scores.mean().item()}
+
+
+def test_reward_set_adds_the_weighted_model_score():
+    """integer_format [1, 0, 1] + 0.5 * model [2, -4, 1] = [2, -2, 1.5]; the non-stop row then gets -10."""
+    cfg = reward_cfg(("integer_format", 1.0, {}), model_weight=0.5)
+    rewards = RewardSet(cfg)
+    rewards.model = FakeScorer([2.0, -4.0, 1.0])
+    rollout = stopped_rollout([True, True, False])
+    scores, metrics = rewards.score(["p"] * 3, ["7", "x", "8"], [None] * 3, rollout)
+    assert scores.tolist() == pytest.approx([2.0, -2.0, -10.0])
+    assert rewards.model.seen is rollout
+    assert metrics["reward/model"] == pytest.approx(-1.0 / 3.0)
+    assert metrics["reward/integer_format"] == pytest.approx(2.0 / 3.0)
+
+
+def test_reward_set_with_only_a_model():
+    """No functions, model_weight 2, no non-stop penalty: scores are 2 * [2, -4, 1]."""
+    rewards = RewardSet(reward_cfg(non_stop_penalty=False, model_weight=2.0))
+    rewards.model = FakeScorer([2.0, -4.0, 1.0])
+    scores, _ = rewards.score(["p"] * 3, ["a", "b", "c"], [None] * 3, stopped_rollout([True, False, True]))
+    assert scores.tolist() == pytest.approx([4.0, -8.0, 2.0])
+
+
+# --- RewardModelScorer --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tiny_model_dir, tmp_path_factory) -> str:
+    """A saved sequence-classification folder: the tiny Llama backbone with a seeded new score head."""
+    torch.manual_seed(123)
+    folder = tmp_path_factory.mktemp("reward_model")
+    load_value_model(tiny_model_dir).save_pretrained(folder)
+    return str(folder)
+
+
+def make_scorer(path: str, chunk: int = 8, **options) -> RewardModelScorer:
+    """A CPU float32 scorer for the folder with reward-config ``options`` (normalize, clip)."""
+    return RewardModelScorer(reward_cfg(path=path, **options), "float32", torch.device("cpu"), chunk)
+
+
+def test_scorer_is_frozen_and_scores_the_last_token(reward_model_dir, rollout):
+    """Eval mode, no trainable parameters, no graph; raw scores equal sequence_scores on prompt + response."""
+    scorer = make_scorer(reward_model_dir)
+    assert not scorer.model.training
+    assert not any(p.requires_grad for p in scorer.model.parameters())
+    raw = scorer.raw_scores(rollout)
+    assert raw.shape == (3,) and not raw.requires_grad
+    input_ids, attention_mask, _ = rollout.model_inputs()
+    with torch.no_grad():
+        expected = sequence_scores(load_value_model(reward_model_dir), input_ids, attention_mask)
+    torch.testing.assert_close(raw, expected)
+
+
+def test_scorer_chunking_does_not_change_scores(reward_model_dir, rollout):
+    """Scoring in chunks of 1 or 2 rows gives the scores of one 3-row chunk."""
+    whole = make_scorer(reward_model_dir, chunk=3).raw_scores(rollout)
+    for chunk in (1, 2):
+        torch.testing.assert_close(make_scorer(reward_model_dir, chunk=chunk).raw_scores(rollout), whole, atol=1e-5, rtol=0)
+
+
+def test_scorer_without_options_returns_raw_scores_and_metrics(reward_model_dir, rollout):
+    """normalize off, clip null: scores are the raw scores; reward/model and reward/model_std describe them."""
+    scorer = make_scorer(reward_model_dir)
+    raw = scorer.raw_scores(rollout)
+    scores, metrics = scorer.score(rollout)
+    torch.testing.assert_close(scores, raw)
+    assert metrics["reward/model"] == pytest.approx(raw.mean().item(), abs=1e-6)
+    assert metrics["reward/model_std"] == pytest.approx(raw.std().item(), abs=1e-6)
+
+
+def test_reward_set_with_a_real_scorer(reward_model_dir, rollout):
+    """integer_format (1 for each of "30", "4", "1234") + 2 * the reward model's score of each row."""
+    rewards = RewardSet(reward_cfg(("integer_format", 1.0, {}), non_stop_penalty=False, model_weight=2.0))
+    rewards.model = make_scorer(reward_model_dir)
+    raw = rewards.model.raw_scores(rollout)
+    scores, metrics = rewards.score(["p"] * 3, ["30", "4", "1234"], [None] * 3, rollout)
+    torch.testing.assert_close(scores, 1.0 + 2.0 * raw)
+    assert metrics["reward/model"] == pytest.approx(raw.mean().item(), abs=1e-6)
+
+
+def with_raw(scorer: RewardModelScorer, *batches: list[float]) -> RewardModelScorer:
+    """Make the scorer's raw scores the given batches, one per call, so normalisation can be checked by hand."""
+    queue = [torch.tensor(batch) for batch in batches]
+    scorer.raw_scores = lambda rollout: queue.pop(0)
+    return scorer
+
+
+def test_scorer_normalises_by_running_moments(reward_model_dir, rollout):
+    """normalize: (raw - running mean) / running std, the moments including the current batch."""
+    # [1, 2, 3, 6]: mean 3, std sqrt(3.5) = 1.8708287 -> [-1.0690450, -0.5345225, 0, 1.6035675];
+    # then [7, 7]: mean 4.3333333, std sqrt(5.8888889) = 2.4267033 -> (7 - 4.3333333) / 2.4267033 = 1.0988845.
+    # Metrics stay on the raw scores: mean 3, unbiased std sqrt(14 / 3) = 2.1602469.
+    scorer = with_raw(make_scorer(reward_model_dir, normalize=True), [1.0, 2.0, 3.0, 6.0], [7.0, 7.0])
+    scores, metrics = scorer.score(rollout)
+    torch.testing.assert_close(scores, torch.tensor([-1.0690450, -0.5345225, 0.0, 1.6035675]))
+    assert metrics["reward/model"] == pytest.approx(3.0)
+    assert metrics["reward/model_std"] == pytest.approx(2.1602469)
+    scores, _ = scorer.score(rollout)
+    torch.testing.assert_close(scores, torch.tensor([1.0988845, 1.0988845]))
+
+
+def test_scorer_clips_raw_scores(reward_model_dir, rollout):
+    """clip 2 without normalize: [-3, 0.5, 4] -> [-2, 0.5, 2]; reward/model stays the raw mean 0.5."""
+    scorer = with_raw(make_scorer(reward_model_dir, clip=2.0), [-3.0, 0.5, 4.0])
+    scores, metrics = scorer.score(rollout)
+    torch.testing.assert_close(scores, torch.tensor([-2.0, 0.5, 2.0]))
+    assert metrics["reward/model"] == pytest.approx(0.5)
+
+
+def test_scorer_clips_after_normalising(reward_model_dir, rollout):
+    """normalize and clip 1.5: [1, 2, 3, 6] -> [-1.0690450, -0.5345225, 0, min(1.6035675, 1.5)]."""
+    scorer = with_raw(make_scorer(reward_model_dir, normalize=True, clip=1.5), [1.0, 2.0, 3.0, 6.0])
+    scores, _ = scorer.score(rollout)
+    torch.testing.assert_close(scores, torch.tensor([-1.0690450, -0.5345225, 0.0, 1.5]))

@@ -118,6 +118,15 @@ class TrainConfig:
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
     adam_eps: float = 1e-8  # AdamW epsilon
     max_grad_norm: float = 1.0  # gradient clipping by global norm; <= 0 disables
+    max_skipped_steps_in_row: int = 3  # optimiser steps skipped for a non-finite loss/gradient in a row before the run stops
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # save the full training state every N steps; 0 = only on SIGTERM/SIGINT
+    keep_last: int = 2  # newest checkpoints kept; 0 keeps all
+    dir: Optional[str] = None  # checkpoint folder; null = <run folder>/checkpoints
+    save_final_model: bool = True  # export the final policy as a Hugging Face folder <run folder>/final_model
 
 
 @dataclass
@@ -149,6 +158,7 @@ class LoggingConfig:
 @dataclass
 class RunConfig:
     seed: int = 1  # seeds python, numpy and torch
+    resume: Optional[str] = None  # null = fresh; auto = newest complete checkpoint in checkpoint.dir (fresh if none); or a checkpoint folder
     model: ModelConfig = field(default_factory=ModelConfig)  # the policy's starting model
     dataset: DatasetConfig = field(default_factory=DatasetConfig)  # where prompts come from
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # estimator and loss
@@ -162,6 +172,7 @@ class RunConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)  # the orchestrator loop
     eval: EvalConfig = field(default_factory=EvalConfig)  # periodic evaluation
     logging: LoggingConfig = field(default_factory=LoggingConfig)  # console and TensorBoard
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # saving and pruning training state
 
 
 @dataclass

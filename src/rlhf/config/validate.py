@@ -171,6 +171,12 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     _require(cfg.reward.clip is None or cfg.reward.clip > 0, f"reward.clip={cfg.reward.clip} must be > 0 or null")
     _require(cfg.eval.every >= 0, f"eval.every={cfg.eval.every} must be >= 0")
     _require(cfg.eval.num_samples >= 0, f"eval.num_samples={cfg.eval.num_samples} must be >= 0")
+    _require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every} must be >= 0")
+    _require(cfg.checkpoint.keep_last >= 0, f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 0")
+    _require(
+        train.max_skipped_steps_in_row >= 1,
+        f"train.max_skipped_steps_in_row={train.max_skipped_steps_in_row} must be >= 1",
+    )
     _require(cfg.logging.log_every >= 1, f"logging.log_every={cfg.logging.log_every} must be >= 1")
     _require(cfg.cluster.name == "local", f"cluster.name={cfg.cluster.name!r}: only `local` exists so far")
     return derive_sizes(cfg)

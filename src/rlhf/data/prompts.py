@@ -59,6 +59,19 @@ class PromptStream:
             self.position += take
         return batch
 
+    def state_dict(self) -> dict[str, int]:
+        """Where the stream stands; the order itself follows from (seed, epoch)."""
+        return {"seed": self.seed, "epoch": self.epoch, "position": self.position, "size": len(self.examples)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["size"] != len(self.examples) or state["seed"] != self.seed:
+            raise ValueError(
+                f"the checkpoint's prompt stream had {state['size']} prompts and seed {state['seed']}; this run has "
+                f"{len(self.examples)} and seed {self.seed}: resuming would replay or skip prompts"
+            )
+        self.epoch, self.position = state["epoch"], state["position"]
+        self._order = self._permutation(self.epoch)
+
     @property
     def epochs_done(self) -> float:
         """Fractional epochs consumed, for the `epoch` metric."""

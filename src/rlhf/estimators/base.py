@@ -106,11 +106,19 @@ class PolicyGradientEstimator:
         """Advantage of each sequence. Shape: (B,) -> (B,)."""
         raise NotImplementedError
 
+    def state_dict(self) -> dict[str, float]:
+        """The KL coefficient (it moves under the adaptive controller)."""
+        return {"kl_coef": self.kl_ctl.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.kl_ctl.value = state["kl_coef"]
+
     def kl(self, inputs: StepInputs) -> torch.Tensor | None:
         """Per-token KL of the pre-update policy to the reference (B, T), 0 outside the mask; None without a reference."""
         if inputs.ref_logp is None or inputs.old_logp is None:
             return None
-        return F.kl_per_token(inputs.old_logp, inputs.ref_logp, self.cfg.kl_estimator) * inputs.rollout.response_mask
+        kl = F.kl_per_token(inputs.old_logp, inputs.ref_logp, self.cfg.kl_estimator)
+        return torch.where(inputs.rollout.response_mask.bool(), kl, torch.zeros_like(kl))
 
     def shape_rewards(self, scores: torch.Tensor, kl: torch.Tensor | None, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores plus -beta * summed KL when the KL lives in the reward. Shape: (B,), (B, T) -> (B,), (B,)."""

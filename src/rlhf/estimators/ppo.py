@@ -26,8 +26,8 @@ class PPO(PolicyGradientEstimator):
         if cfg.whiten_advantages:
             advantages = F.masked_whiten(advantages, mask)
         metrics = {
-            "objective/rlhf_reward": rewards.sum(1).mean().item(),
-            "objective/non_score_reward": kl_rewards.sum(1).mean().item(),
+            "objective/rlhf_reward": F.masked_sum(rewards, mask, dim=1).mean().item(),
+            "objective/non_score_reward": F.masked_sum(kl_rewards, mask, dim=1).mean().item(),
             "val/values": F.masked_mean(inputs.values, mask).item(),
             "val/returns": F.masked_mean(returns, mask).item(),
             **self.kl_metrics(kl, mask, len(inputs.rollout)),

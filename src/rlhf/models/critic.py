@@ -7,10 +7,12 @@ init_path=str, train_cfg=..., total_optimizer_steps=int, device=...)`` and retur
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from rlhf.generators.base import Rollout
-from rlhf.models.policy import clip_and_step, make_optimizer
+from rlhf.models.policy import clip_and_step, load_trainable, make_optimizer, save_trainable
 from rlhf.models.value import load_value_model, response_values
 from rlhf.registry import register
 
@@ -39,3 +41,12 @@ class TorchCritic:
     def optimizer_step(self) -> float:
         """Clip, step, advance the schedule, clear grads; returns the pre-clip gradient norm."""
         return clip_and_step(self.model, self.optimizer, self.scheduler, self.max_grad_norm)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def save_checkpoint(self, path: Path) -> None:
+        save_trainable(path, self.model, self.optimizer, self.scheduler)
+
+    def load_checkpoint(self, path: Path) -> None:
+        load_trainable(path, self.model, self.optimizer, self.scheduler)

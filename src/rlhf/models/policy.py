@@ -8,8 +8,10 @@ returns an object with the methods of `TorchPolicy` used by `rlhf.update`.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from rlhf.generators.base import Rollout
 from rlhf.models.loading import load_causal_lm
@@ -45,12 +47,37 @@ def make_optimizer(model: torch.nn.Module, train_cfg, lr: float, total_optimizer
 
 
 def clip_and_step(model: torch.nn.Module, optimizer, scheduler, max_grad_norm: float) -> float:
-    """Clip the global gradient norm (when > 0), step, advance the schedule, clear grads; returns the pre-clip norm."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf)
-    optimizer.step()
-    scheduler.step()
+    """Clip the global gradient norm (when > 0), step, advance the schedule, clear grads; returns the pre-clip norm.
+
+    A non-finite norm skips the update entirely (weights, optimiser moments and schedule untouched).
+    """
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf))
+    if math.isfinite(norm):
+        optimizer.step()
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(norm)
+    return norm
+
+
+def save_trainable(path: Path, model: torch.nn.Module, optimizer, scheduler) -> None:
+    """Weights as a Hugging Face folder (safetensors) plus optimiser and scheduler states."""
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path / "model", safe_serialization=True)
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, path / "optim.pt")
+
+
+def load_trainable(path: Path, model: torch.nn.Module, optimizer, scheduler) -> None:
+    """Inverse of `save_trainable`; never unpickles arbitrary objects (safetensors, weights_only=True)."""
+    weights = {}
+    for shard in sorted((path / "model").glob("*.safetensors")):
+        weights |= load_file(shard, device=str(next(model.parameters()).device))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = {name for name in missing if "lm_head" in name and getattr(model.config, "tie_word_embeddings", False)}
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"checkpoint {path} does not match the model: missing {sorted(set(missing) - tied)}, unexpected {unexpected}")
+    state = torch.load(path / "optim.pt", weights_only=True)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
 
 
 @register("policy", "torch")
@@ -77,6 +104,21 @@ class TorchPolicy:
     def optimizer_step(self) -> float:
         """Clip, step, advance the schedule, clear grads; returns the pre-clip gradient norm."""
         return clip_and_step(self.model, self.optimizer, self.scheduler, self.train_cfg.max_grad_norm)
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients without stepping (a skipped step)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def save_checkpoint(self, path: Path) -> None:
+        save_trainable(path, self.model, self.optimizer, self.scheduler)
+
+    def load_checkpoint(self, path: Path) -> None:
+        load_trainable(path, self.model, self.optimizer, self.scheduler)
+
+    def export(self, path: Path, tokenizer) -> None:
+        """The policy as a plain Hugging Face folder (safetensors, config, tokenizer)."""
+        self.model.save_pretrained(path, safe_serialization=True)
+        tokenizer.save_pretrained(path)
 
     @property
     def lr(self) -> float:

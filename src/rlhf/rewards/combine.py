@@ -21,6 +21,14 @@ class RewardSet:
                 raise TypeError(f"reward.functions[{i}].name={fn_cfg.name!r} is not callable")
             self.functions.append((fn_cfg.name, float(fn_cfg.weight), dict(fn_cfg.args), fn))
 
+    def state_dict(self) -> dict:
+        """The reward model's running score statistics (normalisation must continue where it stopped)."""
+        return {"model_moments": self.model.moments.state_dict()} if self.model is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.model is not None and "model_moments" in state:
+            self.model.moments.load_state_dict(state["model_moments"])
+
     def score(
         self, prompts: list[str], responses: list[str], ground_truths: list, rollout: Rollout
     ) -> tuple[torch.Tensor, dict[str, float]]:

@@ -14,6 +14,12 @@ class RunningMoments:
     def __init__(self) -> None:
         self.count, self.mean, self.var = 0, 0.0, 1.0
 
+    def state_dict(self) -> dict[str, float]:
+        return {"count": self.count, "mean": self.mean, "var": self.var}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.count, self.mean, self.var = state["count"], state["mean"], state["var"]
+
     def update(self, values: torch.Tensor) -> None:
         n = values.numel()
         if n == 0:

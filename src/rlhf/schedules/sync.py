@@ -8,8 +8,9 @@ from contextlib import contextmanager
 
 import torch
 
-from rlhf import stages
+from rlhf import checkpoint, stages
 from rlhf.registry import register
+from rlhf.schedules.common import RunState
 
 log = logging.getLogger("rlhf")
 
@@ -22,7 +23,11 @@ def timed(times: dict[str, float], name: str):
 
 
 def run_eval(c, cfg, tracker, step: int) -> dict[str, float]:
-    metrics, scored = stages.evaluate(c, c.eval_examples, cfg.generator, cfg.eval)
+    """Evaluate on a private RNG stream (seeded by seed and step), so evaluating never changes training."""
+    devices = list(range(torch.cuda.device_count())) if c.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(cfg.seed * 1_000_003 + step)
+        metrics, scored = stages.evaluate(c, c.eval_examples, cfg.generator, cfg.eval)
     if metrics:
         tracker.log(step, metrics)
         log.info("eval @ step %d: %s", step, ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
@@ -32,33 +37,40 @@ def run_eval(c, cfg, tracker, step: int) -> dict[str, float]:
     return metrics
 
 
-@register("schedule", "sync")
-def run(c, cfg, sizes, tracker) -> dict[str, dict[str, float]]:
-    """Train for `train.num_steps` steps; returns the first and last eval metrics and the last step's metrics."""
+def train_step(c, cfg, sizes, state: RunState) -> tuple[dict[str, float], stages.Scored]:
+    """One synchronous RL step: generate, score, prepare, update, push weights. Returns its metrics."""
     train, algo = cfg.train, cfg.algorithm
-    sampling = stages.sampling_params(cfg.generator)
-    shuffle = torch.Generator().manual_seed(cfg.seed)
-    first_eval = run_eval(c, cfg, tracker, 0)
-    metrics: dict[str, float] = {}
-    for step in range(1, train.num_steps + 1):
-        times: dict[str, float] = {}
-        with timed(times, "step"):
-            with timed(times, "generation"):
-                examples = c.prompts.next_batch(train.prompts_per_step)
-                scored = stages.generate_and_score(c, examples, algo.num_samples_per_prompt, sampling)
-            with timed(times, "logprobs"):
-                batch, metrics = stages.prepare(
-                    c, scored, cfg.generator.temperature, train.micro_batch_size, algo.num_samples_per_prompt
-                )
-            with timed(times, "training"):
-                metrics |= stages.update_policy(c, batch, train, cfg.generator.temperature, shuffle)
-            with timed(times, "weight_sync"):
-                c.generator.update_weights(c.policy.state_dict())
-        metrics |= scored.metrics | times
+    times: dict[str, float] = {}
+    with timed(times, "step"):
+        with timed(times, "generation"):
+            examples = c.prompts.next_batch(train.prompts_per_step)
+            scored = stages.generate_and_score(c, examples, algo.num_samples_per_prompt, stages.sampling_params(cfg.generator))
+        with timed(times, "logprobs"):
+            batch, metrics = stages.prepare(c, scored, cfg.generator.temperature, train.micro_batch_size, algo.num_samples_per_prompt)
+        with timed(times, "training"):
+            metrics |= stages.update_policy(c, batch, train, cfg.generator.temperature, state.guard)
+        with timed(times, "weight_sync"):
+            c.generator.update_weights(c.policy.state_dict())
+    return metrics | scored.metrics | times, scored
+
+
+@register("schedule", "sync")
+def run(c, cfg, sizes, tracker, state: RunState, stop) -> RunState:
+    """Train from ``state.step`` to `train.num_steps`, evaluating and checkpointing on schedule.
+
+    Stops early, after saving a checkpoint, when ``stop.requested`` is set (SIGTERM/SIGINT).
+    """
+    train = cfg.train
+    if state.step == 0:
+        state.first_eval = run_eval(c, cfg, tracker, 0)
+    for step in range(state.step + 1, train.num_steps + 1):
+        metrics, scored = train_step(c, cfg, sizes, state)
+        state.step = step
         metrics |= {
             "episode": step * sizes.samples_per_step,
             "epoch": c.prompts.epochs_done,
             "lr": c.policy.lr,
+            "train/skipped_steps": state.guard.total,
             "time/total": tracker.elapsed(),
         }
         tracker.log(step, metrics)
@@ -67,7 +79,13 @@ def run(c, cfg, sizes, tracker) -> dict[str, dict[str, float]]:
         if cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
             n = cfg.logging.num_sample_texts
             tracker.samples(step, scored.prompts[:n], scored.responses[:n], scored.scores[:n].tolist())
-        if cfg.eval.every and step % cfg.eval.every == 0 and step != train.num_steps:
-            run_eval(c, cfg, tracker, step)
-    last_eval = run_eval(c, cfg, tracker, train.num_steps)
-    return {"first_eval": first_eval, "last_eval": last_eval, "last_step": metrics}
+        if (cfg.eval.every and step % cfg.eval.every == 0) or step == train.num_steps:
+            state.last_eval = run_eval(c, cfg, tracker, step)
+        every = cfg.checkpoint.every
+        if stop.requested or (every and step % every == 0) or (every and step == train.num_steps):
+            checkpoint.save(c, tracker.checkpoint_root, step, state.to_dict(), cfg.checkpoint.keep_last)
+        if stop.requested:
+            log.warning("%s received: stopped after step %d with a checkpoint; continue with resume=auto", stop.requested, step)
+            state.preempted = True
+            break
+    return state

@@ -26,15 +26,22 @@ CONSOLE_FIELDS = (
 class Tracker:
     """Writes scalars and sample texts; `close` flushes everything."""
 
-    def __init__(self, output_dir: Path, tensorboard: bool) -> None:
+    def __init__(self, output_dir: Path, tensorboard: bool, resume_step: int | None = None) -> None:
+        """On resume, records after ``resume_step`` (written after the checkpoint, then lost) are dropped."""
         self.output_dir = output_dir
+        self.checkpoint_root = output_dir / "checkpoints"
         output_dir.mkdir(parents=True, exist_ok=True)
+        jsonl = output_dir / "metrics.jsonl"
+        if resume_step is not None and jsonl.exists():
+            kept = [line for line in jsonl.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+            jsonl.write_text("".join(line + "\n" for line in kept))
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(output_dir / "tensorboard"))
-        self.jsonl = open(output_dir / "metrics.jsonl", "a", encoding="utf-8")
+            purge = resume_step + 1 if resume_step is not None else None
+            self.writer = SummaryWriter(log_dir=str(output_dir / "tensorboard"), purge_step=purge)
+        self.jsonl = open(jsonl, "a", encoding="utf-8")
         self.start = time.perf_counter()
 
     def config(self, composed_yaml: str, derived: dict[str, int]) -> None:

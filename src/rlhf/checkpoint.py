@@ -1,0 +1,133 @@
+"""Full training state on disk: atomic saves, pruning, finding the newest complete checkpoint, restoring.
+
+A checkpoint is a folder `step_<8 digits>` holding each model's weights (safetensors), optimiser and
+scheduler states (torch files read back with weights_only=True), RNG states, and `trainer_state.json`
+(written last). It is assembled in a hidden temporary folder and renamed into place, so a crash during a
+save never leaves a folder that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlhf.config.validate import ConfigError
+
+log = logging.getLogger("rlhf")
+
+STATE_FILE = "trainer_state.json"
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def checkpoint_root(cfg, run_dir: Path) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first (temporary and partial folders are ignored)."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+
+
+def resume_path(cfg, root: Path) -> Path | None:
+    """The checkpoint `resume` asks for: None (fresh), the newest under ``root`` (auto), or a given folder."""
+    if cfg.resume is None:
+        return None
+    if cfg.resume == "auto":
+        found = complete_checkpoints(root)
+        if not found:
+            log.info("resume=auto: no complete checkpoint in %s, starting fresh", root)
+            return None
+        return found[-1]
+    path = Path(cfg.resume)
+    if not (path / STATE_FILE).is_file():
+        raise ConfigError(f"resume={cfg.resume}: not a complete checkpoint folder (no {STATE_FILE}); use resume=auto or a step_* folder")
+    return path
+
+
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def save(c, root: Path, step: int, run_state: dict[str, Any], keep_last: int) -> Path:
+    """Write the full state of step ``step`` atomically, then prune to the newest ``keep_last``."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:08d}"
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    c.policy.save_checkpoint(tmp / "policy")
+    if c.critic is not None:
+        c.critic.save_checkpoint(tmp / "critic")
+    torch.save(
+        {
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "shuffle_rng": c.shuffle.get_state(),
+        },
+        tmp / "rng.pt",
+    )
+    state = {
+        "step": step,
+        "run": run_state,
+        "prompts": c.prompts.state_dict(),
+        "estimator": c.estimator.state_dict() if hasattr(c.estimator, "state_dict") else {},
+        "rewards": c.rewards.state_dict(),
+        "rng": _rng_state(),
+    }
+    with open(tmp / STATE_FILE, "w", encoding="utf-8") as f:  # written last: its presence marks completeness
+        json.dump(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    log.info("checkpoint saved: %s", final)
+    if keep_last > 0:
+        for old in complete_checkpoints(root)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load(c, path: Path) -> dict[str, Any]:
+    """Restore every component and RNG from ``path``; returns the run state saved with it."""
+    state = json.loads((path / STATE_FILE).read_text())
+    c.policy.load_checkpoint(path / "policy")
+    if c.critic is not None:
+        if not (path / "critic").is_dir():
+            raise ConfigError(f"resume: {path} has no critic state, but this run trains a critic")
+        c.critic.load_checkpoint(path / "critic")
+    c.prompts.load_state_dict(state["prompts"])
+    if hasattr(c.estimator, "load_state_dict"):
+        c.estimator.load_state_dict(state["estimator"])
+    c.rewards.load_state_dict(state["rewards"])
+    rng = torch.load(path / "rng.pt", weights_only=True)
+    torch.set_rng_state(rng["torch_rng"])
+    if rng["cuda_rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda_rng"])
+    c.shuffle.set_state(rng["shuffle_rng"])
+    _set_rng_state(state["rng"])
+    log.info("resumed from %s (step %d)", path, state["step"])
+    return {"step": state["step"], **state["run"]}
