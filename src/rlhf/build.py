@@ -39,6 +39,7 @@ class Components:
     reference: Any | None
     critic: Any | None = None
     shuffle: torch.Generator | None = None  # orders mini batches; its state is checkpointed
+    data_report: dict | None = None  # what dataset loading kept and dropped, per source
 
 
 def check_model_sources(cfg) -> None:
@@ -90,7 +91,10 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
                 check_vocab_match(tokenizer, load_tokenizer(path), f"policy `{model.name_or_path}`", f"`{path}`")
             except ValueError as err:
                 raise ConfigError(f"{key}: {err}") from None
-    splits = factories["dataset"](cfg=cfg.dataset, tokenizer=tokenizer)
+    try:
+        splits = factories["dataset"](cfg=cfg.dataset, tokenizer=tokenizer, seed=cfg.seed)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     log.info("dataset %s: %d train prompts, %d eval prompts", cfg.dataset.name, len(splits.train), len(splits.eval))
     # 3. models
     policy = factories["policy"](
@@ -130,4 +134,5 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
         reference=reference,
         critic=critic,
         shuffle=torch.Generator().manual_seed(cfg.seed),
+        data_report=splits.report,
     )

@@ -45,6 +45,7 @@ def _load_builtins() -> None:
     _BUILTINS_LOADED = True
     for module in (
         "rlhf.data.arith",
+        "rlhf.data.mix",
         "rlhf.data.preferences",
         "rlhf.estimators",
         "rlhf.estimators.dpo",

@@ -130,10 +130,12 @@ def update_policy(c, batch: TrainBatch, train_cfg, temperature: float, guard) ->
     return {key: value / count for key, value in sums.items()} if count else {}
 
 
-def evaluate(c, examples: list[PromptExample], gen_cfg, eval_cfg) -> tuple[dict[str, float], Scored | None]:
-    """Correct rate and score on ``examples``: greedy (if enabled) and sampled at the training temperature."""
+def evaluate(c, examples: list[PromptExample], gen_cfg, eval_cfg) -> tuple[dict[str, float], dict[str, Scored]]:
+    """Metrics and scored completions on ``examples``: greedy (if enabled) and sampled at the training temperature."""
+    if eval_cfg.max_prompts is not None:
+        examples = examples[: eval_cfg.max_prompts]
     metrics: dict[str, float] = {}
-    sampled = None
+    results: dict[str, Scored] = {}
     runs = [("greedy", 1, True)] if eval_cfg.greedy else []
     if eval_cfg.num_samples > 0:
         runs.append(("sampled", eval_cfg.num_samples, False))
@@ -145,5 +147,5 @@ def evaluate(c, examples: list[PromptExample], gen_cfg, eval_cfg) -> tuple[dict[
         if "reward/model" in scored.metrics:
             metrics[f"eval/{name}_reward_model"] = scored.metrics["reward/model"]
         metrics[f"eval/{name}_sequence_lengths"] = scored.rollout.response_lengths.mean().item()
-        sampled = scored
-    return metrics, sampled
+        results[name] = scored
+    return metrics, results

@@ -9,6 +9,7 @@ Examples:
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from pathlib import Path
@@ -55,6 +56,8 @@ def train(cfg: DictConfig, out: Path):
     tracker = Tracker(out, cfg.logging.tensorboard, resume_step=state.step if resume_from else None)
     tracker.checkpoint_root = root
     tracker.config(OmegaConf.to_yaml(cfg), sizes.as_dict())
+    if components.data_report:
+        (out / "dataset_report.json").write_text(json.dumps(components.data_report, indent=2) + "\n")
     log.info("run id %s, starting at step %d", state.run_id, state.step)
     try:
         with StopSignals() as stop:

@@ -47,7 +47,11 @@ def test_every_experiment_composes_validates_and_matches_snapshot(experiment):
 )
 def test_every_group_option_composes_and_validates(group):
     """Every option of every group composes with the defaults and validates."""
-    needs = {("reward", "model"): ["reward.path=builtin:tiny_arith"]}  # options with a required value
+    needs = {  # options with a required value
+        ("reward", "model"): ["reward.path=builtin:tiny_arith"],
+        ("dataset", "jsonl"): ["dataset.path=prompts.jsonl"],
+        ("dataset", "parquet"): ["dataset.path=prompts.parquet"],
+    }
     for option in group_options(group):
         cfg = compose_config([f"{group}={option}", *needs.get((group, option), [])])
         validate(cfg)

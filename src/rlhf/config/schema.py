@@ -23,11 +23,30 @@ class ModelConfig:
 
 
 @dataclass
+class DataSourceConfig:
+    path: str = MISSING  # hub dataset name, or a local .jsonl / .json / .parquet file, or a folder of them
+    split: str = "train"  # split to read (a single local file only has `train`)
+    amount: float = 1.0  # a fraction of the split (<= 1) or a number of rows (a whole number > 1), seeded
+    revision: Optional[str] = None  # hub revision (pin it: the tokenised cache keys on it, not on hub contents)
+
+
+@dataclass
 class DatasetConfig:
-    name: str = MISSING  # registered dataset builder (built-in: arith)
+    name: str = MISSING  # registered dataset builder: arith (built-in task) or mix (the sources below)
+    train: list[DataSourceConfig] = field(default_factory=list)  # mix: training sources, concatenated
+    eval: list[DataSourceConfig] = field(default_factory=list)  # mix: eval sources; empty = eval_holdout, else the train prompts
+    eval_holdout: float = 0.0  # mix: share of the train prompts held out for eval when `eval` is empty
+    path: Optional[str] = None  # mix: one local file as the only train source (what dataset=jsonl/parquet read)
+    prompt_key: str = "prompt"  # mix: column holding the prompt string (used when sft_messages_key is null)
+    sft_messages_key: Optional[str] = None  # mix: column holding a conversation; its final assistant turn is dropped
+    ground_truth_key: Optional[str] = None  # mix: column passed to the reward functions as ground truth
+    chat_template: str = "tokenizer"  # mix: tokenizer (its own), simple_concat_with_space, tulu, a .jinja file, or inline Jinja
+    max_prompt_length: int = 64  # prompts with more tokens are dropped and counted (arith: an error)
+    strict: bool = False  # mix: bad rows stop the run (naming source, row and column) instead of being counted
+    sanity_check: Optional[int] = None  # mix: keep at most this many rows of every source, for quick debugging
+    cache_dir: Optional[str] = None  # mix: tokenised-dataset cache; null = $RLHF_CACHE/datasets or ~/.cache/rlhf/datasets
     max_operand: int = 9  # arith: operands are drawn from 0..max_operand
-    max_prompt_length: int = 64  # prompts longer than this many tokens are an error for now
-    eval_size: int = 0  # prompts held out for evaluation; 0 = evaluate on the training prompts
+    eval_size: int = 0  # arith: problems held out for evaluation; 0 = evaluate on the training problems
 
 
 @dataclass
@@ -143,8 +162,11 @@ class ScheduleConfig:
 @dataclass
 class EvalConfig:
     every: int = 0  # evaluate every N steps (and before the first and after the last); 0 = start and end only
+    num_evals: Optional[int] = None  # when set, replaces `every`: this many evaluations spread evenly over the run
     num_samples: int = 4  # sampled completions per eval prompt (at the training temperature)
     greedy: bool = True  # also evaluate greedy decoding
+    max_prompts: Optional[int] = None  # evaluate on the first N eval prompts only; null = all
+    save_generations: bool = True  # append every eval completion to <run folder>/eval_generations.jsonl
 
 
 @dataclass

@@ -34,6 +34,7 @@ class DerivedSizes:
     mini_batch_size: int  # training units per optimiser step (micro batches are capped at this size)
     grad_accum_steps: int  # micro batches per optimiser step
     optimizer_steps: int  # optimiser steps over the whole run
+    eval_every: int  # steps between evaluations (from eval.every or eval.num_evals); 0 = start and end only
     total_episodes: int  # completions generated over the whole run
     prompts_seen: int  # prompts drawn over the whole run (reused each epoch when above the dataset size)
 
@@ -100,7 +101,10 @@ def _derive_pairwise_sizes(cfg: DictConfig, samples: int) -> DerivedSizes:
 def _sizes(cfg: DictConfig, samples: int, units: int, mini: int, accum: int) -> DerivedSizes:
     train = cfg.train
     optimizer_steps = train.num_steps * train.num_epochs * train.num_mini_batches
+    num_evals = cfg.eval.num_evals
+    eval_every = -(-train.num_steps // num_evals) if num_evals else cfg.eval.every
     return DerivedSizes(
+        eval_every=eval_every,
         samples_per_step=samples,
         train_units_per_step=units,
         mini_batch_size=mini,
@@ -170,6 +174,24 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     )
     _require(cfg.reward.clip is None or cfg.reward.clip > 0, f"reward.clip={cfg.reward.clip} must be > 0 or null")
     _require(cfg.eval.every >= 0, f"eval.every={cfg.eval.every} must be >= 0")
+    _require(cfg.eval.num_evals is None or cfg.eval.num_evals >= 1, f"eval.num_evals={cfg.eval.num_evals} must be >= 1")
+    _require(cfg.eval.max_prompts is None or cfg.eval.max_prompts >= 1, f"eval.max_prompts={cfg.eval.max_prompts} must be >= 1")
+    data = cfg.dataset
+    _require(data.max_prompt_length >= 1, f"dataset.max_prompt_length={data.max_prompt_length} must be >= 1")
+    _require(0 <= data.eval_holdout < 1, f"dataset.eval_holdout={data.eval_holdout} must be in [0, 1)")
+    _require(data.sanity_check is None or data.sanity_check >= 1, f"dataset.sanity_check={data.sanity_check} must be >= 1 or null")
+    if data.name == "mix":
+        _require(
+            len(data.train) > 0 or bool(data.path),
+            "dataset.name=mix has no source: set dataset.path=<file> or list dataset.train sources",
+        )
+        for split in ("train", "eval"):
+            for i, src in enumerate(data[split]):
+                _require(src.amount > 0, f"dataset.{split}[{i}].amount={src.amount} must be > 0")
+                _require(
+                    src.amount <= 1 or src.amount == int(src.amount),
+                    f"dataset.{split}[{i}].amount={src.amount}: a count must be a whole number (fractions are <= 1)",
+                )
     _require(cfg.eval.num_samples >= 0, f"eval.num_samples={cfg.eval.num_samples} must be >= 0")
     _require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every} must be >= 0")
     _require(cfg.checkpoint.keep_last >= 0, f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 0")

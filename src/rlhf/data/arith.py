@@ -20,7 +20,7 @@ def arith_problems(max_operand: int) -> list[tuple[str, str]]:
 
 
 @register("dataset", "arith")
-def arith_dataset(cfg, tokenizer) -> PromptSplits:
+def arith_dataset(cfg, tokenizer, seed: int = 1) -> PromptSplits:
     """All addition problems as prompts; ``cfg.eval_size`` of them (seeded) held out for evaluation."""
     if not 0 <= cfg.max_operand <= 49:
         raise ValueError(f"dataset.max_operand={cfg.max_operand} must be within 0..49")

@@ -1,12 +1,12 @@
 """Prompt datasets and the stream that feeds them to the orchestrator, epoch by epoch.
 
-A factory registered as kind ``dataset`` is called as ``factory(cfg=<dataset config>, tokenizer=...)``
+A factory registered as kind ``dataset`` is called as ``factory(cfg=<dataset config>, tokenizer=..., seed=int)``
 and returns a `PromptSplits`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -25,6 +25,7 @@ class PromptExample:
 class PromptSplits:
     train: list[PromptExample]
     eval: list[PromptExample]
+    report: dict = field(default_factory=dict)  # what loading kept and dropped, per source
 
 
 class PromptStream:

@@ -27,13 +27,15 @@ def run_eval(c, cfg, tracker, step: int) -> dict[str, float]:
     devices = list(range(torch.cuda.device_count())) if c.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(cfg.seed * 1_000_003 + step)
-        metrics, scored = stages.evaluate(c, c.eval_examples, cfg.generator, cfg.eval)
+        metrics, results = stages.evaluate(c, c.eval_examples, cfg.generator, cfg.eval)
     if metrics:
         tracker.log(step, metrics)
         log.info("eval @ step %d: %s", step, ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
-    if scored is not None:
-        n = cfg.logging.num_sample_texts
-        tracker.samples(step, scored.prompts[:n], scored.responses[:n], scored.scores[:n].tolist(), tag="eval_samples")
+    n = cfg.logging.num_sample_texts
+    for mode, scored in results.items():
+        tracker.samples(step, scored.prompts[:n], scored.responses[:n], scored.scores[:n].tolist(), tag=f"eval_samples/{mode}")
+        if cfg.eval.save_generations:
+            tracker.generations(step, mode, scored)
     return metrics
 
 
@@ -79,7 +81,7 @@ def run(c, cfg, sizes, tracker, state: RunState, stop) -> RunState:
         if cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
             n = cfg.logging.num_sample_texts
             tracker.samples(step, scored.prompts[:n], scored.responses[:n], scored.scores[:n].tolist())
-        if (cfg.eval.every and step % cfg.eval.every == 0) or step == train.num_steps:
+        if (sizes.eval_every and step % sizes.eval_every == 0) or step == train.num_steps:
             state.last_eval = run_eval(c, cfg, tracker, step)
         every = cfg.checkpoint.every
         if stop.requested or (every and step % every == 0) or (every and step == train.num_steps):

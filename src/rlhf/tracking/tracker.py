@@ -72,6 +72,12 @@ class Tracker:
         for p, r, s in zip(prompts, responses, scores):
             log.debug("%s step %d: %r -> %r (%+.2f)", tag, step, p, r, s)
 
+    def generations(self, step: int, mode: str, scored) -> None:
+        """Every eval completion, one JSON object per line, in <run folder>/eval_generations.jsonl."""
+        with open(self.output_dir / "eval_generations.jsonl", "a", encoding="utf-8") as f:
+            for prompt, response, score in zip(scored.prompts, scored.responses, scored.scores.tolist()):
+                f.write(json.dumps({"step": step, "mode": mode, "prompt": prompt, "response": response, "score": score}) + "\n")
+
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 

@@ -1,0 +1,267 @@
+"""Prompt datasets from the Hugging Face hub or local JSON Lines / Parquet files, mixed by fraction or count.
+
+Each source is a split of a dataset; `amount` takes a fraction of it (<= 1) or a number of rows (> 1),
+chosen by a seeded shuffle. Rows become prompts through `dataset.sft_messages_key` (a conversation whose
+final assistant turn is dropped) or `dataset.prompt_key` (a string, as one user message), rendered with
+`dataset.chat_template`. Bad rows and over-long prompts are counted per source and reported; tokenised
+results are cached on disk under a key that covers everything that shaped them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlhf.data.prompts import PromptExample, PromptSplits
+from rlhf.data.templates import resolve_template
+from rlhf.registry import register
+
+log = logging.getLogger("rlhf")
+
+CACHE_VERSION = 1
+LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+class BadRow(ValueError):
+    """A row that cannot become a prompt; carries the column at fault."""
+
+    def __init__(self, column: str, why: str) -> None:
+        super().__init__(f"column {column!r}: {why}")
+        self.column = column
+
+
+@dataclass
+class SourceReport:
+    """What happened to one source's rows."""
+
+    source: str
+    split: str
+    rows: int = 0  # rows taken from the split (after amount and sanity_check)
+    bad_rows: int = 0  # rows dropped for a missing column, wrong type or empty prompt
+    too_long: int = 0  # rows dropped by max_prompt_length
+    kept: int = 0
+    bad_examples: list[str] = field(default_factory=list)  # the first few reasons, for the log
+
+
+def source_label(src) -> str:
+    return f"{src.path}[{src.split}]"
+
+
+def load_rows(src, seed: int, sanity_check: int | None, key: str) -> list[tuple[int, dict[str, Any]]]:
+    """(row index in the split, row) for the rows of one source after `amount` (seeded) and `sanity_check`."""
+    from datasets import load_dataset
+
+    local = Path(src.path).expanduser()
+    if local.is_file():
+        fmt = LOCAL_FORMATS.get(local.suffix)
+        if fmt is None:
+            raise ValueError(f"{key}.path={src.path}: unknown file type {local.suffix!r}; use .jsonl, .json or .parquet")
+        if src.split != "train":
+            raise ValueError(f"{key}.split={src.split}: a single local file only has the split `train`")
+        data = load_dataset(fmt, data_files=str(local), split="train")
+    elif local.is_dir():
+        data = load_dataset(str(local), split=src.split)
+    elif src.path.startswith(("/", "./", "../", "~")):
+        raise ValueError(f"{key}.path={src.path}: no such file or folder")
+    else:
+        data = load_dataset(src.path, split=src.split, revision=src.revision)
+    n = len(data)
+    if src.amount <= 1:
+        take = round(n * src.amount)
+    else:
+        if src.amount != int(src.amount):
+            raise ValueError(f"{key}.amount={src.amount}: a count must be a whole number (fractions are <= 1)")
+        take = int(src.amount)
+        if take > n:
+            raise ValueError(f"{key}.amount={take} rows, but {source_label(src)} has only {n}")
+    order = list(range(n))
+    random.Random(f"{seed}:{src.path}:{src.split}").shuffle(order)
+    order = sorted(order[:take])  # the chosen rows, in file order
+    if sanity_check is not None:
+        order = order[:sanity_check]
+    return [(i, data[i]) for i in order]
+
+
+def row_messages(row: dict[str, Any], cfg) -> list[dict[str, str]]:
+    """The conversation a prompt is rendered from; raises BadRow naming the column at fault."""
+    if cfg.sft_messages_key:
+        key = cfg.sft_messages_key
+        if key not in row or row[key] is None:
+            raise BadRow(key, "missing")
+        messages = row[key]
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+        ):
+            raise BadRow(key, "not a list of {role, content} messages")
+        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        if messages and messages[-1]["role"] == "assistant":
+            messages = messages[:-1]
+        if not messages or not any(m["content"].strip() for m in messages):
+            raise BadRow(key, "no message left to prompt with")
+        return messages
+    key = cfg.prompt_key
+    if key not in row or row[key] is None:
+        raise BadRow(key, "missing")
+    if not isinstance(row[key], str):
+        raise BadRow(key, f"expected a string, got {type(row[key]).__name__}")
+    if not row[key].strip():
+        raise BadRow(key, "empty prompt")
+    return [{"role": "user", "content": row[key]}]
+
+
+def row_ground_truth(row: dict[str, Any], cfg) -> Any:
+    if not cfg.ground_truth_key:
+        return None
+    if cfg.ground_truth_key not in row or row[cfg.ground_truth_key] is None:
+        raise BadRow(cfg.ground_truth_key, "missing")
+    return row[cfg.ground_truth_key]
+
+
+def to_examples(rows, src, cfg, tokenizer, template: str, add_special_tokens: bool) -> tuple[list[PromptExample], SourceReport]:
+    """Prompts from one source's rows, with the report of what was dropped and why."""
+    report = SourceReport(source_label(src), src.split, rows=len(rows))
+    examples = []
+    for index, row in rows:
+        try:
+            messages = row_messages(row, cfg)
+            ground_truth = row_ground_truth(row, cfg)
+        except BadRow as err:
+            if cfg.strict:
+                raise ValueError(f"dataset source {report.source}, row {index}: {err} (dataset.strict=true)") from None
+            report.bad_rows += 1
+            if len(report.bad_examples) < 3:
+                report.bad_examples.append(f"row {index}: {err}")
+            continue
+        text = tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        if len(ids) > cfg.max_prompt_length:
+            report.too_long += 1
+            continue
+        examples.append(PromptExample(text=text, token_ids=tuple(ids), ground_truth=ground_truth))
+    report.kept = len(examples)
+    return examples, report
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    body = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    return hashlib.sha256((type(tokenizer).__name__ + body + json.dumps(tokenizer.special_tokens_map, sort_keys=True)).encode()).hexdigest()
+
+
+def source_fingerprint(src) -> dict[str, Any]:
+    """What identifies a source's data: a local file's size and mtime, or the hub name and revision."""
+    local = Path(src.path).expanduser()
+    stat = {}
+    if local.exists():
+        files = [local] if local.is_file() else sorted(p for p in local.rglob("*") if p.is_file())
+        stat = {str(p): [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
+    return {"path": src.path, "split": src.split, "amount": src.amount, "revision": src.revision, "files": stat}
+
+
+def cache_key(cfg, seed: int, template: str, tokenizer, sources: dict[str, list]) -> str:
+    shaping = {
+        "version": CACHE_VERSION,
+        "seed": seed,
+        "sources": {split: [source_fingerprint(s) for s in srcs] for split, srcs in sources.items()},
+        "eval_holdout": cfg.eval_holdout,
+        "keys": [cfg.prompt_key, cfg.sft_messages_key, cfg.ground_truth_key],
+        "template": template,
+        "max_prompt_length": cfg.max_prompt_length,
+        "strict": cfg.strict,
+        "sanity_check": cfg.sanity_check,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+    }
+    return hashlib.sha256(json.dumps(shaping, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def cache_folder(cfg) -> Path:
+    if cfg.cache_dir:
+        return Path(cfg.cache_dir).expanduser()
+    return Path(os.environ.get("RLHF_CACHE", Path.home() / ".cache" / "rlhf")) / "datasets"
+
+
+def _dump(splits: PromptSplits) -> dict:
+    def rows(examples):
+        return [[e.text, list(e.token_ids), e.ground_truth] for e in examples]
+
+    return {"train": rows(splits.train), "eval": rows(splits.eval), "report": splits.report}
+
+
+def _load(data: dict) -> PromptSplits:
+    def examples(rows):
+        return [PromptExample(text, tuple(ids), gt) for text, ids, gt in rows]
+
+    return PromptSplits(train=examples(data["train"]), eval=examples(data["eval"]), report=data["report"] | {"cache": "hit"})
+
+
+def build_splits(cfg, tokenizer, seed: int, sources: dict[str, list]) -> PromptSplits:
+    """Load, mix, render, tokenise and filter every source (no cache)."""
+    template = resolve_template(cfg.chat_template, tokenizer)
+    own_template = cfg.chat_template == "tokenizer"  # a tokenizer's own template writes its special tokens itself
+    out: dict[str, list[PromptExample]] = {"train": [], "eval": []}
+    reports = []
+    for split, srcs in sources.items():
+        for i, src in enumerate(srcs):
+            key = f"dataset.{split}[{i}]"
+            rows = load_rows(src, seed, cfg.sanity_check, key)
+            examples, report = to_examples(rows, src, cfg, tokenizer, template, add_special_tokens=not own_template)
+            out[split] += examples
+            reports.append({"split": split, **asdict(report)})
+    if not out["train"]:
+        raise ValueError(
+            f"no training prompt is left: {sum(r['rows'] for r in reports if r['split'] == 'train')} rows read, "
+            f"{sum(r['too_long'] for r in reports if r['split'] == 'train')} longer than dataset.max_prompt_length="
+            f"{cfg.max_prompt_length}, {sum(r['bad_rows'] for r in reports if r['split'] == 'train')} bad; "
+            "raise the limit or check the columns"
+        )
+    train, eval_ = out["train"], out["eval"]
+    if not sources["eval"] and cfg.eval_holdout > 0:
+        shuffled = train[:]
+        random.Random(seed).shuffle(shuffled)
+        n_eval = max(1, round(len(shuffled) * cfg.eval_holdout))
+        train, eval_ = shuffled[n_eval:], shuffled[:n_eval]
+    elif not sources["eval"]:
+        eval_ = train
+    return PromptSplits(train=train, eval=eval_, report={"sources": reports, "cache": "miss"})
+
+
+def log_report(report: dict) -> None:
+    for r in report["sources"]:
+        log.info(
+            "dataset %-5s %s: %d rows, %d bad, %d longer than max_prompt_length, %d kept",
+            r["split"], r["source"], r["rows"], r["bad_rows"], r["too_long"], r["kept"],
+        )
+        for example in r["bad_examples"]:
+            log.warning("  bad row in %s: %s", r["source"], example)
+
+
+@register("dataset", "mix")
+def mixed_dataset(cfg, tokenizer, seed: int = 1) -> PromptSplits:
+    """Train and eval prompts from `dataset.train` / `dataset.eval` sources (or `dataset.path`), cached."""
+    train_sources = list(cfg.train) or ([{"path": cfg.path, "split": "train", "amount": 1.0, "revision": None}] if cfg.path else [])
+    if not train_sources:
+        raise ValueError("dataset.name=mix needs dataset.train sources or dataset.path=<file>")
+    from omegaconf import OmegaConf
+
+    sources = {"train": [OmegaConf.create(dict(s)) for s in train_sources], "eval": [OmegaConf.create(dict(s)) for s in cfg.eval]}
+    template = resolve_template(cfg.chat_template, tokenizer)
+    key = cache_key(cfg, seed, template, tokenizer, sources)
+    path = cache_folder(cfg) / f"{key}.json"
+    if path.is_file():
+        splits = _load(json.loads(path.read_text()))
+        log.info("dataset cache hit: %s", path)
+    else:
+        splits = build_splits(cfg, tokenizer, seed, sources)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(_dump(splits)))
+        os.replace(tmp, path)
+        log.info("dataset cached: %s", path)
+    log_report(splits.report)
+    return splits

@@ -1,0 +1,58 @@
+"""Chat templates: turn a conversation (a list of {role, content}) into the prompt text the policy sees.
+
+`dataset.chat_template` is `tokenizer` (the tokenizer's own template), a built-in name below, a path to
+a `.jinja` file, or an inline Jinja string. Templates are rendered by the tokenizer's
+`apply_chat_template`, with `add_generation_prompt=True` so the prompt ends where the response starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# One space between message contents; nothing marks the response (TL;DR-style completion prompts).
+SIMPLE_CONCAT_WITH_SPACE = (
+    "{% for m in messages %}{% if not loop.first %} {% endif %}{{ m['content'] }}{% endfor %}"
+    "{% if not add_generation_prompt %}{{ eos_token }}{% endif %}"
+)
+
+# Tulu's role markers: `<|role|>` on its own line before each message; assistant turns end with EOS.
+TULU = (
+    "{% for m in messages %}"
+    "{{ '<|' + m['role'] + '|>\\n' + m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
+    "{{ '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+BUILTIN_TEMPLATES = {"simple_concat_with_space": SIMPLE_CONCAT_WITH_SPACE, "tulu": TULU}
+
+
+def resolve_template(name: str, tokenizer) -> str:
+    """The Jinja source for `dataset.chat_template`."""
+    if name == "tokenizer":
+        template = getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise ValueError(
+                "dataset.chat_template=tokenizer but this tokenizer has no chat template; choose "
+                f"{', '.join(BUILTIN_TEMPLATES)}, a .jinja file, or an inline Jinja string"
+            )
+        return template
+    if name in BUILTIN_TEMPLATES:
+        return BUILTIN_TEMPLATES[name]
+    if name.endswith(".jinja"):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise ValueError(f"dataset.chat_template={name}: no such file")
+        return path.read_text()
+    if "{{" in name or "{%" in name:
+        return name
+    raise ValueError(
+        f"dataset.chat_template={name!r} is not `tokenizer`, a built-in template ({', '.join(BUILTIN_TEMPLATES)}), "
+        "a .jinja file or an inline Jinja string"
+    )
+
+
+def render_prompt(tokenizer, messages: list[dict[str, str]], template: str) -> str:
+    """The prompt text for ``messages``, ending with the template's generation prompt."""
+    return tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=False)
