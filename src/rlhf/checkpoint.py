@@ -75,8 +75,9 @@ def save(c, root: Path, step: int, run_state: dict[str, Any], keep_last: int) ->
     """Write the full state of step ``step`` atomically, then prune to the newest ``keep_last``."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
+    for stale in root.glob(".tmp-*"):  # left by a save that crashed (one trainer writes here at a time)
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     c.policy.save_checkpoint(tmp / "policy")
     if c.critic is not None:
@@ -101,10 +102,18 @@ def save(c, root: Path, step: int, run_state: dict[str, Any], keep_last: int) ->
         json.dump(state, f)
         f.flush()
         os.fsync(f.fileno())
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    if final.exists():  # re-saving a step: move the old copy aside first, so a crash never leaves neither
+        old = root / f".tmp-old-{final.name}-{os.getpid()}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
     log.info("checkpoint saved: %s", final)
+    for newer in [p for p in complete_checkpoints(root) if int(p.name[5:]) > step]:
+        # a run resumed from an older checkpoint has abandoned these; keeping them would make resume=auto jump ahead
+        log.warning("removing %s: it belongs to the run that was resumed from an earlier step", newer)
+        shutil.rmtree(newer, ignore_errors=True)
     if keep_last > 0:
         for old in complete_checkpoints(root)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)

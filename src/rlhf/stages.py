@@ -112,11 +112,13 @@ def update_policy(c, batch: TrainBatch, train_cfg, temperature: float, guard) ->
                     critic.backward(value_loss)
                 for key, value in metrics.items():
                     step[key] = step.get(key, 0.0) + float(value) * (1.0 if _is_share(key) else 1.0 / len(micro_ids))
-            if finite:
-                step["policy/grad_norm"] = c.policy.optimizer_step()
-                if critic is not None:
-                    step["critic/grad_norm"] = critic.optimizer_step()
-                finite = all(math.isfinite(v) for k, v in step.items() if k.endswith("grad_norm"))
+            if finite:  # both models step only if every gradient is finite
+                trained = [("policy", c.policy)] + ([("critic", critic)] if critic is not None else [])
+                for name, model in trained:
+                    step[f"{name}/grad_norm"] = model.clip_gradients()
+                finite = all(math.isfinite(step[f"{name}/grad_norm"]) for name, _ in trained)
+                for _, model in trained:
+                    model.step() if finite else model.zero_grad()
                 guard.record(not finite, "gradient")
             else:
                 c.policy.zero_grad()

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from rlhf.generators.base import Rollout
-from rlhf.models.policy import clip_and_step, load_trainable, make_optimizer, save_trainable
+from rlhf.models.policy import clip_and_step, clip_gradients, load_trainable, make_optimizer, save_trainable
 from rlhf.models.value import load_value_model, response_values
 from rlhf.registry import register
 
@@ -43,6 +43,14 @@ class TorchCritic:
         return clip_and_step(self.model, self.optimizer, self.scheduler, self.max_grad_norm)
 
     def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def clip_gradients(self) -> float:
+        return clip_gradients(self.model, self.max_grad_norm)
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
     def save_checkpoint(self, path: Path) -> None:

@@ -46,12 +46,17 @@ def make_optimizer(model: torch.nn.Module, train_cfg, lr: float, total_optimizer
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
+def clip_gradients(model: torch.nn.Module, max_grad_norm: float) -> float:
+    """Clip the global gradient norm (when > 0); returns the pre-clip norm (non-finite when a gradient is)."""
+    return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf))
+
+
 def clip_and_step(model: torch.nn.Module, optimizer, scheduler, max_grad_norm: float) -> float:
-    """Clip the global gradient norm (when > 0), step, advance the schedule, clear grads; returns the pre-clip norm.
+    """Clip, step, advance the schedule, clear grads; returns the pre-clip norm.
 
     A non-finite norm skips the update entirely (weights, optimiser moments and schedule untouched).
     """
-    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf))
+    norm = clip_gradients(model, max_grad_norm)
     if math.isfinite(norm):
         optimizer.step()
         scheduler.step()
@@ -107,6 +112,16 @@ class TorchPolicy:
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients without stepping (a skipped step)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def clip_gradients(self) -> float:
+        """Clip the accumulated gradients by `train.max_grad_norm`; returns the pre-clip norm."""
+        return clip_gradients(self.model, self.train_cfg.max_grad_norm)
+
+    def step(self) -> None:
+        """Apply the (clipped) gradients, advance the LR schedule, clear the gradients."""
+        self.optimizer.step()
+        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
     def save_checkpoint(self, path: Path) -> None:
