@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from rlhf import registry
-from rlhf.config.validate import ConfigError, DerivedSizes
+from rlhf.config.errors import ConfigError
+from rlhf.config.validate import DerivedSizes
 from rlhf.data.prompts import PromptExample, PromptStream
 from rlhf.models.loading import check_vocab_match, load_tokenizer, looks_local, pick_device, resolve_model_path
 from rlhf.rewards.combine import RewardSet
@@ -33,7 +34,6 @@ class Components:
     eval_examples: list[PromptExample]
     rewards: RewardSet
     estimator: Any
-    estimator_cfg: Any
     generator: Any
     policy: Any
     reference: Any | None
@@ -96,6 +96,12 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     log.info("dataset %s: %d train prompts, %d eval prompts", cfg.dataset.name, len(splits.train), len(splits.eval))
+    missing_truth = sum(ex.ground_truth is None for ex in splits.train + splits.eval)
+    if rewards.verifiers and missing_truth:
+        raise ConfigError(
+            f"reward functions {rewards.verifiers} check answers against a ground truth, but {missing_truth} prompts "
+            f"carry none; set dataset.ground_truth_key=<column> or choose other reward.functions"
+        )
     # 3. models
     policy = factories["policy"](
         cfg=cfg.policy, model_cfg=model, train_cfg=cfg.train, total_optimizer_steps=sizes.optimizer_steps, device=device
@@ -128,7 +134,6 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
         eval_examples=splits.eval,
         rewards=rewards,
         estimator=estimator,
-        estimator_cfg=cfg.algorithm,
         generator=generator,
         policy=policy,
         reference=reference,

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlhf.config.validate import ConfigError
+from rlhf.config.errors import ConfigError
 
 log = logging.getLogger("rlhf")
 
@@ -71,6 +71,25 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    """Flush every file and folder under ``path`` to disk before it is renamed into place."""
+    for item in sorted(path.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if item.is_file():
+            with open(item, "rb") as f:
+                os.fsync(f.fileno())
+        else:
+            _fsync_dir(item)
+    _fsync_dir(path)
+
+
 def save(c, root: Path, step: int, run_state: dict[str, Any], keep_last: int) -> Path:
     """Write the full state of step ``step`` atomically, then prune to the newest ``keep_last``."""
     root.mkdir(parents=True, exist_ok=True)
@@ -100,15 +119,15 @@ def save(c, root: Path, step: int, run_state: dict[str, Any], keep_last: int) ->
     }
     with open(tmp / STATE_FILE, "w", encoding="utf-8") as f:  # written last: its presence marks completeness
         json.dump(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    if final.exists():  # re-saving a step: move the old copy aside first, so a crash never leaves neither
-        old = root / f".tmp-old-{final.name}-{os.getpid()}"
+    _fsync_tree(tmp)
+    if final.exists():  # re-saving a step: the old copy moves aside first and is deleted only after the swap
+        old = root / f".tmp-replaced-{final.name}-{os.getpid()}"
         os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
+    _fsync_dir(root)
     log.info("checkpoint saved: %s", final)
     for newer in [p for p in complete_checkpoints(root) if int(p.name[5:]) > step]:
         # a run resumed from an older checkpoint has abandoned these; keeping them would make resume=auto jump ahead

@@ -32,13 +32,15 @@ def sampling_params(gen_cfg, greedy: bool = False) -> SamplingParams:
     return SamplingParams(gen_cfg.max_new_tokens, gen_cfg.temperature, gen_cfg.top_p, greedy)
 
 
-def generate_and_score(c, examples: list[PromptExample], samples_per_prompt: int, sampling: SamplingParams) -> Scored:
+def generate_and_score(
+    c, examples: list[PromptExample], samples_per_prompt: int, sampling: SamplingParams, training: bool = True
+) -> Scored:
     """Sample ``samples_per_prompt`` responses per prompt (grouped in a row), decode them, score them."""
     repeated = [ex for ex in examples for _ in range(samples_per_prompt)]
     rollout = c.generator.generate([list(ex.token_ids) for ex in repeated], sampling)
     responses = c.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
     prompts = [ex.text for ex in repeated]
-    scores, metrics = c.rewards.score(prompts, responses, [ex.ground_truth for ex in repeated], rollout)
+    scores, metrics = c.rewards.score(prompts, responses, [ex.ground_truth for ex in repeated], rollout, training)
     return Scored(rollout.to("cpu"), prompts, responses, scores, metrics)
 
 
@@ -142,7 +144,7 @@ def evaluate(c, examples: list[PromptExample], gen_cfg, eval_cfg) -> tuple[dict[
     if eval_cfg.num_samples > 0:
         runs.append(("sampled", eval_cfg.num_samples, False))
     for name, n, greedy in runs:
-        scored = generate_and_score(c, examples, n, sampling_params(gen_cfg, greedy))
+        scored = generate_and_score(c, examples, n, sampling_params(gen_cfg, greedy), training=False)
         metrics[f"eval/{name}_scores"] = scored.scores.mean().item()
         if "objective/verifiable_correct_rate" in scored.metrics:
             metrics[f"eval/{name}_correct_rate"] = scored.metrics["objective/verifiable_correct_rate"]

@@ -58,14 +58,21 @@ def evaluate(model, pairs, tokenizer, device, batch_size: int) -> dict[str, floa
 def train(cfg: DictConfig, out: Path) -> dict[str, float]:
     """Train, evaluate, save; returns the final eval metrics."""
     loop = cfg.train
-    for key in ("num_epochs", "batch_size"):
+    for key in ("num_epochs", "batch_size", "eval_every"):
         if loop[key] < 1:
             raise ConfigError(f"train.{key}={loop[key]} must be >= 1")
+    if loop.lr <= 0:
+        raise ConfigError(f"train.lr={loop.lr} must be > 0")
+    if cfg.model.dtype != "float32":
+        raise ConfigError(f"model.dtype={cfg.model.dtype}: reward-model training keeps float32 weights; set model.dtype=float32")
     builder = registry.resolve("preference_dataset", cfg.preferences.name, key="preferences.name")
     device = pick_device(cfg.cluster.device)
     seed_everything(cfg.seed)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name_or_path, cfg.model.revision, cfg.model.trust_remote_code)
-    splits = builder(cfg=cfg.preferences, tokenizer=tokenizer)
+    try:
+        splits = builder(cfg=cfg.preferences, tokenizer=tokenizer)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if len(splits.train) < loop.batch_size:
         raise ConfigError(f"train.batch_size={loop.batch_size} exceeds the {len(splits.train)} training pairs")
     log.info("preferences %s: %d train pairs, %d eval pairs", cfg.preferences.name, len(splits.train), len(splits.eval))

@@ -460,14 +460,18 @@ def test_adaptive_kl_coefficient_shrinks_below_target():
     assert est.kl_ctl.value == pytest.approx(0.098)
 
 
-def test_kl_loss_uses_the_adaptive_coefficient():
-    """After one adaptive update to 0.102, the k1 KL loss term is 0.102 * (-1/6): loss = -0.5 - 0.017."""
+def test_kl_loss_uses_the_coefficient_of_its_step_and_the_next_step_the_adapted_one():
+    """A step's loss uses the coefficient its build_batch logged (0.1); the adaptive update (to 0.102) is the next step's."""
     est = GRPO(make_cfg(num_samples_per_prompt=2, beta=0.1, kl_in_reward=False, kl_estimator="k1",
                         kl_ctl="adaptive", target_kl=0.5, kl_horizon=20))
-    build(est)
+    _, metrics_step = build(est)
+    assert metrics_step["objective/kl_coef"] == pytest.approx(0.1)
     logp, old_logp, ref_logp = _inputs()
     loss, metrics = policy_loss(est, logp, old_logp, ref_logp, ADV, MASK, torch.tensor(3.0))
     assert_close(metrics["loss/kl_avg"], torch.tensor(-1.0 / 6.0))
+    assert_close(loss, torch.tensor(-0.5 + 0.1 * (-1.0 / 6.0)))
+    build(est)  # the next step
+    loss, _ = policy_loss(est, logp, old_logp, ref_logp, ADV, MASK, torch.tensor(3.0))
     assert_close(loss, torch.tensor(-0.5 + 0.102 * (-1.0 / 6.0)))
 
 

@@ -250,7 +250,7 @@ class FakeScorer:
         self.scores = torch.tensor(scores)
         self.seen = None
 
-    def score(self, rollout):
+    def score(self, rollout, update_stats=True):
         """(the fixed scores, a metric), as RewardModelScorer.score returns."""
         self.seen = rollout
         return self.scores.clone(), {"reward/model": self.scores.mean().item()}

@@ -11,18 +11,14 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-ESTIMATORS_NEEDING_GROUPS = ("grpo", "rloo", "online_dpo")
-PAIRWISE_ESTIMATORS = ("online_dpo",)  # train on one (chosen, rejected) pair per prompt
+from rlhf.config.errors import ConfigError
+from rlhf.functional.losses import LOSS_AGGREGATIONS
+from rlhf.models.dtypes import DTYPES
+
 KL_ESTIMATORS = ("k1", "k2", "k3")
-LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 KL_CONTROLLERS = ("fixed", "adaptive")
 DPO_LOSSES = ("sigmoid", "ipo")
 LR_SCHEDULES = ("constant", "linear")
-DTYPES = ("float32", "bfloat16", "float16")
-
-
-class ConfigError(ValueError):
-    """A config that cannot run; the message names the key and the fix."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +56,7 @@ def derive_sizes(cfg: DictConfig) -> DerivedSizes:
     ):
         _require(value >= 1, f"{key}={value} must be >= 1")
     samples = train.prompts_per_step * algo.num_samples_per_prompt
-    if algo.estimator in PAIRWISE_ESTIMATORS:
+    if getattr(estimator_class(cfg), "pairwise", False):
         return _derive_pairwise_sizes(cfg, samples)
     _require(
         samples % train.num_mini_batches == 0,
@@ -115,13 +111,22 @@ def _sizes(cfg: DictConfig, samples: int, units: int, mini: int, accum: int) -> 
     )
 
 
+def estimator_class(cfg: DictConfig):
+    """The class `algorithm.estimator` names (its class attributes drive the checks below)."""
+    from rlhf import registry  # late: the registry imports the built-in components
+
+    return registry.resolve("estimator", cfg.algorithm.estimator, key="algorithm.estimator")
+
+
 def validate(cfg: DictConfig) -> DerivedSizes:
     """Every check that needs no model: choices, ranges, batch arithmetic. Returns the derived sizes."""
     algo, gen, train = cfg.algorithm, cfg.generator, cfg.train
+    estimator = estimator_class(cfg)
+    min_samples = getattr(estimator, "min_samples_per_prompt", 1)
     _require(
-        algo.estimator not in ESTIMATORS_NEEDING_GROUPS or algo.num_samples_per_prompt >= 2,
+        algo.num_samples_per_prompt >= min_samples,
         f"algorithm.estimator={algo.estimator} compares samples within a prompt's group, so "
-        f"algorithm.num_samples_per_prompt must be >= 2 (got {algo.num_samples_per_prompt})",
+        f"algorithm.num_samples_per_prompt must be >= {min_samples} (got {algo.num_samples_per_prompt})",
     )
     _require(
         algo.kl_estimator in KL_ESTIMATORS,
@@ -133,9 +138,19 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     )
     _require(algo.beta >= 0, f"algorithm.beta={algo.beta} must be >= 0")
     _require(
-        algo.estimator not in PAIRWISE_ESTIMATORS or algo.beta > 0,
+        not getattr(estimator, "pairwise", False) or algo.beta > 0,
         f"algorithm.estimator={algo.estimator} uses algorithm.beta as the DPO temperature; set it > 0 (e.g. 0.1)",
     )
+    _require(
+        algo.kl_ctl != "adaptive" or algo.beta > 0,
+        "algorithm.kl_ctl=adaptive starts from algorithm.beta and multiplies it, so beta=0 would stay 0; set beta > 0",
+    )
+    _require(
+        algo.cliprange_value is None or algo.cliprange_value > 0,
+        f"algorithm.cliprange_value={algo.cliprange_value} must be > 0 (or null for an unclipped value loss)",
+    )
+    _require(algo.vf_coef >= 0, f"algorithm.vf_coef={algo.vf_coef} must be >= 0")
+    _require(algo.entropy_coef >= 0, f"algorithm.entropy_coef={algo.entropy_coef} must be >= 0")
     _require(algo.kl_ctl in KL_CONTROLLERS, f"algorithm.kl_ctl={algo.kl_ctl!r}; choose one of {', '.join(KL_CONTROLLERS)}")
     _require(
         algo.kl_ctl != "adaptive" or (algo.target_kl > 0 and algo.kl_horizon > 0),
@@ -166,8 +181,16 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         train.lr_schedule in LR_SCHEDULES,
         f"train.lr_schedule={train.lr_schedule!r}; choose one of {', '.join(LR_SCHEDULES)}",
     )
-    _require(len(train.adam_betas) == 2, f"train.adam_betas={list(train.adam_betas)} must hold two numbers")
+    _require(
+        len(train.adam_betas) == 2 and all(0 <= b < 1 for b in train.adam_betas),
+        f"train.adam_betas={list(train.adam_betas)} must hold two numbers in [0, 1)",
+    )
+    _require(train.weight_decay >= 0 and train.adam_eps > 0, f"train.weight_decay={train.weight_decay} must be >= 0 and train.adam_eps={train.adam_eps} > 0")
     _require(cfg.model.dtype in DTYPES, f"model.dtype={cfg.model.dtype!r}; choose one of {', '.join(DTYPES)}")
+    _require(
+        cfg.model.dtype != "float16",
+        "model.dtype=float16 would train without loss scaling and turn weights into NaN; use bfloat16 (or float32)",
+    )
     _require(
         len(cfg.reward.functions) >= 1 or cfg.reward.path,
         "reward.functions is empty and reward.path is null; name a reward function or a reward model folder",

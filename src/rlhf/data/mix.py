@@ -24,7 +24,7 @@ from rlhf.registry import register
 
 log = logging.getLogger("rlhf")
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
@@ -53,6 +53,17 @@ def source_label(src) -> str:
     return f"{src.path}[{src.split}]"
 
 
+def split_files(folder: Path, split: str) -> list[Path]:
+    """A folder's files for ``split``: `<split>.<ext>` or `<split>-*.<ext>` (any split name, e.g. test_prefs)."""
+    files = [
+        p for p in sorted(folder.iterdir())
+        if p.suffix in LOCAL_FORMATS and (p.stem == split or p.stem.startswith(split + "-"))
+    ]
+    if len({LOCAL_FORMATS[p.suffix] for p in files}) > 1:
+        raise ValueError(f"{folder}: split {split!r} mixes file formats {[p.name for p in files]}")
+    return files
+
+
 def load_rows(src, seed: int, sanity_check: int | None, key: str) -> list[tuple[int, dict[str, Any]]]:
     """(row index in the split, row) for the rows of one source after `amount` (seeded) and `sanity_check`."""
     from datasets import load_dataset
@@ -66,7 +77,12 @@ def load_rows(src, seed: int, sanity_check: int | None, key: str) -> list[tuple[
             raise ValueError(f"{key}.split={src.split}: a single local file only has the split `train`")
         data = load_dataset(fmt, data_files=str(local), split="train")
     elif local.is_dir():
-        data = load_dataset(str(local), split=src.split)
+        files = split_files(local, src.split)
+        if files:
+            fmt = LOCAL_FORMATS[files[0].suffix]
+            data = load_dataset(fmt, data_files={src.split: [str(f) for f in files]}, split=src.split)
+        else:
+            data = load_dataset(str(local), split=src.split)
     elif src.path.startswith(("/", "./", "../", "~")):
         raise ValueError(f"{key}.path={src.path}: no such file or folder")
     else:
@@ -123,7 +139,13 @@ def row_ground_truth(row: dict[str, Any], cfg) -> Any:
     return row[cfg.ground_truth_key]
 
 
-def to_examples(rows, src, cfg, tokenizer, template: str, add_special_tokens: bool) -> tuple[list[PromptExample], SourceReport]:
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """Token ids of a rendered prompt; the tokenizer adds its special tokens (BOS) unless the text already has them."""
+    bos = tokenizer.bos_token
+    return tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"]
+
+
+def to_examples(rows, src, cfg, tokenizer, template: str) -> tuple[list[PromptExample], SourceReport]:
     """Prompts from one source's rows, with the report of what was dropped and why."""
     report = SourceReport(source_label(src), src.split, rows=len(rows))
     examples = []
@@ -139,7 +161,7 @@ def to_examples(rows, src, cfg, tokenizer, template: str, add_special_tokens: bo
                 report.bad_examples.append(f"row {index}: {err}")
             continue
         text = tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=False)
-        ids = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        ids = encode_prompt(tokenizer, text)
         if len(ids) > cfg.max_prompt_length:
             report.too_long += 1
             continue
@@ -203,21 +225,20 @@ def _load(data: dict) -> PromptSplits:
 def build_splits(cfg, tokenizer, seed: int, sources: dict[str, list]) -> PromptSplits:
     """Load, mix, render, tokenise and filter every source (no cache)."""
     template = resolve_template(cfg.chat_template, tokenizer)
-    own_template = cfg.chat_template == "tokenizer"  # a tokenizer's own template writes its special tokens itself
     out: dict[str, list[PromptExample]] = {"train": [], "eval": []}
     reports = []
     for split, srcs in sources.items():
         for i, src in enumerate(srcs):
             key = f"dataset.{split}[{i}]"
             rows = load_rows(src, seed, cfg.sanity_check, key)
-            examples, report = to_examples(rows, src, cfg, tokenizer, template, add_special_tokens=not own_template)
+            examples, report = to_examples(rows, src, cfg, tokenizer, template)
             out[split] += examples
-            reports.append({"split": split, **asdict(report)})
+            reports.append({"role": split, **asdict(report)})
     if not out["train"]:
         raise ValueError(
-            f"no training prompt is left: {sum(r['rows'] for r in reports if r['split'] == 'train')} rows read, "
-            f"{sum(r['too_long'] for r in reports if r['split'] == 'train')} longer than dataset.max_prompt_length="
-            f"{cfg.max_prompt_length}, {sum(r['bad_rows'] for r in reports if r['split'] == 'train')} bad; "
+            f"no training prompt is left: {sum(r['rows'] for r in reports if r['role'] == 'train')} rows read, "
+            f"{sum(r['too_long'] for r in reports if r['role'] == 'train')} longer than dataset.max_prompt_length="
+            f"{cfg.max_prompt_length}, {sum(r['bad_rows'] for r in reports if r['role'] == 'train')} bad; "
             "raise the limit or check the columns"
         )
     train, eval_ = out["train"], out["eval"]
@@ -235,7 +256,7 @@ def log_report(report: dict) -> None:
     for r in report["sources"]:
         log.info(
             "dataset %-5s %s: %d rows, %d bad, %d longer than max_prompt_length, %d kept",
-            r["split"], r["source"], r["rows"], r["bad_rows"], r["too_long"], r["kept"],
+            r["role"], r["source"], r["rows"], r["bad_rows"], r["too_long"], r["kept"],
         )
         for example in r["bad_examples"]:
             log.warning("  bad row in %s: %s", r["source"], example)

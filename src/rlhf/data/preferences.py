@@ -39,6 +39,8 @@ def arith_preferences(cfg, tokenizer=None) -> PreferenceSplits:
     """
     if not 0 < cfg.eval_fraction < 1:
         raise ValueError(f"preferences.eval_fraction={cfg.eval_fraction} must be in (0, 1)")
+    if cfg.max_operand < 1:
+        raise ValueError(f"preferences.max_operand={cfg.max_operand} must be >= 1")
     if cfg.pairs_per_problem < 1:
         raise ValueError(f"preferences.pairs_per_problem={cfg.pairs_per_problem} must be >= 1")
     rng = random.Random(0)

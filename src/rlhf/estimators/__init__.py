@@ -13,6 +13,8 @@ from rlhf.registry import register
 class GRPO(PolicyGradientEstimator):
     """Group-relative advantages: centred (and by default std-scaled) within each prompt's samples."""
 
+    min_samples_per_prompt = 2
+
     def sequence_advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         return F.group_normalized_advantages(rewards, self.group_size, self.cfg.norm_adv_by_std)
 
@@ -29,6 +31,8 @@ class Reinforce(PolicyGradientEstimator):
 @register("estimator", "rloo")
 class RLOO(PolicyGradientEstimator):
     """REINFORCE leave-one-out: the baseline of a sample is the mean of its prompt's other samples."""
+
+    min_samples_per_prompt = 2
 
     def sequence_advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         adv = F.rloo_advantages(rewards, self.group_size)

@@ -58,6 +58,8 @@ class Forward:
 
 
 class Estimator(Protocol):
+    pairwise: bool  # class attribute: trains on (chosen, rejected) pairs, one per prompt (batch sizes count pairs)
+    min_samples_per_prompt: int  # class attribute: the smallest algorithm.num_samples_per_prompt that works
     needs_reference: bool  # reference logprobs are used (KL or DPO)
     needs_critic: bool  # a value model is trained alongside the policy
     needs_old_logprobs: bool  # the orchestrator computes pre-update policy logprobs and entropy
@@ -90,6 +92,8 @@ class PolicyGradientEstimator:
     """Clipped policy-gradient loss with optional KL (in the reward or as a loss) and entropy bonus;
     sequence-level advantages come from the subclass."""
 
+    pairwise = False
+    min_samples_per_prompt = 1
     needs_critic = False
     needs_old_logprobs = True
 
@@ -99,6 +103,7 @@ class PolicyGradientEstimator:
         self.needs_reference = cfg.beta > 0
         self.needs_entropy = cfg.entropy_coef != 0
         self.kl_ctl = make_kl_controller(cfg)
+        self.kl_coef = self.kl_ctl.value  # set again at the start of every step by build_batch
         norm = cfg.loss_agg_norm if cfg.loss_agg_norm is not None else (gen_cfg.max_new_tokens if gen_cfg else 1.0)
         self.loss_agg_norm = float(norm)
 
@@ -124,18 +129,20 @@ class PolicyGradientEstimator:
         """Scores plus -beta * summed KL when the KL lives in the reward. Shape: (B,), (B, T) -> (B,), (B,)."""
         if kl is None or not self.cfg.kl_in_reward:
             return scores, torch.zeros_like(scores)
-        non_score = -self.kl_ctl.value * F.masked_sum(kl, mask, dim=1)
+        non_score = -self.kl_coef * F.masked_sum(kl, mask, dim=1)
         return scores + non_score, non_score
 
     def kl_metrics(self, kl: torch.Tensor | None, mask: torch.Tensor, n_samples: int) -> dict[str, float]:
-        """`objective/kl` (per-sequence sum, batch mean) and the coefficient; updates an adaptive controller."""
+        """`objective/kl` (per-sequence sum, batch mean) and the coefficient this step uses (`self.kl_coef`, fixed
+        for the step); then feeds the measured KL to the controller, which moves the coefficient for the next step."""
         if kl is None:
             return {}
-        metrics = {"objective/kl": F.masked_sum(kl, mask, dim=1).mean().item(), "objective/kl_coef": self.kl_ctl.value}
+        metrics = {"objective/kl": F.masked_sum(kl, mask, dim=1).mean().item(), "objective/kl_coef": self.kl_coef}
         self.kl_ctl.update(metrics["objective/kl"], n_samples)
         return metrics
 
     def build_batch(self, inputs: StepInputs) -> tuple[TrainBatch, dict[str, float]]:
+        self.kl_coef = self.kl_ctl.value  # the coefficient of this step, in the reward and in the loss alike
         mask = inputs.rollout.response_mask
         kl = self.kl(inputs)
         rewards, non_score = self.shape_rewards(inputs.scores, kl, mask)
@@ -170,7 +177,7 @@ class PolicyGradientEstimator:
         }
         if "ref_logp" in t and cfg.beta > 0 and not cfg.kl_in_reward:
             kl_loss = F.aggregate_loss(F.kl_per_token(out.logp, t["ref_logp"], cfg.kl_estimator), mask, cfg.loss_agg, denominator)
-            loss = loss + self.kl_ctl.value * kl_loss
+            loss = loss + self.kl_coef * kl_loss
             metrics["loss/kl_avg"] = kl_loss.detach()
         if out.entropy is not None and cfg.entropy_coef != 0:
             entropy = F.aggregate_loss(out.entropy, mask, cfg.loss_agg, denominator)

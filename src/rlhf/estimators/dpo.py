@@ -26,9 +26,10 @@ class OnlineDPO:
     on weights that already moved during the step's earlier mini batches).
     """
 
+    pairwise = True
+    min_samples_per_prompt = 2
     needs_reference = True
     needs_critic = False
-    rows_per_unit = 2
 
     def __init__(self, cfg, gen_cfg=None) -> None:
         if cfg.beta <= 0:

@@ -18,9 +18,10 @@ class PPO(PolicyGradientEstimator):
     def build_batch(self, inputs: StepInputs) -> tuple[TrainBatch, dict[str, float]]:
         if inputs.values is None:
             raise ValueError("PPO needs critic values; the orchestrator passed none")
+        self.kl_coef = self.kl_ctl.value  # the coefficient of this step
         cfg, mask = self.cfg, inputs.rollout.response_mask
         kl = self.kl(inputs)
-        kl_rewards = -self.kl_ctl.value * kl if kl is not None and cfg.kl_in_reward else torch.zeros_like(mask)
+        kl_rewards = -self.kl_coef * kl if kl is not None and cfg.kl_in_reward else torch.zeros_like(mask)
         rewards = F.token_level_rewards(inputs.scores, kl_rewards, mask)
         advantages, returns = F.gae_advantages(rewards, inputs.values, mask, cfg.gamma, cfg.lam)
         if cfg.whiten_advantages:

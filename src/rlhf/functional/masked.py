@@ -35,9 +35,13 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
     """Scale the valid entries to unit variance (and zero mean unless ``shift_mean`` is false).
 
-    Shape: values, mask (B, T) -> (B, T); entries outside the mask are returned as 0.
+    Shape: values, mask (B, T) -> (B, T); entries outside the mask are returned as 0. With fewer than two
+    valid entries there is no variance to divide by: they are only centred (or returned as they are).
     """
-    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    mean = masked_mean(values, mask)
+    if mask.sum() < 2:
+        return ((values - mean) if shift_mean else values) * mask
+    var = masked_var(values, mask)
     whitened = (values - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from transformers import GenerationConfig
 
 from rlhf.functional import logprobs_from_logits
 from rlhf.generators.base import Rollout, SamplingParams
@@ -48,6 +49,22 @@ def truncate_at_stop(tokens: torch.Tensor, stop_id: int, pad_id: int) -> tuple[t
     return torch.where(mask.bool(), tokens, torch.full_like(tokens, pad_id)), mask, stopped
 
 
+def generation_config(sampling: SamplingParams, stop_id: int, pad_id: int) -> GenerationConfig:
+    """Exactly the sampling we intend: a fresh config, so a hub model's own generation_config.json (repetition
+    penalties, minimum lengths, ...) can never make the rollouts differ from the policy being trained."""
+    options = dict(do_sample=False) if sampling.greedy else dict(
+        do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0
+    )
+    return GenerationConfig(
+        max_new_tokens=sampling.max_new_tokens,
+        eos_token_id=stop_id,
+        pad_token_id=pad_id,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **options,
+    )
+
+
 @register("generator", "hf")
 class HFGenerator:
     """Samples with its own copy of the policy weights, refreshed by `update_weights` after each step."""
@@ -60,6 +77,8 @@ class HFGenerator:
             model_cfg.name_or_path, model_cfg.dtype, model_cfg.revision, model_cfg.trust_remote_code, device
         ).eval()
         self.model.requires_grad_(False)
+        # generate() merges the model's own generation_config.json into ours; start it blank so nothing leaks in
+        self.model.generation_config = GenerationConfig()
         self.stop_id = stop_token_id(tokenizer, cfg.stop_token)
         self.pad_id = int(tokenizer.pad_token_id)
 
@@ -78,25 +97,20 @@ class HFGenerator:
     def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollout:
         query_ids, query_mask = left_pad(prompts, self.pad_id)
         query_ids, query_mask = query_ids.to(self.device), query_mask.to(self.device)
-        options = dict(do_sample=False) if sampling.greedy else dict(
-            do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0
-        )
         out = self.model.generate(
             input_ids=query_ids,
             attention_mask=query_mask,
-            max_new_tokens=sampling.max_new_tokens,
-            eos_token_id=self.stop_id,
-            pad_token_id=self.pad_id,
-            output_logits=True,
-            return_dict_in_generate=True,
-            **options,
+            generation_config=generation_config(sampling, self.stop_id, self.pad_id),
         )
         raw = out.sequences[:, query_ids.shape[1] :]
         response_ids, response_mask, stopped = truncate_at_stop(raw, self.stop_id, self.pad_id)
         temperature = 1.0 if sampling.greedy else sampling.temperature
-        logits = torch.stack(out.logits, dim=1).float() / temperature
-        logprobs = logprobs_from_logits(logits, raw) * response_mask
-        return Rollout(query_ids, query_mask, response_ids, response_mask, logprobs, stopped)
+        # one (B, V) step at a time: stacking every step's log-softmax would cost B * Lr * V floats twice over
+        logprobs = torch.stack(
+            [logprobs_from_logits(step.float().unsqueeze(1) / temperature, raw[:, t : t + 1]).squeeze(1) for t, step in enumerate(out.logits)],
+            dim=1,
+        )
+        return Rollout(query_ids, query_mask, response_ids, response_mask, logprobs * response_mask, stopped)
 
 
 def _pad_right(t: torch.Tensor, width: int, value: float) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from rlhf.generators.base import Rollout
+from rlhf.models.dtypes import DTYPES
 from rlhf.models.trainable import TrainableModel
 from rlhf.models.value import load_value_model, response_values
 from rlhf.registry import register
@@ -21,10 +22,11 @@ class TorchCritic(TrainableModel):
 
     def __init__(self, cfg, model_cfg, init_path: str, train_cfg, total_optimizer_steps: int, device: torch.device) -> None:
         self.cfg = cfg
-        model = load_value_model(init_path, model_cfg.dtype, None, model_cfg.trust_remote_code, device)
+        model = load_value_model(init_path, "float32", None, model_cfg.trust_remote_code, device)
         lr = cfg.lr if cfg.lr is not None else train_cfg.lr
-        super().__init__(model, train_cfg, lr, total_optimizer_steps, cfg.gradient_checkpointing)
+        super().__init__(model, train_cfg, lr, total_optimizer_steps, cfg.gradient_checkpointing, DTYPES[model_cfg.dtype])
 
     def values(self, rollout: Rollout) -> torch.Tensor:
-        """V(s_t) before each response token, with gradients. Shape: (B, Lr)."""
-        return response_values(self.model, rollout)
+        """V(s_t) before each response token, with gradients, in float32. Shape: (B, Lr)."""
+        with self.autocast():
+            return response_values(self.model, rollout)

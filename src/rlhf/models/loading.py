@@ -13,12 +13,12 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from rlhf.config.validate import ConfigError
+from rlhf.config.errors import ConfigError
+from rlhf.models.dtypes import DTYPES
 
 log = logging.getLogger(__name__)
 
 BUILTIN_PREFIX = "builtin:"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def looks_local(name_or_path: str) -> bool:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from rlhf.generators.base import Rollout
+from rlhf.models.dtypes import DTYPES
 from rlhf.models.loading import load_causal_lm
 from rlhf.models.logprobs import response_logprobs
 from rlhf.models.trainable import TrainableModel, clip_and_step, lr_lambda, make_optimizer  # noqa: F401 (re-exported)
@@ -24,12 +25,15 @@ class TorchPolicy(TrainableModel):
 
     def __init__(self, cfg, model_cfg, train_cfg, total_optimizer_steps: int, device: torch.device) -> None:
         self.cfg, self.train_cfg = cfg, train_cfg
-        model = load_causal_lm(model_cfg.name_or_path, model_cfg.dtype, model_cfg.revision, model_cfg.trust_remote_code, device)
-        super().__init__(model, train_cfg, train_cfg.lr, total_optimizer_steps, cfg.gradient_checkpointing)
+        model = load_causal_lm(model_cfg.name_or_path, "float32", model_cfg.revision, model_cfg.trust_remote_code, device)
+        super().__init__(
+            model, train_cfg, train_cfg.lr, total_optimizer_steps, cfg.gradient_checkpointing, DTYPES[model_cfg.dtype]
+        )
 
     def logprobs(self, rollout: Rollout, temperature: float, with_entropy: bool = False):
-        """(logprobs (B, Lr), entropy or None) with gradients enabled."""
-        return response_logprobs(self.model, rollout, temperature, with_entropy)
+        """(logprobs (B, Lr), entropy or None) with gradients enabled, in float32."""
+        with self.autocast():
+            return response_logprobs(self.model, rollout, temperature, with_entropy)
 
     def export(self, path: Path, tokenizer) -> None:
         """The policy as a plain Hugging Face folder (safetensors, config, tokenizer)."""

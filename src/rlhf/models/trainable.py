@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -76,15 +77,29 @@ def load_trainable(path: Path, model: torch.nn.Module, optimizer, scheduler) -> 
 
 
 class TrainableModel:
-    """A model with its optimiser and schedule; gradients accumulate over micro batches until `step`."""
+    """A model with its optimiser and schedule; gradients accumulate over micro batches until `step`.
 
-    def __init__(self, model: torch.nn.Module, train_cfg, lr: float, total_optimizer_steps: int, gradient_checkpointing: bool) -> None:
+    Weights and optimiser state stay in float32 (a bf16 weight cannot take a 1e-6 step); ``compute_dtype``
+    bfloat16 runs the forward passes under autocast instead.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, train_cfg, lr: float, total_optimizer_steps: int, gradient_checkpointing: bool,
+        compute_dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.model = model
+        self.compute_dtype = compute_dtype
         self.model.train()  # dropout is already 0; train() only matters for modules such as gradient checkpointing
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.max_grad_norm = train_cfg.max_grad_norm
         self.optimizer, self.scheduler = make_optimizer(self.model, train_cfg, lr, total_optimizer_steps)
+
+    def autocast(self):
+        """The context the forward passes run in: bf16 autocast, or nothing for float32."""
+        if self.compute_dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(device_type=next(self.model.parameters()).device.type, dtype=self.compute_dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

@@ -16,7 +16,8 @@ from transformers.utils import logging as hf_logging
 
 from rlhf.functional import last_token_index
 from rlhf.generators.base import Rollout
-from rlhf.models.loading import DTYPES, disable_dropout, resolve_model_path, zero_dropout_config
+from rlhf.models.dtypes import DTYPES
+from rlhf.models.loading import disable_dropout, resolve_model_path, zero_dropout_config
 
 HEAD_NAMES = ("score", "classifier", "v_head")
 
@@ -45,9 +46,10 @@ def load_value_model(
     revision: str | None = None,
     trust_remote_code: bool = False,
     device: torch.device | str = "cpu",
+    new_head_ok: bool = True,
 ) -> torch.nn.Module:
     """A sequence-classification model with one output, dropout off; a head absent from the checkpoint is
-    initialised with std 1/sqrt(hidden + 1)."""
+    initialised with std 1/sqrt(hidden + 1), or is an error when ``new_head_ok`` is false (a reward model)."""
     path = resolve_model_path(name_or_path)
     config = zero_dropout_config(AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code))
     config.num_labels = 1
@@ -62,8 +64,17 @@ def load_value_model(
         hf_logging.set_verbosity(verbosity)
     name, head = score_head(model)
     if any(key.startswith(name + ".") or key == name for key in info["missing_keys"]):
+        if not new_head_ok:
+            raise ValueError(
+                f"{name_or_path} has no trained `{name}` head (checkpoint keys it did not use: "
+                f"{sorted(info['unexpected_keys'])[:5]}); save the reward model with AutoModelForSequenceClassification "
+                f"(num_labels=1), e.g. via `python -m rlhf.train_reward`"
+            )
         init_score_head(head, model.config.hidden_size)
         log.info("%s: new scalar head `%s` initialised with std 1/sqrt(%d + 1)", name_or_path, name, model.config.hidden_size)
+    if model.config.pad_token_id is None and getattr(model.config, "eos_token_id", None) is not None:
+        eos = model.config.eos_token_id
+        model.config.pad_token_id = eos[0] if isinstance(eos, list) else eos  # lets HF's own forward batch this model
     return disable_dropout(model).to(device)
 
 

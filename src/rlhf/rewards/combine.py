@@ -21,6 +21,11 @@ class RewardSet:
                 raise TypeError(f"reward.functions[{i}].name={fn_cfg.name!r} is not callable")
             self.functions.append((fn_cfg.name, float(fn_cfg.weight), dict(fn_cfg.args), fn))
 
+    @property
+    def verifiers(self) -> list[str]:
+        """Names of the functions that check correctness against a ground truth."""
+        return [name for name, _, _, fn in self.functions if getattr(fn, "is_verifier", False)]
+
     def state_dict(self) -> dict:
         """The reward model's running score statistics (normalisation must continue where it stopped)."""
         return {"model_moments": self.model.moments.state_dict()} if self.model is not None else {}
@@ -30,9 +35,12 @@ class RewardSet:
             self.model.moments.load_state_dict(state["model_moments"])
 
     def score(
-        self, prompts: list[str], responses: list[str], ground_truths: list, rollout: Rollout
+        self, prompts: list[str], responses: list[str], ground_truths: list, rollout: Rollout, training: bool = True
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """(scores (B,), metrics): weighted sum of every function and the model, then the non-stop penalty."""
+        """(scores (B,), metrics): weighted sum of every function and the model, then the non-stop penalty.
+
+        ``training=False`` (evaluation) leaves the reward model's running statistics alone.
+        """
         stopped = rollout.stopped.cpu()
         total = torch.zeros(len(responses))
         verified = torch.ones(len(responses), dtype=torch.bool)
@@ -48,7 +56,7 @@ class RewardSet:
                 has_verifier = True
                 verified &= values > 0
         if self.model is not None:
-            model_scores, model_metrics = self.model.score(rollout)
+            model_scores, model_metrics = self.model.score(rollout, update_stats=training)
             total += self.cfg.model_weight * model_scores
             metrics |= model_metrics
         if self.cfg.non_stop_penalty:

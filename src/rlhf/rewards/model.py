@@ -39,7 +39,7 @@ class RewardModelScorer:
     def __init__(self, cfg, dtype: str, device: torch.device, chunk: int) -> None:
         self.cfg = cfg
         self.chunk = chunk
-        self.model = load_value_model(cfg.path, dtype, None, False, device).eval()
+        self.model = load_value_model(cfg.path, dtype, None, False, device, new_head_ok=False).eval()
         self.model.requires_grad_(False)
         self.moments = RunningMoments()
 
@@ -53,12 +53,13 @@ class RewardModelScorer:
             parts.append(sequence_scores(self.model, input_ids, attention_mask))
         return torch.cat(parts)
 
-    def score(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
-        """(scores (B,) after normalisation and clipping, metrics) for a rollout."""
+    def score(self, rollout: Rollout, update_stats: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
+        """(scores (B,) after normalisation and clipping, metrics); evaluation passes ``update_stats=False``."""
         raw = self.raw_scores(rollout).cpu()
         scores = raw
         if self.cfg.normalize:
-            self.moments.update(raw)
+            if update_stats:
+                self.moments.update(raw)
             scores = (raw - self.moments.mean) / (self.moments.var**0.5 + 1e-8)
         if self.cfg.clip is not None:
             scores = scores.clamp(-self.cfg.clip, self.cfg.clip)

@@ -27,11 +27,22 @@ def exact_match(prompts, responses, ground_truths, **_) -> list[float]:
     return [float(r.strip() == str(g).strip()) for r, g in zip(responses, ground_truths)]
 
 
+def _same_integer(response: str, truth) -> bool:
+    """Whether ``response`` is a bare integer equal to ``truth`` (an int, or a string such as "7" or "7.0")."""
+    if _INTEGER.fullmatch(response.strip()) is None:
+        return False
+    try:
+        value = float(str(truth).strip())
+    except ValueError:
+        return False
+    return value.is_integer() and int(response.strip()) == int(value)
+
+
 @register("reward", "arith_correct")
 @verifier
 def arith_correct(prompts, responses, ground_truths, **_) -> list[float]:
     """1.0 when the response is exactly the integer answer (surrounding whitespace allowed), else 0.0."""
-    return [float(_INTEGER.fullmatch(r.strip()) is not None and int(r.strip()) == int(g)) for r, g in zip(responses, ground_truths)]
+    return [float(_same_integer(r, g)) for r, g in zip(responses, ground_truths)]
 
 
 @register("reward", "integer_format")

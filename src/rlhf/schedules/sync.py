@@ -39,7 +39,7 @@ def run_eval(c, cfg, tracker, step: int) -> dict[str, float]:
     return metrics
 
 
-def train_step(c, cfg, sizes, state: RunState) -> tuple[dict[str, float], stages.Scored]:
+def train_step(c, cfg, state: RunState) -> tuple[dict[str, float], stages.Scored]:
     """One synchronous RL step: generate, score, prepare, update, push weights. Returns its metrics."""
     train, algo = cfg.train, cfg.algorithm
     times: dict[str, float] = {}
@@ -66,7 +66,7 @@ def run(c, cfg, sizes, tracker, state: RunState, stop) -> RunState:
     if state.step == 0:
         state.first_eval = run_eval(c, cfg, tracker, 0)
     for step in range(state.step + 1, train.num_steps + 1):
-        metrics, scored = train_step(c, cfg, sizes, state)
+        metrics, scored = train_step(c, cfg, state)
         state.step = step
         metrics |= {
             "episode": step * sizes.samples_per_step,

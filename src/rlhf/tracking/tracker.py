@@ -23,6 +23,21 @@ CONSOLE_FIELDS = (
 )
 
 
+def _truncate_after(path: Path, step: int) -> None:
+    """Keep the JSON Lines records of steps <= ``step`` (and drop a line a kill cut short)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("step", 0) <= step:
+            kept.append(line)
+    path.write_text("".join(line + "\n" for line in kept))
+
+
 class Tracker:
     """Writes scalars and sample texts; `close` flushes everything."""
 
@@ -32,9 +47,9 @@ class Tracker:
         self.checkpoint_root = output_dir / "checkpoints"
         output_dir.mkdir(parents=True, exist_ok=True)
         jsonl = output_dir / "metrics.jsonl"
-        if resume_step is not None and jsonl.exists():
-            kept = [line for line in jsonl.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
-            jsonl.write_text("".join(line + "\n" for line in kept))
+        if resume_step is not None:
+            for path in (jsonl, output_dir / "eval_generations.jsonl"):
+                _truncate_after(path, resume_step)
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

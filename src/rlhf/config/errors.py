@@ -1,0 +1,5 @@
+"""The error every user-facing config problem raises (kept apart so any module can raise it without cycles)."""
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the key and the fix."""
