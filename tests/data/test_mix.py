@@ -231,29 +231,35 @@ def test_folder_split_by_name(tokenizer, split_folder, split):
     assert splits.report["sources"][0]["source"] == f"folder[{split}]"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="src bug: a folder is handed to `datasets`' split inference, which only knows train/validation/test "
-    "file names: split=test_prefs raises `Unknown split \"test_prefs\"` (test_prefs.jsonl is read as split `test`)",
-)
 def test_folder_split_with_a_custom_name(tokenizer, split_folder):
     """A folder's test_prefs.jsonl is the split `test_prefs` (the ultrafeedback split names)."""
     splits = mixed_dataset(mix_cfg([src(split_folder, split="test_prefs")]), tokenizer, 1)
     assert texts(splits.train) == ["test_prefs 0", "test_prefs 1", "test_prefs 2"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="src bug: `datasets` infers splits from file-name prefixes, so a folder's train_prefs.jsonl is silently "
-    "concatenated into split `train` next to train.jsonl",
-)
 def test_folder_train_split_reads_only_train_file(tokenizer):
     """The split `train` of a folder holding train.jsonl and train_prefs.jsonl is train.jsonl alone."""
     write_jsonl("folder/train.jsonl", [{"prompt": "train 0"}])
     write_jsonl("folder/train_prefs.jsonl", [{"prompt": "train_prefs 0"}])
+    splits = mixed_dataset(mix_cfg([src("folder"), src("folder", split="train_prefs")]), tokenizer, 1)
+    assert texts(splits.train) == ["train 0", "train_prefs 0"]
+
+
+def test_folder_split_shards_are_concatenated(tokenizer):
+    """`<split>-*.<ext>` shards of one split are read together, in file-name order."""
+    write_jsonl("folder/train-00001-of-00002.jsonl", [{"prompt": "second"}])
+    write_jsonl("folder/train-00000-of-00002.jsonl", [{"prompt": "first"}])
+    write_jsonl("folder/validation.jsonl", [{"prompt": "other"}])
     splits = mixed_dataset(mix_cfg([src("folder")]), tokenizer, 1)
-    assert texts(splits.train) == ["train 0"]
+    assert texts(splits.train) == ["first", "second"]
+
+
+def test_folder_split_mixing_formats_errors(tokenizer):
+    """A split whose files are both JSON Lines and Parquet names the folder, the split and the files."""
+    write_jsonl("folder/train.jsonl", [{"prompt": "a"}])
+    write_parquet("folder/train-00001.parquet", [{"prompt": "b"}])
+    with pytest.raises(ValueError, match=r"^folder: split 'train' mixes file formats \['train-00001\.parquet', 'train\.jsonl'\]$"):
+        mixed_dataset(mix_cfg([src("folder")]), tokenizer, 1)
 
 
 def test_hub_layout_folder_has_named_splits(tokenizer):
@@ -375,18 +381,28 @@ def test_limit_that_removes_everything_errors(tokenizer):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="src bug: build_splits writes {'split': split, **asdict(report)}, so SourceReport.split (the dataset's "
-    "split name, e.g. train_prefs) overwrites the train/eval role and the error's totals only count sources "
-    "whose split is literally `train`",
-)
 def test_limit_error_counts_train_sources_of_any_split_name(tokenizer):
     """The totals in the no-prompt-left error count a train source read from split train_prefs."""
     write_parquet("uf/data/train_prefs-00000-of-00001.parquet", [{"prompt": "1+1="}, {"prompt": "2+2="}])
     with pytest.raises(ValueError) as err:
         mixed_dataset(mix_cfg([src("uf", split="train_prefs")], max_prompt_length=2), tokenizer, 1)
     assert str(err.value).startswith("no training prompt is left: 2 rows read, 2 longer than dataset.max_prompt_length=2")
+
+
+def test_report_gives_each_source_its_role_and_split(tokenizer):
+    """Each report entry has the source's role (train or eval) and, separately, the dataset split it was read from."""
+    write_parquet("uf/data/train_prefs-00000-of-00001.parquet", [{"prompt": "1+1="}])
+    write_jsonl("e.jsonl", [{"prompt": "2+2="}, {"prompt": ""}])
+    splits = mixed_dataset(mix_cfg([src("uf", split="train_prefs")], [src("e.jsonl")]), tokenizer, 1)
+    assert splits.report == {
+        "sources": [
+            {"role": "train", "source": "uf[train_prefs]", "split": "train_prefs", "rows": 1, "bad_rows": 0,
+             "too_long": 0, "kept": 1, "bad_examples": []},
+            {"role": "eval", "source": "e.jsonl[train]", "split": "train", "rows": 2, "bad_rows": 1,
+             "too_long": 0, "kept": 1, "bad_examples": ["row 1: column 'prompt': empty prompt"]},
+        ],
+        "cache": "miss",
+    }
 
 
 # --- bad rows -----------------------------------------------------------------------------------------
@@ -605,31 +621,32 @@ def test_rewriting_the_file_misses(tokenizer, cached):
     assert texts(rebuilt.eval) == ["0+4=", "1+4=", "2+4="]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="src bug: chat_template=tokenizer tokenises without special tokens and any other template with them, "
-    "but the cache key holds only the resolved template text, so an inline copy of the tokenizer's own template "
-    "is served the cached ids without BOS",
+@pytest.mark.parametrize(
+    ("template", "text"),
+    [("{{ bos_token }}{{ messages[0]['content'] }}", "<bos>1+1="), ("{{ messages[0]['content'] }}", "1+1=")],
 )
-def test_inline_copy_of_the_tokenizer_template_misses(tokenizer):
-    """The tokenizer's own template and the same text inline tokenise differently, so they must not share a cache entry."""
+@pytest.mark.parametrize("own", [True, False], ids=["tokenizer", "inline"])
+def test_bos_is_added_once(template, text, own):
+    """A template that writes BOS itself gets no second one; a template without BOS gets the tokenizer's."""
+    tok = build_char_tokenizer("0123456789+=")
+    tok.chat_template = template
+    write_jsonl("a.jsonl", [{"prompt": "1+1="}])
+    splits = mixed_dataset(mix_cfg([src("a.jsonl")], chat_template="tokenizer" if own else template), tok, 1)
+    assert texts(splits.train) == [text]
+    assert splits.train[0].token_ids == tuple(tok("1+1=")["input_ids"])
+    assert splits.train[0].token_ids[0] == tok.bos_token_id
+
+
+def test_tokenizer_template_and_its_inline_copy_agree_through_the_cache(tokenizer):
+    """The tokenizer's own template and the same text inline share a cache entry, which holds the same ids."""
     own = build_char_tokenizer("0123456789+=")
     own.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     write_jsonl("a.jsonl", [{"prompt": "1+1="}])
     via_tokenizer = mixed_dataset(mix_cfg([src("a.jsonl")], chat_template="tokenizer"), own, 1)
-    assert via_tokenizer.train[0].token_ids[0] != own.bos_token_id
     inline = mixed_dataset(mix_cfg([src("a.jsonl")], chat_template=own.chat_template), own, 1)
-    assert inline.train[0].token_ids == tuple(own("1+1=")["input_ids"])  # a fresh build starts with BOS
-
-
-def test_tokenizer_template_adds_no_special_tokens(tokenizer):
-    """With chat_template=tokenizer the template writes special tokens itself, so no BOS is added."""
-    own = build_char_tokenizer("0123456789+=")
-    own.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    write_jsonl("a.jsonl", [{"prompt": "1+1="}])
-    splits = mixed_dataset(mix_cfg([src("a.jsonl")], chat_template="tokenizer"), own, 1)
-    assert texts(splits.train) == ["<bos>1+1="]
-    assert splits.train[0].token_ids == tuple(own("1+1=")["input_ids"])
+    assert (via_tokenizer.report["cache"], inline.report["cache"]) == ("miss", "hit")
+    assert inline.train == via_tokenizer.train
+    assert inline.train[0].token_ids == tuple(own("1+1=")["input_ids"])
 
 
 # --- presets (hub datasets, read from local folders of the same shapes) -----------------------------

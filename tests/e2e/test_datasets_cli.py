@@ -53,7 +53,12 @@ def dataset_args(preset: str, path: Path, tmp_path: Path) -> list[str]:
 
 def local_env(tmp_path: Path) -> dict[str, str]:
     """Keep `datasets`' cache in the test folder and the hub switched off."""
-    return {"HF_DATASETS_CACHE": str(tmp_path / "hf_cache"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    return {
+        "HF_DATASETS_CACHE": str(tmp_path / "hf_cache"),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",  # a tiny model gains nothing from threads, and they thrash on a busy machine
+    }
 
 
 def train(tmp_path: Path, out: Path, *overrides: str, check: bool = True):
@@ -95,8 +100,9 @@ def test_jsonl_run_reports_bad_rows_and_uses_the_cache(tmp_path):
     assert report == {
         "sources": [
             {
-                "split": "train",
+                "role": "train",
                 "source": f"{path}[train]",
+                "split": "train",
                 "rows": 106,
                 "bad_rows": 4,
                 "too_long": 2,

@@ -96,6 +96,8 @@ def load_rows(src, seed: int, sanity_check: int | None, key: str) -> list[tuple[
         take = int(src.amount)
         if take > n:
             raise ValueError(f"{key}.amount={take} rows, but {source_label(src)} has only {n}")
+    if take == 0:
+        raise ValueError(f"{key}.amount={src.amount} of {source_label(src)} ({n} rows) selects no row")
     order = list(range(n))
     random.Random(f"{seed}:{src.path}:{src.split}").shuffle(order)
     order = sorted(order[:take])  # the chosen rows, in file order
