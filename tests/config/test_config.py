@@ -175,6 +175,11 @@ def test_reward_training_config_composes_and_rejects_unknown_keys():
         (["algorithm=ppo", "algorithm.dual_clip_c=0.5"], r"algorithm.dual_clip_c=0.5 must be > 1"),
         (["algorithm=ppo", "algorithm.lam=1.5"], r"algorithm.lam=1.5 must be in \[0, 1\]"),
         (["reward=model"], r"reward.functions is empty and reward.path is null"),
+        (["model.dtype=float16"], r"model.dtype=float16 would train without loss scaling"),
+        (["algorithm=ppo", "algorithm.cliprange_value=0"], r"algorithm.cliprange_value=0.0 must be > 0"),
+        (["algorithm.kl_ctl=adaptive", "algorithm.beta=0"], r"algorithm.kl_ctl=adaptive starts from algorithm.beta"),
+        (["train.adam_betas=[0.9,1.5]"], r"train.adam_betas=\[0.9, 1.5\] must hold two numbers in \[0, 1\)"),
+        (["algorithm.estimator=rlhf.estimators.dpo.OnlineDPO", "train.num_mini_batches=3"], r"16 pairs per step"),
     ],
 )
 def test_infeasible_algorithm_settings_fail_with_key(overrides, message):

@@ -160,3 +160,15 @@ def test_strict_bad_row_exits_with_code_2(tmp_path):
         "(dataset.strict=true)" in log
     )
     assert not (out / "eval_generations.jsonl").exists() and not (out / "dataset_report.json").exists()
+
+
+def test_a_verifier_without_ground_truths_fails_before_models_load(tmp_path):
+    """The default reward checks answers; a dataset with no ground_truth_key must say so up front."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+1="}) + "\n" for a in range(5)))
+    proc = run_cli(
+        "dataset=jsonl", f"dataset.path={data}", "dataset.chat_template=simple_concat_with_space",
+        f"dataset.cache_dir={tmp_path / 'cache'}", "train.num_steps=1", cwd=tmp_path, check=False,
+    )
+    assert proc.returncode == 2
+    assert "set dataset.ground_truth_key=<column>" in proc.stdout + proc.stderr

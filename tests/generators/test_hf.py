@@ -189,3 +189,18 @@ def test_update_weights_switches_to_new_weights(make_generator, tiny_model_dir, 
     assert_same_rollout(after, target, atol=1e-6)
     expected, _ = response_logprobs(donor.model, after, 1.0)
     torch.testing.assert_close(after.logprobs, expected, atol=1e-4, rtol=0)
+
+
+def test_the_models_own_generation_config_never_changes_sampling(make_generator, tiny_model_dir, encode, tmp_path):
+    """A hub model's generation_config.json (repetition penalty, minimum length) must not alter rollouts."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model.generation_config.repetition_penalty = 3.0
+    model.generation_config.min_new_tokens = 3
+    model.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(tmp_path)
+    prompts = encode(["1+2=", "3+4=", "9+9=", "0+0=", "5+5="])
+    plain = make_generator(tiny_model_dir).generate(prompts, SamplingParams(max_new_tokens=6, greedy=True))
+    configured = make_generator(str(tmp_path)).generate(prompts, SamplingParams(max_new_tokens=6, greedy=True))
+    assert torch.equal(plain.response_ids, configured.response_ids)

@@ -224,3 +224,9 @@ def test_critic_training_moves_values_towards_the_target(model_cfg, train_cfg, t
         critic_step(critic, rollout)
     assert loss() < start
     assert math.isfinite(loss())
+
+
+def test_a_reward_model_without_a_trained_head_is_refused(tiny_model_dir):
+    """Scoring with a freshly initialised head would be silent nonsense: a reward model must bring its head."""
+    with pytest.raises(ValueError, match="has no trained `score` head"):
+        load_value_model(tiny_model_dir, new_head_ok=False)
