@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
-from omegaconf.errors import ConfigKeyError, ValidationError
+from omegaconf.errors import ValidationError
 
 from rlhf.config import ConfigError, compose_config, validate
 from rlhf.config import schema

@@ -1,14 +1,13 @@
 """Policy-gradient estimators: reward shaping, build_batch (advantages, KL metrics), loss and metrics, registry."""
 
 import math
-from dataclasses import asdict
-from types import SimpleNamespace
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 from torch.testing import assert_close
 
+from estimator_fixtures import algorithm_cfg, rollout_with_mask
 from rlhf import registry
 from rlhf.config.schema import AlgorithmConfig, GeneratorConfig
 from rlhf.estimators import GRPO, RLOO, Forward, PolicyGradientEstimator, Reinforce, StepInputs, TrainBatch
@@ -20,22 +19,12 @@ BIG = 1e6
 
 def make_cfg(**overrides):
     """A plain namespace with every AlgorithmConfig field (schema defaults, then overrides)."""
-    fields = asdict(AlgorithmConfig(estimator="grpo"))
-    fields.update(overrides)
-    return SimpleNamespace(**fields)
+    return algorithm_cfg(**overrides)
 
 
 def make_rollout(mask: torch.Tensor) -> Rollout:
     """A rollout with the given response mask; token ids do not matter to the estimators."""
-    rows, length = mask.shape
-    return Rollout(
-        query_ids=torch.ones(rows, 2, dtype=torch.long),
-        query_mask=torch.ones(rows, 2, dtype=torch.long),
-        response_ids=torch.ones(rows, length, dtype=torch.long),
-        response_mask=mask,
-        logprobs=torch.zeros(rows, length),
-        stopped=torch.ones(rows, dtype=torch.bool),
-    )
+    return rollout_with_mask(mask)
 
 
 def advantages(est, rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

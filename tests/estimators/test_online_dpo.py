@@ -1,14 +1,12 @@
 """Online DPO: best/worst pairs per prompt, tie exclusion, the pair denominator, DPO/IPO loss and metrics."""
 
-from dataclasses import asdict
-from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.testing import assert_close
 
+from estimator_fixtures import algorithm_cfg, rollout_with_mask
 from rlhf import registry
-from rlhf.config.schema import AlgorithmConfig
 from rlhf.estimators.base import Forward, StepInputs, TrainBatch
 from rlhf.estimators.dpo import OnlineDPO, best_and_worst
 from rlhf.generators.base import Rollout
@@ -18,23 +16,13 @@ G = 9.0  # garbage in masked positions
 
 def make_cfg(**overrides):
     """A namespace with every AlgorithmConfig field for online DPO: G = 2, beta 0.5, k1 KL."""
-    fields = asdict(AlgorithmConfig(estimator="online_dpo"))
-    fields.update(num_samples_per_prompt=2, beta=0.5, kl_estimator="k1")
-    fields.update(overrides)
-    return SimpleNamespace(**fields)
+    return algorithm_cfg(**(dict(estimator="online_dpo", num_samples_per_prompt=2, beta=0.5, kl_estimator="k1") | overrides))
 
 
 def make_rollout(mask: torch.Tensor) -> Rollout:
     """A rollout with the given mask; response ids number the rows (row i holds token 10 + i) to track selection."""
     rows, length = mask.shape
-    return Rollout(
-        query_ids=torch.ones(rows, 2, dtype=torch.long),
-        query_mask=torch.ones(rows, 2, dtype=torch.long),
-        response_ids=(10 + torch.arange(rows)).unsqueeze(1).expand(rows, length).clone(),
-        response_mask=mask,
-        logprobs=torch.zeros(rows, length),
-        stopped=torch.ones(rows, dtype=torch.bool),
-    )
+    return rollout_with_mask(mask, response_ids=(10 + torch.arange(rows)).unsqueeze(1).expand(rows, length).clone())
 
 
 # --- best_and_worst -----------------------------------------------------------------------------------

@@ -1,14 +1,12 @@
 """PPO with a critic: per-token rewards, GAE advantages and returns, KL metrics, policy + clipped value loss."""
 
-from dataclasses import asdict
-from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.testing import assert_close
 
+from estimator_fixtures import algorithm_cfg, rollout_with_mask
 from rlhf import registry
-from rlhf.config.schema import AlgorithmConfig
 from rlhf.estimators.base import Forward, PolicyGradientEstimator, StepInputs, TrainBatch
 from rlhf.estimators.ppo import PPO
 from rlhf.functional import masked_mean, masked_var
@@ -19,23 +17,13 @@ NAN = float("nan")
 
 def make_cfg(**overrides):
     """A namespace with every AlgorithmConfig field for PPO: k1 KL in the reward, beta 0.1, no whitening."""
-    fields = asdict(AlgorithmConfig(estimator="ppo", num_samples_per_prompt=1))
-    fields.update(beta=0.1, kl_in_reward=True, kl_estimator="k1", whiten_advantages=False)
-    fields.update(overrides)
-    return SimpleNamespace(**fields)
+    base = dict(num_samples_per_prompt=1, beta=0.1, kl_in_reward=True, kl_estimator="k1", whiten_advantages=False)
+    return algorithm_cfg(estimator="ppo", **(base | overrides))
 
 
 def make_rollout(mask: torch.Tensor) -> Rollout:
     """A rollout with the given response mask; token ids do not matter to the estimator."""
-    rows, length = mask.shape
-    return Rollout(
-        query_ids=torch.ones(rows, 2, dtype=torch.long),
-        query_mask=torch.ones(rows, 2, dtype=torch.long),
-        response_ids=torch.ones(rows, length, dtype=torch.long),
-        response_mask=mask,
-        logprobs=torch.zeros(rows, length),
-        stopped=torch.ones(rows, dtype=torch.bool),
-    )
+    return rollout_with_mask(mask)
 
 
 # Three rows: 3 tokens, a 1-token row between longer ones, 4 tokens. Garbage (9, -9, 1e6) where masked.
