@@ -53,8 +53,7 @@ def train(cfg: DictConfig, out: Path):
     if resume_from is not None:
         state = RunState.from_dict(checkpoint.load(components, resume_from), cfg.train.max_skipped_steps_in_row)
         components.generator.update_weights(components.policy.state_dict())
-    tracker = Tracker(out, cfg.logging.tensorboard, resume_step=state.step if resume_from else None)
-    tracker.checkpoint_root = root
+    tracker = Tracker(out, cfg.logging.tensorboard, resume_step=state.step if resume_from else None, checkpoint_root=root)
     tracker.config(OmegaConf.to_yaml(cfg), sizes.as_dict())
     if components.data_report:
         (out / "dataset_report.json").write_text(json.dumps(components.data_report, indent=2) + "\n")

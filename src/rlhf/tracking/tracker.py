@@ -41,10 +41,15 @@ def _truncate_after(path: Path, step: int) -> None:
 class Tracker:
     """Writes scalars and sample texts; `close` flushes everything."""
 
-    def __init__(self, output_dir: Path, tensorboard: bool, resume_step: int | None = None) -> None:
-        """On resume, records after ``resume_step`` (written after the checkpoint, then lost) are dropped."""
+    def __init__(
+        self, output_dir: Path, tensorboard: bool, resume_step: int | None = None, checkpoint_root: Path | None = None
+    ) -> None:
+        """On resume, records after ``resume_step`` (written after the checkpoint, then lost) are dropped.
+
+        ``checkpoint_root`` is where the schedule saves checkpoints (default <output_dir>/checkpoints).
+        """
         self.output_dir = output_dir
-        self.checkpoint_root = output_dir / "checkpoints"
+        self.checkpoint_root = checkpoint_root or output_dir / "checkpoints"
         output_dir.mkdir(parents=True, exist_ok=True)
         jsonl = output_dir / "metrics.jsonl"
         if resume_step is not None:
