@@ -18,6 +18,8 @@ from test_cli import run_cli, scalars
 
 pytestmark = pytest.mark.slow
 
+STEPS = 60  # long enough that a kill or a SIGTERM lands mid-run even on a fast machine (a step is ~30 ms here)
+
 # metrics that depend on the samples, the weights and the optimiser: equal only if the state is restored exactly
 COMPARED = ("objective/scores", "objective/kl", "objective/entropy", "loss/policy_avg", "policy/grad_norm", "epoch", "lr")
 
@@ -39,16 +41,16 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory) -> Path:
-    """An uninterrupted 24-step run (the curve resumed runs must reproduce)."""
+    """An uninterrupted 60-step run (the curve resumed runs must reproduce)."""
     run_dir = tmp_path_factory.mktemp("reference") / "run"
-    run_cli("train.num_steps=24", "eval.every=0", "seed=5", f"hydra.run.dir={run_dir}", cwd=run_dir.parent)
+    run_cli(f"train.num_steps={STEPS}", "eval.every=0", "seed=5", f"hydra.run.dir={run_dir}", cwd=run_dir.parent)
     return run_dir
 
 
 def test_kill_9_then_resume_reproduces_the_uninterrupted_run(reference_run, tmp_path):
     """SIGKILL at a random step, resume=auto in the same folder: steps after the checkpoint match bitwise (CPU)."""
     run_dir = tmp_path / "run"
-    args = ["train.num_steps=24", "eval.every=0", "seed=5", "checkpoint.every=2", "checkpoint.keep_last=0", f"hydra.run.dir={run_dir}"]
+    args = [f"train.num_steps={STEPS}", "eval.every=0", "seed=5", "checkpoint.every=2", "checkpoint.keep_last=0", f"hydra.run.dir={run_dir}"]
     kill_after = random.Random().choice([4, 6, 8, 10])
     proc = subprocess.Popen([sys.executable, "-m", "rlhf.train", *args], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
@@ -60,11 +62,11 @@ def test_kill_9_then_resume_reproduces_the_uninterrupted_run(reference_run, tmp_
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
     resumed_from = checkpoint_steps(run_dir)[-1]
-    assert resumed_from < 24
+    assert resumed_from < STEPS
     run_cli(*args, "resume=auto", cwd=tmp_path)
     resumed, reference = metrics_by_step(run_dir), metrics_by_step(reference_run)
-    assert sorted(resumed) == list(range(1, 25)), "every step logged once: nothing replayed, nothing skipped"
-    assert_same_curve(resumed, reference, range(1, 25))
+    assert sorted(resumed) == list(range(1, STEPS + 1)), "every step logged once: nothing replayed, nothing skipped"
+    assert_same_curve(resumed, reference, range(1, STEPS + 1))
 
 
 def test_resume_at_an_epoch_boundary_trains_the_next_epoch(tmp_path):
@@ -107,7 +109,7 @@ def test_resume_from_a_path_that_is_no_checkpoint_fails_clearly(tmp_path):
 
 def test_sigterm_saves_a_checkpoint_and_the_run_resumes(reference_run, tmp_path):
     run_dir = tmp_path / "run"
-    args = ["train.num_steps=24", "eval.every=0", "seed=5", f"hydra.run.dir={run_dir}"]
+    args = [f"train.num_steps={STEPS}", "eval.every=0", "seed=5", f"hydra.run.dir={run_dir}"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlhf.train", *args], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -120,10 +122,10 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes(reference_run, tmp_path)
     assert proc.returncode == 0, out[-2000:]
     assert "SIGTERM" in out and "resume=auto" in out
     (saved,) = checkpoint_steps(run_dir)
-    assert saved == max(metrics_by_step(run_dir)) < 24
+    assert saved == max(metrics_by_step(run_dir)) < STEPS
     assert not (run_dir / "final_model").exists(), "a preempted run is not finished"
     run_cli(*args, "resume=auto", cwd=tmp_path)
-    assert_same_curve(metrics_by_step(run_dir), metrics_by_step(reference_run), range(1, 25))
+    assert_same_curve(metrics_by_step(run_dir), metrics_by_step(reference_run), range(1, STEPS + 1))
 
 
 def test_exported_model_loads_with_plain_transformers_and_generates_the_same_tokens(reference_run):
