@@ -47,7 +47,7 @@ def generate_and_score(
 @torch.no_grad()
 def chunked(fn, rollout: Rollout, chunk: int) -> list:
     """``fn`` applied to consecutive row slices of ``rollout``, results as a list."""
-    return [fn(rollout.select(slice(start, start + chunk))) for start in range(0, len(rollout), chunk)]
+    return [fn(part) for part in rollout.chunks(chunk)]
 
 
 def prepare(c, scored: Scored, temperature: float, micro_batch_size: int, samples_per_prompt: int) -> tuple[TrainBatch, dict[str, float]]:

@@ -23,6 +23,7 @@ from rlhf import registry
 from rlhf.config import ConfigError, register_schema
 from rlhf.data.preferences import encode_pairs
 from rlhf.models.loading import load_tokenizer, pick_device
+from rlhf.models.trainable import clip_gradients, lr_lambda
 from rlhf.models.value import load_value_model, sequence_scores
 from rlhf.train import seed_everything
 
@@ -80,7 +81,7 @@ def train(cfg: DictConfig, out: Path) -> dict[str, float]:
     model.train()
     steps = loop.num_epochs * (len(splits.train) // loop.batch_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=loop.lr, weight_decay=loop.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda("linear", 0, steps))
     writer = None
     if cfg.tensorboard:
         from torch.utils.tensorboard import SummaryWriter
@@ -98,8 +99,7 @@ def train(cfg: DictConfig, out: Path) -> dict[str, float]:
             chosen, rejected = pair_scores(model, ids.to(device), mask.to(device))
             loss = -torch.nn.functional.logsigmoid(chosen - rejected).mean()
             loss.backward()
-            if loop.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), loop.max_grad_norm)
+            clip_gradients(model, loop.max_grad_norm)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)

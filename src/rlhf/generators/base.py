@@ -45,6 +45,10 @@ class Rollout:
         """The rows at ``index`` (a slice or a 1-D index tensor)."""
         return Rollout(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
+    def chunks(self, size: int) -> list["Rollout"]:
+        """Consecutive row slices of at most ``size`` rows (micro batches for a forward pass)."""
+        return [self.select(slice(start, start + size)) for start in range(0, len(self), size)]
+
     def to(self, device: torch.device | str) -> "Rollout":
         return Rollout(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 

@@ -46,12 +46,7 @@ class RewardModelScorer:
     @torch.no_grad()
     def raw_scores(self, rollout: Rollout) -> torch.Tensor:
         """The model's score of each prompt + response. Shape: (B,)."""
-        parts = []
-        for start in range(0, len(rollout), self.chunk):
-            part = rollout.select(slice(start, start + self.chunk))
-            input_ids, attention_mask, _ = part.model_inputs()
-            parts.append(sequence_scores(self.model, input_ids, attention_mask))
-        return torch.cat(parts)
+        return torch.cat([sequence_scores(self.model, *part.model_inputs()[:2]) for part in rollout.chunks(self.chunk)])
 
     def score(self, rollout: Rollout, update_stats: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
         """(scores (B,) after normalisation and clipping, metrics); evaluation passes ``update_stats=False``."""
