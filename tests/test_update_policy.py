@@ -272,8 +272,10 @@ def test_all_good_mini_batches_with_several_epochs(policy_cfg, model_cfg, train_
 
 
 @pytest.mark.parametrize("poisoned", ["critic", "policy"])
-def test_ppo_non_finite_gradient_in_one_model_moves_neither(policy_cfg, model_cfg, train_cfg, tokenizer, tiny_model_dir, poisoned):
-    """PPO: a NaN gradient in the critic (or the policy) skips the whole mini batch for both models."""
+def test_ppo_non_finite_gradient_skips_only_that_model(policy_cfg, model_cfg, train_cfg, tokenizer, tiny_model_dir, poisoned):
+    """PPO: a NaN gradient in the critic (or the policy) skips that model's update; the healthy one still steps.
+
+    (Each model clips and steps on its own, as DeepSpeed does internally; a non-finite *loss* skips both, tested below.)"""
     train = train_cfg(lr=1e-2, num_mini_batches=1, micro_batch_size=4)
     policy = TorchPolicy(policy_cfg, model_cfg, train, total_optimizer_steps=10, device=CPU)
     critic = TorchCritic(OmegaConf.structured(CriticConfig()), model_cfg, tiny_model_dir, train, total_optimizer_steps=10, device=CPU)
@@ -297,5 +299,29 @@ def test_ppo_non_finite_gradient_in_one_model_moves_neither(policy_cfg, model_cf
     c = SimpleNamespace(policy=policy, critic=critic, estimator=estimator, shuffle=torch.Generator().manual_seed(0))
     assert update_policy(c, batch, train, 1.0, guard) == {}
     assert guard.total == 1
+    healthy = "policy" if poisoned == "critic" else "critic"
+    assert same_weights(weights(owner.model), before[poisoned])
+    assert not same_weights(weights((policy if healthy == "policy" else critic).model), before[healthy])
+
+
+def test_ppo_non_finite_critic_loss_moves_neither(policy_cfg, model_cfg, train_cfg, tokenizer, tiny_model_dir):
+    """PPO: a NaN value loss drops the policy's gradients too (the policy accumulated first); neither model moves."""
+    train = train_cfg(lr=1e-2, num_mini_batches=1, micro_batch_size=4)
+    policy = TorchPolicy(policy_cfg, model_cfg, train, total_optimizer_steps=10, device=CPU)
+    critic = TorchCritic(OmegaConf.structured(CriticConfig()), model_cfg, tiny_model_dir, train, total_optimizer_steps=10, device=CPU)
+    estimator = PPO(algorithm_cfg("ppo", num_samples_per_prompt=1))
+    rollout = make_rollout(tokenizer, PAIRS)
+    with torch.no_grad():
+        old_logp, _ = policy.logprobs(rollout, temperature=1.0)
+        values = critic.values(rollout)
+    batch, _ = estimator.build_batch(StepInputs(rollout, SCORES, old_logp, None, values, 1))
+    real_value_loss = estimator.value_loss
+    estimator.value_loss = lambda micro, v, d: (real_value_loss(micro, v, d)[0] * NAN, {})
+    before = {"policy": weights(policy.model), "critic": weights(critic.model)}
+    guard = NonFiniteGuard(max_in_row=3)
+    c = SimpleNamespace(policy=policy, critic=critic, estimator=estimator, shuffle=torch.Generator().manual_seed(0))
+    assert update_policy(c, batch, train, 1.0, guard) == {}
+    assert guard.total == 1
     assert same_weights(weights(policy.model), before["policy"])
     assert same_weights(weights(critic.model), before["critic"])
+    assert all(p.grad is None for p in policy.model.parameters())

@@ -40,6 +40,32 @@ class Components:
     critic: Any | None = None
     shuffle: torch.Generator | None = None  # orders mini batches; its state is checkpointed
     data_report: dict | None = None  # what dataset loading kept and dropped, per source
+    backend: Any | None = None  # the Ray backend's actors and placement groups (cluster.backend=ray)
+
+    def close(self) -> None:
+        """Release remote workers and placement groups (a no-op for the local backend)."""
+        if self.backend is not None:
+            self.backend.shutdown()
+            self.backend = None
+
+
+def critic_init_path(cfg) -> str:
+    """The critic's starting weights: `critic.name_or_path`, else the reward model, else the policy's model."""
+    return cfg.critic.name_or_path or cfg.reward.path or cfg.model.name_or_path
+
+
+def check_output_rows(cfg, tokenizer) -> None:
+    """The policy's output layer covers the tokenizer (from the model config, before any weights load)."""
+    from transformers import AutoConfig
+
+    model = cfg.model
+    config = AutoConfig.from_pretrained(resolve_model_path(model.name_or_path), revision=model.revision, trust_remote_code=model.trust_remote_code)
+    rows = getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", None)
+    if rows is not None and rows < len(tokenizer):
+        raise ConfigError(
+            f"model.name_or_path={model.name_or_path} has {rows} output rows but its tokenizer has {len(tokenizer)} "
+            f"tokens; model.tokenizer must match the model"
+        )
 
 
 def check_model_sources(cfg) -> None:
@@ -64,7 +90,7 @@ def check_model_sources(cfg) -> None:
 
 
 def build_components(cfg, sizes: DerivedSizes) -> Components:
-    device = pick_device(cfg.cluster.device)
+    device = pick_device(cfg.cluster.device) if cfg.cluster.backend == "local" else torch.device("cpu")  # ray: the driver only does the RL math
     check_model_sources(cfg)
     # 1. names: every registry lookup, so an unknown component fails before anything loads
     factories = {
@@ -80,7 +106,6 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
     # 2. tokenizers and data (cheap); every other model must share the policy's vocabulary
     model = cfg.model
     tokenizer = load_tokenizer(model.tokenizer or model.name_or_path, model.revision, model.trust_remote_code)
-    critic_path = cfg.critic.name_or_path or cfg.reward.path or model.name_or_path
     for key, path, used in (
         ("reference.name_or_path", cfg.reference.name_or_path, estimator.needs_reference),
         ("reward.path", cfg.reward.path, True),
@@ -102,30 +127,16 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
             f"reward functions {rewards.verifiers} check answers against a ground truth, but {missing_truth} prompts "
             f"carry none; set dataset.ground_truth_key=<column> or choose other reward.functions"
         )
+    check_output_rows(cfg, tokenizer)
     # 3. models
-    policy = factories["policy"](
-        cfg=cfg.policy, model_cfg=model, train_cfg=cfg.train, total_optimizer_steps=sizes.optimizer_steps, device=device
-    )
-    if policy.model.get_output_embeddings().weight.shape[0] < len(tokenizer):
-        raise ValueError(
-            f"model `{model.name_or_path}` has {policy.model.get_output_embeddings().weight.shape[0]} output rows "
-            f"but its tokenizer has {len(tokenizer)} tokens; model.tokenizer must match the model"
-        )
-    reference = None
-    if estimator.needs_reference:
-        reference = factories["reference"](cfg=cfg.reference, model_cfg=model, device=device)
+    if cfg.cluster.backend == "ray":
+        models, backend = build_remote_models(cfg, sizes, estimator, tokenizer)
+        log.info("placed on Ray: %s", ", ".join(f"{role} x{len(group)}" for role, group in backend.groups.items()))
     else:
-        log.info("reference model not loaded: algorithm.beta=0 disables the KL term")
-    critic = None
-    if estimator.needs_critic:
-        critic = factories["critic"](
-            cfg=cfg.critic, model_cfg=model, init_path=critic_path, train_cfg=cfg.train,
-            total_optimizer_steps=sizes.optimizer_steps, device=device,
-        )
-        log.info("critic initialised from %s", critic_path)
-    if cfg.reward.path:
-        rewards.model = RewardModelScorer(cfg.reward, model.dtype, device, cfg.train.micro_batch_size)
-    generator = factories["generator"](cfg=cfg.generator, model_cfg=model, tokenizer=tokenizer, device=device)
+        models, backend = build_local_models(cfg, sizes, estimator, tokenizer, factories, device), None
+    if models["reward"] is not None:
+        rewards.model = models["reward"]
+    policy, generator = models["policy"], models["generator"]
     generator.update_weights(policy.state_dict())
     return Components(
         device=device,
@@ -136,8 +147,44 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
         estimator=estimator,
         generator=generator,
         policy=policy,
-        reference=reference,
-        critic=critic,
+        reference=models["reference"],
+        critic=models["critic"],
         shuffle=torch.Generator().manual_seed(cfg.seed),
         data_report=splits.report,
+        backend=backend,
     )
+
+
+def build_local_models(cfg, sizes: DerivedSizes, estimator, tokenizer, factories, device) -> dict[str, Any]:
+    """Every model in this process, on ``device``."""
+    model = cfg.model
+    policy = factories["policy"](
+        cfg=cfg.policy, model_cfg=model, train_cfg=cfg.train, total_optimizer_steps=sizes.optimizer_steps, device=device
+    )
+    reference = None
+    if estimator.needs_reference:
+        reference = factories["reference"](cfg=cfg.reference, model_cfg=model, device=device)
+    else:
+        log.info("reference model not loaded: algorithm.beta=0 disables the KL term")
+    critic = None
+    if estimator.needs_critic:
+        critic = factories["critic"](
+            cfg=cfg.critic, model_cfg=model, init_path=critic_init_path(cfg), train_cfg=cfg.train,
+            total_optimizer_steps=sizes.optimizer_steps, device=device,
+        )
+        log.info("critic initialised from %s", critic_init_path(cfg))
+    reward = RewardModelScorer(cfg.reward, model.dtype, device, cfg.train.micro_batch_size) if cfg.reward.path else None
+    generator = factories["generator"](cfg=cfg.generator, model_cfg=model, tokenizer=tokenizer, device=device)
+    return {"policy": policy, "reference": reference, "critic": critic, "reward": reward, "generator": generator}
+
+
+def build_remote_models(cfg, sizes: DerivedSizes, estimator, tokenizer) -> tuple[dict[str, Any], Any]:
+    """Every model as Ray workers placed per `cluster.roles` / `cluster.colocate` (rlhf.distributed.cluster)."""
+    from rlhf.distributed.cluster import start
+
+    backend, handles = start(cfg, estimator, sizes.optimizer_steps, int(tokenizer.pad_token_id))
+    reward = None
+    if handles["reward"] is not None:
+        reward = RewardModelScorer(cfg.reward, cfg.model.dtype, torch.device("cpu"), cfg.train.micro_batch_size, handles["reward"].raw_scores)
+    models = {"policy": handles["actor"], "reference": handles["ref"], "critic": handles["critic"], "reward": reward, "generator": handles["generator"]}
+    return models, backend

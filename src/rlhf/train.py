@@ -21,6 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf.config import ConfigError, register_schema, validate
+from rlhf.distributed.remote import WorkerError
 from rlhf.schedules.common import NonFiniteError, NonFiniteGuard
 
 log = logging.getLogger("rlhf")
@@ -38,8 +39,6 @@ def train(cfg: DictConfig, out: Path):
     """Validate, build, resume if asked, run the schedule in folder ``out``, export. Returns the final RunState."""
     from rlhf import checkpoint, registry
     from rlhf.build import build_components
-    from rlhf.schedules.common import RunState, StopSignals
-    from rlhf.tracking.tracker import Tracker
 
     sizes = validate(cfg)
     schedule = registry.resolve("schedule", cfg.schedule.name, key="schedule.name")
@@ -49,6 +48,21 @@ def train(cfg: DictConfig, out: Path):
     log.info("derived sizes: %s", ", ".join(f"{k}={v}" for k, v in sizes.as_dict().items()))
     seed_everything(cfg.seed)
     components = build_components(cfg, sizes)
+    try:
+        state = run_schedule(cfg, out, sizes, schedule, components, root, resume_from)
+    finally:
+        components.close()
+    if not state.preempted:
+        summarize(state)
+    return state
+
+
+def run_schedule(cfg, out: Path, sizes, schedule, components, root: Path, resume_from: Path | None):
+    """Resume if asked, run the schedule with tracking, export the final policy. Returns the final RunState."""
+    from rlhf import checkpoint
+    from rlhf.schedules.common import RunState, StopSignals
+    from rlhf.tracking.tracker import Tracker
+
     state = RunState(guard=NonFiniteGuard(cfg.train.max_skipped_steps_in_row))
     if resume_from is not None:
         state = RunState.from_dict(checkpoint.load(components, resume_from), cfg.train.max_skipped_steps_in_row)
@@ -63,18 +77,18 @@ def train(cfg: DictConfig, out: Path):
             state = schedule(components, cfg, sizes, tracker, state, stop)
     finally:
         tracker.close()
+    state.elapsed = tracker.elapsed()
     if state.preempted:
         return state
     if cfg.checkpoint.save_final_model:
         components.policy.export(out / "final_model", components.tokenizer)
         log.info("final policy saved as a Hugging Face folder: %s", out / "final_model")
-    summarize(state, tracker.elapsed())
     return state
 
 
-def summarize(state, seconds: float) -> None:
+def summarize(state) -> None:
     first, last = state.first_eval, state.last_eval
-    log.info("done in %.0f s. eval start -> end:", seconds)
+    log.info("done in %.0f s. eval start -> end:", state.elapsed)
     for key in sorted(set(first) & set(last)):
         log.info("  %-32s %.3f -> %.3f", key, first[key], last[key])
 
@@ -89,6 +103,9 @@ def main(cfg: DictConfig) -> float | None:
     except NonFiniteError as err:
         log.error("training stopped: %s", err)
         raise SystemExit(3) from None
+    except WorkerError as err:
+        log.error("a worker failed: %s", err)
+        raise SystemExit(4) from None
     # returned for Hydra sweepers that optimise a value
     return state.last_eval.get("eval/sampled_correct_rate")
 

@@ -51,6 +51,7 @@ def test_every_group_option_composes_and_validates(group):
         ("reward", "model"): ["reward.path=builtin:tiny_arith"],
         ("dataset", "jsonl"): ["dataset.path=prompts.jsonl"],
         ("dataset", "parquet"): ["dataset.path=prompts.parquet"],
+        ("cluster", "8gpu_split"): ["train.prompts_per_step=14", "train.micro_batch_size=56"],  # 7 training ranks
     }
     for option in group_options(group):
         cfg = compose_config([f"{group}={option}", *needs.get((group, option), [])])

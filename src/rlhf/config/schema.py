@@ -104,9 +104,18 @@ class RewardConfig:
 
 
 @dataclass
+class StrategyConfig:
+    name: str = "auto"  # auto (single on one rank, else ddp), single, ddp, fsdp2 or deepspeed; all but single/auto need cluster.backend=ray
+    zero_stage: int = 2  # deepspeed: ZeRO stage 1 (shards optimiser state), 2 (also gradients) or 3 (also parameters)
+    offload_optimizer: bool = False  # deepspeed/fsdp2: optimiser state (and its step) on the CPU
+    offload_params: bool = False  # deepspeed zero_stage=3 or fsdp2: parameters on the CPU between uses
+
+
+@dataclass
 class PolicyConfig:
-    name: str = "torch"  # training backend: torch (single process, CPU or one GPU) or an import path
+    name: str = "torch"  # training backend: torch (CPU or GPU, under `strategy`) or an import path
     gradient_checkpointing: bool = False  # trade compute for activation memory
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)  # how training is spread over the actor's devices
 
 
 @dataclass
@@ -121,6 +130,7 @@ class CriticConfig:
     name_or_path: Optional[str] = None  # initial weights; null = reward.path when set, else the policy's model
     lr: Optional[float] = None  # critic learning rate; null = train.lr
     gradient_checkpointing: bool = False  # trade compute for activation memory
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)  # how training is spread over the critic's devices
 
 
 @dataclass
@@ -149,9 +159,34 @@ class CheckpointConfig:
 
 
 @dataclass
+class RoleConfig:
+    num_nodes: int = 1  # nodes the role spans (ray backend)
+    devices_per_node: int = 1  # GPUs (device_type=gpu) or CPU slots (cpu) per node; ranks = num_nodes * devices_per_node
+
+
+@dataclass
+class RolesConfig:
+    actor: RoleConfig = field(default_factory=RoleConfig)  # policy training ranks (policy.strategy spreads over them)
+    ref: RoleConfig = field(default_factory=RoleConfig)  # reference-model replicas (rows split between them)
+    critic: RoleConfig = field(default_factory=RoleConfig)  # critic training ranks (ppo; critic.strategy)
+    reward: RoleConfig = field(default_factory=RoleConfig)  # reward-model replicas (reward.path set)
+    generator: RoleConfig = field(default_factory=RoleConfig)  # generation engines, one per device
+
+
+@dataclass
 class ClusterConfig:
-    name: str = "local"  # placement: local = every role in this process
-    device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda or cuda:N
+    name: str = "local"  # the preset's name, for the record
+    backend: str = "local"  # local: every role in this process; ray: every role a Ray actor, placed per `roles`
+    device: str = "auto"  # local backend: auto (cuda if available, else cpu), cpu, cuda or cuda:N
+    address: Optional[str] = None  # ray: null starts a private Ray cluster here; else join one (auto, host:port, ray://host:10001)
+    device_type: str = "cpu"  # ray: what a role's devices are: gpu, or cpu (a CPU slot, for tests and CPU-only runs)
+    num_cpus: Optional[int] = None  # ray, private cluster: logical CPUs it offers; null = this machine's count
+    cpus_per_gpu: int = 1  # ray, device_type=gpu: CPUs reserved beside each GPU of a placement bundle
+    object_store_memory: Optional[int] = None  # ray, private cluster: object-store bytes; null = Ray's default (30% of RAM)
+    timeout_s: float = 600.0  # ray: seconds a remote call or a collective may take before the run fails naming the role
+    placement_timeout_s: float = 60.0  # ray: seconds to wait for the placement groups to be scheduled
+    roles: RolesConfig = field(default_factory=RolesConfig)  # ray: nodes and devices of each role
+    colocate: list[list[str]] = field(default_factory=list)  # ray: roles sharing the same devices, e.g. [[actor, ref], [critic, reward]]
 
 
 @dataclass

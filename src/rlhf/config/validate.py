@@ -223,5 +223,8 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         f"train.max_skipped_steps_in_row={train.max_skipped_steps_in_row} must be >= 1",
     )
     _require(cfg.logging.log_every >= 1, f"logging.log_every={cfg.logging.log_every} must be >= 1")
-    _require(cfg.cluster.name == "local", f"cluster.name={cfg.cluster.name!r}: only `local` exists so far")
-    return derive_sizes(cfg)
+    sizes = derive_sizes(cfg)
+    from rlhf.distributed.layout import validate_cluster  # late: it imports the strategies module
+
+    validate_cluster(cfg, estimator(cfg=algo, gen_cfg=gen), sizes.samples_per_step, sizes.mini_batch_size)
+    return sizes

@@ -80,6 +80,12 @@ class Estimator(Protocol):
         are averaged.
         """
 
+    def policy_loss(self, micro: TrainBatch, out: Forward, denominator: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(policy loss, metrics) alone, for a policy trained apart from its critic."""
+
+    def value_loss(self, micro: TrainBatch, values: torch.Tensor, denominator: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(weighted value loss, metrics) alone, for a critic trained apart from its policy (estimators with a critic)."""
+
 
 def make_kl_controller(cfg):
     """The fixed or adaptive KL coefficient of `algorithm.kl_ctl`."""
@@ -88,7 +94,15 @@ def make_kl_controller(cfg):
     return F.FixedKLController(cfg.beta)
 
 
-class PolicyGradientEstimator:
+class PolicyOnlyLoss:
+    """`policy_loss` for estimators whose `loss` has no value part."""
+
+    def policy_loss(self, micro: TrainBatch, out: Forward, denominator: torch.Tensor):
+        loss, _, metrics = self.loss(micro, out, denominator)
+        return loss, metrics
+
+
+class PolicyGradientEstimator(PolicyOnlyLoss):
     """Clipped policy-gradient loss with optional KL (in the reward or as a loss) and entropy bonus;
     sequence-level advantages come from the subclass."""
 
@@ -159,6 +173,7 @@ class PolicyGradientEstimator:
 
     def denominator(self, mini_batch: TrainBatch) -> torch.Tensor:
         return F.loss_denominator(mini_batch.rollout.response_mask, self.cfg.loss_agg, self.loss_agg_norm)
+
 
     def loss(self, micro: TrainBatch, out: Forward, denominator: torch.Tensor):
         """Clipped surrogate (+ beta * KL when KL is a loss, - entropy_coef * entropy), reduced by `algorithm.loss_agg`."""

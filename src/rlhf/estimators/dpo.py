@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rlhf import functional as F
-from rlhf.estimators.base import Forward, StepInputs, TrainBatch
+from rlhf.estimators.base import Forward, PolicyOnlyLoss, StepInputs, TrainBatch
 from rlhf.registry import register
 
 
@@ -17,7 +17,7 @@ def best_and_worst(scores: torch.Tensor, group_size: int) -> tuple[torch.Tensor,
 
 
 @register("estimator", "online_dpo")
-class OnlineDPO:
+class OnlineDPO(PolicyOnlyLoss):
     """DPO (sigmoid) or IPO loss with coefficient `algorithm.beta` on pairs ranked by the reward.
 
     Pairs whose two responses scored the same carry no preference and are left out of the loss.

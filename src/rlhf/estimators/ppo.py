@@ -38,13 +38,21 @@ class PPO(PolicyGradientEstimator):
             tensors["ref_logp"] = inputs.ref_logp
         return TrainBatch(inputs.rollout, tensors), metrics
 
+    def policy_loss(self, micro: TrainBatch, out: Forward, denominator: torch.Tensor):
+        loss, _, metrics = PolicyGradientEstimator.loss(self, micro, out, denominator)
+        return loss, metrics
+
+    def value_loss(self, micro: TrainBatch, values: torch.Tensor, denominator: torch.Tensor):
+        """``vf_coef`` * clipped value loss, reduced by `algorithm.loss_agg`. Shape: values (B, T)."""
+        mask, t = micro.rollout.response_mask, micro.tensors
+        per_token, clipped = F.clipped_value_loss(values, t["old_values"], t["returns"], self.cfg.cliprange_value)
+        value_loss = F.aggregate_loss(per_token, mask, self.cfg.loss_agg, denominator)
+        metrics = {"loss/value_avg": value_loss.detach(), "val/clipfrac_avg": F.masked_mean(clipped.float(), mask)}
+        return self.cfg.vf_coef * value_loss, metrics
+
     def loss(self, micro: TrainBatch, out: Forward, denominator: torch.Tensor):
-        policy_loss, _, metrics = super().loss(micro, out, denominator)
         if out.values is None:
             raise ValueError("PPO's loss needs the critic's values for the micro batch")
-        mask, t = micro.rollout.response_mask, micro.tensors
-        per_token, clipped = F.clipped_value_loss(out.values, t["old_values"], t["returns"], self.cfg.cliprange_value)
-        value_loss = F.aggregate_loss(per_token, mask, self.cfg.loss_agg, denominator)
-        metrics["loss/value_avg"] = value_loss.detach()
-        metrics["val/clipfrac_avg"] = F.masked_mean(clipped.float(), mask)
-        return policy_loss, self.cfg.vf_coef * value_loss, metrics
+        policy_loss, metrics = self.policy_loss(micro, out, denominator)
+        value_loss, value_metrics = self.value_loss(micro, out.values, denominator)
+        return policy_loss, value_loss, metrics | value_metrics

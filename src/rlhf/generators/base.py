@@ -68,6 +68,30 @@ class Rollout:
         return self.response_mask.sum(dim=1)
 
 
+def _pad_right(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+
+def _pad_left(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (width - t.shape[1], 0), value=value)
+
+
+def concat_rollouts(chunks: list[Rollout], pad_id: int) -> Rollout:
+    """Stack rollouts of different widths (prompts padded left, responses right)."""
+    if len(chunks) == 1:
+        return chunks[0]
+    q = max(c.query_ids.shape[1] for c in chunks)
+    r = max(c.response_ids.shape[1] for c in chunks)
+    return Rollout(
+        query_ids=torch.cat([_pad_left(c.query_ids, q, pad_id) for c in chunks]),
+        query_mask=torch.cat([_pad_left(c.query_mask, q, 0) for c in chunks]),
+        response_ids=torch.cat([_pad_right(c.response_ids, r, pad_id) for c in chunks]),
+        response_mask=torch.cat([_pad_right(c.response_mask, r, 0) for c in chunks]),
+        logprobs=torch.cat([_pad_right(c.logprobs, r, 0) for c in chunks]),
+        stopped=torch.cat([c.stopped for c in chunks]),
+    )
+
+
 class Generator(Protocol):
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollout:
         """Sample one response per prompt (repeat prompts for several samples)."""

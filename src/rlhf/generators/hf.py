@@ -6,7 +6,7 @@ import torch
 from transformers import GenerationConfig
 
 from rlhf.functional import logprobs_from_logits
-from rlhf.generators.base import Rollout, SamplingParams
+from rlhf.generators.base import Rollout, SamplingParams, concat_rollouts
 from rlhf.models.loading import load_causal_lm
 from rlhf.registry import register
 
@@ -92,7 +92,7 @@ class HFGenerator:
             self._generate_chunk(prompts[start : start + self.cfg.batch_size], sampling)
             for start in range(0, len(prompts), self.cfg.batch_size)
         ]
-        return _concat(chunks, self.pad_id)
+        return concat_rollouts(chunks, self.pad_id)
 
     def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollout:
         query_ids, query_mask = left_pad(prompts, self.pad_id)
@@ -111,27 +111,3 @@ class HFGenerator:
             dim=1,
         )
         return Rollout(query_ids, query_mask, response_ids, response_mask, logprobs * response_mask, stopped)
-
-
-def _pad_right(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
-    return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
-
-
-def _pad_left(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
-    return torch.nn.functional.pad(t, (width - t.shape[1], 0), value=value)
-
-
-def _concat(chunks: list[Rollout], pad_id: int) -> Rollout:
-    """Stack rollouts of different widths (prompts padded left, responses right)."""
-    if len(chunks) == 1:
-        return chunks[0]
-    q = max(c.query_ids.shape[1] for c in chunks)
-    r = max(c.response_ids.shape[1] for c in chunks)
-    return Rollout(
-        query_ids=torch.cat([_pad_left(c.query_ids, q, pad_id) for c in chunks]),
-        query_mask=torch.cat([_pad_left(c.query_mask, q, 0) for c in chunks]),
-        response_ids=torch.cat([_pad_right(c.response_ids, r, pad_id) for c in chunks]),
-        response_mask=torch.cat([_pad_right(c.response_mask, r, 0) for c in chunks]),
-        logprobs=torch.cat([_pad_right(c.logprobs, r, 0) for c in chunks]),
-        stopped=torch.cat([c.stopped for c in chunks]),
-    )

@@ -1,4 +1,4 @@
-"""The trained policy: single-process torch on CPU or one GPU.
+"""The trained policy: a causal LM under a training strategy (single process, or one rank of DDP/FSDP2/DeepSpeed).
 
 A factory registered as kind ``policy`` is called as
 ``factory(cfg=<policy config>, model_cfg=..., train_cfg=..., total_optimizer_steps=int, device=...)`` and
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from rlhf.estimators.base import Forward
 from rlhf.generators.base import Rollout
 from rlhf.models.dtypes import DTYPES
 from rlhf.models.loading import load_causal_lm
@@ -21,25 +22,40 @@ from rlhf.registry import register
 
 @register("policy", "torch")
 class TorchPolicy(TrainableModel):
-    """A causal LM trained with AdamW; see `TrainableModel` for the optimisation methods."""
+    """A causal LM trained with AdamW under `policy.strategy`; see `TrainableModel` for the optimisation methods."""
 
     def __init__(self, cfg, model_cfg, train_cfg, total_optimizer_steps: int, device: torch.device) -> None:
         self.cfg, self.train_cfg = cfg, train_cfg
         model = load_causal_lm(model_cfg.name_or_path, "float32", model_cfg.revision, model_cfg.trust_remote_code, device)
         super().__init__(
-            model, train_cfg, train_cfg.lr, total_optimizer_steps, cfg.gradient_checkpointing, DTYPES[model_cfg.dtype]
+            model, train_cfg, train_cfg.lr, total_optimizer_steps, cfg.gradient_checkpointing, DTYPES[model_cfg.dtype],
+            cfg.strategy,
         )
 
     def logprobs(self, rollout: Rollout, temperature: float, with_entropy: bool = False):
         """(logprobs (B, Lr), entropy or None) with gradients enabled, in float32."""
         with self.autocast():
-            return response_logprobs(self.model, rollout, temperature, with_entropy)
+            return response_logprobs(self.module, rollout, temperature, with_entropy)
+
+    @torch.no_grad()
+    def rollout_logprobs(self, rollout: Rollout, temperature: float, chunk: int, with_entropy: bool = False):
+        """`logprobs` without gradients, ``chunk`` rows per forward: (logprobs (B, Lr), entropy (B, Lr) or None)."""
+        parts = [self.logprobs(part, temperature, with_entropy) for part in rollout.chunks(chunk)]
+        entropy = torch.cat([p[1] for p in parts]) if with_entropy else None
+        return torch.cat([p[0] for p in parts]), entropy
+
+    def micro_loss(self, estimator, micro, denominator: torch.Tensor, temperature: float):
+        """(the estimator's policy loss of micro batch ``micro``, its metrics), with gradients."""
+        logp, entropy = self.logprobs(micro.rollout, temperature, with_entropy=estimator.needs_entropy)
+        return estimator.policy_loss(micro, Forward(logp, entropy), denominator)
 
     def export(self, path: Path, tokenizer) -> None:
-        """The policy as a plain Hugging Face folder (safetensors, config, tokenizer)."""
-        self.model.save_pretrained(path, safe_serialization=True)
-        tokenizer.save_pretrained(path)
+        """The policy as a plain Hugging Face folder (safetensors, config, tokenizer); every rank calls it."""
+        weights = self.full_state_dict()
+        if self.strategy.rank == 0:
+            self.model.save_pretrained(path, state_dict=weights, safe_serialization=True)
+            tokenizer.save_pretrained(path)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The model weights, as the generator loads them."""
-        return self.model.state_dict()
+    def state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The full model weights, as the generator loads them (rank 0; None on other ranks)."""
+        return self.full_state_dict()

@@ -27,3 +27,7 @@ class FrozenReference:
     @torch.no_grad()
     def logprobs(self, rollout: Rollout, temperature: float) -> torch.Tensor:
         return response_logprobs(self.model, rollout, temperature)[0]
+
+    def rollout_logprobs(self, rollout: Rollout, temperature: float, chunk: int) -> torch.Tensor:
+        """`logprobs`, ``chunk`` rows per forward. Shape: (B, Lr)."""
+        return torch.cat([self.logprobs(part, temperature) for part in rollout.chunks(chunk)])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -76,58 +75,82 @@ def load_trainable(path: Path, model: torch.nn.Module, optimizer, scheduler) -> 
     scheduler.load_state_dict(state["scheduler"])
 
 
+def is_share(key: str) -> bool:
+    """Loss metrics are each micro batch's share of the mini-batch loss (summed); others are averaged."""
+    return key.startswith("loss/") or key == "objective/loss"
+
+
 class TrainableModel:
-    """A model with its optimiser and schedule; gradients accumulate over micro batches until `step`.
+    """A model with its optimiser and schedule under a training strategy (`rlhf.distributed.strategies`);
+    gradients accumulate over micro batches until `optimizer_step`.
 
     Weights and optimiser state stay in float32 (a bf16 weight cannot take a 1e-6 step); ``compute_dtype``
-    bfloat16 runs the forward passes under autocast instead.
+    bfloat16 runs the forward passes under autocast instead. ``module`` is what forward passes call: the model,
+    or a wrapper around it (the strategy's DDP module or DeepSpeed engine).
     """
 
     def __init__(
         self, model: torch.nn.Module, train_cfg, lr: float, total_optimizer_steps: int, gradient_checkpointing: bool,
-        compute_dtype: torch.dtype = torch.float32,
+        compute_dtype: torch.dtype = torch.float32, strategy_cfg=None, module: torch.nn.Module | None = None,
     ) -> None:
+        from rlhf.config.schema import StrategyConfig
+        from rlhf.distributed.strategies import build_strategy
+
         self.model = model
         self.compute_dtype = compute_dtype
-        self.model.train()  # dropout is already 0; train() only matters for modules such as gradient checkpointing
-        if gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
-        self.max_grad_norm = train_cfg.max_grad_norm
-        self.optimizer, self.scheduler = make_optimizer(self.model, train_cfg, lr, total_optimizer_steps)
+        self.strategy = build_strategy(
+            model, module if module is not None else model, train_cfg, lr, total_optimizer_steps, compute_dtype,
+            strategy_cfg if strategy_cfg is not None else StrategyConfig(), gradient_checkpointing,
+        )
+        self.module = self.strategy.module
+        self.optimizer, self.scheduler = self.strategy.optimizer, self.strategy.scheduler
 
     def autocast(self):
-        """The context the forward passes run in: bf16 autocast, or nothing for float32."""
-        if self.compute_dtype == torch.float32:
-            return nullcontext()
-        return torch.autocast(device_type=next(self.model.parameters()).device.type, dtype=self.compute_dtype)
+        """The context the forward passes run in: bf16 autocast, or nothing."""
+        return self.strategy.autocast()
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
-    def clip_gradients(self) -> float:
-        """Clip the accumulated gradients by `train.max_grad_norm`; returns the pre-clip norm."""
-        return clip_gradients(self.model, self.max_grad_norm)
-
-    def step(self) -> None:
-        """Apply the (clipped) gradients, advance the LR schedule, clear the gradients."""
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        """Accumulate the gradients of ``loss``, its share of the (global) mini-batch loss."""
+        self.strategy.backward(loss)
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients without stepping (a skipped step)."""
-        self.optimizer.zero_grad(set_to_none=True)
+        self.strategy.zero_grad()
+
+    def accumulate(self, estimator, mini, denominator: torch.Tensor, micro_units: int, temperature: float):
+        """Forward and backward each micro batch (``micro_units`` units) of ``mini``, this rank's share of a mini batch.
+
+        Returns (finite, metrics). As soon as a loss is non-finite on any rank, every rank stops before that
+        backward and returns False (the caller drops the gradients). Metrics named `loss/...` or `objective/loss`
+        are summed over micro batches (they are shares of the mini-batch loss); the others are averaged.
+        """
+        from rlhf.distributed.strategies import all_ranks_true
+
+        metrics: dict[str, float] = {}
+        micro_ids = torch.arange(mini.num_units).split(micro_units)
+        for ids in micro_ids:
+            loss, micro_metrics = self.micro_loss(estimator, mini.select_units(ids), denominator, temperature)
+            if not all_ranks_true(bool(torch.isfinite(loss).item())):
+                return False, {}  # no backward: a NaN must not reach the gradients
+            self.backward(loss)
+            for key, value in micro_metrics.items():
+                metrics[key] = metrics.get(key, 0.0) + float(value) * (1.0 if is_share(key) else 1.0 / len(micro_ids))
+        return True, metrics
 
     def optimizer_step(self) -> float:
         """Clip, step (unless the norm is non-finite), clear grads; returns the pre-clip gradient norm."""
-        return clip_and_step(self.model, self.optimizer, self.scheduler, self.max_grad_norm)
+        return self.strategy.optimizer_step()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Full weights under the HF names on rank 0 (None on other ranks); a collective when sharded."""
+        return self.strategy.full_state_dict()
 
     def save_checkpoint(self, path: Path) -> None:
-        save_trainable(path, self.model, self.optimizer, self.scheduler)
+        self.strategy.save(path)
 
     def load_checkpoint(self, path: Path) -> None:
-        load_trainable(path, self.model, self.optimizer, self.scheduler)
+        self.strategy.load(path)
 
     @property
     def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
+        return self.strategy.lr

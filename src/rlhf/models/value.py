@@ -85,10 +85,28 @@ def token_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     return score_head(model)[1](hidden).squeeze(-1).float()
 
 
+class ValueModule(torch.nn.Module):
+    """`token_scores` as a module, so a training strategy (DDP, FSDP2, DeepSpeed) can wrap the critic's forward."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return token_scores(self.model, input_ids, attention_mask, position_ids)
+
+
 def response_values(model: torch.nn.Module, rollout: Rollout) -> torch.Tensor:
-    """Critic values V(s_t) of the state before each response token. Shape: (B, Lr), 0 outside the mask."""
+    """Critic values V(s_t) of the state before each response token. Shape: (B, Lr), 0 outside the mask.
+
+    ``model`` is a scalar-head model or a module mapping (input_ids, attention_mask, position_ids) to
+    per-token scores (a `ValueModule`, possibly wrapped by a training strategy).
+    """
     input_ids, attention_mask, position_ids = rollout.model_inputs()
-    scores = token_scores(model, input_ids, attention_mask, position_ids)
+    if hasattr(model, "base_model_prefix"):
+        scores = token_scores(model, input_ids, attention_mask, position_ids)
+    else:
+        scores = model(input_ids, attention_mask, position_ids)
     start = rollout.query_ids.shape[1] - 1
     return scores[:, start : start + rollout.response_ids.shape[1]] * rollout.response_mask
 

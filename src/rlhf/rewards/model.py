@@ -34,18 +34,26 @@ class RunningMoments:
 
 
 class RewardModelScorer:
-    """Loads `reward.path` (a sequence-classification folder) and scores rollouts with it."""
+    """Loads `reward.path` (a sequence-classification folder) and scores rollouts with it.
 
-    def __init__(self, cfg, dtype: str, device: torch.device, chunk: int) -> None:
+    With ``remote_scores`` (a callable rollout -> (B,) raw scores, such as reward-model replicas on Ray) nothing
+    loads here; normalisation and clipping still happen here, so their statistics live with the run.
+    """
+
+    def __init__(self, cfg, dtype: str, device: torch.device, chunk: int, remote_scores=None) -> None:
         self.cfg = cfg
         self.chunk = chunk
-        self.model = load_value_model(cfg.path, dtype, None, False, device, new_head_ok=False).eval()
-        self.model.requires_grad_(False)
+        self.remote_scores = remote_scores
+        if remote_scores is None:
+            self.model = load_value_model(cfg.path, dtype, None, False, device, new_head_ok=False).eval()
+            self.model.requires_grad_(False)
         self.moments = RunningMoments()
 
     @torch.no_grad()
     def raw_scores(self, rollout: Rollout) -> torch.Tensor:
         """The model's score of each prompt + response. Shape: (B,)."""
+        if self.remote_scores is not None:
+            return self.remote_scores(rollout)
         return torch.cat([sequence_scores(self.model, *part.model_inputs()[:2]) for part in rollout.chunks(self.chunk)])
 
     def score(self, rollout: Rollout, update_stats: bool = True) -> tuple[torch.Tensor, dict[str, float]]:

@@ -45,6 +45,7 @@ class RunState:
     guard: NonFiniteGuard = field(default_factory=lambda: NonFiniteGuard(3))
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     preempted: bool = False
+    elapsed: float = 0.0  # seconds the run took (not checkpointed)
 
     def to_dict(self) -> dict:
         return {

@@ -1,0 +1,133 @@
+"""The Ray backend: connect (or start a private cluster), check the placement fits, reserve placement groups,
+start one worker per rank of every role, and tear it all down at the end.
+
+Roles in one `cluster.colocate` group share a placement group: bundle i hosts rank i of each of them, each
+reserving an equal fraction of the bundle (e.g. 0.5 GPU for actor+ref), so they run on the same device.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from rlhf.config.errors import ConfigError
+from rlhf.distributed.layout import PlacementSpec, bundle_resources, check_fits, placement_specs, used_roles
+from rlhf.distributed.remote import ActorGroup, RemoteGenerator, RemoteReplicas, RemoteTrainer
+
+log = logging.getLogger(__name__)
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:  # pragma: no cover - the dev and distributed extras install it
+        raise ConfigError("cluster.backend=ray needs Ray: pip install 'rlhf[distributed]' (or cluster=local)") from None
+    return ray
+
+
+def connect(cluster) -> bool:
+    """Join `cluster.address`, or start a private local cluster when it is null. True when this call started Ray."""
+    ray = import_ray()
+    if ray.is_initialized():
+        return False
+    if cluster.address is None:
+        ray.init(
+            num_cpus=cluster.num_cpus, object_store_memory=cluster.object_store_memory, include_dashboard=False,
+            log_to_driver=True, configure_logging=False,
+        )
+    else:
+        ray.init(address=cluster.address, log_to_driver=True, configure_logging=False)
+    return True
+
+
+@dataclass
+class RayRun:
+    """What the Ray backend started for one run; `shutdown` releases all of it."""
+
+    started_ray: bool
+    groups: dict[str, ActorGroup] = field(default_factory=dict)
+    placement_groups: list = field(default_factory=list)
+
+    def shutdown(self) -> None:
+        ray = import_ray()
+        for group in self.groups.values():
+            for actor in group.actors:
+                ray.kill(actor, no_restart=True)
+        for pg in self.placement_groups:
+            ray.util.remove_placement_group(pg)
+        self.groups.clear()
+        self.placement_groups.clear()
+        if self.started_ray and ray.is_initialized():
+            ray.shutdown()
+
+
+def reserve(specs: list[PlacementSpec], cluster) -> list:
+    """Check the specs fit the cluster (ConfigError with the arithmetic otherwise), then create and await the
+    placement groups, failing after `cluster.placement_timeout_s` instead of waiting forever."""
+    ray = import_ray()
+    from ray.util.placement_group import placement_group
+
+    nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+    check_fits(specs, cluster, ray.cluster_resources(), nodes)
+    bundle = bundle_resources(cluster)
+    groups = [placement_group([dict(bundle) for _ in range(spec.ranks)], strategy="PACK") for spec in specs]
+    ready, _ = ray.wait([pg.ready() for pg in groups], num_returns=len(groups), timeout=cluster.placement_timeout_s)
+    if len(ready) < len(groups):
+        for pg in groups:
+            ray.util.remove_placement_group(pg)
+        raise ConfigError(
+            f"Ray could not place {', '.join(s.describe() for s in specs)} within {cluster.placement_timeout_s:g} s "
+            f"(cluster.placement_timeout_s); the cluster's free resources: {ray.available_resources()}"
+        )
+    return groups
+
+
+def spawn(role: str, spec: PlacementSpec, pg, cfg, total_optimizer_steps: int) -> tuple[ActorGroup, dict]:
+    """One `RoleWorker` per rank of ``role`` in ``pg`` (bundle i = rank i); returns the group and its pending
+    set-up calls ({rank: ObjectRef}), so every role loads its model at the same time."""
+    ray = import_ray()
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from rlhf.distributed.workers import RoleWorker
+
+    cluster = cfg.cluster
+    share = 1.0 / len(spec.roles)
+    bundle = bundle_resources(cluster)
+    worker = ray.remote(RoleWorker)
+    actors = [
+        worker.options(
+            num_cpus=bundle["CPU"] * share, num_gpus=bundle.get("GPU", 0.0) * share, name=None,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+        ).remote(role, rank, spec.ranks, cfg, total_optimizer_steps)
+        for rank in range(spec.ranks)
+    ]
+    group = ActorGroup(role, actors, cluster.timeout_s)
+    first = group.wait({0: actors[0].ping.remote()}, "start-up")[0]
+    return group, {rank: actor.setup.remote(first["ip"], first["port"]) for rank, actor in enumerate(actors)}
+
+
+def start(cfg, estimator, total_optimizer_steps: int, pad_id: int):
+    """Place and start every role this run uses. Returns (RayRun, {role: driver-side handle})."""
+    roles = used_roles(cfg, estimator)
+    specs = placement_specs(cfg.cluster, roles)
+    run = RayRun(started_ray=connect(cfg.cluster))
+    try:
+        run.placement_groups = reserve(specs, cfg.cluster)
+        pending = {}
+        for spec, pg in zip(specs, run.placement_groups):
+            log.info("placement group %s", spec.describe())
+            for role in spec.roles:
+                run.groups[role], pending[role] = spawn(role, spec, pg, cfg, total_optimizer_steps)
+        for role, refs in pending.items():
+            run.groups[role].wait(refs, "setup (process group and model load)")
+    except BaseException:
+        run.shutdown()
+        raise
+    handles = {
+        "actor": RemoteTrainer(run.groups["actor"]),
+        "generator": RemoteGenerator(run.groups["generator"], pad_id),
+        "ref": RemoteReplicas(run.groups["ref"]) if "ref" in run.groups else None,
+        "critic": RemoteTrainer(run.groups["critic"]) if "critic" in run.groups else None,
+        "reward": RemoteReplicas(run.groups["reward"]) if "reward" in run.groups else None,
+    }
+    return run, handles

@@ -1,0 +1,167 @@
+"""Which roles a run places, how they group onto devices, and whether that fits a cluster. Pure: no Ray here.
+
+A role (actor, ref, critic, reward, generator) has ``num_nodes * devices_per_node`` ranks. Roles named together
+in `cluster.colocate` share one placement group: bundle i hosts rank i of each of them, each taking an equal
+fraction of the bundle's GPU (or CPU slot). Every other role gets a placement group of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlhf.config.errors import ConfigError
+
+ROLES = ("actor", "ref", "critic", "reward", "generator")
+
+
+@dataclass(frozen=True)
+class PlacementSpec:
+    """One placement group: the roles sharing it and its shape."""
+
+    roles: tuple[str, ...]
+    num_nodes: int
+    devices_per_node: int
+
+    @property
+    def ranks(self) -> int:
+        return self.num_nodes * self.devices_per_node
+
+    def describe(self) -> str:
+        return f"{'+'.join(self.roles)}: {self.num_nodes} node(s) x {self.devices_per_node} = {self.ranks}"
+
+
+def used_roles(cfg, estimator) -> list[str]:
+    """The roles this run needs: actor and generator always; ref, critic and reward when the run uses them."""
+    roles = ["actor"]
+    if estimator.needs_reference:
+        roles.append("ref")
+    if estimator.needs_critic:
+        roles.append("critic")
+    if cfg.reward.path:
+        roles.append("reward")
+    return roles + ["generator"]
+
+
+def role_ranks(cluster, role: str) -> int:
+    spec = cluster.roles[role]
+    return spec.num_nodes * spec.devices_per_node
+
+
+def placement_specs(cluster, roles: list[str]) -> list[PlacementSpec]:
+    """The placement groups of ``roles`` under `cluster.colocate`; ConfigError for a bad grouping."""
+    seen: dict[str, int] = {}
+    for i, group in enumerate(cluster.colocate):
+        for role in group:
+            if role not in ROLES:
+                raise ConfigError(f"cluster.colocate[{i}] names {role!r}; roles are {', '.join(ROLES)}")
+            if role in seen:
+                raise ConfigError(f"cluster.colocate lists {role!r} in groups {seen[role]} and {i}; a role shares devices with one group")
+            seen[role] = i
+    specs = []
+    for group in [list(g) for g in cluster.colocate] + [[r] for r in roles if r not in seen]:
+        members = tuple(r for r in group if r in roles)
+        if not members:
+            continue
+        shapes = {(cluster.roles[r].num_nodes, cluster.roles[r].devices_per_node) for r in members}
+        if len(shapes) > 1:
+            listing = ", ".join(f"{r} {cluster.roles[r].num_nodes}x{cluster.roles[r].devices_per_node}" for r in members)
+            raise ConfigError(
+                f"cluster.colocate groups {'+'.join(members)}, which must have the same num_nodes x devices_per_node "
+                f"(got {listing}); make cluster.roles.<role> agree or colocate fewer roles"
+            )
+        (nodes, per_node), = shapes
+        specs.append(PlacementSpec(members, nodes, per_node))
+    return specs
+
+
+def bundle_resources(cluster) -> dict[str, float]:
+    """What one device of a placement group reserves."""
+    if cluster.device_type == "gpu":
+        return {"GPU": 1.0, "CPU": float(cluster.cpus_per_gpu)}
+    return {"CPU": 1.0}
+
+
+def check_fits(specs: list[PlacementSpec], cluster, total: dict[str, float], per_node: list[dict[str, float]]) -> None:
+    """ConfigError, with the arithmetic, when the placement groups cannot fit the cluster's resources.
+
+    ``total`` is the cluster's resources (`ray.cluster_resources()`), ``per_node`` each node's.
+    """
+    bundle = bundle_resources(cluster)
+    unit = "GPU" if cluster.device_type == "gpu" else "CPU"
+    need = {key: sum(s.ranks for s in specs) * amount for key, amount in bundle.items()}
+    breakdown = "; ".join(s.describe() for s in specs)
+    for key, amount in need.items():
+        have = total.get(key, 0.0)
+        if amount > have:
+            raise ConfigError(
+                f"the placement needs {amount:g} {key} ({breakdown}; x{bundle[key]:g} {key} each) but the Ray cluster "
+                f"offers {have:g}; lower cluster.roles.<role>.devices_per_node, colocate roles (cluster.colocate) "
+                f"or add nodes" + (" (or raise cluster.num_cpus)" if key == "CPU" and cluster.address is None else "")
+            )
+    largest = max((node.get(unit, 0.0) for node in per_node), default=0.0)
+    for spec in specs:
+        if spec.devices_per_node * bundle[unit] > largest:
+            raise ConfigError(
+                f"{spec.describe()}: {spec.devices_per_node} devices per node x {bundle[unit]:g} {unit} exceed the "
+                f"largest node's {largest:g} {unit}; lower cluster.roles.<role>.devices_per_node and raise num_nodes"
+            )
+    nodes_with_room = sum(node.get(unit, 0.0) >= bundle[unit] for node in per_node)
+    for spec in specs:
+        if spec.num_nodes > nodes_with_room:
+            raise ConfigError(
+                f"{spec.describe()}: spans {spec.num_nodes} nodes but only {nodes_with_room} node(s) have a free {unit}; "
+                f"lower cluster.roles.<role>.num_nodes or add nodes"
+            )
+
+
+def _check_strategy(key: str, strategy, ranks: int, backend: str, role: str) -> None:
+    from rlhf.distributed.strategies import STRATEGIES
+
+    name = strategy.name
+    if name not in STRATEGIES:
+        raise ConfigError(f"{key}.name={name!r}; choose one of {', '.join(STRATEGIES)}")
+    if backend == "local" and name not in ("auto", "single"):
+        raise ConfigError(f"{key}.name={name} runs one process per device; it needs cluster.backend=ray (e.g. cluster=ray_local)")
+    if name == "single" and ranks > 1:
+        raise ConfigError(
+            f"{key}.name=single trains on one device but cluster.roles.{role} has {ranks} ranks; choose auto, ddp, "
+            f"fsdp2 or deepspeed, or set cluster.roles.{role}.num_nodes=1 and devices_per_node=1"
+        )
+    if not 1 <= strategy.zero_stage <= 3:
+        raise ConfigError(f"{key}.zero_stage={strategy.zero_stage} must be 1, 2 or 3 (for plain data parallelism use {key}.name=ddp)")
+    if strategy.offload_params and not (name == "fsdp2" or (name == "deepspeed" and strategy.zero_stage == 3)):
+        raise ConfigError(f"{key}.offload_params needs {key}.name=fsdp2, or deepspeed with zero_stage=3 (got {name}, stage {strategy.zero_stage})")
+    if strategy.offload_optimizer and not (name == "fsdp2" or (name == "deepspeed" and strategy.zero_stage >= 1)):
+        raise ConfigError(f"{key}.offload_optimizer needs {key}.name=fsdp2, or deepspeed with zero_stage >= 1 (got {name}, stage {strategy.zero_stage})")
+
+
+def validate_cluster(cfg, estimator, samples_per_step: int, mini_batch_units: int) -> dict[str, int]:
+    """Every check of `cluster.*` and the training strategies that needs no running cluster; returns ranks per role."""
+    cluster = cfg.cluster
+    if cluster.backend not in ("local", "ray"):
+        raise ConfigError(f"cluster.backend={cluster.backend!r}; choose local or ray")
+    if cluster.device_type not in ("cpu", "gpu"):
+        raise ConfigError(f"cluster.device_type={cluster.device_type!r}; choose gpu or cpu")
+    if cluster.timeout_s <= 0 or cluster.placement_timeout_s <= 0:
+        raise ConfigError(f"cluster.timeout_s={cluster.timeout_s} and cluster.placement_timeout_s={cluster.placement_timeout_s} must be > 0")
+    roles = used_roles(cfg, estimator)
+    for role in ROLES:
+        spec = cluster.roles[role]
+        if spec.num_nodes < 1 or spec.devices_per_node < 1:
+            raise ConfigError(f"cluster.roles.{role}: num_nodes={spec.num_nodes} and devices_per_node={spec.devices_per_node} must be >= 1")
+    ranks = {role: role_ranks(cluster, role) if cluster.backend == "ray" else 1 for role in roles}
+    trained = [("actor", "policy.strategy", cfg.policy.strategy)] + (
+        [("critic", "critic.strategy", cfg.critic.strategy)] if "critic" in roles else []
+    )
+    for role, key, strategy in trained:
+        _check_strategy(key, strategy, ranks[role], cluster.backend, role)
+        n = ranks[role]
+        if samples_per_step % n or mini_batch_units % n:
+            raise ConfigError(
+                f"cluster.roles.{role} has {n} training ranks, which must divide the {samples_per_step} samples per step "
+                f"and the {mini_batch_units} units of a mini batch (train.prompts_per_step, train.num_mini_batches); "
+                f"every rank takes an equal share"
+            )
+    if cluster.backend == "ray":
+        placement_specs(cluster, roles)  # a bad colocation fails here, before anything starts
+    return ranks

@@ -1,0 +1,169 @@
+"""Driver-side handles of the Ray workers: each role looks to the schedules like its local component.
+
+Every remote call waits at most `cluster.timeout_s`. A rank that raises, dies or does not answer fails the
+run at once with a `WorkerError` naming the role, the rank and the error; the other ranks are not waited for.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from rlhf.generators.base import Rollout, SamplingParams, concat_rollouts
+from rlhf.models.trainable import is_share
+
+
+class WorkerError(RuntimeError):
+    """A Ray worker failed, died or timed out; the message names its role and rank."""
+
+
+def even_slices(n: int, parts: int) -> list[slice]:
+    """``parts`` contiguous slices covering range(n), sizes differing by at most one (some may be empty)."""
+    sizes = [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+    starts = [sum(sizes[:i]) for i in range(parts)]
+    return [slice(start, start + size) for start, size in zip(starts, sizes)]
+
+
+class ActorGroup:
+    """The Ray actors of one role, rank i at index i."""
+
+    def __init__(self, role: str, actors: list, timeout_s: float) -> None:
+        self.role, self.actors, self.timeout_s = role, actors, timeout_s
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def wait(self, refs: dict, what: str) -> dict:
+        """{rank: result} of ``refs`` ({rank: ObjectRef}); raises WorkerError on the first failure or the timeout."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        pending = {ref: rank for rank, ref in refs.items()}
+        results = {}
+        deadline = time.monotonic() + self.timeout_s
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise WorkerError(
+                    f"{self.role} rank(s) {sorted(pending.values())} did not finish {what} within {self.timeout_s:g} s "
+                    f"(cluster.timeout_s)"
+                )
+            for ref in ready:
+                rank = pending.pop(ref)
+                try:
+                    results[rank] = ray.get(ref)
+                except RayTaskError as err:
+                    raise WorkerError(f"{self.role} rank {rank} failed in {what}: {type(err.cause).__name__}: {err.cause}\n{err}") from None
+                except RayActorError as err:
+                    raise WorkerError(f"{self.role} rank {rank} died during {what} (its process exited or was killed): {err}") from None
+                except GetTimeoutError:
+                    raise WorkerError(f"{self.role} rank {rank} timed out in {what}") from None
+        return results
+
+    def call(self, method: str, per_rank: dict[int, tuple], what: str | None = None, put: bool = False) -> dict:
+        """``component.method(*args)`` on each rank in ``per_rank`` ({rank: args}); {rank: result}."""
+        entry = "run_and_put" if put else "run"
+        refs = {rank: getattr(self.actors[rank], entry).remote(method, *args) for rank, args in per_rank.items()}
+        return self.wait(refs, what or method)
+
+    def call_all(self, method: str, *args) -> list:
+        """The same call on every rank; results by rank."""
+        results = self.call(method, {rank: args for rank in range(len(self))})
+        return [results[rank] for rank in range(len(self))]
+
+
+class RemoteTrainer:
+    """A trained model (policy or critic) sharded over a group of training ranks; the `TorchPolicy` /
+    `TorchCritic` interface the stages use. Rows and mini-batch units are split evenly over the ranks
+    (validation makes them divide), so every rank runs the same number of forwards and collectives."""
+
+    def __init__(self, group: ActorGroup) -> None:
+        self.group = group
+
+    def _split_rows(self, rollout: Rollout, method: str, *args) -> list:
+        slices = even_slices(len(rollout), len(self.group))
+        results = self.group.call(method, {rank: (rollout.select(sl), *args) for rank, sl in enumerate(slices)})
+        return [results[rank] for rank in range(len(self.group))]
+
+    def rollout_logprobs(self, rollout: Rollout, temperature: float, chunk: int, with_entropy: bool = False):
+        parts = self._split_rows(rollout, "rollout_logprobs", temperature, chunk, with_entropy)
+        entropy = torch.cat([p[1] for p in parts]) if with_entropy else None
+        return torch.cat([p[0] for p in parts]), entropy
+
+    def rollout_values(self, rollout: Rollout, chunk: int) -> torch.Tensor:
+        return torch.cat(self._split_rows(rollout, "rollout_values", chunk))
+
+    def accumulate(self, estimator, mini, denominator: torch.Tensor, micro_units: int, temperature: float):
+        """Each rank accumulates its share of the mini batch; loss shares add up over ranks, other metrics average."""
+        ranks = len(self.group)
+        units = torch.arange(mini.num_units)
+        per_rank = {rank: (estimator, mini.select_units(units[sl]), denominator, micro_units, temperature)
+                    for rank, sl in enumerate(even_slices(mini.num_units, ranks))}
+        results = self.group.call("accumulate", per_rank)
+        if not all(results[rank][0] for rank in range(ranks)):
+            return False, {}
+        keys = results[0][1].keys()
+        metrics = {key: sum(results[rank][1][key] for rank in range(ranks)) for key in keys}
+        return True, {key: value if is_share(key) else value / ranks for key, value in metrics.items()}
+
+    def optimizer_step(self) -> float:
+        return self.group.call_all("optimizer_step")[0]
+
+    def zero_grad(self) -> None:
+        self.group.call_all("zero_grad")
+
+    def state_dict(self):
+        """A Ray object reference to the full weights (gathered from the shards by rank 0), for the generators."""
+        results = self.group.call("state_dict", {rank: () for rank in range(len(self.group))}, put=True)
+        return results[0][0]
+
+    def export(self, path: Path, tokenizer) -> None:
+        self.group.call_all("export", path, tokenizer)
+
+    def save_checkpoint(self, path: Path) -> None:
+        self.group.call_all("save_checkpoint", path)
+
+    def load_checkpoint(self, path: Path) -> None:
+        self.group.call_all("load_checkpoint", path)
+
+    @property
+    def lr(self) -> float:
+        return self.group.call("lr", {0: ()})[0]
+
+
+class RemoteReplicas:
+    """Independent replicas of an inference role (ref, reward): rows are split between them, no collectives."""
+
+    def __init__(self, group: ActorGroup) -> None:
+        self.group = group
+
+    def split_rows(self, rollout: Rollout, method: str, *args) -> list:
+        slices = [sl for sl in even_slices(len(rollout), len(self.group)) if sl.stop > sl.start]
+        results = self.group.call(method, {rank: (rollout.select(sl), *args) for rank, sl in enumerate(slices)})
+        return [results[rank] for rank in range(len(slices))]
+
+    def rollout_logprobs(self, rollout: Rollout, temperature: float, chunk: int) -> torch.Tensor:
+        """The reference's logprobs (B, Lr)."""
+        return torch.cat(self.split_rows(rollout, "rollout_logprobs", temperature, chunk))
+
+    def raw_scores(self, rollout: Rollout) -> torch.Tensor:
+        """The reward model's raw scores (B,)."""
+        return torch.cat(self.split_rows(rollout, "raw_scores"))
+
+
+class RemoteGenerator:
+    """Generation engines, prompts split between them; weights arrive through the Ray object store."""
+
+    def __init__(self, group: ActorGroup, pad_id: int) -> None:
+        self.group, self.pad_id = group, pad_id
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollout:
+        slices = [sl for sl in even_slices(len(prompts), len(self.group)) if sl.stop > sl.start]
+        results = self.group.call("generate", {rank: (prompts[sl], sampling) for rank, sl in enumerate(slices)})
+        return concat_rollouts([results[rank] for rank in range(len(slices))], self.pad_id)
+
+    def update_weights(self, state) -> None:
+        """``state``: a weights dict or a Ray reference to one (each engine fetches it from the object store)."""
+        self.group.call_all("update_weights", state)

@@ -1,0 +1,289 @@
+"""Training strategies: how one trained model computes gradients and steps, alone or sharded over ranks.
+
+``single`` is one process. ``ddp``, ``fsdp2`` and ``deepspeed`` run one copy per rank of a torch.distributed
+group (gloo on CPU, NCCL on GPU) that the caller has already initialised. Every strategy keeps float32 master
+weights; ``compute_dtype`` bfloat16 runs the forward passes under autocast (deepspeed: its own bf16 mode).
+
+Loss convention: a micro batch's loss is its share of the *global* mini-batch loss (the denominator counts every
+rank's tokens). DDP, FSDP2 and DeepSpeed average gradients over ranks, so `backward` multiplies by the world size
+to turn that average back into the sum. The same step therefore gives the same update at every world size.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from rlhf.models.trainable import clip_gradients, load_trainable, make_optimizer, save_trainable
+
+STRATEGIES = ("auto", "single", "ddp", "fsdp2", "deepspeed")
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of the default process group; (0, 1) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_ranks_true(flag: bool) -> bool:
+    """True on every rank iff ``flag`` is true on every rank (a collective; just ``flag`` without a group)."""
+    if world()[1] == 1:
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
+
+
+def strip_prefix(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """Keys of ``state`` with ``prefix`` removed (the HF model's own names inside a wrapper module)."""
+    return {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in state.items()}
+
+
+class SingleStrategy:
+    """One process: plain AdamW on the module, optional bf16 autocast.
+
+    ``model`` is the Hugging Face model (saved and exported); ``module`` is what forward passes call (the model
+    itself, or a wrapper holding it as ``module.model`` such as the critic's per-token value head).
+    """
+
+    name = "single"
+
+    def __init__(self, model, module, train_cfg, lr: float, total_steps: int, compute_dtype: torch.dtype, strategy_cfg) -> None:
+        self.model = model
+        self.compute_dtype = compute_dtype
+        self.max_grad_norm = train_cfg.max_grad_norm
+        self.rank, self.world_size = world()
+        self._prefix = "" if module is model else "model."
+        self.module = self.wrap(module, train_cfg, lr, total_steps, strategy_cfg)
+
+    def wrap(self, module, train_cfg, lr: float, total_steps: int, strategy_cfg):
+        """Build the optimiser (and any distributed wrapper); returns the module forwards call."""
+        self.optimizer, self.scheduler = make_optimizer(module, train_cfg, lr, total_steps)
+        return module
+
+    def autocast(self):
+        """The context forward passes run in: bf16 autocast, or nothing for float32."""
+        if self.compute_dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(device_type=next(self.model.parameters()).device.type, dtype=self.compute_dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate the gradients of ``loss`` (a share of the global mini-batch loss)."""
+        (loss * self.world_size if self.world_size > 1 else loss).backward()
+
+    def grad_norm(self) -> float:
+        """Clip by `train.max_grad_norm`; the pre-clip global norm (every rank gets the same value)."""
+        return clip_gradients(self.module, self.max_grad_norm)
+
+    def optimizer_step(self) -> float:
+        """Clip and apply the accumulated gradients, unless their norm is non-finite (then nothing changes).
+
+        Clears the gradients either way; returns the pre-clip norm.
+        """
+        norm = self.grad_norm()
+        if math.isfinite(norm):
+            self.optimizer.step()
+            self.scheduler.step()
+        self.zero_grad()
+        return norm
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients without stepping (a skipped step)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The full, unsharded weights under the HF model's names on rank 0 (None on other ranks): on the model's
+        device for `single` and `ddp`, on the CPU for sharded strategies.
+
+        A collective under sharded strategies: every rank must call it.
+        """
+        state = strip_prefix(self.module.state_dict(), self._prefix)
+        return {k: v.detach() for k, v in state.items()} if self.rank == 0 else None
+
+    def save(self, path: Path) -> None:
+        """Weights (HF folder) plus optimiser and schedule, in ``path``; every rank calls it."""
+        if self.rank == 0:
+            save_trainable(path, self.model, self.optimizer, self.scheduler)
+
+    def load(self, path: Path) -> None:
+        load_trainable(path, self.model, self.optimizer, self.scheduler)
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+
+class DDPStrategy(SingleStrategy):
+    """torch DistributedDataParallel: a full replica per rank, gradients all-reduced in every backward."""
+
+    name = "ddp"
+
+    def wrap(self, module, train_cfg, lr, total_steps, strategy_cfg):
+        from torch.nn.parallel import DistributedDataParallel
+
+        device = next(module.parameters()).device
+        ddp = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+        self.optimizer, self.scheduler = make_optimizer(module, train_cfg, lr, total_steps)
+        self._inner = module
+        return ddp
+
+    def full_state_dict(self):
+        state = strip_prefix(self._inner.state_dict(), self._prefix)
+        return {k: v.detach() for k, v in state.items()} if self.rank == 0 else None
+
+
+def shard_units(module) -> list[torch.nn.Module]:
+    """The repeated blocks FSDP2 shards one by one: modules whose class HF lists in ``_no_split_modules``."""
+    names = set(getattr(module, "_no_split_modules", None) or getattr(getattr(module, "model", None), "_no_split_modules", None) or [])
+    return [m for m in module.modules() if type(m).__name__ in names]
+
+
+class FSDP2Strategy(SingleStrategy):
+    """torch FSDP2 (`fully_shard`): parameters, gradients and optimiser state sharded over ranks per block."""
+
+    name = "fsdp2"
+
+    def wrap(self, module, train_cfg, lr, total_steps, strategy_cfg):
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+        wanted = strategy_cfg.offload_params or strategy_cfg.offload_optimizer
+        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if wanted else OffloadPolicy()
+        for block in shard_units(module):
+            fully_shard(block, offload_policy=offload)
+        fully_shard(module, offload_policy=offload)
+        self.optimizer, self.scheduler = make_optimizer(module, train_cfg, lr, total_steps)
+        return module
+
+    def grad_norm(self) -> float:
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        limit = self.max_grad_norm if self.max_grad_norm > 0 else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(params, limit)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def _options(self, **kwargs):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=True, cpu_offload=True, **kwargs)
+
+    def full_state_dict(self):
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        state = strip_prefix(get_model_state_dict(self.module, options=self._options()), self._prefix)
+        return state if self.rank == 0 else None
+
+    def save(self, path: Path) -> None:
+        """Full (unsharded) weights and optimiser state, so a run may resume at another world size."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        weights = self.full_state_dict()
+        optim = get_optimizer_state_dict(self.module, self.optimizer, options=self._options())
+        if self.rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+            self.model.save_pretrained(path / "model", state_dict=weights, safe_serialization=True)
+            torch.save({"optimizer": optim, "scheduler": self.scheduler.state_dict()}, path / "optim.pt")
+
+    def load(self, path: Path) -> None:
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        weights = {}
+        for shard in sorted((path / "model").glob("*.safetensors")):
+            weights |= load_file(shard)
+        if self._prefix:
+            weights = {self._prefix + k: v for k, v in weights.items()}
+        set_model_state_dict(self.module, weights, options=self._options(strict=False))
+        state = torch.load(path / "optim.pt", weights_only=True)
+        set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"], options=self._options())
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def deepspeed_config(strategy_cfg, train_cfg, compute_dtype: torch.dtype) -> dict:
+    """The DeepSpeed config of `<model>.strategy.*`: ZeRO stage, offload, clipping, bf16; we own accumulation."""
+    zero: dict = {"stage": strategy_cfg.zero_stage}
+    if strategy_cfg.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if strategy_cfg.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    return {
+        "train_micro_batch_size_per_gpu": 1,  # unused: batches are cut by the orchestrator
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,  # backward() only accumulates; step() reduces and updates
+        "gradient_clipping": train_cfg.max_grad_norm if train_cfg.max_grad_norm > 0 else 0.0,
+        "zero_optimization": zero,
+        "zero_force_ds_cpu_optimizer": False,  # our torch AdamW, so every strategy runs the same optimiser
+        "bf16": {"enabled": compute_dtype == torch.bfloat16},
+        "steps_per_print": 2**62,
+        "wall_clock_breakdown": False,
+    }
+
+
+class DeepSpeedStrategy(SingleStrategy):
+    """DeepSpeed ZeRO 0-3 with optional optimiser/parameter offload; DeepSpeed clips and skips non-finite steps."""
+
+    name = "deepspeed"
+
+    def wrap(self, module, train_cfg, lr, total_steps, strategy_cfg):
+        import deepspeed
+
+        self.optimizer, self.scheduler = make_optimizer(module, train_cfg, lr, total_steps)
+        self.stage = strategy_cfg.zero_stage
+        engine, _, _, _ = deepspeed.initialize(
+            model=module, optimizer=self.optimizer, lr_scheduler=self.scheduler,
+            config=deepspeed_config(strategy_cfg, train_cfg, self.compute_dtype),
+        )
+        self.engine = engine
+        return engine
+
+    def autocast(self):
+        return nullcontext()  # bf16 is DeepSpeed's own mode (see deepspeed_config)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+
+    def optimizer_step(self) -> float:
+        self.engine.step()  # reduces, clips, steps; a non-finite gradient norm makes DeepSpeed skip the update
+        norm = self.engine.get_global_grad_norm()
+        self.zero_grad()
+        return float(norm) if norm is not None else math.nan
+
+    def zero_grad(self) -> None:
+        self.engine.zero_grad()
+
+    def full_state_dict(self):
+        if self.stage == 3:
+            state = self.engine._zero3_consolidated_16bit_state_dict()  # gathers to rank 0 (dtype as trained)
+        else:
+            state = self.engine.module.state_dict()
+        if self.rank != 0:
+            return None
+        return {k: v.detach().cpu() for k, v in strip_prefix(state, self._prefix).items()}
+
+    def save(self, path: Path) -> None:
+        """DeepSpeed's own sharded checkpoint (weights, optimiser, schedule); resuming needs the same world size."""
+        self.engine.save_checkpoint(str(path / "deepspeed"), tag="state")
+        weights = self.full_state_dict()
+        if self.rank == 0:
+            self.model.save_pretrained(path / "model", state_dict=weights, safe_serialization=True)
+
+    def load(self, path: Path) -> None:
+        loaded, _ = self.engine.load_checkpoint(str(path / "deepspeed"), tag="state")
+        if loaded is None:
+            raise ValueError(f"{path}: no DeepSpeed checkpoint there (saved by another strategy?)")
+
+
+STRATEGY_CLASSES = {cls.name: cls for cls in (SingleStrategy, DDPStrategy, FSDP2Strategy, DeepSpeedStrategy)}
+
+
+def build_strategy(model, module, train_cfg, lr: float, total_steps: int, compute_dtype, strategy_cfg, gradient_checkpointing: bool):
+    """The strategy `strategy_cfg.name` around ``module`` (which holds ``model``), in train mode; ``auto`` is
+    ddp inside a process group of several ranks, else single."""
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    module.train()  # dropout is already 0; train() only matters for modules such as gradient checkpointing
+    name = strategy_cfg.name if strategy_cfg.name != "auto" else ("ddp" if world()[1] > 1 else "single")
+    return STRATEGY_CLASSES[name](model, module, train_cfg, lr, total_steps, compute_dtype, strategy_cfg)

@@ -1,0 +1,120 @@
+"""What runs inside each Ray actor: one rank of one role (actor, critic, ref, reward or generator).
+
+A worker builds the same component the local backend would (through the registry), on its own device, and
+answers `run(method, ...)` calls from the driver. Training roles first join a torch.distributed group of their
+own (gloo on CPU, NCCL on GPU), so their strategy can shard and all-reduce.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from datetime import timedelta
+
+import torch
+
+
+def free_port() -> int:
+    """A TCP port free on this node right now (for the process group's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+TRAINED_ROLES = ("actor", "critic")
+
+
+def build_role(role: str, cfg, device: torch.device, total_optimizer_steps: int):
+    """The component of ``role``, built as `rlhf.build` builds it for the local backend."""
+    from rlhf import registry
+    from rlhf.build import critic_init_path
+    from rlhf.models.loading import load_tokenizer
+    from rlhf.rewards.model import RewardModelScorer
+
+    if role == "actor":
+        factory = registry.resolve("policy", cfg.policy.name, key="policy.name")
+        return factory(cfg=cfg.policy, model_cfg=cfg.model, train_cfg=cfg.train, total_optimizer_steps=total_optimizer_steps, device=device)
+    if role == "critic":
+        factory = registry.resolve("critic", cfg.critic.name, key="critic.name")
+        return factory(
+            cfg=cfg.critic, model_cfg=cfg.model, init_path=critic_init_path(cfg), train_cfg=cfg.train,
+            total_optimizer_steps=total_optimizer_steps, device=device,
+        )
+    if role == "ref":
+        return registry.resolve("reference", cfg.reference.name, key="reference.name")(cfg=cfg.reference, model_cfg=cfg.model, device=device)
+    if role == "reward":
+        return RewardModelScorer(cfg.reward, cfg.model.dtype, device, cfg.train.micro_batch_size)
+    if role == "generator":
+        model = cfg.model
+        tokenizer = load_tokenizer(model.tokenizer or model.name_or_path, model.revision, model.trust_remote_code)
+        factory = registry.resolve("generator", cfg.generator.name, key="generator.name")
+        return factory(cfg=cfg.generator, model_cfg=model, tokenizer=tokenizer, device=device)
+    raise ValueError(f"unknown role {role!r}")
+
+
+class RoleWorker:
+    """One rank of one role. The driver wraps this class with `ray.remote` and calls it through `ActorGroup`."""
+
+    def __init__(self, role: str, rank: int, world_size: int, cfg, total_optimizer_steps: int) -> None:
+        logging.basicConfig(level=logging.INFO, format=f"[{role} {rank}] %(levelname)s %(name)s: %(message)s")
+        self.role, self.rank, self.world_size = role, rank, world_size
+        self.cfg, self.total_optimizer_steps = cfg, total_optimizer_steps
+        self.obj = None
+
+    def ping(self) -> dict:
+        """Where this rank runs: pid, node address, a free port (rank 0's become the rendezvous), its placement
+        group and the resources Ray assigned it."""
+        import ray
+
+        context = ray.get_runtime_context()
+        return {
+            "pid": os.getpid(), "ip": ray.util.get_node_ip_address(), "port": free_port(),
+            "placement_group": context.get_placement_group_id(), "resources": context.get_assigned_resources(),
+        }
+
+    def setup(self, master_addr: str, master_port: int) -> None:
+        """Join the role's process group (training roles) and build the component."""
+        from rlhf.train import seed_everything
+
+        cfg = self.cfg
+        gpu = cfg.cluster.device_type == "gpu"
+        device = torch.device("cuda", 0) if gpu else torch.device("cpu")  # Ray sets CUDA_VISIBLE_DEVICES per actor
+        if gpu:
+            torch.cuda.set_device(device)
+        if self.role in TRAINED_ROLES:
+            os.environ.update(
+                MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+                WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
+            )
+            torch.distributed.init_process_group(
+                "nccl" if gpu else "gloo", rank=self.rank, world_size=self.world_size,
+                timeout=timedelta(seconds=cfg.cluster.timeout_s),
+            )
+        # training ranks build identical weights (a new critic head included); generation engines sample apart
+        seed_everything(cfg.seed + (self.rank if self.role == "generator" else 0))
+        self.obj = build_role(self.role, cfg, device, self.total_optimizer_steps)
+        strategy = getattr(self.obj, "strategy", None)
+        if strategy is not None:
+            logging.getLogger("rlhf").info("%s rank %d/%d: strategy %s on %s", self.role, self.rank, self.world_size, strategy.name, device)
+
+    def run(self, method: str, *args, **kwargs):
+        """``component.method(*args, **kwargs)``, or the attribute's value when it is not callable."""
+        attr = getattr(self.obj, method)
+        return attr(*args, **kwargs) if callable(attr) else attr
+
+    def run_and_put(self, method: str, *args, **kwargs):
+        """`run`, with a non-None result placed in the Ray object store; returns [ref] or [None].
+
+        Wrapped in a list so the driver receives the reference itself and can hand it on (to the generators)
+        without fetching the object.
+        """
+        import ray
+
+        result = self.run(method, *args, **kwargs)
+        return [ray.put(result) if result is not None else None]
+
+    def shutdown(self) -> None:
+        """Leave the process group (best effort; the driver kills the actor afterwards)."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -1,0 +1,138 @@
+"""The Ray backend on a local cluster: placement, weight push, failures that end the run promptly, checkpoints."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import ray
+import torch
+from conftest import compose, weights_close
+
+from rlhf import checkpoint, stages
+from rlhf.build import build_components
+from rlhf.config.errors import ConfigError
+from rlhf.config.validate import validate
+from rlhf.distributed.cluster import start
+from rlhf.distributed.layout import PlacementSpec
+from rlhf.distributed.remote import WorkerError
+from rlhf.generators.hf import HFGenerator
+from rlhf.models.loading import load_tokenizer
+from rlhf.schedules.common import RunState
+from rlhf.schedules.sync import train_step
+
+pytestmark = pytest.mark.slow
+
+
+def estimator_of(cfg):
+    from rlhf import registry
+
+    return registry.resolve("estimator", cfg.algorithm.estimator)(cfg=cfg.algorithm, gen_cfg=cfg.generator)
+
+
+def placements(run) -> dict[str, list[dict]]:
+    """Each role's ranks' ping answers (placement group id, assigned resources)."""
+    return {role: ray.get([actor.ping.remote() for actor in group.actors]) for role, group in run.groups.items()}
+
+
+def test_colocated_roles_share_bundles_and_split_roles_do_not(ray_cluster):
+    cfg = compose("algorithm=ppo", "algorithm.num_samples_per_prompt=4", "cluster.colocate=[[actor,ref],[critic]]")
+    run, handles = start(cfg, estimator_of(cfg), 10, 0)
+    try:
+        where = placements(run)
+        assert set(where) == {"actor", "ref", "critic", "generator"}
+        for rank in range(2):
+            actor, ref = where["actor"][rank], where["ref"][rank]
+            assert actor["placement_group"] == ref["placement_group"]  # colocated: one placement group of 2 slots ...
+            assert actor["resources"]["CPU"] == ref["resources"]["CPU"] == pytest.approx(0.5)  # ... each rank half a slot
+        groups = {where[role][0]["placement_group"] for role in ("actor", "critic", "generator")}
+        assert len(groups) == 3  # split roles: a placement group each
+        assert where["critic"][0]["resources"]["CPU"] == pytest.approx(1.0)
+        assert len({p["pid"] for ranks in where.values() for p in ranks}) == 7  # one process per rank and role
+    finally:
+        run.shutdown()
+    assert ray.is_initialized()  # the session's cluster was not ours to stop
+
+
+def test_infeasible_layout_fails_up_front_with_the_arithmetic(ray_cluster):
+    cfg = compose("cluster.roles.actor.devices_per_node=4", "cluster.roles.ref.devices_per_node=4", "cluster.roles.generator.devices_per_node=5")
+    began = time.monotonic()
+    with pytest.raises(ConfigError, match=r"needs 9 CPU .*actor\+ref: 1 node\(s\) x 4 = 4; generator: 1 node\(s\) x 5 = 5.* offers 8"):
+        start(cfg, estimator_of(cfg), 10, 0)
+    assert time.monotonic() - began < 10
+    assert ray.util.placement_group_table() == {} or all(
+        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
+    )
+
+
+def test_killed_training_worker_fails_the_call_naming_role_and_rank(started):
+    cfg = compose("cluster.timeout_s=60")
+    trainer = started.trainer(cfg, 2)
+    pid = ray.get(trainer.group.actors[1].ping.remote())["pid"]
+    os.kill(pid, signal.SIGKILL)
+    began = time.monotonic()
+    with pytest.raises(WorkerError, match=r"actor rank 1 died"):
+        trainer.optimizer_step()
+    assert time.monotonic() - began < 30
+
+
+def test_exception_inside_a_worker_names_role_rank_and_error(started):
+    trainer = started.trainer(compose(), 2)
+    with pytest.raises(WorkerError, match=r"actor rank \d failed in accumulate: AttributeError"):
+        trainer.group.call_all("accumulate", None, None, None, 1, 1.0)
+
+
+def test_a_hung_collective_fails_after_cluster_timeout_s(started):
+    """Rank 0 alone enters FSDP2's all-gather, which rank 1 never joins: the call fails within the timeout, never hangs."""
+    trainer = started.trainer(compose("cluster.timeout_s=4", "policy.strategy.name=fsdp2"), 2)
+    began = time.monotonic()
+    with pytest.raises(WorkerError, match=r"actor rank\(?s?\)? \[?0"):
+        trainer.group.call("state_dict", {0: ()})
+    assert time.monotonic() - began < 30
+
+
+def sync_components(*overrides: str):
+    cfg = compose("algorithm.beta=0", "train.lr=5e-2", *overrides)
+    return cfg, build_components(cfg, validate(cfg))
+
+
+def test_generator_samples_from_the_pushed_weights_not_stale_ones(ray_cluster):
+    """After each step the engines hold the trainer's new weights: greedy output equals a local generator loaded
+    with the gathered weights, the generator's logprobs equal the trainer's, and both moved away from the start."""
+    cfg, c = sync_components("policy.strategy.name=fsdp2")
+    try:
+        prompts = [list(ex.token_ids) for ex in c.eval_examples[:16]]
+        greedy = stages.sampling_params(cfg.generator, greedy=True)
+        before = c.generator.generate(prompts, greedy)
+        state = RunState()
+        for _ in range(3):
+            metrics, _ = train_step(c, cfg, state)
+        assert metrics["val/generator_logprob_diff"] < 1e-4  # sampled by the weights the trainer scored with
+        after = c.generator.generate(prompts, greedy)
+        local = HFGenerator(cfg.generator, cfg.model, load_tokenizer(cfg.model.name_or_path), torch.device("cpu"))
+        local.update_weights(ray.get(c.policy.state_dict()))
+        expected = local.generate(prompts, greedy)
+        assert torch.equal(after.response_ids, expected.response_ids)
+        assert not torch.equal(after.response_ids, before.response_ids)
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "deepspeed"])
+def test_checkpoint_round_trip_through_the_workers(ray_cluster, tmp_path, strategy):
+    """Saving writes the gathered weights as a HF folder; loading restores the weights the trainer had then."""
+    cfg, c = sync_components(f"policy.strategy.name={strategy}")
+    try:
+        state = RunState()
+        train_step(c, cfg, state)
+        saved = ray.get(c.policy.state_dict())
+        path = checkpoint.save(c, tmp_path, 1, state.to_dict(), keep_last=0)
+        assert (path / "policy" / "model" / "model.safetensors").is_file()
+        train_step(c, cfg, state)
+        assert weights_close(ray.get(c.policy.state_dict()), saved, atol=0) > 1e-4  # training moved on
+        checkpoint.load(c, path)
+        assert weights_close(ray.get(c.policy.state_dict()), saved, atol=0) == 0.0
+    finally:
+        c.close()

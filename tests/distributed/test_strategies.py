@@ -1,0 +1,84 @@
+"""The same RL step under every training strategy, at world size 1 and 2, on CPU (gloo).
+
+One GRPO mini batch of 32 samples (2 micro batches per rank at world size 2) is computed once in this process;
+then the single-process policy and each remote strategy take one optimiser step on it. Loss, gradient norm and
+updated weights must agree: the framework's loss convention (shares of a global denominator, times the world
+size under averaging all-reduce) makes sharded training the same optimisation as one process.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import compose, weights_close
+
+from rlhf import stages
+from rlhf.build import build_components
+from rlhf.config.validate import validate
+
+STRATEGIES = [
+    ("ddp", 1), ("ddp", 2), ("fsdp2", 1), ("fsdp2", 2),
+    ("deepspeed-1", 2), ("deepspeed-2", 1), ("deepspeed-2", 2), ("deepspeed-3", 1), ("deepspeed-3", 2),
+]
+
+
+def strategy_overrides(name: str, ranks: int) -> list[str]:
+    base, _, stage = name.partition("-")
+    out = [f"policy.strategy.name={base}", f"cluster.roles.actor.devices_per_node={ranks}", f"cluster.roles.ref.devices_per_node={ranks}"]
+    return out + ([f"policy.strategy.zero_stage={stage}"] if stage else [])
+
+
+@pytest.fixture(scope="module")
+def reference_step():
+    """(batch, estimator, temperature, micro units, metrics, grad norm, weights after) of one local single-process step."""
+    cfg = compose("cluster=local", "train.lr=1e-2", "algorithm.beta=0.05", "algorithm.kl_in_reward=false")
+    sizes = validate(cfg)
+    c = build_components(cfg, sizes)
+    examples = c.prompts.next_batch(cfg.train.prompts_per_step)
+    scored = stages.generate_and_score(c, examples, 4, stages.sampling_params(cfg.generator))
+    batch, _ = stages.prepare(c, scored, cfg.generator.temperature, cfg.train.micro_batch_size, 4)
+    denominator = c.estimator.denominator(batch)
+    finite, metrics = c.policy.accumulate(c.estimator, batch, denominator, 8, cfg.generator.temperature)
+    assert finite
+    norm = c.policy.optimizer_step()
+    weights = {k: v.detach().clone() for k, v in c.policy.state_dict().items()}
+    return batch, c.estimator, denominator, metrics, norm, weights
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,ranks", STRATEGIES, ids=[f"{n}-ws{r}" for n, r in STRATEGIES])
+def test_one_rl_step_agrees_with_single_process(started, reference_step, name, ranks):
+    batch, estimator, denominator, metrics, norm, weights = reference_step
+    cfg = compose("train.lr=1e-2", "algorithm.beta=0.05", "algorithm.kl_in_reward=false", *strategy_overrides(name, ranks))
+    trainer = started.trainer(cfg, ranks)
+    finite, remote_metrics = trainer.accumulate(estimator, batch, denominator, 8, 1.0)
+    assert finite
+    assert remote_metrics["loss/policy_avg"] == pytest.approx(metrics["loss/policy_avg"], abs=1e-6)
+    assert remote_metrics["loss/kl_avg"] == pytest.approx(metrics["loss/kl_avg"], abs=1e-6)
+    remote_norm = trainer.optimizer_step()
+    assert math.isfinite(remote_norm) and remote_norm == pytest.approx(norm, rel=1e-4)
+    import ray
+
+    remote_weights = ray.get(trainer.state_dict())
+    assert weights_close(remote_weights, weights, atol=0) < 1e-5
+    # the step moved the weights by far more than that tolerance
+    assert trainer.lr == pytest.approx(1e-2)
+
+
+@pytest.mark.slow
+def test_deepspeed_offload_and_fsdp2_offload_step_too(started, reference_step):
+    """ZeRO-3 with optimiser and parameter offload, and FSDP2 with CPU offload, still give the same step."""
+    batch, estimator, denominator, metrics, norm, weights = reference_step
+    for extra in (
+        ["policy.strategy.name=deepspeed", "policy.strategy.zero_stage=3", "policy.strategy.offload_optimizer=true", "policy.strategy.offload_params=true"],
+        ["policy.strategy.name=fsdp2", "policy.strategy.offload_params=true"],
+    ):
+        cfg = compose("train.lr=1e-2", "algorithm.beta=0.05", "algorithm.kl_in_reward=false", *extra)
+        trainer = started.trainer(cfg, 2)
+        assert trainer.accumulate(estimator, batch, denominator, 8, 1.0)[0]
+        assert trainer.optimizer_step() == pytest.approx(norm, rel=1e-4)
+        import ray
+
+        assert weights_close(ray.get(trainer.state_dict()), weights, atol=0) < 1e-5

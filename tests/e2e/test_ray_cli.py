@@ -1,0 +1,71 @@
+"""The CLI on `cluster=ray_local`: a private Ray cluster, 2 training processes per trained model, learning on
+the built-in task; a worker killed mid-run ends the run promptly with the role, rank and exit code 4."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from test_cli import ALGORITHM_METRICS, COMMON_METRICS, run_cli, scalars
+
+pytestmark = pytest.mark.slow
+
+RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
+
+
+@pytest.mark.parametrize(
+    "algorithm,extra",
+    [("grpo", ["policy.strategy.name=deepspeed", "policy.strategy.zero_stage=2"]), ("ppo", ["critic.strategy.name=fsdp2"])],
+)
+def test_ray_local_run_learns_with_two_training_processes(algorithm, extra, tmp_path):
+    out = tmp_path / "run"
+    proc = run_cli(
+        "cluster=ray_local", f"algorithm={algorithm}", "train.num_steps=40", "eval.every=20", "seed=3", *extra,
+        f"hydra.run.dir={out}", cwd=tmp_path, env_extra=RAY_ENV,
+    )
+    log = proc.stdout + proc.stderr
+    assert "placed on Ray: actor x2, ref x2" in log
+    assert "actor rank 1/2: strategy" in log
+    if algorithm == "ppo":
+        assert "critic x2" in log and "critic rank 1/2: strategy fsdp2" in log
+    series = scalars(out)
+    missing = [m for m in COMMON_METRICS + ALGORITHM_METRICS[algorithm] if m not in series]
+    assert not missing, f"metrics missing from TensorBoard: {missing}"
+    sampled, greedy = dict(series["eval/sampled_correct_rate"]), dict(series["eval/greedy_correct_rate"])
+    assert sampled[40] - sampled[0] >= 0.2, f"sampled correct rate {sampled}"
+    assert greedy[40] - greedy[0] >= 0.3, f"greedy correct rate {greedy}"
+    assert (out / "final_model" / "model.safetensors").is_file()
+
+
+def test_killed_worker_ends_the_run_with_role_rank_and_exit_code_4(tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **RAY_ENV}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlhf.train", "cluster=ray_local", "train.num_steps=100000", "eval.every=0",
+         "cluster.timeout_s=60", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "step    5/" in line:
+                break
+        assert any("step    5/" in line for line in lines), "".join(lines[-40:])
+        workers = subprocess.run(["pgrep", "-f", "ray::RoleWorker"], capture_output=True, text=True).stdout.split()
+        assert workers, "no Ray worker processes found"
+        for pid in workers:  # every role worker of this run
+            os.kill(int(pid), signal.SIGKILL)
+        began = time.monotonic()
+        rest, _ = proc.communicate(timeout=120)
+        elapsed = time.monotonic() - began
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = "".join(lines) + rest
+    assert proc.returncode == 4, log[-3000:]
+    assert "a worker failed:" in log and " rank " in log and "died" in log, log[-3000:]
+    assert elapsed < 90
