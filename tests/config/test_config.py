@@ -106,6 +106,8 @@ def test_unknown_group_option_is_an_error():
         (["train.prompts_per_step=0"], r"train.prompts_per_step=0 must be >= 1"),
         (["reward.functions=[]"], r"reward.functions is empty"),
         (["model.dtype=float8"], r"model.dtype='float8'"),
+        (["algorithm.tis_clip=0"], r"algorithm.tis_clip=0.0 must be > 0"),
+        (["algorithm=online_dpo", "algorithm.tis_clip=2"], r"algorithm.tis_clip weights policy-gradient token losses; online_dpo"),
     ],
 )
 def test_infeasible_config_fails_with_key_and_numbers(overrides, message):

@@ -502,3 +502,31 @@ def test_no_entropy_term_without_coefficient():
     loss, metrics = policy_loss(GRPO(make_cfg()), logp, old_logp, None, ADV, MASK, torch.tensor(3.0), ENTROPY)
     assert "loss/entropy_avg" not in metrics
     assert_close(loss, torch.tensor(-0.5))
+
+
+# --- truncated importance sampling (algorithm.tis_clip) -------------------------------------------------
+
+
+def test_tis_weights_each_token_loss_by_the_truncated_trainer_generator_ratio():
+    """Ratio 1 everywhere (logp = old_logp), so the surrogate is -A per token; with tis_clip=2 and generator
+    logprobs giving ratios [e^0.5, 4 -> 2] and [1], the token-mean loss is -(1*e^0.5 + 1*2 + (-1)*1) / 3."""
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    rollout = make_rollout(mask)
+    old_logp = torch.tensor([[-1.0, -1.0], [-1.0, 0.0]])
+    rollout.logprobs = torch.tensor([[-1.5, -1.0 - math.log(4.0)], [-1.0, 0.0]])
+    est = GRPO(make_cfg(tis_clip=2.0, num_samples_per_prompt=2, norm_adv_by_std=False, loss_agg="token_mean", beta=0.0))
+    batch, metrics = est.build_batch(StepInputs(rollout, torch.tensor([1.0, -1.0]), old_logp, None, None, 2))
+    assert_close(batch.tensors["is_weights"], torch.tensor([[math.exp(0.5), 2.0], [1.0, 0.0]]))
+    assert metrics["val/is_clipfrac"] == pytest.approx(1 / 3)
+    assert metrics["val/is_weight_mean"] == pytest.approx((math.exp(0.5) + 2.0 + 1.0) / 3)
+    loss, _, _ = est.loss(batch, Forward(old_logp.clone()), est.denominator(batch))
+    assert loss.item() == pytest.approx(-(math.exp(0.5) + 2.0 - 1.0) / 3, rel=1e-6)
+
+
+def test_tis_off_adds_no_weights_and_leaves_the_loss_alone():
+    mask = torch.ones(2, 2)
+    rollout = make_rollout(mask)
+    rollout.logprobs = torch.full((2, 2), -3.0)  # far from the trainer: would matter if TIS were on
+    est = GRPO(make_cfg(num_samples_per_prompt=2, beta=0.0))
+    batch, metrics = est.build_batch(StepInputs(rollout, torch.tensor([1.0, 0.0]), torch.zeros(2, 2), None, None, 2))
+    assert "is_weights" not in batch.tensors and "val/is_weight_mean" not in metrics

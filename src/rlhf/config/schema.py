@@ -58,6 +58,7 @@ class AlgorithmConfig:
     clip_eps_low: float = 0.2  # clipped surrogate: lower clip range, ratio >= 1 - clip_eps_low
     clip_eps_high: float = 0.2  # clipped surrogate: upper clip range, ratio <= 1 + clip_eps_high (raise it for clip-higher)
     dual_clip_c: Optional[float] = None  # dual-clip PPO: cap the loss of negative-advantage tokens at -c*A (c > 1); null = off
+    tis_clip: Optional[float] = None  # truncated importance sampling: weight token losses by min(pi_trainer / pi_generator, tis_clip); null = off
     loss_agg: str = "token_mean"  # token_mean, seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm (Dr.GRPO)
     loss_agg_norm: Optional[float] = None  # seq_mean_token_sum_norm's constant divisor; null = generator.max_new_tokens
     beta: float = 0.0  # KL coefficient to the reference (DPO: the DPO temperature); 0 disables the reference

@@ -161,6 +161,11 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         algo.dual_clip_c is None or algo.dual_clip_c > 1,
         f"algorithm.dual_clip_c={algo.dual_clip_c} must be > 1 (or null to turn dual-clip off)",
     )
+    _require(algo.tis_clip is None or algo.tis_clip > 0, f"algorithm.tis_clip={algo.tis_clip} must be > 0 (or null to turn it off)")
+    _require(
+        algo.tis_clip is None or not getattr(estimator, "pairwise", False),
+        f"algorithm.tis_clip weights policy-gradient token losses; {algo.estimator} has none, set it to null",
+    )
     _require(
         algo.dpo_loss_type in DPO_LOSSES, f"algorithm.dpo_loss_type={algo.dpo_loss_type!r}; choose one of {', '.join(DPO_LOSSES)}"
     )

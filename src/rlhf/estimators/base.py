@@ -169,7 +169,18 @@ class PolicyGradientEstimator(PolicyOnlyLoss):
         tensors = {"old_logp": inputs.old_logp, "advantages": advantages}
         if inputs.ref_logp is not None:
             tensors["ref_logp"] = inputs.ref_logp
+        metrics |= self.add_is_weights(inputs, tensors)
         return TrainBatch(inputs.rollout, tensors), metrics
+
+    def add_is_weights(self, inputs: StepInputs, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+        """With `algorithm.tis_clip`, the truncated importance weights of the generator/trainer gap as
+        ``tensors["is_weights"]`` (B, T); returns their metrics (`val/is_weight_mean`, `val/is_clipfrac`)."""
+        if self.cfg.tis_clip is None:
+            return {}
+        mask = inputs.rollout.response_mask
+        weights, clipped = F.truncated_is_weights(inputs.old_logp, inputs.rollout.logprobs, mask, self.cfg.tis_clip)
+        tensors["is_weights"] = weights
+        return {"val/is_weight_mean": F.masked_mean(weights, mask).item(), "val/is_clipfrac": F.masked_mean(clipped.float(), mask).item()}
 
     def denominator(self, mini_batch: TrainBatch) -> torch.Tensor:
         return F.loss_denominator(mini_batch.rollout.response_mask, self.cfg.loss_agg, self.loss_agg_norm)
@@ -182,6 +193,8 @@ class PolicyGradientEstimator(PolicyOnlyLoss):
         per_token, clipped, log_ratio = F.clipped_policy_loss(
             out.logp, t["old_logp"], t["advantages"], cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip_c
         )
+        if "is_weights" in t:
+            per_token = per_token * t["is_weights"]
         pg_loss = F.aggregate_loss(per_token, mask, cfg.loss_agg, denominator)
         loss = pg_loss
         metrics = {

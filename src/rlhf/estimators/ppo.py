@@ -36,6 +36,7 @@ class PPO(PolicyGradientEstimator):
         tensors = {"old_logp": inputs.old_logp, "advantages": advantages, "returns": returns, "old_values": inputs.values}
         if inputs.ref_logp is not None:
             tensors["ref_logp"] = inputs.ref_logp
+        metrics |= self.add_is_weights(inputs, tensors)
         return TrainBatch(inputs.rollout, tensors), metrics
 
     def policy_loss(self, micro: TrainBatch, out: Forward, denominator: torch.Tensor):

@@ -10,6 +10,7 @@ from rlhf.functional.advantages import (
     to_token_level,
 )
 from rlhf.functional.gae import gae_advantages, last_token_index, token_level_rewards
+from rlhf.functional.importance import truncated_is_weights
 from rlhf.functional.kl import AdaptiveKLController, FixedKLController, kl_per_token
 from rlhf.functional.logprobs import entropy_from_logits, logprobs_from_logits
 from rlhf.functional.losses import (
@@ -45,4 +46,5 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "truncated_is_weights",
 ]
