@@ -271,11 +271,8 @@ def test_all_good_mini_batches_with_several_epochs(policy_cfg, model_cfg, train_
     assert metrics["policy/grad_norm"] == pytest.approx(sum(s.grad_norms) / 4)
 
 
-@pytest.mark.parametrize("poisoned", ["critic", "policy"])
-def test_ppo_non_finite_gradient_skips_only_that_model(policy_cfg, model_cfg, train_cfg, tokenizer, tiny_model_dir, poisoned):
-    """PPO: a NaN gradient in the critic (or the policy) skips that model's update; the healthy one still steps.
-
-    (Each model clips and steps on its own, as DeepSpeed does internally; a non-finite *loss* skips both, tested below.)"""
+def ppo_setup(policy_cfg, model_cfg, train_cfg, tokenizer, tiny_model_dir):
+    """(train config, policy, critic, PPO estimator, batch) for one PPO mini batch of the tiny model."""
     train = train_cfg(lr=1e-2, num_mini_batches=1, micro_batch_size=4)
     policy = TorchPolicy(policy_cfg, model_cfg, train, total_optimizer_steps=10, device=CPU)
     critic = TorchCritic(OmegaConf.structured(CriticConfig()), model_cfg, tiny_model_dir, train, total_optimizer_steps=10, device=CPU)
@@ -285,6 +282,15 @@ def test_ppo_non_finite_gradient_skips_only_that_model(policy_cfg, model_cfg, tr
         old_logp, _ = policy.logprobs(rollout, temperature=1.0)
         values = critic.values(rollout)
     batch, _ = estimator.build_batch(StepInputs(rollout, SCORES, old_logp, None, values, 1))
+    return train, policy, critic, estimator, batch
+
+
+@pytest.mark.parametrize("poisoned", ["critic", "policy"])
+def test_ppo_non_finite_gradient_skips_only_that_model(policy_cfg, model_cfg, train_cfg, tokenizer, tiny_model_dir, poisoned):
+    """PPO: a NaN gradient in the critic (or the policy) skips that model's update; the healthy one still steps.
+
+    (Each model clips and steps on its own, as DeepSpeed does internally; a non-finite *loss* skips both, tested below.)"""
+    train, policy, critic, estimator, batch = ppo_setup(policy_cfg, model_cfg, train_cfg, tokenizer, tiny_model_dir)
     owner = critic if poisoned == "critic" else policy
     real_backward = owner.backward
 
@@ -306,15 +312,7 @@ def test_ppo_non_finite_gradient_skips_only_that_model(policy_cfg, model_cfg, tr
 
 def test_ppo_non_finite_critic_loss_moves_neither(policy_cfg, model_cfg, train_cfg, tokenizer, tiny_model_dir):
     """PPO: a NaN value loss drops the policy's gradients too (the policy accumulated first); neither model moves."""
-    train = train_cfg(lr=1e-2, num_mini_batches=1, micro_batch_size=4)
-    policy = TorchPolicy(policy_cfg, model_cfg, train, total_optimizer_steps=10, device=CPU)
-    critic = TorchCritic(OmegaConf.structured(CriticConfig()), model_cfg, tiny_model_dir, train, total_optimizer_steps=10, device=CPU)
-    estimator = PPO(algorithm_cfg("ppo", num_samples_per_prompt=1))
-    rollout = make_rollout(tokenizer, PAIRS)
-    with torch.no_grad():
-        old_logp, _ = policy.logprobs(rollout, temperature=1.0)
-        values = critic.values(rollout)
-    batch, _ = estimator.build_batch(StepInputs(rollout, SCORES, old_logp, None, values, 1))
+    train, policy, critic, estimator, batch = ppo_setup(policy_cfg, model_cfg, train_cfg, tokenizer, tiny_model_dir)
     real_value_loss = estimator.value_loss
     estimator.value_loss = lambda micro, v, d: (real_value_loss(micro, v, d)[0] * NAN, {})
     before = {"policy": weights(policy.model), "critic": weights(critic.model)}

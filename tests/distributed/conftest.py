@@ -65,7 +65,7 @@ def started(ray_cluster):
     s.close()
 
 
-def weights_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> float:
+def max_weight_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """The largest absolute difference between two state dicts with the same keys (asserted equal)."""
     assert a.keys() == b.keys()
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)

@@ -11,8 +11,7 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
-from conftest import compose, weights_close
+from conftest import compose, max_weight_diff
 
 from rlhf import stages
 from rlhf.build import build_components
@@ -62,7 +61,7 @@ def test_one_rl_step_agrees_with_single_process(started, reference_step, name, r
     import ray
 
     remote_weights = ray.get(trainer.state_dict())
-    assert weights_close(remote_weights, weights, atol=0) < 1e-5
+    assert max_weight_diff(remote_weights, weights) < 1e-5
     # the step moved the weights by far more than that tolerance
     assert trainer.lr == pytest.approx(1e-2)
 
@@ -81,4 +80,4 @@ def test_deepspeed_offload_and_fsdp2_offload_step_too(started, reference_step):
         assert trainer.optimizer_step() == pytest.approx(norm, rel=1e-4)
         import ray
 
-        assert weights_close(ray.get(trainer.state_dict()), weights, atol=0) < 1e-5
+        assert max_weight_diff(ray.get(trainer.state_dict()), weights) < 1e-5
