@@ -1,5 +1,6 @@
 """The same RL step under every training strategy, at world size 1 and 2, on CPU (gloo).
 
+AdamW runs with eps 1e-4 so near-zero gradients do not turn float noise into whole sign-sized updates.
 One GRPO mini batch of 32 samples (2 micro batches per rank at world size 2) is computed once in this process;
 then the single-process policy and each remote strategy take one optimiser step on it. Loss, gradient norm and
 updated weights must agree: the framework's loss convention (shares of a global denominator, times the world
@@ -32,7 +33,7 @@ def strategy_overrides(name: str, ranks: int) -> list[str]:
 @pytest.fixture(scope="module")
 def reference_step():
     """(batch, estimator, temperature, micro units, metrics, grad norm, weights after) of one local single-process step."""
-    cfg = compose("cluster=local", "train.lr=1e-2", "algorithm.beta=0.05", "algorithm.kl_in_reward=false")
+    cfg = compose("cluster=local", "train.lr=1e-2", "train.adam_eps=1e-4", "algorithm.beta=0.05", "algorithm.kl_in_reward=false")
     sizes = validate(cfg)
     c = build_components(cfg, sizes)
     examples = c.prompts.next_batch(cfg.train.prompts_per_step)
@@ -50,7 +51,7 @@ def reference_step():
 @pytest.mark.parametrize("name,ranks", STRATEGIES, ids=[f"{n}-ws{r}" for n, r in STRATEGIES])
 def test_one_rl_step_agrees_with_single_process(started, reference_step, name, ranks):
     batch, estimator, denominator, metrics, norm, weights = reference_step
-    cfg = compose("train.lr=1e-2", "algorithm.beta=0.05", "algorithm.kl_in_reward=false", *strategy_overrides(name, ranks))
+    cfg = compose("train.lr=1e-2", "train.adam_eps=1e-4", "algorithm.beta=0.05", "algorithm.kl_in_reward=false", *strategy_overrides(name, ranks))
     trainer = started.trainer(cfg, ranks)
     finite, remote_metrics = trainer.accumulate(estimator, batch, denominator, 8, 1.0)
     assert finite
@@ -74,7 +75,7 @@ def test_deepspeed_offload_and_fsdp2_offload_step_too(started, reference_step):
         ["policy.strategy.name=deepspeed", "policy.strategy.zero_stage=3", "policy.strategy.offload_optimizer=true", "policy.strategy.offload_params=true"],
         ["policy.strategy.name=fsdp2", "policy.strategy.offload_params=true"],
     ):
-        cfg = compose("train.lr=1e-2", "algorithm.beta=0.05", "algorithm.kl_in_reward=false", *extra)
+        cfg = compose("train.lr=1e-2", "train.adam_eps=1e-4", "algorithm.beta=0.05", "algorithm.kl_in_reward=false", *extra)
         trainer = started.trainer(cfg, 2)
         assert trainer.accumulate(estimator, batch, denominator, 8, 1.0)[0]
         assert trainer.optimizer_step() == pytest.approx(norm, rel=1e-4)
