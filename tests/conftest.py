@@ -62,6 +62,17 @@ def other_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def reward_model_dir(tiny_model_dir, tmp_path_factory) -> str:
+    """A saved sequence-classification folder: the tiny Llama backbone with a seeded new score head."""
+    from rlhf.models.value import load_value_model
+
+    torch.manual_seed(123)
+    folder = tmp_path_factory.mktemp("reward_model")
+    load_value_model(tiny_model_dir).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
 def tokenizer(tiny_model_dir):
     """The tiny model's tokenizer as the framework loads it (left padding, pad token set)."""
     return load_tokenizer(tiny_model_dir)

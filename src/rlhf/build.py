@@ -133,7 +133,7 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
         models, backend = build_remote_models(cfg, sizes, estimator, tokenizer)
         log.info("placed on Ray: %s", ", ".join(f"{role} x{len(group)}" for role, group in backend.groups.items()))
     else:
-        models, backend = build_local_models(cfg, sizes, estimator, tokenizer, factories, device), None
+        models, backend = build_local_models(cfg, sizes, estimator, tokenizer, device), None
     if models["reward"] is not None:
         rewards.model = models["reward"]
     policy, generator = models["policy"], models["generator"]
@@ -155,27 +155,44 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
     )
 
 
-def build_local_models(cfg, sizes: DerivedSizes, estimator, tokenizer, factories, device) -> dict[str, Any]:
-    """Every model in this process, on ``device``."""
+def build_model(role: str, cfg, device: torch.device, total_optimizer_steps: int, tokenizer=None):
+    """The component of ``role`` (actor, ref, critic, reward, generator) on ``device``: each local model, and what
+    every Ray worker builds for its rank. ``tokenizer`` (the generator's) is loaded when not given."""
     model = cfg.model
-    policy = factories["policy"](
-        cfg=cfg.policy, model_cfg=model, train_cfg=cfg.train, total_optimizer_steps=sizes.optimizer_steps, device=device
-    )
-    reference = None
-    if estimator.needs_reference:
-        reference = factories["reference"](cfg=cfg.reference, model_cfg=model, device=device)
-    else:
-        log.info("reference model not loaded: algorithm.beta=0 disables the KL term")
-    critic = None
-    if estimator.needs_critic:
-        critic = factories["critic"](
-            cfg=cfg.critic, model_cfg=model, init_path=critic_init_path(cfg), train_cfg=cfg.train,
-            total_optimizer_steps=sizes.optimizer_steps, device=device,
+    if role == "actor":
+        return registry.build(
+            "policy", cfg.policy.name, key="policy.name", cfg=cfg.policy, model_cfg=model, train_cfg=cfg.train,
+            total_optimizer_steps=total_optimizer_steps, device=device,
         )
+    if role == "critic":
+        return registry.build(
+            "critic", cfg.critic.name, key="critic.name", cfg=cfg.critic, model_cfg=model, init_path=critic_init_path(cfg),
+            train_cfg=cfg.train, total_optimizer_steps=total_optimizer_steps, device=device,
+        )
+    if role == "ref":
+        return registry.build("reference", cfg.reference.name, key="reference.name", cfg=cfg.reference, model_cfg=model, device=device)
+    if role == "reward":
+        return RewardModelScorer(cfg.reward, model.dtype, device, cfg.train.micro_batch_size)
+    if role == "generator":
+        if tokenizer is None:
+            tokenizer = load_tokenizer(model.tokenizer or model.name_or_path, model.revision, model.trust_remote_code)
+        return registry.build("generator", cfg.generator.name, key="generator.name", cfg=cfg.generator, model_cfg=model, tokenizer=tokenizer, device=device)
+    raise ValueError(f"unknown role {role!r}")
+
+
+def build_local_models(cfg, sizes: DerivedSizes, estimator, tokenizer, device) -> dict[str, Any]:
+    """Every model this run uses, in this process, on ``device``."""
+    from rlhf.distributed.layout import used_roles
+
+    built = {role: build_model(role, cfg, device, sizes.optimizer_steps, tokenizer) for role in used_roles(cfg, estimator)}
+    if "ref" not in built:
+        log.info("reference model not loaded: algorithm.beta=0 disables the KL term")
+    if "critic" in built:
         log.info("critic initialised from %s", critic_init_path(cfg))
-    reward = RewardModelScorer(cfg.reward, model.dtype, device, cfg.train.micro_batch_size) if cfg.reward.path else None
-    generator = factories["generator"](cfg=cfg.generator, model_cfg=model, tokenizer=tokenizer, device=device)
-    return {"policy": policy, "reference": reference, "critic": critic, "reward": reward, "generator": generator}
+    return {
+        "policy": built["actor"], "reference": built.get("ref"), "critic": built.get("critic"),
+        "reward": built.get("reward"), "generator": built["generator"],
+    }
 
 
 def build_remote_models(cfg, sizes: DerivedSizes, estimator, tokenizer) -> tuple[dict[str, Any], Any]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlhf.config.compose import compose_config
-from rlhf.distributed.cluster import reserve, spawn
+from rlhf.distributed.cluster import RayRun, reserve, spawn
 from rlhf.distributed.layout import PlacementSpec
 from rlhf.distributed.remote import RemoteTrainer
 
@@ -32,37 +32,30 @@ def compose(*overrides: str):
 
 
 class Started:
-    """Role groups started on the session cluster for one test; `close` kills them and frees their placement."""
+    """Role groups started on the session cluster for one test; `run.shutdown` kills them and frees their placement."""
 
-    def __init__(self, ray) -> None:
-        self.ray, self.groups, self.pgs = ray, [], []
+    def __init__(self) -> None:
+        self.run = RayRun(started_ray=False)
 
     def group(self, cfg, role: str, ranks: int, total_optimizer_steps: int = 10):
         spec = PlacementSpec((role,), 1, ranks)
         (pg,) = reserve([spec], cfg.cluster)
-        self.pgs.append(pg)
+        self.run.placement_groups.append(pg)
         group, pending = spawn(role, spec, pg, cfg, total_optimizer_steps)
-        self.groups.append(group)
+        self.run.groups[f"{role}-{len(self.run.groups)}"] = group
         group.wait(pending, "setup")
         return group
 
     def trainer(self, cfg, ranks: int, role: str = "actor") -> RemoteTrainer:
         return RemoteTrainer(self.group(cfg, role, ranks))
 
-    def close(self) -> None:
-        for group in self.groups:
-            for actor in group.actors:
-                self.ray.kill(actor, no_restart=True)
-        for pg in self.pgs:
-            self.ray.util.remove_placement_group(pg)
-
 
 @pytest.fixture
 def started(ray_cluster):
     """Start role groups inside a test (`started.group(cfg, role, ranks)`); all are killed afterwards."""
-    s = Started(ray_cluster)
+    s = Started()
     yield s
-    s.close()
+    s.run.shutdown()
 
 
 def max_weight_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -16,19 +16,10 @@ from rlhf.functional import masked_mean
 from rlhf.models.critic import TorchCritic
 from rlhf.models.loading import load_causal_lm
 from rlhf.models.policy import TorchPolicy
-from rlhf.models.value import init_score_head, load_value_model, response_values, score_head, sequence_scores, token_scores
+from rlhf.models.value import ValueModule, init_score_head, load_value_model, response_values, score_head, sequence_scores, token_scores
 from rlhf.rewards.model import RewardModelScorer
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def reward_model_dir(tiny_model_dir, tmp_path_factory) -> str:
-    """A saved sequence-classification folder: the tiny Llama backbone with a seeded new score head."""
-    torch.manual_seed(123)
-    folder = tmp_path_factory.mktemp("value_model")
-    load_value_model(tiny_model_dir).save_pretrained(folder)
-    return str(folder)
 
 
 def unpadded(rollout, row: int) -> tuple[torch.Tensor, int]:
@@ -141,7 +132,7 @@ def test_response_values_align_with_response_tokens(reward_model_dir, rollout):
     # exactly 0 outside the response mask.
     model = load_value_model(reward_model_dir)
     with torch.no_grad():
-        values = response_values(model, rollout)
+        values = response_values(ValueModule(model), rollout)
         assert values.shape == rollout.response_ids.shape
         for i in range(3):
             ids, prompt_len = unpadded(rollout, i)

@@ -280,15 +280,6 @@ def test_reward_set_with_only_a_model():
 # --- RewardModelScorer --------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def reward_model_dir(tiny_model_dir, tmp_path_factory) -> str:
-    """A saved sequence-classification folder: the tiny Llama backbone with a seeded new score head."""
-    torch.manual_seed(123)
-    folder = tmp_path_factory.mktemp("reward_model")
-    load_value_model(tiny_model_dir).save_pretrained(folder)
-    return str(folder)
-
-
 def make_scorer(path: str, chunk: int = 8, **options) -> RewardModelScorer:
     """A CPU float32 scorer for the folder with reward-config ``options`` (normalize, clip)."""
     return RewardModelScorer(reward_cfg(path=path, **options), "float32", torch.device("cpu"), chunk)

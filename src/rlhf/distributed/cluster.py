@@ -96,7 +96,7 @@ def spawn(role: str, spec: PlacementSpec, pg, cfg, total_optimizer_steps: int) -
     worker = ray.remote(RoleWorker)
     actors = [
         worker.options(
-            num_cpus=bundle["CPU"] * share, num_gpus=bundle.get("GPU", 0.0) * share, name=None,
+            num_cpus=bundle["CPU"] * share, num_gpus=bundle.get("GPU", 0.0) * share,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
         ).remote(role, rank, spec.ranks, cfg, total_optimizer_steps)
         for rank in range(spec.ranks)

@@ -73,6 +73,15 @@ class ActorGroup:
         results = self.call(method, {rank: args for rank in range(len(self))})
         return [results[rank] for rank in range(len(self))]
 
+    def call_split(self, method: str, n: int, part, *args, every_rank: bool) -> list:
+        """``method(part(slice), *args)`` on consecutive near-even slices of ``n`` items, one per rank; results in
+        order. ``every_rank`` keeps ranks with an empty slice in the call (ranks that share collectives)."""
+        slices = even_slices(n, len(self))
+        if not every_rank:
+            slices = [sl for sl in slices if sl.stop > sl.start]
+        results = self.call(method, {rank: (part(sl), *args) for rank, sl in enumerate(slices)})
+        return [results[rank] for rank in range(len(slices))]
+
 
 class RemoteTrainer:
     """A trained model (policy or critic) sharded over a group of training ranks; the `TorchPolicy` /
@@ -83,9 +92,7 @@ class RemoteTrainer:
         self.group = group
 
     def _split_rows(self, rollout: Rollout, method: str, *args) -> list:
-        slices = even_slices(len(rollout), len(self.group))
-        results = self.group.call(method, {rank: (rollout.select(sl), *args) for rank, sl in enumerate(slices)})
-        return [results[rank] for rank in range(len(self.group))]
+        return self.group.call_split(method, len(rollout), rollout.select, *args, every_rank=True)
 
     def rollout_logprobs(self, rollout: Rollout, temperature: float, chunk: int, with_entropy: bool = False):
         parts = self._split_rows(rollout, "rollout_logprobs", temperature, chunk, with_entropy)
@@ -139,18 +146,13 @@ class RemoteReplicas:
     def __init__(self, group: ActorGroup) -> None:
         self.group = group
 
-    def split_rows(self, rollout: Rollout, method: str, *args) -> list:
-        slices = [sl for sl in even_slices(len(rollout), len(self.group)) if sl.stop > sl.start]
-        results = self.group.call(method, {rank: (rollout.select(sl), *args) for rank, sl in enumerate(slices)})
-        return [results[rank] for rank in range(len(slices))]
-
     def rollout_logprobs(self, rollout: Rollout, temperature: float, chunk: int) -> torch.Tensor:
         """The reference's logprobs (B, Lr)."""
-        return torch.cat(self.split_rows(rollout, "rollout_logprobs", temperature, chunk))
+        return torch.cat(self.group.call_split("rollout_logprobs", len(rollout), rollout.select, temperature, chunk, every_rank=False))
 
     def raw_scores(self, rollout: Rollout) -> torch.Tensor:
         """The reward model's raw scores (B,)."""
-        return torch.cat(self.split_rows(rollout, "raw_scores"))
+        return torch.cat(self.group.call_split("raw_scores", len(rollout), rollout.select, every_rank=False))
 
 
 class RemoteGenerator:
@@ -160,9 +162,8 @@ class RemoteGenerator:
         self.group, self.pad_id = group, pad_id
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollout:
-        slices = [sl for sl in even_slices(len(prompts), len(self.group)) if sl.stop > sl.start]
-        results = self.group.call("generate", {rank: (prompts[sl], sampling) for rank, sl in enumerate(slices)})
-        return concat_rollouts([results[rank] for rank in range(len(slices))], self.pad_id)
+        parts = self.group.call_split("generate", len(prompts), prompts.__getitem__, sampling, every_rank=False)
+        return concat_rollouts(parts, self.pad_id)
 
     def update_weights(self, state) -> None:
         """``state``: a weights dict or a Ray reference to one (each engine fetches it from the object store)."""

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlhf.models.trainable import clip_gradients, load_trainable, make_optimizer, save_trainable
+from rlhf.models.trainable import clip_gradients, load_trainable, make_optimizer, save_trainable, step_if_finite
 
 STRATEGIES = ("auto", "single", "ddp", "fsdp2", "deepspeed")
 
@@ -59,6 +59,7 @@ class SingleStrategy:
         self.max_grad_norm = train_cfg.max_grad_norm
         self.rank, self.world_size = world()
         self._prefix = "" if module is model else "model."
+        self.inner = module  # the unwrapped module (DDP and DeepSpeed wrap it; FSDP2 shards it in place)
         self.module = self.wrap(module, train_cfg, lr, total_steps, strategy_cfg)
 
     def wrap(self, module, train_cfg, lr: float, total_steps: int, strategy_cfg):
@@ -76,21 +77,12 @@ class SingleStrategy:
         """Accumulate the gradients of ``loss`` (a share of the global mini-batch loss)."""
         (loss * self.world_size if self.world_size > 1 else loss).backward()
 
-    def grad_norm(self) -> float:
-        """Clip by `train.max_grad_norm`; the pre-clip global norm (every rank gets the same value)."""
-        return clip_gradients(self.module, self.max_grad_norm)
-
     def optimizer_step(self) -> float:
         """Clip and apply the accumulated gradients, unless their norm is non-finite (then nothing changes).
 
         Clears the gradients either way; returns the pre-clip norm.
         """
-        norm = self.grad_norm()
-        if math.isfinite(norm):
-            self.optimizer.step()
-            self.scheduler.step()
-        self.zero_grad()
-        return norm
+        return step_if_finite(clip_gradients(self.module, self.max_grad_norm), self.optimizer, self.scheduler)
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients without stepping (a skipped step)."""
@@ -102,7 +94,7 @@ class SingleStrategy:
 
         A collective under sharded strategies: every rank must call it.
         """
-        state = strip_prefix(self.module.state_dict(), self._prefix)
+        state = strip_prefix(self.inner.state_dict(), self._prefix)
         return {k: v.detach() for k, v in state.items()} if self.rank == 0 else None
 
     def save(self, path: Path) -> None:
@@ -129,12 +121,7 @@ class DDPStrategy(SingleStrategy):
         device = next(module.parameters()).device
         ddp = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
         self.optimizer, self.scheduler = make_optimizer(module, train_cfg, lr, total_steps)
-        self._inner = module
         return ddp
-
-    def full_state_dict(self):
-        state = strip_prefix(self._inner.state_dict(), self._prefix)
-        return {k: v.detach() for k, v in state.items()} if self.rank == 0 else None
 
 
 def shard_units(module) -> list[torch.nn.Module]:
@@ -158,12 +145,6 @@ class FSDP2Strategy(SingleStrategy):
         fully_shard(module, offload_policy=offload)
         self.optimizer, self.scheduler = make_optimizer(module, train_cfg, lr, total_steps)
         return module
-
-    def grad_norm(self) -> float:
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        limit = self.max_grad_norm if self.max_grad_norm > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(params, limit)
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def _options(self, **kwargs):
         from torch.distributed.checkpoint.state_dict import StateDictOptions

@@ -25,34 +25,6 @@ def free_port() -> int:
 TRAINED_ROLES = ("actor", "critic")
 
 
-def build_role(role: str, cfg, device: torch.device, total_optimizer_steps: int):
-    """The component of ``role``, built as `rlhf.build` builds it for the local backend."""
-    from rlhf import registry
-    from rlhf.build import critic_init_path
-    from rlhf.models.loading import load_tokenizer
-    from rlhf.rewards.model import RewardModelScorer
-
-    if role == "actor":
-        factory = registry.resolve("policy", cfg.policy.name, key="policy.name")
-        return factory(cfg=cfg.policy, model_cfg=cfg.model, train_cfg=cfg.train, total_optimizer_steps=total_optimizer_steps, device=device)
-    if role == "critic":
-        factory = registry.resolve("critic", cfg.critic.name, key="critic.name")
-        return factory(
-            cfg=cfg.critic, model_cfg=cfg.model, init_path=critic_init_path(cfg), train_cfg=cfg.train,
-            total_optimizer_steps=total_optimizer_steps, device=device,
-        )
-    if role == "ref":
-        return registry.resolve("reference", cfg.reference.name, key="reference.name")(cfg=cfg.reference, model_cfg=cfg.model, device=device)
-    if role == "reward":
-        return RewardModelScorer(cfg.reward, cfg.model.dtype, device, cfg.train.micro_batch_size)
-    if role == "generator":
-        model = cfg.model
-        tokenizer = load_tokenizer(model.tokenizer or model.name_or_path, model.revision, model.trust_remote_code)
-        factory = registry.resolve("generator", cfg.generator.name, key="generator.name")
-        return factory(cfg=cfg.generator, model_cfg=model, tokenizer=tokenizer, device=device)
-    raise ValueError(f"unknown role {role!r}")
-
-
 class RoleWorker:
     """One rank of one role. The driver wraps this class with `ray.remote` and calls it through `ActorGroup`."""
 
@@ -75,6 +47,7 @@ class RoleWorker:
 
     def setup(self, master_addr: str, master_port: int) -> None:
         """Join the role's process group (training roles) and build the component."""
+        from rlhf.build import build_model
         from rlhf.train import seed_everything
 
         cfg = self.cfg
@@ -93,7 +66,7 @@ class RoleWorker:
             )
         # training ranks build identical weights (a new critic head included); generation engines sample apart
         seed_everything(cfg.seed + (self.rank if self.role == "generator" else 0))
-        self.obj = build_role(self.role, cfg, device, self.total_optimizer_steps)
+        self.obj = build_model(self.role, cfg, device, self.total_optimizer_steps)
         strategy = getattr(self.obj, "strategy", None)
         if strategy is not None:
             logging.getLogger("rlhf").info("%s rank %d/%d: strategy %s on %s", self.role, self.rank, self.world_size, strategy.name, device)

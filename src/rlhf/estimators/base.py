@@ -185,7 +185,6 @@ class PolicyGradientEstimator(PolicyOnlyLoss):
     def denominator(self, mini_batch: TrainBatch) -> torch.Tensor:
         return F.loss_denominator(mini_batch.rollout.response_mask, self.cfg.loss_agg, self.loss_agg_norm)
 
-
     def loss(self, micro: TrainBatch, out: Forward, denominator: torch.Tensor):
         """Clipped surrogate (+ beta * KL when KL is a loss, - entropy_coef * entropy), reduced by `algorithm.loss_agg`."""
         cfg, t = self.cfg, micro.tensors

@@ -37,8 +37,12 @@ def make_optimizer(model: torch.nn.Module, train_cfg, lr: float, total_optimizer
 
 
 def clip_gradients(model: torch.nn.Module, max_grad_norm: float) -> float:
-    """Clip the global gradient norm (when > 0); returns the pre-clip norm (non-finite when a gradient is)."""
-    return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf))
+    """Clip the global gradient norm (when > 0); returns the pre-clip norm (non-finite when a gradient is).
+
+    Sharded (FSDP2) parameters give a DTensor norm, reduced over the ranks into the full norm here.
+    """
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
 def clip_and_step(model: torch.nn.Module, optimizer, scheduler, max_grad_norm: float) -> float:
@@ -46,7 +50,12 @@ def clip_and_step(model: torch.nn.Module, optimizer, scheduler, max_grad_norm: f
 
     A non-finite norm skips the update entirely (weights, optimiser moments and schedule untouched).
     """
-    norm = clip_gradients(model, max_grad_norm)
+    return step_if_finite(clip_gradients(model, max_grad_norm), optimizer, scheduler)
+
+
+def step_if_finite(norm: float, optimizer, scheduler) -> float:
+    """Step the optimiser and schedule when the (already clipped) gradients' pre-clip ``norm`` is finite, else
+    change nothing; clears the gradients either way and returns ``norm``."""
     if math.isfinite(norm):
         optimizer.step()
         scheduler.step()

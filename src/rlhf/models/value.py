@@ -96,17 +96,14 @@ class ValueModule(torch.nn.Module):
         return token_scores(self.model, input_ids, attention_mask, position_ids)
 
 
-def response_values(model: torch.nn.Module, rollout: Rollout) -> torch.Tensor:
+def response_values(scorer: torch.nn.Module, rollout: Rollout) -> torch.Tensor:
     """Critic values V(s_t) of the state before each response token. Shape: (B, Lr), 0 outside the mask.
 
-    ``model`` is a scalar-head model or a module mapping (input_ids, attention_mask, position_ids) to
-    per-token scores (a `ValueModule`, possibly wrapped by a training strategy).
+    ``scorer`` maps (input_ids, attention_mask, position_ids) to per-token scores: a `ValueModule`, possibly
+    wrapped by a training strategy.
     """
     input_ids, attention_mask, position_ids = rollout.model_inputs()
-    if hasattr(model, "base_model_prefix"):
-        scores = token_scores(model, input_ids, attention_mask, position_ids)
-    else:
-        scores = model(input_ids, attention_mask, position_ids)
+    scores = scorer(input_ids, attention_mask, position_ids)
     start = rollout.query_ids.shape[1] - 1
     return scores[:, start : start + rollout.response_ids.shape[1]] * rollout.response_mask
 
