@@ -90,8 +90,11 @@ def _fsync_tree(path: Path) -> None:
     _fsync_dir(path)
 
 
-def save(c, root: Path, step: int, run_state: dict[str, Any], keep_last: int) -> Path:
-    """Write the full state of step ``step`` atomically, then prune to the newest ``keep_last``."""
+def save(c, root: Path, step: int, run_state: dict[str, Any], keep_last: int, prompts_state: dict | None = None) -> Path:
+    """Write the full state of step ``step`` atomically, then prune to the newest ``keep_last``.
+
+    ``prompts_state``: the prompt stream position to record, when the schedule has drawn prompts it has not
+    trained on yet (null: the stream's own position)."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
     for stale in root.glob(".tmp-*"):  # left by a save that crashed (one trainer writes here at a time)
@@ -112,7 +115,7 @@ def save(c, root: Path, step: int, run_state: dict[str, Any], keep_last: int) ->
     state = {
         "step": step,
         "run": run_state,
-        "prompts": c.prompts.state_dict(),
+        "prompts": prompts_state if prompts_state is not None else c.prompts.state_dict(),
         "estimator": c.estimator.state_dict() if hasattr(c.estimator, "state_dict") else {},
         "rewards": c.rewards.state_dict(),
         "rng": _rng_state(),

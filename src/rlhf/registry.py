@@ -52,10 +52,13 @@ def _load_builtins() -> None:
         "rlhf.estimators.ppo",
         "rlhf.models.critic",
         "rlhf.generators.hf",
+        "rlhf.generators.vllm",
         "rlhf.models.policy",
         "rlhf.models.reference",
         "rlhf.rewards.rules",
         "rlhf.schedules.sync",
+        "rlhf.schedules.asynchronous",
+        "rlhf.schedules.hybrid",
     ):
         importlib.import_module(module)
 

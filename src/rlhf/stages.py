@@ -25,6 +25,7 @@ class Scored:
     responses: list[str]  # (B,) decoded responses, special tokens removed
     scores: torch.Tensor  # (B,) summed reward after the non-stop penalty
     metrics: dict[str, float]  # per-function reward means and the verifiable correct rate
+    versions: torch.Tensor | None = None  # (B,) policy version that generated each row (async schedule), else None
 
 
 def sampling_params(gen_cfg, greedy: bool = False) -> SamplingParams:
@@ -36,8 +37,18 @@ def generate_and_score(
     c, examples: list[PromptExample], samples_per_prompt: int, sampling: SamplingParams, training: bool = True
 ) -> Scored:
     """Sample ``samples_per_prompt`` responses per prompt (grouped in a row), decode them, score them."""
-    repeated = [ex for ex in examples for _ in range(samples_per_prompt)]
+    repeated = repeat_prompts(examples, samples_per_prompt)
     rollout = c.generator.generate([list(ex.token_ids) for ex in repeated], sampling)
+    return score(c, repeated, rollout, training)
+
+
+def repeat_prompts(examples: list[PromptExample], samples_per_prompt: int) -> list[PromptExample]:
+    """Each prompt ``samples_per_prompt`` times in a row (a group)."""
+    return [ex for ex in examples for _ in range(samples_per_prompt)]
+
+
+def score(c, repeated: list[PromptExample], rollout: Rollout, training: bool = True) -> Scored:
+    """Decode and score a rollout of the prompts ``repeated`` (one row each)."""
     responses = c.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
     prompts = [ex.text for ex in repeated]
     scores, metrics = c.rewards.score(prompts, responses, [ex.ground_truth for ex in repeated], rollout, training)

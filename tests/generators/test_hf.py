@@ -204,3 +204,19 @@ def test_the_models_own_generation_config_never_changes_sampling(make_generator,
     plain = make_generator(tiny_model_dir).generate(prompts, SamplingParams(max_new_tokens=6, greedy=True))
     configured = make_generator(str(tmp_path)).generate(prompts, SamplingParams(max_new_tokens=6, greedy=True))
     assert torch.equal(plain.response_ids, configured.response_ids)
+
+
+def test_sleep_frees_the_weights_and_wake_up_brings_new_ones(make_generator, tiny_model_dir, other_model_dir, encode):
+    """Asleep: 0 weight bytes and generating is refused; update_weights wakes it with exactly the new weights."""
+    prompts = encode(PROMPTS)
+    generator, donor = make_generator(tiny_model_dir), make_generator(other_model_dir)
+    held = generator.resident_bytes()
+    generator.sleep()
+    assert generator.asleep and generator.resident_bytes() == 0 and generator.freed_bytes == held
+    with pytest.raises(RuntimeError, match="asleep"):
+        generator.generate(prompts, GREEDY)
+    generator.update_weights(donor.model.state_dict())
+    assert not generator.asleep and generator.resident_bytes() == held
+    assert_same_rollout(generator.generate(prompts, GREEDY), donor.generate(prompts, GREEDY), atol=1e-6)
+    with pytest.raises(RuntimeError, match="without sleep"):
+        generator.wake_up(donor.model.state_dict())

@@ -83,7 +83,15 @@ class GeneratorConfig:
     temperature: float = 1.0  # sampling temperature (also used by the trainer's logprobs)
     top_p: float = 1.0  # nucleus sampling mass
     stop_token: str = "eos"  # `eos` for the tokenizer's EOS, or a literal token that ends a response
-    batch_size: int = 256  # sequences per generate() call, to bound memory
+    batch_size: int = 256  # hf: sequences per generate() call, to bound memory
+    num_engines: int = 1  # vllm: engines; 1 on the local backend, the generator role's ranks on ray
+    tensor_parallel_size: int = 1  # vllm: devices each engine shards the model over (local backend only, for now)
+    gpu_memory_utilization: float = 0.5  # vllm on GPU: share of the device's memory the engine may fill (weights + KV cache)
+    kv_cache_memory_bytes: Optional[int] = None  # vllm: KV-cache bytes per engine; null = from gpu_memory_utilization (GPU) or 1 GiB (CPU)
+    max_model_len: Optional[int] = None  # vllm: longest prompt + response the engine accepts; null = the model's context length
+    enable_sleep: bool = False  # vllm: start in sleep mode, so schedule=hybrid can free weights and KV cache while training (GPU)
+    enforce_eager: bool = False  # vllm: skip CUDA-graph capture (faster start, slower decoding)
+    enable_prefix_caching: bool = True  # vllm: share the KV cache of a prompt across its samples
 
 
 @dataclass
@@ -192,7 +200,9 @@ class ClusterConfig:
 
 @dataclass
 class ScheduleConfig:
-    name: str = "sync"  # when stages run: sync (generate, then train, on the newest weights) or an import path
+    name: str = "sync"  # when stages run: sync, async (generation overlaps training), hybrid (generator sleeps while training), or an import path
+    max_staleness: int = 1  # async: policy versions a trained batch may lag the policy that trains on it (0 = on-policy)
+    offload_optimizer: bool = False  # hybrid: move the optimiser state off the accelerator while generating
 
 
 @dataclass

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from rlhf.config.errors import ConfigError
+from rlhf.config.generation_checks import check_generation
 from rlhf.functional.losses import LOSS_AGGREGATIONS
 from rlhf.models.dtypes import DTYPES
 
@@ -231,5 +232,6 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     sizes = derive_sizes(cfg)
     from rlhf.distributed.layout import validate_cluster  # late: it imports the strategies module
 
-    validate_cluster(cfg, estimator(cfg=algo, gen_cfg=gen), sizes.samples_per_step, sizes.mini_batch_size)
+    ranks = validate_cluster(cfg, estimator(cfg=algo, gen_cfg=gen), sizes.samples_per_step, sizes.mini_batch_size)
+    check_generation(cfg, ranks)
     return sizes

@@ -121,6 +121,12 @@ class RemoteTrainer:
     def zero_grad(self) -> None:
         self.group.call_all("zero_grad")
 
+    def offload_optimizer(self) -> None:
+        self.group.call_all("offload_optimizer")
+
+    def reload_optimizer(self) -> None:
+        self.group.call_all("reload_optimizer")
+
     def state_dict(self):
         """A Ray object reference to the full weights (gathered from the shards by rank 0), for the generators."""
         results = self.group.call("state_dict", {rank: () for rank in range(len(self.group))}, put=True)
@@ -166,5 +172,14 @@ class RemoteGenerator:
         return concat_rollouts(parts, self.pad_id)
 
     def update_weights(self, state) -> None:
-        """``state``: a weights dict or a Ray reference to one (each engine fetches it from the object store)."""
+        """``state``: a weights dict or a Ray reference to one (each engine fetches it from the object store).
+        A sleeping engine wakes with these weights."""
         self.group.call_all("update_weights", state)
+
+    def sleep(self) -> None:
+        self.group.call_all("sleep")
+
+    @property
+    def freed_bytes(self) -> int:
+        """What the engines' last sleep released, summed."""
+        return sum(self.group.call_all("freed_bytes"))

@@ -82,12 +82,46 @@ class HFGenerator:
         self.stop_id = stop_token_id(tokenizer, cfg.stop_token)
         self.pad_id = int(tokenizer.pad_token_id)
 
+        self._shapes: dict[str, torch.Size] | None = None  # set while asleep: the released parameters' shapes
+        self.freed_bytes = 0  # what the last sleep released
+
     @torch.no_grad()
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        if self._shapes is not None:
+            self.wake_up(state_dict)
+            return
         self.model.load_state_dict(state_dict, strict=True)
+
+    def sleep(self) -> None:
+        """Free the weights (tied ones once) until `wake_up` brings new ones; buffers, being small, stay."""
+        self.freed_bytes = self.resident_bytes()
+        self._shapes = {}
+        for name, param in self.model.named_parameters():
+            self._shapes[name] = param.shape
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+    @torch.no_grad()
+    def wake_up(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Reallocate the weights and load ``state_dict`` into them (the freed values are gone)."""
+        if self._shapes is None:
+            raise RuntimeError("wake_up() without sleep()")
+        for name, param in self.model.named_parameters():
+            param.data = torch.empty(self._shapes[name], dtype=param.dtype, device=param.device)
+        self._shapes = None
+        self.model.load_state_dict(state_dict, strict=True)
+
+    @property
+    def asleep(self) -> bool:
+        return self._shapes is not None
+
+    def resident_bytes(self) -> int:
+        """Bytes of weights this generator holds now (0 while asleep)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollout:
+        if self.asleep:
+            raise RuntimeError("the generator is asleep; wake_up() it with the new weights before generating")
         chunks = [
             self._generate_chunk(prompts[start : start + self.cfg.batch_size], sampling)
             for start in range(0, len(prompts), self.cfg.batch_size)

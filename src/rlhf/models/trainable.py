@@ -84,6 +84,23 @@ def load_trainable(path: Path, model: torch.nn.Module, optimizer, scheduler) -> 
     scheduler.load_state_dict(state["scheduler"])
 
 
+def move_optimizer_state(optimizer: torch.optim.Optimizer, to: torch.device | dict) -> dict:
+    """Move every tensor of the optimiser's state (Adam moments, step counters), in place.
+
+    ``to``: one device for all, or the dict a previous call returned, to put each tensor back where it was.
+    Returns {(param index, key): device before the move}.
+    """
+    before = {}
+    for index, state in enumerate(optimizer.state.values()):
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                before[(index, key)] = value.device
+                state[key] = value.to(to.get((index, key), value.device) if isinstance(to, dict) else to)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # hand the freed blocks back, so the generator can take them
+    return before
+
+
 def is_share(key: str) -> bool:
     """Loss metrics are each micro batch's share of the mini-batch loss (summed); others are averaged."""
     return key.startswith("loss/") or key == "objective/loss"
@@ -149,6 +166,14 @@ class TrainableModel:
     def optimizer_step(self) -> float:
         """Clip, step (unless the norm is non-finite), clear grads; returns the pre-clip gradient norm."""
         return self.strategy.optimizer_step()
+
+    def offload_optimizer(self) -> None:
+        """Move the optimiser state to the CPU, freeing the accelerator for generation (schedule=hybrid)."""
+        self._offloaded_from = move_optimizer_state(self.optimizer, torch.device("cpu"))
+
+    def reload_optimizer(self) -> None:
+        """Put the optimiser state back where `offload_optimizer` found it, before training."""
+        move_optimizer_state(self.optimizer, getattr(self, "_offloaded_from", {}))
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Full weights under the HF names on rank 0 (None on other ranks); a collective when sharded."""

@@ -1,0 +1,83 @@
+"""Benchmark: the same GRPO work under schedule=sync and schedule=async, side by side in one run.
+
+Each schedule trains the same number of steps from the same seed through the real CLI (`python -m rlhf.train`),
+alternating sync and async runs `--repeats` times so machine noise hits both alike. Step 1 is a warm-up and is
+left out. Prints, per schedule, the median seconds per step, generation and training, then:
+
+  ideal async step = max(generation, everything else) of the sync run (perfect overlap)
+  overlap ratio    = ideal / measured async step   (1.0 = the overlap is as good as it can be)
+  speed-up         = sync step / async step
+
+Examples:
+  python bench/async_vs_sync.py                                   # tiny model, HF generator, one process
+  python bench/async_vs_sync.py --ray                             # generator and trainer in separate Ray workers
+  python bench/async_vs_sync.py --ray -- generator=vllm           # the same with a vLLM engine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# the same GRPO work for both schedules: enough tokens per step that generation and training both take time
+WORK = [
+    "algorithm=grpo", "train.prompts_per_step=64", "algorithm.num_samples_per_prompt=8", "train.micro_batch_size=128",
+    "generator.max_new_tokens=8", "eval.every=0", "eval.max_prompts=8", "logging.tensorboard=false",
+    "checkpoint.save_final_model=false", "algorithm.beta=0",
+]
+# Ray: one trainer rank and one generation engine, each its own process (the machine's two cores)
+RAY = ["cluster=ray_local", "cluster.roles.actor.devices_per_node=1", "cluster.colocate=[]", "cluster.num_cpus=2"]
+
+
+def run(schedule: str, steps: int, extra: list[str], folder: Path) -> list[dict]:
+    """One training run; its per-step metric records (steps 2..)."""
+    out = folder / f"{schedule}-{len(list(folder.iterdir()))}"
+    cmd = [sys.executable, "-m", "rlhf.train", f"schedule={schedule}", f"train.num_steps={steps}", *WORK, *extra, f"hydra.run.dir={out}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if proc.returncode != 0:
+        sys.exit(f"{schedule} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "time/step" in r and r["step"] > 1]
+
+
+def medians(records: list[dict]) -> dict[str, float]:
+    step = statistics.median(r["time/step"] for r in records)
+    generation = statistics.median(r["time/generation"] for r in records)
+    rest = statistics.median(r["time/step"] - r["time/generation"] for r in records)
+    return {"step": step, "generation": generation, "rest": rest}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=12, help="training steps per run (step 1 is a warm-up)")
+    parser.add_argument("--repeats", type=int, default=2, help="sync/async run pairs, alternated")
+    parser.add_argument("--ray", action="store_true", help="generator and trainer as separate Ray workers")
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for both schedules (after --)")
+    args = parser.parse_args()
+    extra = (RAY if args.ray else []) + args.overrides
+    results: dict[str, list[dict]] = {"sync": [], "async": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(args.repeats):
+            for schedule in ("sync", "async"):
+                results[schedule] += run(schedule, args.steps, extra, Path(tmp))
+    sync, async_ = medians(results["sync"]), medians(results["async"])
+    ideal = max(sync["generation"], sync["rest"])
+    staleness = statistics.mean(r["async/staleness_mean"] for r in results["async"])
+    print(f"work: {' '.join(WORK + extra)}")
+    print(f"{'schedule':<8} {'s/step':>8} {'generation':>11} {'training+rest':>14}")
+    for name, m in (("sync", sync), ("async", async_)):
+        print(f"{name:<8} {m['step']:>8.3f} {m['generation']:>11.3f} {m['rest']:>14.3f}")
+    print(f"ideal async s/step = max(sync generation, sync rest) = {ideal:.3f}")
+    print(f"overlap ratio (ideal / async) = {ideal / async_['step']:.2f}")
+    print(f"speed-up (sync / async)       = {sync['step'] / async_['step']:.2f}")
+    print(f"mean staleness trained on     = {staleness:.2f} policy versions")
+
+
+if __name__ == "__main__":
+    main()

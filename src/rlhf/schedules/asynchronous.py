@@ -1,0 +1,206 @@
+"""The asynchronous schedule: a background thread generates batch k+1 while the trainer trains on batch k.
+
+Versions count optimiser updates pushed to the generator: version v is the policy after v training steps.
+Step k trains the policy at version k-1 on a batch generated at version v; its staleness is k-1-v. The producer
+starts batch j only once the generator holds version >= j-1-`schedule.max_staleness`, so no trained batch is ever
+staler than that bound (0 makes the schedule on-policy again, with no overlap). The trainer publishes its weights
+without waiting; they load between generate calls, so each batch comes from exactly one version.
+
+`algorithm.tis_clip` corrects for the gap (stale weights, and vLLM's numerics against the trainer's): each token's
+loss is weighted by min(pi_trainer / pi_generator, tis_clip).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from rlhf import stages
+from rlhf.generators.base import Rollout, SamplingParams
+from rlhf.registry import register
+from rlhf.schedules.common import RunState
+from rlhf.schedules.loop import learn, run_steps, timed
+
+log = logging.getLogger("rlhf")
+
+THREAD_NAME = "rlhf-rollout-producer"
+
+
+class VersionedGenerator:
+    """A generator behind a lock that takes new weights between generate calls, never during one.
+
+    The trainer *publishes* weights and goes on training; they are loaded before the next generate call (the
+    producer's or an evaluation's), so the trainer never waits for a generation to finish. ``version`` is the
+    policy version the generator holds, ``published`` the newest one handed over.
+    """
+
+    def __init__(self, inner, version: int) -> None:
+        self.inner, self.version, self.published = inner, version, version
+        self.lock = threading.Lock()  # held by a generate call and the weight load before it
+        self.changed = threading.Condition()  # guards the published weights; notified on every publish
+        self._pending = None
+
+    def _load_pending(self) -> None:
+        with self.changed:
+            pending, version, self._pending = self._pending, self.published, None
+        if pending is not None:
+            self.inner.update_weights(pending)
+            self.version = version
+
+    def generate_versioned(self, prompts: list[list[int]], sampling: SamplingParams) -> tuple[Rollout, int]:
+        """A rollout from the newest published weights, and their version (one version for the whole rollout)."""
+        with self.lock:
+            self._load_pending()
+            return self.inner.generate(prompts, sampling), self.version
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollout:
+        return self.generate_versioned(prompts, sampling)[0]
+
+    def update_weights(self, state_dict, version: int | None = None) -> None:
+        """Publish new weights as ``version`` (default: the next one); they load before the next generate call.
+
+        A dict of tensors is copied first: the trainer updates its weights in place while the copy waits.
+        (A Ray object reference is immutable and passes as is.)
+        """
+        if isinstance(state_dict, dict):
+            state_dict = {name: tensor.detach().clone() for name, tensor in state_dict.items()}
+        with self.changed:
+            self._pending = state_dict
+            self.published = self.published + 1 if version is None else version
+            self.changed.notify_all()
+
+
+@dataclass
+class Produced:
+    """One generated and scored batch, with what the trainer needs to know about it."""
+
+    index: int  # the training step that will consume it
+    version: int  # the policy version that generated it
+    scored: stages.Scored
+    generation_s: float  # seconds spent generating and scoring it
+
+
+class RolloutProducer:
+    """Draws prompts, generates and scores batches ``first..last`` in a thread, at most `max_staleness` versions ahead.
+
+    Records the prompt stream's position before each draw, so a checkpoint can rewind past batches drawn ahead.
+    """
+
+    def __init__(self, c, cfg, generator: VersionedGenerator, first: int, last: int) -> None:
+        self.c, self.cfg, self.generator = c, cfg, generator
+        self.first, self.last = first, last
+        self.max_staleness = cfg.schedule.max_staleness
+        self.ready: queue.Queue[Produced] = queue.Queue()
+        self.stopping = threading.Event()
+        self.error: BaseException | None = None
+        self.positions: dict[int, dict] = {}  # batch index -> prompt stream state before it was drawn
+        self.positions_lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+
+    def start(self) -> "RolloutProducer":
+        self.thread.start()
+        return self
+
+    def _wait_for_version(self, needed: int) -> bool:
+        """Block until weights of version >= ``needed`` are published; False if asked to stop meanwhile."""
+        with self.generator.changed:
+            while self.generator.published < needed and not self.stopping.is_set():
+                self.generator.changed.wait(timeout=0.1)
+        return not self.stopping.is_set()
+
+    def _run(self) -> None:
+        cfg = self.cfg
+        sampling = stages.sampling_params(cfg.generator)
+        try:
+            for index in range(self.first, self.last + 1):
+                if not self._wait_for_version(index - 1 - self.max_staleness):
+                    return
+                start = time.perf_counter()
+                with self.positions_lock:
+                    self.positions[index] = self.c.prompts.state_dict()
+                    examples = self.c.prompts.next_batch(cfg.train.prompts_per_step)
+                repeated = stages.repeat_prompts(examples, cfg.algorithm.num_samples_per_prompt)
+                rollout, version = self.generator.generate_versioned([list(ex.token_ids) for ex in repeated], sampling)
+                scored = stages.score(self.c, repeated, rollout)
+                scored.versions = torch.full((len(repeated),), version, dtype=torch.long)
+                self.ready.put(Produced(index, version, scored, time.perf_counter() - start))
+        except BaseException as err:  # handed to the trainer thread, which re-raises it
+            self.error = err
+
+    def take(self, index: int) -> Produced:
+        """The batch for training step ``index``; re-raises the producer's error if it failed."""
+        while True:
+            try:
+                produced = self.ready.get(timeout=0.1)
+                break
+            except queue.Empty:
+                if self.error is not None:
+                    raise self.error
+                if not self.thread.is_alive():
+                    raise RuntimeError(f"the rollout producer stopped before batch {index}")
+        if produced.index != index:
+            raise RuntimeError(f"rollout producer out of order: expected batch {index}, got {produced.index}")
+        return produced
+
+    def position_after(self, step: int) -> dict:
+        """The prompt stream's state as if nothing after ``step`` had been drawn (for a checkpoint after ``step``)."""
+        with self.positions_lock:
+            return self.positions.get(step + 1, self.c.prompts.state_dict())
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop after the current generate call and join the thread."""
+        self.stopping.set()
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            log.warning("the rollout producer did not stop within %.0f s (a generate call is still running)", timeout)
+
+
+def staleness_metrics(versions: torch.Tensor, trainer_version: int, bound: int) -> dict[str, float]:
+    """Staleness of a trained batch: policy versions between each sample's generator and the trainer.
+
+    Shape: versions (B,). Raises if any sample breaks the bound (a scheduling bug, never expected).
+    """
+    staleness = trainer_version - versions
+    if staleness.min() < 0 or staleness.max() > bound:
+        raise RuntimeError(f"staleness {staleness.tolist()} outside [0, schedule.max_staleness={bound}]")
+    return {
+        "async/staleness_mean": staleness.float().mean().item(),
+        "async/staleness_max": staleness.max().item(),
+        "async/policy_version": float(trainer_version),
+    }
+
+
+def async_step(c, cfg, state: RunState, producer: RolloutProducer, step: int) -> tuple[dict[str, float], stages.Scored]:
+    """Train on the batch the producer made for ``step``, then push the weights as version ``step``."""
+    times: dict[str, float] = {}
+    with timed(times, "step"):
+        with timed(times, "wait_for_rollout"):
+            produced = producer.take(step)
+        scored = produced.scored
+        metrics = staleness_metrics(scored.versions, step - 1, cfg.schedule.max_staleness)
+        metrics |= learn(c, cfg, scored, state, times)
+        with timed(times, "weight_sync"):
+            c.generator.update_weights(c.policy.state_dict(), version=step)
+    times["time/generation"] = produced.generation_s
+    return metrics | scored.metrics | times, scored
+
+
+@register("schedule", "async")
+def run(c, cfg, sizes, tracker, state: RunState, stop) -> RunState:
+    """Train from ``state.step`` to `train.num_steps` with generation one batch (or up to max_staleness) ahead."""
+    generator = VersionedGenerator(c.generator, version=state.step)
+    c.generator = generator
+    producer = RolloutProducer(c, cfg, generator, state.step + 1, cfg.train.num_steps).start()
+    try:
+        return run_steps(
+            c, cfg, sizes, tracker, state, stop, lambda step: async_step(c, cfg, state, producer, step),
+            prompts_state=producer.position_after,
+        )
+    finally:
+        producer.close()
+        c.generator = generator.inner

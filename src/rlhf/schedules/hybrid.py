@@ -1,0 +1,56 @@
+"""The hybrid-engine schedule: generator and trainer share devices and take turns.
+
+Each step generates with the generator awake, puts it to sleep (vLLM sleep mode on GPU frees its weights and KV
+cache; elsewhere the weights are freed) so training has the memory, then wakes it with the new weights. With
+`schedule.offload_optimizer`, the optimiser state waits on the CPU while the generator runs.
+"""
+
+from __future__ import annotations
+
+from rlhf import stages
+from rlhf.registry import register
+from rlhf.schedules.common import RunState
+from rlhf.schedules.loop import generate, learn, run_steps, timed
+
+MIB = float(1 << 20)
+
+
+def trained_models(c) -> list:
+    return [c.policy] + ([c.critic] if c.critic is not None else [])
+
+
+def hybrid_step(c, cfg, state: RunState) -> tuple[dict[str, float], stages.Scored]:
+    """Generate (optimiser state offloaded if asked), sleep the generator, train, wake it with the new weights."""
+    offload = cfg.schedule.offload_optimizer
+    times: dict[str, float] = {}
+    with timed(times, "step"):
+        scored = generate(c, cfg, times)
+        with timed(times, "generator_sleep"):
+            c.generator.sleep()
+        metrics = {"memory/generator_freed_mb": c.generator.freed_bytes / MIB}
+        if offload:
+            with timed(times, "optimizer_reload"):
+                for model in trained_models(c):
+                    model.reload_optimizer()
+        metrics |= learn(c, cfg, scored, state, times)
+        if offload:
+            with timed(times, "optimizer_offload"):
+                for model in trained_models(c):
+                    model.offload_optimizer()
+        with timed(times, "weight_sync"):
+            c.generator.update_weights(c.policy.state_dict())  # wakes the generator with the new weights
+    return metrics | scored.metrics | times, scored
+
+
+@register("schedule", "hybrid")
+def run(c, cfg, sizes, tracker, state: RunState, stop) -> RunState:
+    """Train from ``state.step`` to `train.num_steps`, generator and trainer taking turns on the same devices."""
+    if cfg.schedule.offload_optimizer:
+        for model in trained_models(c):
+            model.offload_optimizer()
+    try:
+        return run_steps(c, cfg, sizes, tracker, state, stop, lambda step: hybrid_step(c, cfg, state))
+    finally:
+        if cfg.schedule.offload_optimizer:
+            for model in trained_models(c):
+                model.reload_optimizer()  # checkpoints and exports expect the state where training keeps it

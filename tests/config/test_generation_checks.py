@@ -1,0 +1,53 @@
+"""Config checks of the generator and schedule keys, and the one-override switch between generator backends."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf.config import ConfigError, validate
+from rlhf.config.compose import compose_config
+
+SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "stop_token")
+
+
+@pytest.mark.parametrize("experiment", [None, "grpo_arith_qwen2_5_0_5b", "ppo_tldr_pythia1b"])
+def test_switching_to_vllm_changes_the_backend_and_nothing_else(experiment):
+    """`generator=vllm` keeps every sampling setting, the experiment's included."""
+    base = [f"experiment={experiment}"] if experiment else []
+    hf, vllm = compose_config([*base, "generator=hf"]), compose_config([*base, "generator=vllm"])
+    assert hf.generator.name == "hf" and vllm.generator.name == "vllm"
+    for key in SAMPLING_KEYS:
+        assert vllm.generator[key] == hf.generator[key], key
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["generator=vllm", "generator.num_engines=2"], r"generator.num_engines=2: the local backend runs one engine"),
+        (["generator=vllm", "cluster=ray_local", "generator.num_engines=2"], r"cluster.roles.generator has 1 ranks"),
+        (["generator=vllm", "cluster=ray_local", "generator.tensor_parallel_size=2"], r"tensor_parallel_size=2: on cluster.backend=ray"),
+        (["generator=vllm", "generator.gpu_memory_utilization=1.5"], r"generator.gpu_memory_utilization=1.5 must be in \(0, 1\]"),
+        (["generator=vllm", "generator.kv_cache_memory_bytes=0"], r"generator.kv_cache_memory_bytes=0 must be > 0"),
+        (["generator.max_model_len=16"], r"generator.max_model_len=16 is shorter than dataset.max_prompt_length \+ generator.max_new_tokens = 20"),
+        (["schedule=async", "schedule.max_staleness=-1"], r"schedule.max_staleness=-1 must be >= 0"),
+        (["schedule=hybrid", "generator=vllm"], r"schedule=hybrid puts the generator to sleep while training; set generator.enable_sleep=true"),
+        (["schedule=hybrid", "cluster=ray_local"], r"schedule=hybrid shares the actor's devices with the generator"),
+        (
+            ["schedule=async", "cluster=ray_local", "cluster.roles.generator.devices_per_node=2", "cluster.colocate=[[actor,ref,generator]]"],
+            r"schedule=async overlaps generation with training, but cluster.colocate puts the generator on the actor's devices",
+        ),
+    ],
+)
+def test_bad_generation_settings_fail_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(compose_config(overrides))
+
+
+def test_good_generation_settings_validate():
+    for overrides in (
+        ["generator=vllm", "schedule=async", "algorithm.tis_clip=2.0"],
+        ["generator=vllm", "generator.enable_sleep=true", "schedule=hybrid", "schedule.offload_optimizer=true"],
+        ["generator=vllm", "cluster=ray_local"],
+        ["schedule=hybrid", "cluster=ray_local", "cluster.roles.generator.devices_per_node=2", "cluster.colocate=[[actor,ref,generator]]"],
+    ):
+        validate(compose_config(overrides))

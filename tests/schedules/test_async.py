@@ -1,0 +1,197 @@
+"""The async schedule: the staleness bound under a slow trainer and a slow generator, version tags, prompt
+positions for checkpoints, shutdown, and learning on the built-in task.
+
+Runs go through `rlhf.train.train` in this process with the real tiny model and HF generator; a test slows a
+stage down by wrapping it with a sleep, to force one side of the overlap to wait.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf.checkpoint import STATE_FILE
+from rlhf.config.compose import compose_config
+from rlhf.generators.hf import HFGenerator
+from rlhf.schedules import asynchronous
+from rlhf.schedules.asynchronous import THREAD_NAME, VersionedGenerator, staleness_metrics
+from rlhf.train import train
+
+FAST = ["train.prompts_per_step=4", "algorithm.num_samples_per_prompt=4", "train.micro_batch_size=16",
+        "eval.max_prompts=8", "eval.num_samples=1", "logging.tensorboard=false", "checkpoint.save_final_model=false"]
+
+
+def run(tmp_path: Path, *overrides: str) -> list[dict]:
+    """Train in this process with schedule=async; returns the per-step metric records."""
+    out = tmp_path / "run"
+    train(compose_config(["schedule=async", *FAST, *overrides]), out)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "async/staleness_max" in r]
+
+
+def slow_down(monkeypatch, owner, name: str, seconds: float) -> None:
+    original = getattr(owner, name)
+
+    def slowed(*args, **kwargs):
+        time.sleep(seconds)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, slowed)
+
+
+def producer_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == THREAD_NAME]
+
+
+# --- pure pieces ----------------------------------------------------------------------------------------------
+
+
+def test_staleness_metrics_by_hand():
+    """Trainer at version 5, samples from versions 4, 4, 5, 3: staleness 1, 1, 0, 2."""
+    metrics = staleness_metrics(torch.tensor([4, 4, 5, 3]), trainer_version=5, bound=2)
+    assert metrics == {"async/staleness_mean": 1.0, "async/staleness_max": 2.0, "async/policy_version": 5.0}
+    with pytest.raises(RuntimeError, match="max_staleness=1"):
+        staleness_metrics(torch.tensor([4, 3]), trainer_version=5, bound=1)
+    with pytest.raises(RuntimeError, match="outside"):
+        staleness_metrics(torch.tensor([6]), trainer_version=5, bound=1)  # from the future
+
+
+def test_versioned_generator_loads_published_weights_between_generate_calls(make_generator, tiny_model_dir, encode):
+    """Publishing never waits for a running generate call; the next call loads the newest weights and reports them."""
+    from rlhf.generators.base import SamplingParams
+
+    inner = make_generator(tiny_model_dir)
+    generator = VersionedGenerator(inner, version=3)
+    prompts, greedy = encode(["1+1=", "7+8=", "3"]), SamplingParams(4, greedy=True)
+    old = {k: v.clone() for k, v in inner.model.state_dict().items()}
+    new = {k: v + 0.3 * torch.randn_like(v) for k, v in old.items()}
+    before = inner.generate(prompts, greedy)
+    started, finished = threading.Event(), threading.Event()
+    original = inner.generate
+
+    def slow_generate(*args):
+        started.set()
+        time.sleep(0.3)
+        out = original(*args)
+        finished.set()
+        return out
+
+    inner.generate = slow_generate
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(zip(("rollout", "version"), generator.generate_versioned(prompts, greedy))))
+    worker.start()
+    started.wait()
+    generator.update_weights(new)  # returns at once, while the old weights are still sampling
+    assert not finished.is_set() and generator.published == 4 and generator.version == 3
+    new[next(iter(new))].add_(100.0)  # the trainer keeps updating in place: the published copy must not change
+    worker.join()
+    assert result["version"] == 3 and torch.equal(result["rollout"].response_ids, before.response_ids)
+    inner.generate = original
+    rollout, version = generator.generate_versioned(prompts, greedy)
+    assert version == 4 and generator.version == 4
+    reference = make_generator(tiny_model_dir)
+    reference.update_weights({k: v - (100.0 if i == 0 else 0.0) for i, (k, v) in enumerate(new.items())})
+    assert torch.equal(rollout.response_ids, reference.generate(prompts, greedy).response_ids)
+    generator.update_weights(old, version=9)
+    assert generator.generate_versioned(prompts, greedy)[1] == 9
+
+
+# --- runs -----------------------------------------------------------------------------------------------------
+
+
+def test_slow_trainer_keeps_the_generator_exactly_the_bound_ahead(tmp_path, monkeypatch):
+    """Training is slow: every batch after the first was generated one version behind, never more."""
+    slow_down(monkeypatch, asynchronous, "learn", 0.25)
+    records = run(tmp_path, "train.num_steps=6")
+    assert [r["async/staleness_max"] for r in records] == [0, 1, 1, 1, 1, 1]
+    assert all(r["async/policy_version"] == r["step"] - 1 for r in records)
+    assert all(r["time/wait_for_rollout"] < 0.2 for r in records[1:]), "the next batch should be ready"
+    assert not producer_threads()
+
+
+def test_larger_bound_is_reached_but_never_exceeded(tmp_path, monkeypatch):
+    """max_staleness=2 with a slow trainer: the producer runs two versions ahead, and no further."""
+    slow_down(monkeypatch, asynchronous, "learn", 0.25)
+    records = run(tmp_path, "train.num_steps=6", "schedule.max_staleness=2")
+    staleness = [r["async/staleness_max"] for r in records]
+    assert max(staleness) == 2 and staleness[:2] == [0, 1]
+
+
+def test_slow_generator_makes_the_trainer_wait_within_the_bound(tmp_path, monkeypatch):
+    """Generation is slow: the trainer waits for each batch; staleness still never exceeds 1."""
+    slow_down(monkeypatch, HFGenerator, "generate", 0.25)
+    records = run(tmp_path, "train.num_steps=5", "eval.greedy=false", "eval.num_samples=0")
+    assert [r["async/staleness_max"] for r in records] == [0, 1, 1, 1, 1]
+    assert all(r["time/wait_for_rollout"] > 0.1 for r in records[1:])
+    assert all(r["time/weight_sync"] < 0.1 for r in records), "publishing must not wait for a generation"
+
+
+def test_zero_staleness_is_on_policy(tmp_path, monkeypatch):
+    slow_down(monkeypatch, asynchronous, "learn", 0.1)
+    records = run(tmp_path, "train.num_steps=4", "schedule.max_staleness=0")
+    assert [r["async/staleness_max"] for r in records] == [0, 0, 0, 0]
+
+
+def test_version_tags_are_the_weights_that_sampled(tmp_path, monkeypatch):
+    """The tag on each batch equals the number of weight pushes the generator had received when it sampled."""
+    pushes, seen = [], []
+    original_update, original_generate = HFGenerator.update_weights, HFGenerator.generate
+
+    def counting_update(self, state_dict):
+        pushes.append(1)
+        return original_update(self, state_dict)
+
+    def recording_generate(self, prompts, sampling):
+        if not sampling.greedy and len(prompts) == 16:  # training batches (4 prompts x 4 samples), not eval
+            seen.append(len(pushes) - 1)  # the first push loads the starting weights: version 0
+        return original_generate(self, prompts, sampling)
+
+    monkeypatch.setattr(HFGenerator, "update_weights", counting_update)
+    monkeypatch.setattr(HFGenerator, "generate", recording_generate)
+    slow_down(monkeypatch, asynchronous, "learn", 0.15)
+    records = run(tmp_path, "train.num_steps=5", "eval.num_samples=0")
+    tags = [r["async/policy_version"] - r["async/staleness_max"] for r in records]
+    assert tags == seen[: len(tags)]
+
+
+def test_checkpoint_records_the_prompts_actually_trained(tmp_path, monkeypatch):
+    """The producer draws ahead; a checkpoint after step 2 still points at the prompts of step 3."""
+    slow_down(monkeypatch, asynchronous, "learn", 0.25)
+    run(tmp_path, "train.num_steps=4", "checkpoint.every=2", "checkpoint.keep_last=0")
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step_00000002" / STATE_FILE).read_text())
+    assert state["prompts"]["epoch"] * state["prompts"]["size"] + state["prompts"]["position"] == 2 * 4
+
+
+def test_a_failing_generator_stops_the_run_with_its_error_and_no_thread_left(tmp_path, monkeypatch):
+    calls = []
+    original = HFGenerator.generate
+
+    def failing(self, prompts, sampling):
+        calls.append(1)
+        if len(calls) == 3:
+            raise ValueError("engine exploded")
+        return original(self, prompts, sampling)
+
+    monkeypatch.setattr(HFGenerator, "generate", failing)
+    with pytest.raises(ValueError, match="engine exploded"):
+        run(tmp_path, "train.num_steps=6", "eval.greedy=false", "eval.num_samples=0")
+    time.sleep(0.2)
+    assert not producer_threads()
+
+
+@pytest.mark.slow
+def test_async_learns_the_builtin_task(tmp_path):
+    """The default task under schedule=async with truncated IS: the greedy correct rate climbs well above the start."""
+    out = tmp_path / "run"
+    train(compose_config(["schedule=async", "algorithm.tis_clip=2.0", "train.num_steps=120", "logging.tensorboard=false",
+                          "checkpoint.save_final_model=false"]), out)
+    evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    greedy = [r["eval/greedy_correct_rate"] for r in evals if "eval/greedy_correct_rate" in r]
+    staleness = [r["async/staleness_max"] for r in evals if "async/staleness_max" in r]
+    assert greedy[-1] >= 0.7 and greedy[-1] > greedy[0] + 0.3, greedy
+    assert max(staleness) == 1 and any(s == 1 for s in staleness)
