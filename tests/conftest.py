@@ -56,6 +56,12 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def long_model_dir(tmp_path_factory) -> str:
+    """The seed-0 tiny Llama of `tiny_model_dir` with room for 300 positions (prompts longer than a vLLM KV block)."""
+    return save_tiny_llama(tmp_path_factory.mktemp("long_tiny_llama"), seed=0, max_position_embeddings=300)
+
+
+@pytest.fixture(scope="session")
 def other_model_dir(tmp_path_factory) -> str:
     """Folder with a second random tiny Llama (seed 1), same tokenizer, different weights."""
     return save_tiny_llama(tmp_path_factory.mktemp("other_llama"), seed=1)

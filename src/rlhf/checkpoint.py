@@ -90,11 +90,11 @@ def _fsync_tree(path: Path) -> None:
     _fsync_dir(path)
 
 
-def save(c, root: Path, step: int, run_state: dict[str, Any], keep_last: int, prompts_state: dict | None = None) -> Path:
+def save(c, root: Path, step: int, run_state: dict[str, Any], keep_last: int, stream_states: dict | None = None) -> Path:
     """Write the full state of step ``step`` atomically, then prune to the newest ``keep_last``.
 
-    ``prompts_state``: the prompt stream position to record, when the schedule has drawn prompts it has not
-    trained on yet (null: the stream's own position)."""
+    ``stream_states``: {"prompts", "rewards"} states to record instead of the live ones, when the schedule has
+    drawn and scored prompts it has not trained on yet (the async schedule)."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
     for stale in root.glob(".tmp-*"):  # left by a save that crashed (one trainer writes here at a time)
@@ -115,9 +115,9 @@ def save(c, root: Path, step: int, run_state: dict[str, Any], keep_last: int, pr
     state = {
         "step": step,
         "run": run_state,
-        "prompts": prompts_state if prompts_state is not None else c.prompts.state_dict(),
+        "prompts": stream_states["prompts"] if stream_states else c.prompts.state_dict(),
         "estimator": c.estimator.state_dict() if hasattr(c.estimator, "state_dict") else {},
-        "rewards": c.rewards.state_dict(),
+        "rewards": stream_states["rewards"] if stream_states else c.rewards.state_dict(),
         "rng": _rng_state(),
     }
     with open(tmp / STATE_FILE, "w", encoding="utf-8") as f:  # written last: its presence marks completeness

@@ -41,6 +41,22 @@ def test_ray_local_run_learns_with_two_training_processes(algorithm, extra, tmp_
     assert (out / "final_model" / "model.safetensors").is_file()
 
 
+def test_hybrid_on_ray_colocates_the_engines_with_the_actor_and_learns(tmp_path):
+    """schedule=hybrid on Ray: two generator ranks share the actor's bundles, sleep every step, and the task is learned."""
+    out = tmp_path / "run"
+    proc = run_cli(
+        "cluster=ray_local", "schedule=hybrid", "schedule.offload_optimizer=true", "cluster.roles.generator.devices_per_node=2",
+        "cluster.colocate=[[actor,ref,generator]]", "train.num_steps=40", "eval.every=20", "seed=3",
+        f"hydra.run.dir={out}", cwd=tmp_path, env_extra=RAY_ENV,
+    )
+    assert "placed on Ray: actor x2, ref x2, generator x2" in proc.stdout + proc.stderr
+    series = scalars(out)
+    greedy = dict(series["eval/greedy_correct_rate"])
+    assert greedy[40] - greedy[0] >= 0.3, f"greedy correct rate {greedy}"
+    freed = [v for _, v in series["memory/generator_freed_mb"]]
+    assert len(freed) == 40 and min(freed) > 0
+
+
 def test_killed_worker_ends_the_run_with_role_rank_and_exit_code_4(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **RAY_ENV}
     proc = subprocess.Popen(

@@ -31,15 +31,25 @@ def make_vllm(model_dir: str, tokenizer, **overrides) -> VLLMGenerator:
     return VLLMGenerator(cfg, OmegaConf.structured(ModelConfig(name_or_path=model_dir)), tokenizer, torch.device("cpu"))
 
 
+# vLLM's CPU KV blocks hold 128 tokens and only full blocks are prefix-cached: a 300-position model lets prompts
+# span a block, so the prefix cache really serves (and, after a weight update, must not serve) their KV
+LONG_PROMPTS = ["1+" * 70 + str(i) + "=" for i in range(6)]
+
+
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir, tokenizer):
+def model_dir(long_model_dir) -> str:
+    return long_model_dir
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, tokenizer):
     """One engine (sleep enabled) for the module; tests that change its weights put the originals back."""
-    return make_vllm(tiny_model_dir, tokenizer, enable_sleep=True)
+    return make_vllm(model_dir, tokenizer, enable_sleep=True)
 
 
 @pytest.fixture
-def hf(make_generator, tiny_model_dir):
-    return make_generator(tiny_model_dir)
+def hf(make_generator, model_dir):
+    return make_generator(model_dir)
 
 
 @pytest.fixture
@@ -102,12 +112,12 @@ def stop_at_equals(engine, tokenizer):
     engine.stop_id = tokenizer.eos_token_id
 
 
-def test_literal_stop_token_ends_responses_and_eos_does_not(stop_at_equals, tiny_model_dir, tokenizer, encode, make_generator):
+def test_literal_stop_token_ends_responses_and_eos_does_not(stop_at_equals, model_dir, tokenizer, encode, make_generator):
     """stop_token='=': responses end at their first '=', as with the hf generator; EOS is an ordinary token."""
     stop = tokenizer.convert_tokens_to_ids("=")
     prompts = encode(PROMPTS)
     ours = stop_at_equals.generate(prompts, GREEDY)
-    theirs = make_generator(tiny_model_dir, stop_token="=").generate(prompts, GREEDY)
+    theirs = make_generator(model_dir, stop_token="=").generate(prompts, GREEDY)
     assert torch.equal(ours.response_ids, theirs.response_ids) and torch.equal(ours.stopped, theirs.stopped)
     assert ours.stopped.any()
     for ids, mask, stopped in zip(ours.response_ids, ours.response_mask, ours.stopped):
@@ -116,8 +126,10 @@ def test_literal_stop_token_ends_responses_and_eos_does_not(stop_at_equals, tiny
 
 
 def test_update_weights_changes_what_is_sampled(engine, hf, encode, original_weights):
-    """After update_weights, greedy tokens and logprobs are the new weights' (prefix cache included: same prompts)."""
-    prompts = encode(PROMPTS)
+    """After update_weights, greedy tokens and logprobs are the new weights' (prompts longer than a KV block, sampled
+    before and after the update: a prefix cache kept across the update would serve the old weights' KV)."""
+    prompts = encode(PROMPTS + LONG_PROMPTS)
+    engine.generate(prompts, GREEDY)  # fills the prefix cache
     before = engine.generate(prompts, GREEDY)
     new = perturbed(original_weights)
     hf.update_weights(new)

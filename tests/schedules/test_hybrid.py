@@ -55,3 +55,12 @@ def test_generator_holds_no_weights_while_training(tmp_path, monkeypatch, tiny_m
     assert seen == [(True, 0)] * 6
     freed = [steps[s]["memory/generator_freed_mb"] for s in range(1, 7)]
     assert all(f > 0 and f == freed[0] for f in freed)
+
+
+def test_a_generator_that_cannot_sleep_is_refused_by_name(tmp_path, monkeypatch):
+    from rlhf.config import ConfigError
+    from rlhf.generators.hf import HFGenerator
+
+    monkeypatch.delattr(HFGenerator, "sleep")
+    with pytest.raises(ConfigError, match="generator.name=hf has no sleep"):
+        run(tmp_path, "hybrid", "schedule=hybrid")

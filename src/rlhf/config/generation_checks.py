@@ -35,6 +35,11 @@ def check_generation(cfg: DictConfig, ranks: dict[str, int]) -> None:
     if gen.name == "vllm":
         if backend == "local":
             _require(
+                cfg.cluster.device in ("auto", "cpu", "cuda", "cuda:0"),
+                f"cluster.device={cfg.cluster.device}: vLLM always starts on the first visible GPU; select the GPU with "
+                f"CUDA_VISIBLE_DEVICES and set cluster.device=cuda",
+            )
+            _require(
                 gen.num_engines == 1,
                 f"generator.num_engines={gen.num_engines}: the local backend runs one engine; use cluster=ray_local (or ray) "
                 f"with cluster.roles.generator giving one rank per engine",

@@ -127,6 +127,9 @@ class RemoteTrainer:
     def reload_optimizer(self) -> None:
         self.group.call_all("reload_optimizer")
 
+    def release_cached_memory(self) -> None:
+        self.group.call_all("release_cached_memory")
+
     def state_dict(self):
         """A Ray object reference to the full weights (gathered from the shards by rank 0), for the generators."""
         results = self.group.call("state_dict", {rank: () for rank in range(len(self.group))}, put=True)

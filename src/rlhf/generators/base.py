@@ -97,4 +97,13 @@ class Generator(Protocol):
         """Sample one response per prompt (repeat prompts for several samples)."""
 
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load new policy weights; later samples must come from them."""
+        """Load new policy weights; later samples must come from them. A sleeping generator wakes with them."""
+
+
+class SleepingGenerator(Generator, Protocol):
+    """What schedule=hybrid needs besides: freeing memory between generating and the next weights."""
+
+    freed_bytes: int  # what the last `sleep` released
+
+    def sleep(self) -> None:
+        """Release the weights (and what else the backend can) until `update_weights` brings new ones."""

@@ -175,6 +175,11 @@ class TrainableModel:
         """Put the optimiser state back where `offload_optimizer` found it, before training."""
         move_optimizer_state(self.optimizer, getattr(self, "_offloaded_from", {}))
 
+    def release_cached_memory(self) -> None:
+        """Hand the allocator's cached blocks (activations of the last step) back to the device (schedule=hybrid)."""
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Full weights under the HF names on rank 0 (None on other ranks); a collective when sharded."""
         return self.strategy.full_state_dict()

@@ -41,7 +41,7 @@ class VersionedGenerator:
 
     def __init__(self, inner, version: int) -> None:
         self.inner, self.version, self.published = inner, version, version
-        self.lock = threading.Lock()  # held by a generate call and the weight load before it
+        self.lock = threading.RLock()  # held by a generate call and the weight load before it (and by evaluation)
         self.changed = threading.Condition()  # guards the published weights; notified on every publish
         self._pending = None
 
@@ -88,7 +88,8 @@ class Produced:
 class RolloutProducer:
     """Draws prompts, generates and scores batches ``first..last`` in a thread, at most `max_staleness` versions ahead.
 
-    Records the prompt stream's position before each draw, so a checkpoint can rewind past batches drawn ahead.
+    Records the prompt stream's position and the reward statistics before each draw, so a checkpoint can rewind
+    past batches drawn (and scored) ahead of training.
     """
 
     def __init__(self, c, cfg, generator: VersionedGenerator, first: int, last: int) -> None:
@@ -98,7 +99,7 @@ class RolloutProducer:
         self.ready: queue.Queue[Produced] = queue.Queue()
         self.stopping = threading.Event()
         self.error: BaseException | None = None
-        self.positions: dict[int, dict] = {}  # batch index -> prompt stream state before it was drawn
+        self.positions: dict[int, dict] = {}  # batch index -> {"prompts", "rewards"} states before it was drawn
         self.positions_lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
 
@@ -122,7 +123,7 @@ class RolloutProducer:
                     return
                 start = time.perf_counter()
                 with self.positions_lock:
-                    self.positions[index] = self.c.prompts.state_dict()
+                    self.positions[index] = self._states()
                     examples = self.c.prompts.next_batch(cfg.train.prompts_per_step)
                 repeated = stages.repeat_prompts(examples, cfg.algorithm.num_samples_per_prompt)
                 rollout, version = self.generator.generate_versioned([list(ex.token_ids) for ex in repeated], sampling)
@@ -132,6 +133,9 @@ class RolloutProducer:
         except BaseException as err:  # handed to the trainer thread, which re-raises it
             self.error = err
 
+    def _states(self) -> dict:
+        return {"prompts": self.c.prompts.state_dict(), "rewards": self.c.rewards.state_dict()}
+
     def take(self, index: int) -> Produced:
         """The batch for training step ``index``; re-raises the producer's error if it failed."""
         while True:
@@ -139,18 +143,23 @@ class RolloutProducer:
                 produced = self.ready.get(timeout=0.1)
                 break
             except queue.Empty:
-                if self.error is not None:
-                    raise self.error
-                if not self.thread.is_alive():
+                if not self.thread.is_alive() and self.ready.empty():
+                    if self.error is not None:
+                        raise self.error
                     raise RuntimeError(f"the rollout producer stopped before batch {index}")
         if produced.index != index:
             raise RuntimeError(f"rollout producer out of order: expected batch {index}, got {produced.index}")
+        with self.positions_lock:  # what a checkpoint before this batch would have needed is no longer asked for
+            for old in [i for i in self.positions if i < index]:
+                del self.positions[old]
         return produced
 
-    def position_after(self, step: int) -> dict:
-        """The prompt stream's state as if nothing after ``step`` had been drawn (for a checkpoint after ``step``)."""
+    def states_after(self, step: int) -> dict:
+        """The prompt stream's and reward statistics' states as if nothing after batch ``step`` had been drawn or
+        scored (for a checkpoint or the epoch count after ``step``). Batches up to ``step`` are all scored by now,
+        and the producer records a batch's states before touching either, so the lock makes this consistent."""
         with self.positions_lock:
-            return self.positions.get(step + 1, self.c.prompts.state_dict())
+            return self.positions.get(step + 1) or self._states()
 
     def close(self, timeout: float = 60.0) -> None:
         """Stop after the current generate call and join the thread."""
@@ -193,13 +202,16 @@ def async_step(c, cfg, state: RunState, producer: RolloutProducer, step: int) ->
 @register("schedule", "async")
 def run(c, cfg, sizes, tracker, state: RunState, stop) -> RunState:
     """Train from ``state.step`` to `train.num_steps` with generation one batch (or up to max_staleness) ahead."""
+    if cfg.cluster.backend == "local":
+        log.warning("schedule=async on the local backend: generation and training share this process and its devices, "
+                    "so they overlap little; cluster=ray_local (or ray) gives the generator its own devices")
     generator = VersionedGenerator(c.generator, version=state.step)
     c.generator = generator
     producer = RolloutProducer(c, cfg, generator, state.step + 1, cfg.train.num_steps).start()
     try:
         return run_steps(
             c, cfg, sizes, tracker, state, stop, lambda step: async_step(c, cfg, state, producer, step),
-            prompts_state=producer.position_after,
+            stream_states=producer.states_after, guard=generator.lock,
         )
     finally:
         producer.close()

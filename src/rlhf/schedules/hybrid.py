@@ -8,6 +8,7 @@ cache; elsewhere the weights are freed) so training has the memory, then wakes i
 from __future__ import annotations
 
 from rlhf import stages
+from rlhf.config.errors import ConfigError
 from rlhf.registry import register
 from rlhf.schedules.common import RunState
 from rlhf.schedules.loop import generate, learn, run_steps, timed
@@ -33,10 +34,11 @@ def hybrid_step(c, cfg, state: RunState) -> tuple[dict[str, float], stages.Score
                 for model in trained_models(c):
                     model.reload_optimizer()
         metrics |= learn(c, cfg, scored, state, times)
-        if offload:
-            with timed(times, "optimizer_offload"):
-                for model in trained_models(c):
+        with timed(times, "optimizer_offload"):
+            for model in trained_models(c):
+                if offload:
                     model.offload_optimizer()
+                model.release_cached_memory()  # the activations' cached blocks, for the waking generator
         with timed(times, "weight_sync"):
             c.generator.update_weights(c.policy.state_dict())  # wakes the generator with the new weights
     return metrics | scored.metrics | times, scored
@@ -45,6 +47,11 @@ def hybrid_step(c, cfg, state: RunState) -> tuple[dict[str, float], stages.Score
 @register("schedule", "hybrid")
 def run(c, cfg, sizes, tracker, state: RunState, stop) -> RunState:
     """Train from ``state.step`` to `train.num_steps`, generator and trainer taking turns on the same devices."""
+    if not callable(getattr(c.generator, "sleep", None)):
+        raise ConfigError(
+            f"schedule=hybrid needs a generator that can sleep; generator.name={cfg.generator.name} has no sleep() "
+            f"(see rlhf.generators.base.SleepingGenerator), use schedule=sync"
+        )
     if cfg.schedule.offload_optimizer:
         for model in trained_models(c):
             model.offload_optimizer()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable
 
 import torch
@@ -45,23 +45,28 @@ def run_eval(c, cfg, tracker, step: int) -> dict[str, float]:
 
 def run_steps(
     c, cfg, sizes, tracker, state: RunState, stop, step_fn: Callable[[int], tuple[dict, stages.Scored]],
-    prompts_state: Callable[[int], dict] | None = None,
+    stream_states: Callable[[int], dict] | None = None, guard=None,
 ) -> RunState:
     """Train from ``state.step`` to `train.num_steps` with ``step_fn``, evaluating and checkpointing on schedule.
 
-    ``prompts_state(step)``: the prompt stream's position to checkpoint after ``step`` (schedules that draw prompts
-    ahead of training give the position before the first batch not yet trained). Stops early, after saving a
-    checkpoint, when ``stop.requested`` is set (SIGTERM/SIGINT).
+    Schedules that draw and score prompts ahead of training pass ``stream_states(step)``: the prompt stream's and
+    the reward statistics' states as of the end of ``step`` ({"prompts", "rewards"}), for checkpoints and the epoch
+    count; and ``guard``, a lock that evaluation holds so its seeded sampling never interleaves with theirs.
+    Stops early, after saving a checkpoint, when ``stop.requested`` is set (SIGTERM/SIGINT).
     """
     train = cfg.train
+    guard = guard if guard is not None else nullcontext()
     if state.step == 0:
-        state.first_eval = run_eval(c, cfg, tracker, 0)
+        with guard:
+            state.first_eval = run_eval(c, cfg, tracker, 0)
     for step in range(state.step + 1, train.num_steps + 1):
         metrics, scored = step_fn(step)
         state.step = step
+        states = stream_states(step) if stream_states is not None else None
+        prompts = states["prompts"] if states is not None else c.prompts.state_dict()
         metrics |= {
             "episode": step * sizes.samples_per_step,
-            "epoch": c.prompts.epochs_done,
+            "epoch": prompts["epoch"] + prompts["position"] / prompts["size"],
             "lr": c.policy.lr,
             "train/skipped_steps": state.guard.total,
             "time/total": tracker.elapsed(),
@@ -73,11 +78,11 @@ def run_steps(
             n = cfg.logging.num_sample_texts
             tracker.samples(step, scored.prompts[:n], scored.responses[:n], scored.scores[:n].tolist())
         if (sizes.eval_every and step % sizes.eval_every == 0) or step == train.num_steps:
-            state.last_eval = run_eval(c, cfg, tracker, step)
+            with guard:
+                state.last_eval = run_eval(c, cfg, tracker, step)
         every = cfg.checkpoint.every
         if stop.requested or (every and step % every == 0) or (every and step == train.num_steps):
-            position = prompts_state(step) if prompts_state is not None else None
-            checkpoint.save(c, tracker.checkpoint_root, step, state.to_dict(), cfg.checkpoint.keep_last, position)
+            checkpoint.save(c, tracker.checkpoint_root, step, state.to_dict(), cfg.checkpoint.keep_last, states)
         if stop.requested:
             log.warning("%s received: stopped after step %d with a checkpoint; continue with resume=auto", stop.requested, step)
             state.preempted = True
