@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from rlhf import checkpoint
 from rlhf.checkpoint import STATE_FILE, complete_checkpoints, resume_path
 from rlhf.config.schema import AlgorithmConfig, CriticConfig, RewardConfig
-from rlhf.config.validate import ConfigError
+from rlhf.config.errors import ConfigError
 from rlhf.data.prompts import PromptExample, PromptStream
 from rlhf.estimators import GRPO
 from rlhf.models import trainable as trainable_module

@@ -79,6 +79,11 @@ def prepare(c, scored: Scored, temperature: float, micro_batch_size: int, sample
     return batch, metrics | estimator_metrics
 
 
+def trained_models(c) -> list[tuple[str, object]]:
+    """(name, model) of every model the run trains: the policy, and the critic when there is one."""
+    return [("policy", c.policy)] + ([("critic", c.critic)] if c.critic is not None else [])
+
+
 def update_policy(c, batch: TrainBatch, train_cfg, temperature: float, guard) -> dict[str, float]:
     """`train.num_epochs` passes over the batch in shuffled mini batches, accumulating micro batches.
 
@@ -90,7 +95,7 @@ def update_policy(c, batch: TrainBatch, train_cfg, temperature: float, guard) ->
     units = batch.num_units
     mini_units = units // train_cfg.num_mini_batches
     micro_units = min(mini_units, max(1, train_cfg.micro_batch_size // batch.rows_per_unit))
-    trained = [("policy", c.policy)] + ([("critic", c.critic)] if c.critic is not None else [])
+    trained = trained_models(c)
     sums: dict[str, float] = {}
     count = 0
     for _ in range(train_cfg.num_epochs):

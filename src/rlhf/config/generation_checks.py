@@ -4,12 +4,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from rlhf.config.errors import ConfigError
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
+from rlhf.config.errors import require as _require
 
 
 def _colocated(cfg, a: str, b: str) -> bool:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from rlhf.config.errors import ConfigError
+from rlhf.config.errors import require as _require
 from rlhf.config.generation_checks import check_generation
 from rlhf.functional.losses import LOSS_AGGREGATIONS
 from rlhf.models.dtypes import DTYPES
@@ -37,11 +37,6 @@ class DerivedSizes:
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 def derive_sizes(cfg: DictConfig) -> DerivedSizes:

@@ -76,4 +76,9 @@ class PromptStream:
     @property
     def epochs_done(self) -> float:
         """Fractional epochs consumed, for the `epoch` metric."""
-        return self.epoch + self.position / len(self.examples)
+        return epochs_done(self.state_dict())
+
+
+def epochs_done(state: dict[str, int]) -> float:
+    """Fractional epochs consumed at a `PromptStream.state_dict` ``state``."""
+    return state["epoch"] + state["position"] / state["size"]

@@ -96,8 +96,6 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, to: torch.device | di
             if isinstance(value, torch.Tensor):
                 before[(index, key)] = value.device
                 state[key] = value.to(to.get((index, key), value.device) if isinstance(to, dict) else to)
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # hand the freed blocks back, so the generator can take them
     return before
 
 

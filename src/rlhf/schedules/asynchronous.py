@@ -80,8 +80,7 @@ class Produced:
     """One generated and scored batch, with what the trainer needs to know about it."""
 
     index: int  # the training step that will consume it
-    version: int  # the policy version that generated it
-    scored: stages.Scored
+    scored: stages.Scored  # with `versions`, the policy version that generated each row
     generation_s: float  # seconds spent generating and scoring it
 
 
@@ -102,10 +101,6 @@ class RolloutProducer:
         self.positions: dict[int, dict] = {}  # batch index -> {"prompts", "rewards"} states before it was drawn
         self.positions_lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
-
-    def start(self) -> "RolloutProducer":
-        self.thread.start()
-        return self
 
     def _wait_for_version(self, needed: int) -> bool:
         """Block until weights of version >= ``needed`` are published; False if asked to stop meanwhile."""
@@ -129,7 +124,7 @@ class RolloutProducer:
                 rollout, version = self.generator.generate_versioned([list(ex.token_ids) for ex in repeated], sampling)
                 scored = stages.score(self.c, repeated, rollout)
                 scored.versions = torch.full((len(repeated),), version, dtype=torch.long)
-                self.ready.put(Produced(index, version, scored, time.perf_counter() - start))
+                self.ready.put(Produced(index, scored, time.perf_counter() - start))
         except BaseException as err:  # handed to the trainer thread, which re-raises it
             self.error = err
 
@@ -137,7 +132,13 @@ class RolloutProducer:
         return {"prompts": self.c.prompts.state_dict(), "rewards": self.c.rewards.state_dict()}
 
     def take(self, index: int) -> Produced:
-        """The batch for training step ``index``; re-raises the producer's error if it failed."""
+        """The batch for training step ``index``; re-raises the producer's error if it failed.
+
+        The first call starts the thread: the evaluation before the first step needs the generator anyway, and
+        producing during it would only make it wait.
+        """
+        if self.thread.ident is None:
+            self.thread.start()
         while True:
             try:
                 produced = self.ready.get(timeout=0.1)
@@ -164,6 +165,8 @@ class RolloutProducer:
     def close(self, timeout: float = 60.0) -> None:
         """Stop after the current generate call and join the thread."""
         self.stopping.set()
+        if self.thread.ident is None:
+            return
         self.thread.join(timeout)
         if self.thread.is_alive():
             log.warning("the rollout producer did not stop within %.0f s (a generate call is still running)", timeout)
@@ -207,7 +210,7 @@ def run(c, cfg, sizes, tracker, state: RunState, stop) -> RunState:
                     "so they overlap little; cluster=ray_local (or ray) gives the generator its own devices")
     generator = VersionedGenerator(c.generator, version=state.step)
     c.generator = generator
-    producer = RolloutProducer(c, cfg, generator, state.step + 1, cfg.train.num_steps).start()
+    producer = RolloutProducer(c, cfg, generator, state.step + 1, cfg.train.num_steps)
     try:
         return run_steps(
             c, cfg, sizes, tracker, state, stop, lambda step: async_step(c, cfg, state, producer, step),

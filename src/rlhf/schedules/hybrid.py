@@ -16,10 +16,6 @@ from rlhf.schedules.loop import generate, learn, run_steps, timed
 MIB = float(1 << 20)
 
 
-def trained_models(c) -> list:
-    return [c.policy] + ([c.critic] if c.critic is not None else [])
-
-
 def hybrid_step(c, cfg, state: RunState) -> tuple[dict[str, float], stages.Scored]:
     """Generate (optimiser state offloaded if asked), sleep the generator, train, wake it with the new weights."""
     offload = cfg.schedule.offload_optimizer
@@ -31,14 +27,14 @@ def hybrid_step(c, cfg, state: RunState) -> tuple[dict[str, float], stages.Score
         metrics = {"memory/generator_freed_mb": c.generator.freed_bytes / MIB}
         if offload:
             with timed(times, "optimizer_reload"):
-                for model in trained_models(c):
+                for _, model in stages.trained_models(c):
                     model.reload_optimizer()
         metrics |= learn(c, cfg, scored, state, times)
         with timed(times, "optimizer_offload"):
-            for model in trained_models(c):
+            for _, model in stages.trained_models(c):
                 if offload:
                     model.offload_optimizer()
-                model.release_cached_memory()  # the activations' cached blocks, for the waking generator
+                model.release_cached_memory()  # cached blocks of activations (and offloaded state), for the waking generator
         with timed(times, "weight_sync"):
             c.generator.update_weights(c.policy.state_dict())  # wakes the generator with the new weights
     return metrics | scored.metrics | times, scored
@@ -53,11 +49,12 @@ def run(c, cfg, sizes, tracker, state: RunState, stop) -> RunState:
             f"(see rlhf.generators.base.SleepingGenerator), use schedule=sync"
         )
     if cfg.schedule.offload_optimizer:
-        for model in trained_models(c):
-            model.offload_optimizer()
+        for _, model in stages.trained_models(c):
+            model.offload_optimizer()  # a resumed run's state starts on the device
+            model.release_cached_memory()
     try:
         return run_steps(c, cfg, sizes, tracker, state, stop, lambda step: hybrid_step(c, cfg, state))
     finally:
         if cfg.schedule.offload_optimizer:
-            for model in trained_models(c):
+            for _, model in stages.trained_models(c):
                 model.reload_optimizer()  # checkpoints and exports expect the state where training keeps it

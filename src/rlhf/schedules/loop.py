@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from rlhf import checkpoint, stages
+from rlhf.data.prompts import epochs_done
 from rlhf.schedules.common import RunState
 
 log = logging.getLogger("rlhf")
@@ -63,10 +64,9 @@ def run_steps(
         metrics, scored = step_fn(step)
         state.step = step
         states = stream_states(step) if stream_states is not None else None
-        prompts = states["prompts"] if states is not None else c.prompts.state_dict()
         metrics |= {
             "episode": step * sizes.samples_per_step,
-            "epoch": prompts["epoch"] + prompts["position"] / prompts["size"],
+            "epoch": epochs_done(states["prompts"]) if states is not None else c.prompts.epochs_done,
             "lr": c.policy.lr,
             "train/skipped_steps": state.guard.total,
             "time/total": tracker.elapsed(),
