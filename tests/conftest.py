@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny local models and tokenizers (never the hub), typed configs, hand-made rollouts."""
+"""Shared fixtures: tiny local models and tokenizers (never the hub), typed configs, hand-made trajectories."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import torch
 from omegaconf import OmegaConf
 
 from rlhf.config.schema import GeneratorConfig, ModelConfig, PolicyConfig, ReferenceConfig, TrainConfig
-from rlhf.generators.base import Rollout
 from rlhf.generators.hf import HFGenerator, left_pad
 from rlhf.models.loading import load_tokenizer
 from rlhf.models.tiny import build_char_tokenizer, build_tiny_llama
+from rlhf.trajectory import Trajectories, from_completions
 
 ALPHABET = "0123456789+="
 
@@ -133,8 +133,9 @@ def encode(tokenizer):
 
 
 @pytest.fixture
-def rollout(tokenizer, encode) -> Rollout:
-    """A hand-made rollout: three prompts of different lengths, responses of lengths 3, 2 and 4 (non-stop)."""
+def rollout(tokenizer, encode) -> Trajectories:
+    """Hand-made single-turn trajectories: three prompts of different lengths, responses of lengths 3, 2 and 4
+    (non-stop); the action window is the 4 response columns."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     query_ids, query_mask = left_pad(encode(["1+2=", "12+30=", "7"]), pad)
     digit = lambda d: tokenizer.convert_tokens_to_ids(str(d))  # noqa: E731
@@ -146,11 +147,4 @@ def rollout(tokenizer, encode) -> Rollout:
         ]
     )
     response_mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.float32)
-    return Rollout(
-        query_ids=query_ids,
-        query_mask=query_mask,
-        response_ids=response_ids,
-        response_mask=response_mask,
-        logprobs=torch.zeros(3, 4),
-        stopped=torch.tensor([True, True, False]),
-    )
+    return from_completions(query_ids, query_mask, response_ids, response_mask, torch.zeros(3, 4), torch.tensor([True, True, False]))

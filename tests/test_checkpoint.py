@@ -22,7 +22,7 @@ from rlhf.config.schema import AlgorithmConfig, CriticConfig, RewardConfig
 from rlhf.config.errors import ConfigError
 from rlhf.data.prompts import PromptExample, PromptStream
 from rlhf.estimators import GRPO
-from rlhf.models import trainable as trainable_module
+from rlhf.models import optim as optim_module
 from rlhf.models.critic import TorchCritic
 from rlhf.models.policy import TorchPolicy
 from rlhf.rewards.combine import RewardSet
@@ -472,8 +472,8 @@ def test_weights_are_safetensors_and_torch_files_load_with_weights_only(componen
 
     monkeypatch.setattr(torch, "load", recording_load)
     safetensors_reads = []
-    real_load_file = trainable_module.load_file
-    monkeypatch.setattr(trainable_module, "load_file", lambda *a, **k: safetensors_reads.append(a[0]) or real_load_file(*a, **k))
+    real_load_file = optim_module.load_file
+    monkeypatch.setattr(optim_module, "load_file", lambda *a, **k: safetensors_reads.append(a[0]) or real_load_file(*a, **k))
     checkpoint.load(c, saved)
     assert sorted(calls) == [("optim.pt", True), ("optim.pt", True), ("rng.pt", True)]
     assert len(safetensors_reads) == 2  # one shard each for the policy and the critic

@@ -17,7 +17,8 @@ from rlhf.estimators.ppo import PPO
 from rlhf.generators.base import Rollout
 from rlhf.generators.hf import left_pad
 from rlhf.models.critic import TorchCritic
-from rlhf.models.policy import TorchPolicy, clip_and_step, make_optimizer
+from rlhf.models.optim import clip_and_step, make_optimizer
+from rlhf.models.policy import TorchPolicy
 from rlhf.schedules.common import NonFiniteError, NonFiniteGuard
 from rlhf.stages import update_policy
 

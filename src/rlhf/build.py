@@ -13,10 +13,16 @@ from typing import Any
 
 import torch
 
+from transformers import AutoConfig
+
 from rlhf import registry
+from rlhf.algorithms import build_algorithm
+from rlhf.components import build_model, critic_init_path
 from rlhf.config.errors import ConfigError
 from rlhf.config.validate import DerivedSizes
 from rlhf.data.prompts import PromptExample, PromptStream
+from rlhf.distributed.cluster import start
+from rlhf.distributed.layout import used_roles
 from rlhf.models.loading import check_vocab_match, load_tokenizer, looks_local, pick_device, resolve_model_path
 from rlhf.rewards.combine import RewardSet
 from rlhf.rewards.model import RewardModelScorer
@@ -33,7 +39,7 @@ class Components:
     prompts: PromptStream
     eval_examples: list[PromptExample]
     rewards: RewardSet
-    estimator: Any
+    algorithm: Any  # the composed RL algorithm (rlhf.algorithms): advantages, losses, KL coefficient
     generator: Any
     policy: Any
     reference: Any | None
@@ -49,15 +55,8 @@ class Components:
             self.backend = None
 
 
-def critic_init_path(cfg) -> str:
-    """The critic's starting weights: `critic.name_or_path`, else the reward model, else the policy's model."""
-    return cfg.critic.name_or_path or cfg.reward.path or cfg.model.name_or_path
-
-
 def check_output_rows(cfg, tokenizer) -> None:
     """The policy's output layer covers the tokenizer (from the model config, before any weights load)."""
-    from transformers import AutoConfig
-
     model = cfg.model
     config = AutoConfig.from_pretrained(resolve_model_path(model.name_or_path), revision=model.revision, trust_remote_code=model.trust_remote_code)
     rows = getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", None)
@@ -95,21 +94,20 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
     # 1. names: every registry lookup, so an unknown component fails before anything loads
     factories = {
         "dataset": registry.resolve("dataset", cfg.dataset.name, key="dataset.name"),
-        "estimator": registry.resolve("estimator", cfg.algorithm.estimator, key="algorithm.estimator"),
         "generator": registry.resolve("generator", cfg.generator.name, key="generator.name"),
         "policy": registry.resolve("policy", cfg.policy.name, key="policy.name"),
         "reference": registry.resolve("reference", cfg.reference.name, key="reference.name"),
         "critic": registry.resolve("critic", cfg.critic.name, key="critic.name"),
     }
     rewards = RewardSet(cfg.reward)
-    estimator = factories["estimator"](cfg=cfg.algorithm, gen_cfg=cfg.generator)
+    algorithm = build_algorithm(cfg.algorithm, cfg.generator.max_new_tokens)
     # 2. tokenizers and data (cheap); every other model must share the policy's vocabulary
     model = cfg.model
     tokenizer = load_tokenizer(model.tokenizer or model.name_or_path, model.revision, model.trust_remote_code)
     for key, path, used in (
-        ("reference.name_or_path", cfg.reference.name_or_path, estimator.needs_reference),
+        ("reference.name_or_path", cfg.reference.name_or_path, algorithm.needs_reference),
         ("reward.path", cfg.reward.path, True),
-        ("critic.name_or_path", cfg.critic.name_or_path, estimator.needs_critic),
+        ("critic.name_or_path", cfg.critic.name_or_path, algorithm.needs_critic),
     ):
         if path and used:
             try:
@@ -130,10 +128,10 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
     check_output_rows(cfg, tokenizer)
     # 3. models
     if cfg.cluster.backend == "ray":
-        models, backend = build_remote_models(cfg, sizes, estimator, tokenizer)
+        models, backend = build_remote_models(cfg, sizes, algorithm, tokenizer)
         log.info("placed on Ray: %s", ", ".join(f"{role} x{len(group)}" for role, group in backend.groups.items()))
     else:
-        models, backend = build_local_models(cfg, sizes, estimator, tokenizer, device), None
+        models, backend = build_local_models(cfg, sizes, algorithm, tokenizer, device), None
     if models["reward"] is not None:
         rewards.model = models["reward"]
     policy, generator = models["policy"], models["generator"]
@@ -144,7 +142,7 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
         prompts=PromptStream(splits.train, seed=cfg.seed),
         eval_examples=splits.eval,
         rewards=rewards,
-        estimator=estimator,
+        algorithm=algorithm,
         generator=generator,
         policy=policy,
         reference=models["reference"],
@@ -155,36 +153,9 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
     )
 
 
-def build_model(role: str, cfg, device: torch.device, total_optimizer_steps: int, tokenizer=None):
-    """The component of ``role`` (actor, ref, critic, reward, generator) on ``device``: each local model, and what
-    every Ray worker builds for its rank. ``tokenizer`` (the generator's) is loaded when not given."""
-    model = cfg.model
-    if role == "actor":
-        return registry.build(
-            "policy", cfg.policy.name, key="policy.name", cfg=cfg.policy, model_cfg=model, train_cfg=cfg.train,
-            total_optimizer_steps=total_optimizer_steps, device=device,
-        )
-    if role == "critic":
-        return registry.build(
-            "critic", cfg.critic.name, key="critic.name", cfg=cfg.critic, model_cfg=model, init_path=critic_init_path(cfg),
-            train_cfg=cfg.train, total_optimizer_steps=total_optimizer_steps, device=device,
-        )
-    if role == "ref":
-        return registry.build("reference", cfg.reference.name, key="reference.name", cfg=cfg.reference, model_cfg=model, device=device)
-    if role == "reward":
-        return RewardModelScorer(cfg.reward, model.dtype, device, cfg.train.micro_batch_size)
-    if role == "generator":
-        if tokenizer is None:
-            tokenizer = load_tokenizer(model.tokenizer or model.name_or_path, model.revision, model.trust_remote_code)
-        return registry.build("generator", cfg.generator.name, key="generator.name", cfg=cfg.generator, model_cfg=model, tokenizer=tokenizer, device=device)
-    raise ValueError(f"unknown role {role!r}")
-
-
-def build_local_models(cfg, sizes: DerivedSizes, estimator, tokenizer, device) -> dict[str, Any]:
+def build_local_models(cfg, sizes: DerivedSizes, algorithm, tokenizer, device) -> dict[str, Any]:
     """Every model this run uses, in this process, on ``device``."""
-    from rlhf.distributed.layout import used_roles
-
-    built = {role: build_model(role, cfg, device, sizes.optimizer_steps, tokenizer) for role in used_roles(cfg, estimator)}
+    built = {role: build_model(role, cfg, device, sizes.optimizer_steps, tokenizer) for role in used_roles(cfg, algorithm)}
     if "ref" not in built:
         log.info("reference model not loaded: algorithm.beta=0 disables the KL term")
     if "critic" in built:
@@ -195,11 +166,9 @@ def build_local_models(cfg, sizes: DerivedSizes, estimator, tokenizer, device) -
     }
 
 
-def build_remote_models(cfg, sizes: DerivedSizes, estimator, tokenizer) -> tuple[dict[str, Any], Any]:
+def build_remote_models(cfg, sizes: DerivedSizes, algorithm, tokenizer) -> tuple[dict[str, Any], Any]:
     """Every model as Ray workers placed per `cluster.roles` / `cluster.colocate` (rlhf.distributed.cluster)."""
-    from rlhf.distributed.cluster import start
-
-    backend, handles = start(cfg, estimator, sizes.optimizer_steps, int(tokenizer.pad_token_id))
+    backend, handles = start(cfg, algorithm, sizes.optimizer_steps, int(tokenizer.pad_token_id))
     reward = None
     if handles["reward"] is not None:
         reward = RewardModelScorer(cfg.reward, cfg.model.dtype, torch.device("cpu"), cfg.train.micro_batch_size, handles["reward"].raw_scores)

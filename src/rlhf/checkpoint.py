@@ -116,7 +116,7 @@ def save(c, root: Path, step: int, run_state: dict[str, Any], keep_last: int, st
         "step": step,
         "run": run_state,
         "prompts": stream_states["prompts"] if stream_states else c.prompts.state_dict(),
-        "estimator": c.estimator.state_dict() if hasattr(c.estimator, "state_dict") else {},
+        "algorithm": c.algorithm.state_dict() if hasattr(c.algorithm, "state_dict") else {},
         "rewards": stream_states["rewards"] if stream_states else c.rewards.state_dict(),
         "rng": _rng_state(),
     }
@@ -151,8 +151,8 @@ def load(c, path: Path) -> dict[str, Any]:
             raise ConfigError(f"resume: {path} has no critic state, but this run trains a critic")
         c.critic.load_checkpoint(path / "critic")
     c.prompts.load_state_dict(state["prompts"])
-    if hasattr(c.estimator, "load_state_dict"):
-        c.estimator.load_state_dict(state["estimator"])
+    if hasattr(c.algorithm, "load_state_dict"):
+        c.algorithm.load_state_dict(state["algorithm"])
     c.rewards.load_state_dict(state["rewards"])
     rng = torch.load(path / "rng.pt", weights_only=True)
     torch.set_rng_state(rng["torch_rng"])

@@ -12,7 +12,10 @@ from typing import Any, Callable
 
 from rlhf.config.errors import ConfigError
 
-KINDS = ("dataset", "preference_dataset", "generator", "policy", "reference", "critic", "reward", "estimator", "schedule")
+KINDS = (
+    "dataset", "preference_dataset", "generator", "policy", "reference", "critic", "reward", "advantage", "policy_loss",
+    "schedule",
+)
 
 _REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {kind: {} for kind in KINDS}
 _BUILTINS_LOADED = False
@@ -47,9 +50,7 @@ def _load_builtins() -> None:
         "rlhf.data.arith",
         "rlhf.data.mix",
         "rlhf.data.preferences",
-        "rlhf.estimators",
-        "rlhf.estimators.dpo",
-        "rlhf.estimators.ppo",
+        "rlhf.algorithms",
         "rlhf.models.critic",
         "rlhf.generators.hf",
         "rlhf.generators.vllm",
@@ -92,6 +93,11 @@ def resolve(kind: str, name: str, key: str | None = None) -> Callable[..., Any]:
         return getattr(module, attr)
     except AttributeError:
         raise RegistryError(f"module {module_name!r} has no attribute {attr!r} for {kind} {name!r}{where}") from None
+
+
+def trait(component: Any, name: str, default: Any = None) -> Any:
+    """A registered component's declared trait (``config_keys``, ``pairwise``, ...); a user's own may declare none."""
+    return getattr(component, name, default)
 
 
 def build(kind: str, name: str, key: str | None = None, **kwargs: Any) -> Any:

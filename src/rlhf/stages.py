@@ -1,31 +1,36 @@
 """The stages of one RL step, shared by every schedule: generate, score, prepare, update, evaluate.
 
-Schedules decide when these run; the RL math they call lives in `rlhf.functional` and the estimators.
+Schedules decide when these run; the RL math they call lives in `rlhf.functional` and `rlhf.algorithms`.
+Every stage passes on one type, `rlhf.trajectory.Trajectories`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from rlhf import functional as F
 from rlhf.data.prompts import PromptExample
-from rlhf.estimators.base import StepInputs, TrainBatch
-from rlhf.generators.base import Rollout, SamplingParams
+from rlhf.generators.base import SamplingParams
+from rlhf.trajectory import Trajectories
 
 
 @dataclass
 class Scored:
-    """A rollout with its decoded texts and scores."""
+    """Generated trajectories with their scores (``batch.scores``) and decoded texts."""
 
-    rollout: Rollout
+    batch: Trajectories  # on the CPU, with group ids and scores
     prompts: list[str]  # (B,) prompt texts, each repeated num_samples_per_prompt times in a row
-    responses: list[str]  # (B,) decoded responses, special tokens removed
-    scores: torch.Tensor  # (B,) summed reward after the non-stop penalty
+    responses: list[str]  # (B,) decoded completions, special tokens removed
     metrics: dict[str, float]  # per-function reward means and the verifiable correct rate
     versions: torch.Tensor | None = None  # (B,) policy version that generated each row (async schedule), else None
+
+    @property
+    def scores(self) -> torch.Tensor:
+        """(B,) summed reward after the non-stop penalty."""
+        return self.batch.scores
 
 
 def sampling_params(gen_cfg, greedy: bool = False) -> SamplingParams:
@@ -38,8 +43,8 @@ def generate_and_score(
 ) -> Scored:
     """Sample ``samples_per_prompt`` responses per prompt (grouped in a row), decode them, score them."""
     repeated = repeat_prompts(examples, samples_per_prompt)
-    rollout = c.generator.generate([list(ex.token_ids) for ex in repeated], sampling)
-    return score(c, repeated, rollout, training)
+    batch = c.generator.generate([list(ex.token_ids) for ex in repeated], sampling)
+    return score(c, repeated, with_groups(batch, samples_per_prompt), training)
 
 
 def repeat_prompts(examples: list[PromptExample], samples_per_prompt: int) -> list[PromptExample]:
@@ -47,36 +52,41 @@ def repeat_prompts(examples: list[PromptExample], samples_per_prompt: int) -> li
     return [ex for ex in examples for _ in range(samples_per_prompt)]
 
 
-def score(c, repeated: list[PromptExample], rollout: Rollout, training: bool = True) -> Scored:
-    """Decode and score a rollout of the prompts ``repeated`` (one row each)."""
-    responses = c.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
+def with_groups(batch: Trajectories, samples_per_prompt: int) -> Trajectories:
+    """The rows' group ids: each run of ``samples_per_prompt`` consecutive rows shares a prompt."""
+    groups = torch.arange(len(batch) // samples_per_prompt, device=batch.group_id.device)
+    return replace(batch, group_id=groups.repeat_interleave(samples_per_prompt))
+
+
+def score(c, repeated: list[PromptExample], batch: Trajectories, training: bool = True) -> Scored:
+    """Decode and score trajectories of the prompts ``repeated`` (one row each)."""
+    responses = c.tokenizer.batch_decode(batch.window_ids, skip_special_tokens=True)
     prompts = [ex.text for ex in repeated]
-    scores, metrics = c.rewards.score(prompts, responses, [ex.ground_truth for ex in repeated], rollout, training)
-    return Scored(rollout.to("cpu"), prompts, responses, scores, metrics)
+    scores, metrics = c.rewards.score(prompts, responses, [ex.ground_truth for ex in repeated], batch, training)
+    return Scored(replace(batch, scores=scores).to("cpu"), prompts, responses, metrics)
 
 
-def prepare(c, scored: Scored, temperature: float, micro_batch_size: int, samples_per_prompt: int) -> tuple[TrainBatch, dict[str, float]]:
-    """Pre-update policy logprobs, reference logprobs and critic values, then the estimator's batch."""
-    rollout = scored.rollout.to(c.device)
-    mask = rollout.response_mask
+def prepare(c, scored: Scored, temperature: float, micro_batch_size: int) -> tuple[Trajectories, dict[str, float]]:
+    """Pre-update policy logprobs, reference logprobs and critic values, then the algorithm's training batch."""
+    batch = scored.batch.to(c.device)
+    mask = batch.loss_mask
     metrics = {
-        "objective/scores": scored.scores.mean().item(),
-        "val/sequence_lengths": rollout.response_lengths.mean().item(),
-        "val/num_stop_token_ids": rollout.stopped.sum().item(),
-        "val/stop_rate": rollout.stopped.float().mean().item(),
+        "objective/scores": batch.scores.mean().item(),
+        "val/sequence_lengths": batch.action_lengths.mean().item(),
+        "val/num_stop_token_ids": batch.stopped.sum().item(),
+        "val/stop_rate": batch.stopped.float().mean().item(),
     }
-    old_logp = ref_logp = values = None
-    if c.estimator.needs_old_logprobs:
-        old_logp, entropy = c.policy.rollout_logprobs(rollout, temperature, micro_batch_size, with_entropy=True)
+    if c.algorithm.needs_old_logprobs:
+        old_logp, entropy = c.policy.rollout_logprobs(batch, temperature, micro_batch_size, with_entropy=True)
+        batch = replace(batch, old_logp=old_logp)
         metrics["objective/entropy"] = F.masked_sum(entropy, mask, dim=1).mean().item()
-        metrics["val/generator_logprob_diff"] = F.masked_mean((rollout.logprobs - old_logp).abs(), mask).item()
+        metrics["val/generator_logprob_diff"] = F.masked_mean((batch.gen_logp - old_logp).abs(), mask).item()
     if c.reference is not None:
-        ref_logp = c.reference.rollout_logprobs(rollout, temperature, micro_batch_size)
+        batch = replace(batch, ref_logp=c.reference.rollout_logprobs(batch, temperature, micro_batch_size))
     if c.critic is not None:
-        values = c.critic.rollout_values(rollout, micro_batch_size)
-    inputs = StepInputs(rollout, scored.scores.to(c.device), old_logp, ref_logp, values, samples_per_prompt)
-    batch, estimator_metrics = c.estimator.build_batch(inputs)
-    return batch, metrics | estimator_metrics
+        batch = replace(batch, values=c.critic.rollout_values(batch, micro_batch_size))
+    batch, algorithm_metrics = c.algorithm.build_batch(batch)
+    return batch, metrics | algorithm_metrics
 
 
 def trained_models(c) -> list[tuple[str, object]]:
@@ -84,25 +94,30 @@ def trained_models(c) -> list[tuple[str, object]]:
     return [("policy", c.policy)] + ([("critic", c.critic)] if c.critic is not None else [])
 
 
-def update_policy(c, batch: TrainBatch, train_cfg, temperature: float, guard) -> dict[str, float]:
+def update_policy(c, batch: Trajectories, train_cfg, temperature: float, guard) -> dict[str, float]:
     """`train.num_epochs` passes over the batch in shuffled mini batches, accumulating micro batches.
 
-    Micro-batch sizes count samples; for pairwise estimators (DPO) a mini batch holds whole pairs. A non-finite
+    Micro-batch sizes count samples; for pairwise algorithms (DPO) a mini batch holds whole pairs. A non-finite
     loss in any trained model drops every model's gradients for that mini batch; a non-finite gradient norm skips
     that model's update. Either way ``guard`` counts the mini batch and stops the run after too many in a row.
-    Returns the estimator's metrics averaged over mini batches, and gradient norms.
+    Returns the algorithm's metrics averaged over mini batches, and gradient norms.
     """
     units = batch.num_units
     mini_units = units // train_cfg.num_mini_batches
     micro_units = min(mini_units, max(1, train_cfg.micro_batch_size // batch.rows_per_unit))
     trained = trained_models(c)
+    loss_fns = {"policy": "policy_loss", "critic": "value_loss"}  # the algorithm's loss for each trained model
+    with_entropy = c.algorithm.needs_entropy
     sums: dict[str, float] = {}
     count = 0
     for _ in range(train_cfg.num_epochs):
         for mini_ids in torch.randperm(units, generator=c.shuffle).split(mini_units):
             mini = batch.select_units(mini_ids)
-            denominator = c.estimator.denominator(mini)
-            results = [model.accumulate(c.estimator, mini, denominator, micro_units, temperature) for _, model in trained]
+            denominator = c.algorithm.denominator(mini)
+            results = [
+                model.accumulate(getattr(c.algorithm, loss_fns[name]), mini, denominator, micro_units, temperature, with_entropy)
+                for name, model in trained
+            ]
             if not all(finite for finite, _ in results):
                 for _, model in trained:
                     model.zero_grad()
@@ -136,6 +151,6 @@ def evaluate(c, examples: list[PromptExample], gen_cfg, eval_cfg) -> tuple[dict[
             metrics[f"eval/{name}_correct_rate"] = scored.metrics["objective/verifiable_correct_rate"]
         if "reward/model" in scored.metrics:
             metrics[f"eval/{name}_reward_model"] = scored.metrics["reward/model"]
-        metrics[f"eval/{name}_sequence_lengths"] = scored.rollout.response_lengths.mean().item()
+        metrics[f"eval/{name}_sequence_lengths"] = scored.batch.action_lengths.mean().item()
         results[name] = scored
     return metrics, results

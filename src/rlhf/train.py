@@ -11,35 +11,27 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 from pathlib import Path
 
 import hydra
-import numpy as np
-import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from rlhf import checkpoint, registry
+from rlhf.build import build_components
 from rlhf.config import ConfigError, register_schema, validate
 from rlhf.distributed.remote import WorkerError
-from rlhf.schedules.common import NonFiniteError, NonFiniteGuard
+from rlhf.schedules.common import NonFiniteError, NonFiniteGuard, RunState, StopSignals
+from rlhf.seeding import seed_everything
+from rlhf.tracking.tracker import Tracker
 
 log = logging.getLogger("rlhf")
 
 register_schema()
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
 def train(cfg: DictConfig, out: Path):
     """Validate, build, resume if asked, run the schedule in folder ``out``, export. Returns the final RunState."""
-    from rlhf import checkpoint, registry
-    from rlhf.build import build_components
-
     sizes = validate(cfg)
     schedule = registry.resolve("schedule", cfg.schedule.name, key="schedule.name")
     root = checkpoint.checkpoint_root(cfg, out)
@@ -59,10 +51,6 @@ def train(cfg: DictConfig, out: Path):
 
 def run_schedule(cfg, out: Path, sizes, schedule, components, root: Path, resume_from: Path | None):
     """Resume if asked, run the schedule with tracking, export the final policy. Returns the final RunState."""
-    from rlhf import checkpoint
-    from rlhf.schedules.common import RunState, StopSignals
-    from rlhf.tracking.tracker import Tracker
-
     state = RunState(guard=NonFiniteGuard(cfg.train.max_skipped_steps_in_row))
     if resume_from is not None:
         state = RunState.from_dict(checkpoint.load(components, resume_from), cfg.train.max_skipped_steps_in_row)

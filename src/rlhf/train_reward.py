@@ -18,14 +18,15 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
+from torch.utils.tensorboard import SummaryWriter
 
 from rlhf import registry
 from rlhf.config import ConfigError, register_schema
 from rlhf.data.preferences import encode_pairs
 from rlhf.models.loading import load_tokenizer, pick_device
-from rlhf.models.trainable import clip_gradients, lr_lambda
+from rlhf.models.optim import clip_gradients, lr_lambda
 from rlhf.models.value import load_value_model, sequence_scores
-from rlhf.train import seed_everything
+from rlhf.seeding import seed_everything
 
 log = logging.getLogger("rlhf")
 
@@ -84,8 +85,6 @@ def train(cfg: DictConfig, out: Path) -> dict[str, float]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda("linear", 0, steps))
     writer = None
     if cfg.tensorboard:
-        from torch.utils.tensorboard import SummaryWriter
-
         writer = SummaryWriter(log_dir=str(out / "tensorboard"))
     rng = random.Random(cfg.seed)
     metrics = evaluate(model, splits.eval, tokenizer, device, loop.batch_size)

@@ -43,7 +43,7 @@ class Started:
         self.run.placement_groups.append(pg)
         group, pending = spawn(role, spec, pg, cfg, total_optimizer_steps)
         self.run.groups[f"{role}-{len(self.run.groups)}"] = group
-        group.wait(pending, "setup")
+        group.wait(pending, "setup", cfg.cluster.setup_timeout_s)  # as `start` does: the model-load budget
         return group
 
     def trainer(self, cfg, ranks: int, role: str = "actor") -> RemoteTrainer:

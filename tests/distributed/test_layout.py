@@ -240,6 +240,7 @@ def test_check_fits_rejects_more_nodes_than_have_a_device():
     (["cluster=ray_local", "cluster.roles.reward.devices_per_node=0"],  # checked even for an unused role
      "cluster.roles.reward: num_nodes=1 and devices_per_node=0 must be >= 1"),
     (["cluster=ray_local", "cluster.timeout_s=0"], "cluster.timeout_s=0.0 and cluster.placement_timeout_s=60.0 must be > 0"),
+    (["cluster=ray_local", "cluster.setup_timeout_s=0"], r"cluster.setup_timeout_s=0.0 must be > 0"),
 ])
 def test_validate_rejects(overrides, message):
     cfg = compose_config(overrides)

@@ -51,29 +51,30 @@ class DatasetConfig:
 
 @dataclass
 class AlgorithmConfig:
-    estimator: str = MISSING  # grpo, reinforce, rloo, ppo, online_dpo, or an import path
+    name: str = MISSING  # the preset's name, for the record; `advantage` and `policy_loss` decide what runs
+    advantage: str = MISSING  # grpo, rloo, reinforce, gae (with a critic), rebn, best_vs_worst (pairs), or an import path
+    policy_loss: str = "ppo_clip"  # ppo_clip, gspo, importance_sampling; dpo or ipo (pairwise); or an import path
     num_samples_per_prompt: int = 4  # completions sampled per prompt (the group size for grpo/rloo)
     norm_adv_by_std: bool = True  # grpo: divide group-centred rewards by the group std (false = Dr.GRPO style)
-    whiten_advantages: bool = False  # reinforce/rloo: whiten advantages across the whole batch
-    clip_eps_low: float = 0.2  # clipped surrogate: lower clip range, ratio >= 1 - clip_eps_low
-    clip_eps_high: float = 0.2  # clipped surrogate: upper clip range, ratio <= 1 + clip_eps_high (raise it for clip-higher)
-    dual_clip_c: Optional[float] = None  # dual-clip PPO: cap the loss of negative-advantage tokens at -c*A (c > 1); null = off
+    whiten_advantages: bool = False  # reinforce/rloo/gae: whiten advantages across the whole batch
+    clip_eps_low: float = 0.2  # ppo_clip/gspo: lower clip range, ratio >= 1 - clip_eps_low
+    clip_eps_high: float = 0.2  # ppo_clip/gspo: upper clip range, ratio <= 1 + clip_eps_high (raise it for clip-higher)
+    dual_clip_c: Optional[float] = None  # ppo_clip: cap the loss of negative-advantage tokens at -c*A (c > 1); null = off
     tis_clip: Optional[float] = None  # truncated importance sampling: weight token losses by min(pi_trainer / pi_generator, tis_clip); null = off
     loss_agg: str = "token_mean"  # token_mean, seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm (Dr.GRPO)
     loss_agg_norm: Optional[float] = None  # seq_mean_token_sum_norm's constant divisor; null = generator.max_new_tokens
-    beta: float = 0.0  # KL coefficient to the reference (DPO: the DPO temperature); 0 disables the reference
+    beta: float = 0.0  # KL coefficient to the reference (pairwise losses: the DPO temperature); 0 disables the reference
     kl_estimator: str = "k3"  # k1 (log ratio), k2 (squared log ratio / 2) or k3 (unbiased, non-negative)
     kl_in_reward: bool = False  # true: -beta*KL is added to the reward; false: beta*KL is a loss term
     kl_ctl: str = "fixed"  # fixed coefficient, or adaptive (moves beta so the KL tracks target_kl)
-    target_kl: float = 6.0  # adaptive KL: the per-sequence KL to aim for
-    kl_horizon: int = 10000  # adaptive KL: samples over which the coefficient adapts
+    target_kl: float = 6.0  # kl_ctl=adaptive: the per-sequence KL to aim for
+    kl_horizon: int = 10000  # kl_ctl=adaptive: samples over which the coefficient adapts
     entropy_coef: float = 0.0  # entropy bonus: loss -= entropy_coef * entropy
-    gamma: float = 1.0  # ppo: discount over response tokens
-    lam: float = 0.95  # ppo: GAE lambda
-    vf_coef: float = 0.1  # ppo: weight of the value loss
-    cliprange_value: Optional[float] = 0.2  # ppo: value clip range around the old values; null = unclipped
-    dpo_loss_type: str = "sigmoid"  # online_dpo: sigmoid (DPO) or ipo
-    reuse_training_logprobs: bool = False  # online_dpo: skip the pre-update forward; KL/entropy come from the training forward
+    gamma: float = 1.0  # gae/rebn: discount over tokens (gae) or turns (rebn)
+    lam: float = 0.95  # gae: GAE lambda
+    vf_coef: float = 0.1  # gae: weight of the critic's value loss
+    cliprange_value: Optional[float] = 0.2  # gae: value clip range around the old values; null = unclipped
+    reuse_training_logprobs: bool = False  # pairwise: skip the pre-update forward; KL/entropy come from the training forward
 
 
 @dataclass
@@ -83,7 +84,7 @@ class GeneratorConfig:
     temperature: float = 1.0  # sampling temperature (also used by the trainer's logprobs)
     top_p: float = 1.0  # nucleus sampling mass
     stop_token: str = "eos"  # `eos` for the tokenizer's EOS, or a literal token that ends a response
-    batch_size: int = 256  # hf: sequences per generate() call, to bound memory
+    batch_size: int = 512  # hf: sequences per generate() call, to bound memory
     num_engines: int = 1  # vllm: engines; 1 on the local backend, the generator role's ranks on ray
     tensor_parallel_size: int = 1  # vllm: devices each engine shards the model over (local backend only, for now)
     gpu_memory_utilization: float = 0.5  # vllm on GPU: share of the device's memory the engine may fill (weights + KV cache)
@@ -192,7 +193,8 @@ class ClusterConfig:
     num_cpus: Optional[int] = None  # ray, private cluster: logical CPUs it offers; null = this machine's count
     cpus_per_gpu: int = 1  # ray, device_type=gpu: CPUs reserved beside each GPU of a placement bundle
     object_store_memory: Optional[int] = None  # ray, private cluster: object-store bytes; null = Ray's default (30% of RAM)
-    timeout_s: float = 600.0  # ray: seconds a remote call or a collective may take before the run fails naming the role
+    timeout_s: float = 600.0  # ray: seconds a remote call or a collective may take once workers are set up, before the run fails naming the role
+    setup_timeout_s: float = 900.0  # ray: seconds each worker may take to start, join its process group and load its model (separate from timeout_s)
     placement_timeout_s: float = 60.0  # ray: seconds to wait for the placement groups to be scheduled
     roles: RolesConfig = field(default_factory=RolesConfig)  # ray: nodes and devices of each role
     colocate: list[list[str]] = field(default_factory=list)  # ray: roles sharing the same devices, e.g. [[actor, ref], [critic, reward]]
@@ -229,7 +231,7 @@ class RunConfig:
     resume: Optional[str] = None  # null = fresh; auto = newest complete checkpoint in checkpoint.dir (fresh if none); or a checkpoint folder
     model: ModelConfig = field(default_factory=ModelConfig)  # the policy's starting model
     dataset: DatasetConfig = field(default_factory=DatasetConfig)  # where prompts come from
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # estimator and loss
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # advantage estimator, policy loss, KL, entropy
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)  # rollout backend and sampling
     reward: RewardConfig = field(default_factory=RewardConfig)  # how completions are scored
     policy: PolicyConfig = field(default_factory=PolicyConfig)  # the trained model's backend

@@ -11,14 +11,16 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
+from rlhf.algorithms import build_algorithm
 from rlhf.config.errors import require as _require
 from rlhf.config.generation_checks import check_generation
+from rlhf.config.ownership import check_ownership
+from rlhf.distributed.layout import validate_cluster
 from rlhf.functional.losses import LOSS_AGGREGATIONS
 from rlhf.models.dtypes import DTYPES
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_CONTROLLERS = ("fixed", "adaptive")
-DPO_LOSSES = ("sigmoid", "ipo")
 LR_SCHEDULES = ("constant", "linear")
 
 
@@ -39,8 +41,8 @@ class DerivedSizes:
         return dict(self.__dict__)
 
 
-def derive_sizes(cfg: DictConfig) -> DerivedSizes:
-    """Check the batch arithmetic and return the derived sizes."""
+def derive_sizes(cfg: DictConfig, pairwise: bool = False) -> DerivedSizes:
+    """Check the batch arithmetic and return the derived sizes (``pairwise``: units are chosen/rejected pairs)."""
     train, algo = cfg.train, cfg.algorithm
     for key, value in (
         ("train.num_steps", train.num_steps),
@@ -52,7 +54,7 @@ def derive_sizes(cfg: DictConfig) -> DerivedSizes:
     ):
         _require(value >= 1, f"{key}={value} must be >= 1")
     samples = train.prompts_per_step * algo.num_samples_per_prompt
-    if getattr(estimator_class(cfg), "pairwise", False):
+    if pairwise:
         return _derive_pairwise_sizes(cfg, samples)
     _require(
         samples % train.num_mini_batches == 0,
@@ -72,19 +74,19 @@ def derive_sizes(cfg: DictConfig) -> DerivedSizes:
 
 
 def _derive_pairwise_sizes(cfg: DictConfig, samples: int) -> DerivedSizes:
-    """online_dpo trains on one pair (2 samples) per prompt; mini and micro batches hold whole pairs."""
+    """Pairwise algorithms (online DPO) train on one pair (2 samples) per prompt; batches hold whole pairs."""
     train = cfg.train
     pairs = train.prompts_per_step
     _require(
         pairs % train.num_mini_batches == 0,
-        f"{cfg.algorithm.estimator} trains on one pair per prompt: {pairs} pairs per step (train.prompts_per_step) "
+        f"algorithm.advantage={cfg.algorithm.advantage} trains on one pair per prompt: {pairs} pairs per step (train.prompts_per_step) "
         f"is not divisible by train.num_mini_batches={train.num_mini_batches}",
     )
     mini = pairs // train.num_mini_batches
     micro_pairs = min(train.micro_batch_size // 2, mini)
     _require(
         train.micro_batch_size % 2 == 0 and mini % micro_pairs == 0,
-        f"{cfg.algorithm.estimator}: train.micro_batch_size={train.micro_batch_size} counts samples (2 per pair) and "
+        f"algorithm.advantage={cfg.algorithm.advantage}: train.micro_batch_size={train.micro_batch_size} counts samples (2 per pair) and "
         f"must be an even number whose half divides the {mini} pairs of a mini batch",
     )
     return _sizes(cfg, samples, pairs, mini, mini // micro_pairs)
@@ -107,21 +109,14 @@ def _sizes(cfg: DictConfig, samples: int, units: int, mini: int, accum: int) -> 
     )
 
 
-def estimator_class(cfg: DictConfig):
-    """The class `algorithm.estimator` names (its class attributes drive the checks below)."""
-    from rlhf import registry  # late: the registry imports the built-in components
-
-    return registry.resolve("estimator", cfg.algorithm.estimator, key="algorithm.estimator")
-
-
 def validate(cfg: DictConfig) -> DerivedSizes:
     """Every check that needs no model: choices, ranges, batch arithmetic. Returns the derived sizes."""
     algo, gen, train = cfg.algorithm, cfg.generator, cfg.train
-    estimator = estimator_class(cfg)
-    min_samples = getattr(estimator, "min_samples_per_prompt", 1)
+    algorithm = build_algorithm(algo, gen.max_new_tokens)
+    min_samples = algorithm.min_samples_per_prompt
     _require(
         algo.num_samples_per_prompt >= min_samples,
-        f"algorithm.estimator={algo.estimator} compares samples within a prompt's group, so "
+        f"algorithm.advantage={algo.advantage} compares samples within a prompt's group, so "
         f"algorithm.num_samples_per_prompt must be >= {min_samples} (got {algo.num_samples_per_prompt})",
     )
     _require(
@@ -134,8 +129,8 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     )
     _require(algo.beta >= 0, f"algorithm.beta={algo.beta} must be >= 0")
     _require(
-        not getattr(estimator, "pairwise", False) or algo.beta > 0,
-        f"algorithm.estimator={algo.estimator} uses algorithm.beta as the DPO temperature; set it > 0 (e.g. 0.1)",
+        not algorithm.pairwise or algo.beta > 0,
+        f"algorithm.policy_loss={algo.policy_loss} uses algorithm.beta as the DPO temperature; set it > 0 (e.g. 0.1)",
     )
     _require(
         algo.kl_ctl != "adaptive" or algo.beta > 0,
@@ -159,11 +154,9 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     )
     _require(algo.tis_clip is None or algo.tis_clip > 0, f"algorithm.tis_clip={algo.tis_clip} must be > 0 (or null to turn it off)")
     _require(
-        algo.tis_clip is None or not getattr(estimator, "pairwise", False),
-        f"algorithm.tis_clip weights policy-gradient token losses; {algo.estimator} has none, set it to null",
-    )
-    _require(
-        algo.dpo_loss_type in DPO_LOSSES, f"algorithm.dpo_loss_type={algo.dpo_loss_type!r}; choose one of {', '.join(DPO_LOSSES)}"
+        algo.tis_clip is None or not algorithm.pairwise,
+        f"algorithm.tis_clip weights policy-gradient token losses; algorithm.policy_loss={algo.policy_loss} has none, "
+        f"set it to null",
     )
     _require(0 <= algo.gamma <= 1 and 0 <= algo.lam <= 1, f"algorithm.gamma={algo.gamma} and algorithm.lam={algo.lam} must be in [0, 1]")
     _require(
@@ -224,9 +217,8 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         f"train.max_skipped_steps_in_row={train.max_skipped_steps_in_row} must be >= 1",
     )
     _require(cfg.logging.log_every >= 1, f"logging.log_every={cfg.logging.log_every} must be >= 1")
-    sizes = derive_sizes(cfg)
-    from rlhf.distributed.layout import validate_cluster  # late: it imports the strategies module
-
-    ranks = validate_cluster(cfg, estimator(cfg=algo, gen_cfg=gen), sizes.samples_per_step, sizes.mini_batch_size)
+    check_ownership(cfg, algorithm)
+    sizes = derive_sizes(cfg, algorithm.pairwise)
+    ranks = validate_cluster(cfg, algorithm, sizes.samples_per_step, sizes.mini_batch_size)
     check_generation(cfg, ranks)
     return sizes

@@ -39,3 +39,6 @@ def arith_dataset(cfg, tokenizer, seed: int = 1) -> PromptSplits:
     shuffled = examples[:]
     random.Random(0).shuffle(shuffled)
     return PromptSplits(train=shuffled[cfg.eval_size :], eval=shuffled[: cfg.eval_size])
+
+
+arith_dataset.config_keys = ("max_operand", "eval_size", "max_prompt_length")  # the `dataset.*` keys it reads

@@ -18,6 +18,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from datasets import load_dataset
+from omegaconf import OmegaConf
+
 from rlhf.data.prompts import PromptExample, PromptSplits
 from rlhf.data.templates import resolve_template
 from rlhf.registry import register
@@ -66,8 +69,6 @@ def split_files(folder: Path, split: str) -> list[Path]:
 
 def load_rows(src, seed: int, sanity_check: int | None, key: str) -> list[tuple[int, dict[str, Any]]]:
     """(row index in the split, row) for the rows of one source after `amount` (seeded) and `sanity_check`."""
-    from datasets import load_dataset
-
     local = Path(src.path).expanduser()
     if local.is_file():
         fmt = LOCAL_FORMATS.get(local.suffix)
@@ -270,8 +271,6 @@ def mixed_dataset(cfg, tokenizer, seed: int = 1) -> PromptSplits:
     train_sources = list(cfg.train) or ([{"path": cfg.path, "split": "train", "amount": 1.0, "revision": None}] if cfg.path else [])
     if not train_sources:
         raise ValueError("dataset.name=mix needs dataset.train sources or dataset.path=<file>")
-    from omegaconf import OmegaConf
-
     sources = {"train": [OmegaConf.create(dict(s)) for s in train_sources], "eval": [OmegaConf.create(dict(s)) for s in cfg.eval]}
     template = resolve_template(cfg.chat_template, tokenizer)
     key = cache_key(cfg, seed, template, tokenizer, sources)
@@ -288,3 +287,9 @@ def mixed_dataset(cfg, tokenizer, seed: int = 1) -> PromptSplits:
         log.info("dataset cached: %s", path)
     log_report(splits.report)
     return splits
+
+
+mixed_dataset.config_keys = (  # the `dataset.*` keys it reads
+    "train", "eval", "eval_holdout", "path", "prompt_key", "sft_messages_key", "ground_truth_key", "chat_template",
+    "max_prompt_length", "strict", "sanity_check", "cache_dir",
+)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from rlhf.config.errors import ConfigError
 from rlhf.distributed.layout import PlacementSpec, bundle_resources, check_fits, placement_specs, used_roles
 from rlhf.distributed.remote import ActorGroup, RemoteGenerator, RemoteReplicas, RemoteTrainer
+from rlhf.distributed.workers import RoleWorker
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +89,6 @@ def spawn(role: str, spec: PlacementSpec, pg, cfg, total_optimizer_steps: int) -
     ray = import_ray()
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from rlhf.distributed.workers import RoleWorker
-
     cluster = cfg.cluster
     share = 1.0 / len(spec.roles)
     bundle = bundle_resources(cluster)
@@ -102,13 +101,13 @@ def spawn(role: str, spec: PlacementSpec, pg, cfg, total_optimizer_steps: int) -
         for rank in range(spec.ranks)
     ]
     group = ActorGroup(role, actors, cluster.timeout_s)
-    first = group.wait({0: actors[0].ping.remote()}, "start-up")[0]
+    first = group.wait({0: actors[0].ping.remote()}, "start-up", cluster.setup_timeout_s)[0]
     return group, {rank: actor.setup.remote(first["ip"], first["port"]) for rank, actor in enumerate(actors)}
 
 
-def start(cfg, estimator, total_optimizer_steps: int, pad_id: int):
+def start(cfg, algorithm, total_optimizer_steps: int, pad_id: int):
     """Place and start every role this run uses. Returns (RayRun, {role: driver-side handle})."""
-    roles = used_roles(cfg, estimator)
+    roles = used_roles(cfg, algorithm)
     specs = placement_specs(cfg.cluster, roles)
     run = RayRun(started_ray=connect(cfg.cluster))
     try:
@@ -119,7 +118,7 @@ def start(cfg, estimator, total_optimizer_steps: int, pad_id: int):
             for role in spec.roles:
                 run.groups[role], pending[role] = spawn(role, spec, pg, cfg, total_optimizer_steps)
         for role, refs in pending.items():
-            run.groups[role].wait(refs, "setup (process group and model load)")
+            run.groups[role].wait(refs, "setup (process group and model load)", cfg.cluster.setup_timeout_s)
     except BaseException:
         run.shutdown()
         raise

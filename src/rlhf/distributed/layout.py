@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlhf.config.errors import ConfigError
+from rlhf.distributed.strategies import STRATEGIES
 
 ROLES = ("actor", "ref", "critic", "reward", "generator")
 
@@ -30,12 +31,12 @@ class PlacementSpec:
         return f"{'+'.join(self.roles)}: {self.num_nodes} node(s) x {self.devices_per_node} = {self.ranks}"
 
 
-def used_roles(cfg, estimator) -> list[str]:
+def used_roles(cfg, algorithm) -> list[str]:
     """The roles this run needs: actor and generator always; ref, critic and reward when the run uses them."""
     roles = ["actor"]
-    if estimator.needs_reference:
+    if algorithm.needs_reference:
         roles.append("ref")
-    if estimator.needs_critic:
+    if algorithm.needs_critic:
         roles.append("critic")
     if cfg.reward.path:
         roles.append("reward")
@@ -115,8 +116,6 @@ def check_fits(specs: list[PlacementSpec], cluster, total: dict[str, float], per
 
 
 def _check_strategy(key: str, strategy, ranks: int, backend: str, role: str) -> None:
-    from rlhf.distributed.strategies import STRATEGIES
-
     name = strategy.name
     if name not in STRATEGIES:
         raise ConfigError(f"{key}.name={name!r}; choose one of {', '.join(STRATEGIES)}")
@@ -135,7 +134,7 @@ def _check_strategy(key: str, strategy, ranks: int, backend: str, role: str) -> 
         raise ConfigError(f"{key}.offload_optimizer needs {key}.name=fsdp2, or deepspeed with zero_stage >= 1 (got {name}, stage {strategy.zero_stage})")
 
 
-def validate_cluster(cfg, estimator, samples_per_step: int, mini_batch_units: int) -> dict[str, int]:
+def validate_cluster(cfg, algorithm, samples_per_step: int, mini_batch_units: int) -> dict[str, int]:
     """Every check of `cluster.*` and the training strategies that needs no running cluster; returns ranks per role."""
     cluster = cfg.cluster
     if cluster.backend not in ("local", "ray"):
@@ -144,7 +143,9 @@ def validate_cluster(cfg, estimator, samples_per_step: int, mini_batch_units: in
         raise ConfigError(f"cluster.device_type={cluster.device_type!r}; choose gpu or cpu")
     if cluster.timeout_s <= 0 or cluster.placement_timeout_s <= 0:
         raise ConfigError(f"cluster.timeout_s={cluster.timeout_s} and cluster.placement_timeout_s={cluster.placement_timeout_s} must be > 0")
-    roles = used_roles(cfg, estimator)
+    if cluster.setup_timeout_s <= 0:
+        raise ConfigError(f"cluster.setup_timeout_s={cluster.setup_timeout_s} must be > 0")
+    roles = used_roles(cfg, algorithm)
     for role in ROLES:
         spec = cluster.roles[role]
         if spec.num_nodes < 1 or spec.devices_per_node < 1:

@@ -1,7 +1,8 @@
 """Driver-side handles of the Ray workers: each role looks to the schedules like its local component.
 
-Every remote call waits at most `cluster.timeout_s`. A rank that raises, dies or does not answer fails the
-run at once with a `WorkerError` naming the role, the rank and the error; the other ranks are not waited for.
+Every remote call waits at most `cluster.timeout_s` (worker start-up and model load: `cluster.setup_timeout_s`).
+A rank that raises, dies or does not answer fails the run at once with a `WorkerError` naming the role, the rank
+and the error; the other ranks are not waited for.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from pathlib import Path
 
 import torch
 
-from rlhf.generators.base import Rollout, SamplingParams, concat_rollouts
-from rlhf.models.trainable import is_share
+from rlhf.generators.base import SamplingParams
+from rlhf.models.optim import is_share
+from rlhf.trajectory import Trajectories, concat
 
 
 class WorkerError(RuntimeError):
@@ -35,20 +37,21 @@ class ActorGroup:
     def __len__(self) -> int:
         return len(self.actors)
 
-    def wait(self, refs: dict, what: str) -> dict:
-        """{rank: result} of ``refs`` ({rank: ObjectRef}); raises WorkerError on the first failure or the timeout."""
+    def wait(self, refs: dict, what: str, timeout_s: float | None = None) -> dict:
+        """{rank: result} of ``refs`` ({rank: ObjectRef}); raises WorkerError on the first failure or the timeout.
+        ``timeout_s`` overrides the group's `cluster.timeout_s` (start-up and set-up pass `cluster.setup_timeout_s`)."""
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
         pending = {ref: rank for rank, ref in refs.items()}
         results = {}
-        deadline = time.monotonic() + self.timeout_s
+        limit, key = (self.timeout_s, "cluster.timeout_s") if timeout_s is None else (timeout_s, "cluster.setup_timeout_s")
+        deadline = time.monotonic() + limit
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 raise WorkerError(
-                    f"{self.role} rank(s) {sorted(pending.values())} did not finish {what} within {self.timeout_s:g} s "
-                    f"(cluster.timeout_s)"
+                    f"{self.role} rank(s) {sorted(pending.values())} did not finish {what} within {limit:g} s ({key})"
                 )
             for ref in ready:
                 rank = pending.pop(ref)
@@ -84,29 +87,36 @@ class ActorGroup:
 
 
 class RemoteTrainer:
-    """A trained model (policy or critic) sharded over a group of training ranks; the `TorchPolicy` /
-    `TorchCritic` interface the stages use. Rows and mini-batch units are split evenly over the ranks
-    (validation makes them divide), so every rank runs the same number of forwards and collectives."""
+    """A trained model (policy or critic) sharded over a group of training ranks, standing in for the local
+    `TorchPolicy` / `TorchCritic`. Calls that split rows or mini-batch units over the ranks are defined here (rows
+    divide evenly, so every rank runs the same number of forwards and collectives); any other method runs on every
+    rank (ranks share collectives) and answers with rank 0's result, so a method added to the trainer needs no copy
+    here."""
 
     def __init__(self, group: ActorGroup) -> None:
         self.group = group
 
-    def _split_rows(self, rollout: Rollout, method: str, *args) -> list:
-        return self.group.call_split(method, len(rollout), rollout.select, *args, every_rank=True)
+    def __getattr__(self, method: str):
+        if method.startswith("_"):
+            raise AttributeError(method)
+        return lambda *args: self.group.call_all(method, *args)[0]
 
-    def rollout_logprobs(self, rollout: Rollout, temperature: float, chunk: int, with_entropy: bool = False):
-        parts = self._split_rows(rollout, "rollout_logprobs", temperature, chunk, with_entropy)
+    def _split_rows(self, batch: Trajectories, method: str, *args) -> list:
+        return self.group.call_split(method, len(batch), batch.select, *args, every_rank=True)
+
+    def rollout_logprobs(self, batch: Trajectories, temperature: float, chunk: int, with_entropy: bool = False):
+        parts = self._split_rows(batch, "rollout_logprobs", temperature, chunk, with_entropy)
         entropy = torch.cat([p[1] for p in parts]) if with_entropy else None
         return torch.cat([p[0] for p in parts]), entropy
 
-    def rollout_values(self, rollout: Rollout, chunk: int) -> torch.Tensor:
-        return torch.cat(self._split_rows(rollout, "rollout_values", chunk))
+    def rollout_values(self, batch: Trajectories, chunk: int) -> torch.Tensor:
+        return torch.cat(self._split_rows(batch, "rollout_values", chunk))
 
-    def accumulate(self, estimator, mini, denominator: torch.Tensor, micro_units: int, temperature: float):
+    def accumulate(self, loss_fn, mini: Trajectories, denominator: torch.Tensor, micro_units: int, *forward_args):
         """Each rank accumulates its share of the mini batch; loss shares add up over ranks, other metrics average."""
         ranks = len(self.group)
         units = torch.arange(mini.num_units)
-        per_rank = {rank: (estimator, mini.select_units(units[sl]), denominator, micro_units, temperature)
+        per_rank = {rank: (loss_fn, mini.select_units(units[sl]), denominator, micro_units, *forward_args)
                     for rank, sl in enumerate(even_slices(mini.num_units, ranks))}
         results = self.group.call("accumulate", per_rank)
         if not all(results[rank][0] for rank in range(ranks)):
@@ -115,34 +125,10 @@ class RemoteTrainer:
         metrics = {key: sum(results[rank][1][key] for rank in range(ranks)) for key in keys}
         return True, {key: value if is_share(key) else value / ranks for key, value in metrics.items()}
 
-    def optimizer_step(self) -> float:
-        return self.group.call_all("optimizer_step")[0]
-
-    def zero_grad(self) -> None:
-        self.group.call_all("zero_grad")
-
-    def offload_optimizer(self) -> None:
-        self.group.call_all("offload_optimizer")
-
-    def reload_optimizer(self) -> None:
-        self.group.call_all("reload_optimizer")
-
-    def release_cached_memory(self) -> None:
-        self.group.call_all("release_cached_memory")
-
     def state_dict(self):
         """A Ray object reference to the full weights (gathered from the shards by rank 0), for the generators."""
         results = self.group.call("state_dict", {rank: () for rank in range(len(self.group))}, put=True)
         return results[0][0]
-
-    def export(self, path: Path, tokenizer) -> None:
-        self.group.call_all("export", path, tokenizer)
-
-    def save_checkpoint(self, path: Path) -> None:
-        self.group.call_all("save_checkpoint", path)
-
-    def load_checkpoint(self, path: Path) -> None:
-        self.group.call_all("load_checkpoint", path)
 
     @property
     def lr(self) -> float:
@@ -155,13 +141,13 @@ class RemoteReplicas:
     def __init__(self, group: ActorGroup) -> None:
         self.group = group
 
-    def rollout_logprobs(self, rollout: Rollout, temperature: float, chunk: int) -> torch.Tensor:
-        """The reference's logprobs (B, Lr)."""
-        return torch.cat(self.group.call_split("rollout_logprobs", len(rollout), rollout.select, temperature, chunk, every_rank=False))
+    def rollout_logprobs(self, batch: Trajectories, temperature: float, chunk: int) -> torch.Tensor:
+        """The reference's logprobs (B, T)."""
+        return torch.cat(self.group.call_split("rollout_logprobs", len(batch), batch.select, temperature, chunk, every_rank=False))
 
-    def raw_scores(self, rollout: Rollout) -> torch.Tensor:
+    def raw_scores(self, batch: Trajectories) -> torch.Tensor:
         """The reward model's raw scores (B,)."""
-        return torch.cat(self.group.call_split("raw_scores", len(rollout), rollout.select, every_rank=False))
+        return torch.cat(self.group.call_split("raw_scores", len(batch), batch.select, every_rank=False))
 
 
 class RemoteGenerator:
@@ -170,9 +156,9 @@ class RemoteGenerator:
     def __init__(self, group: ActorGroup, pad_id: int) -> None:
         self.group, self.pad_id = group, pad_id
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollout:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Trajectories:
         parts = self.group.call_split("generate", len(prompts), prompts.__getitem__, sampling, every_rank=False)
-        return concat_rollouts(parts, self.pad_id)
+        return concat(parts, self.pad_id)
 
     def update_weights(self, state) -> None:
         """``state``: a weights dict or a Ray reference to one (each engine fetches it from the object store).

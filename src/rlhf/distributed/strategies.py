@@ -17,8 +17,18 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
-from rlhf.models.trainable import clip_gradients, load_trainable, make_optimizer, save_trainable, step_if_finite
+from rlhf.models.optim import clip_gradients, load_trainable, make_optimizer, save_trainable, step_if_finite
 
 STRATEGIES = ("auto", "single", "ddp", "fsdp2", "deepspeed")
 
@@ -116,8 +126,6 @@ class DDPStrategy(SingleStrategy):
     name = "ddp"
 
     def wrap(self, module, train_cfg, lr, total_steps, strategy_cfg):
-        from torch.nn.parallel import DistributedDataParallel
-
         device = next(module.parameters()).device
         ddp = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
         self.optimizer, self.scheduler = make_optimizer(module, train_cfg, lr, total_steps)
@@ -136,8 +144,6 @@ class FSDP2Strategy(SingleStrategy):
     name = "fsdp2"
 
     def wrap(self, module, train_cfg, lr, total_steps, strategy_cfg):
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
-
         wanted = strategy_cfg.offload_params or strategy_cfg.offload_optimizer
         offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if wanted else OffloadPolicy()
         for block in shard_units(module):
@@ -147,20 +153,14 @@ class FSDP2Strategy(SingleStrategy):
         return module
 
     def _options(self, **kwargs):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-
         return StateDictOptions(full_state_dict=True, cpu_offload=True, **kwargs)
 
     def full_state_dict(self):
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
         state = strip_prefix(get_model_state_dict(self.module, options=self._options()), self._prefix)
         return state if self.rank == 0 else None
 
     def save(self, path: Path) -> None:
         """Full (unsharded) weights and optimiser state, so a run may resume at another world size."""
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
         weights = self.full_state_dict()
         optim = get_optimizer_state_dict(self.module, self.optimizer, options=self._options())
         if self.rank == 0:
@@ -169,9 +169,6 @@ class FSDP2Strategy(SingleStrategy):
             torch.save({"optimizer": optim, "scheduler": self.scheduler.state_dict()}, path / "optim.pt")
 
     def load(self, path: Path) -> None:
-        from safetensors.torch import load_file
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
         weights = {}
         for shard in sorted((path / "model").glob("*.safetensors")):
             weights |= load_file(shard)

@@ -14,6 +14,9 @@ from datetime import timedelta
 
 import torch
 
+from rlhf.components import build_model
+from rlhf.seeding import seed_everything
+
 
 def free_port() -> int:
     """A TCP port free on this node right now (for the process group's rendezvous)."""
@@ -47,9 +50,6 @@ class RoleWorker:
 
     def setup(self, master_addr: str, master_port: int) -> None:
         """Join the role's process group (training roles) and build the component."""
-        from rlhf.build import build_model
-        from rlhf.train import seed_everything
-
         cfg = self.cfg
         gpu = cfg.cluster.device_type == "gpu"
         device = torch.device("cuda", 0) if gpu else torch.device("cpu")  # Ray sets CUDA_VISIBLE_DEVICES per actor
@@ -60,9 +60,11 @@ class RoleWorker:
                 MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                 WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
             )
+            # the rendezvous and the collectives of a model build belong to setup; a collective that hangs later is
+            # caught by the driver after cluster.timeout_s, which then kills every worker
             torch.distributed.init_process_group(
                 "nccl" if gpu else "gloo", rank=self.rank, world_size=self.world_size,
-                timeout=timedelta(seconds=cfg.cluster.timeout_s),
+                timeout=timedelta(seconds=max(cfg.cluster.timeout_s, cfg.cluster.setup_timeout_s)),
             )
         # training ranks build identical weights (a new critic head included); generation engines sample apart
         seed_everything(cfg.seed + (self.rank if self.role == "generator" else 0))

@@ -1,13 +1,15 @@
 """The RL math as pure tensor functions: no models, no config, each testable on hand-made tensors.
 
-Shapes: B = sequences in a batch, T = response tokens, V = vocabulary, G = samples per prompt.
+Shapes: B = sequences in a batch, T = tokens of the action window (see `rlhf.trajectory`), V = vocabulary, G = samples per prompt.
 """
 
 from rlhf.functional.advantages import (
     baseline_advantages,
     group_normalized_advantages,
+    rebn_advantages,
     rloo_advantages,
     to_token_level,
+    turn_returns,
 )
 from rlhf.functional.gae import gae_advantages, last_token_index, token_level_rewards
 from rlhf.functional.importance import truncated_is_weights
@@ -19,6 +21,8 @@ from rlhf.functional.losses import (
     clipped_policy_loss,
     clipped_value_loss,
     dpo_loss,
+    gspo_policy_loss,
+    importance_sampling_loss,
     loss_denominator,
 )
 from rlhf.functional.masked import masked_mean, masked_sum, masked_var, masked_whiten
@@ -26,8 +30,10 @@ from rlhf.functional.masked import masked_mean, masked_sum, masked_var, masked_w
 __all__ = [
     "baseline_advantages",
     "group_normalized_advantages",
+    "rebn_advantages",
     "rloo_advantages",
     "to_token_level",
+    "turn_returns",
     "gae_advantages",
     "last_token_index",
     "token_level_rewards",
@@ -41,6 +47,8 @@ __all__ = [
     "clipped_policy_loss",
     "clipped_value_loss",
     "dpo_loss",
+    "gspo_policy_loss",
+    "importance_sampling_loss",
     "loss_denominator",
     "masked_mean",
     "masked_sum",

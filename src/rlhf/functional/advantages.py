@@ -46,3 +46,41 @@ def baseline_advantages(scores: torch.Tensor) -> torch.Tensor:
 def to_token_level(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Give every valid response token its sequence's advantage. Shape: (B,), mask (B, T) -> (B, T)."""
     return advantages.unsqueeze(1) * mask
+
+
+def turn_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Discounted return of each turn. Shape: rewards, mask (B, T) -> (per token (B, T), per turn (B, K), exists (B, K)).
+
+    A turn is a run of consecutive valid tokens; its reward is the sum of ``rewards`` over its tokens (the
+    environment's reward sits at the turn's last token). G_k = R_k + gamma * G_{k+1} over the row's turns.
+    Every token of a turn gets the turn's return (0 outside the mask); K = the most turns in a row, and ``exists``
+    marks the turn slots a row really has.
+    """
+    valid = mask.bool()
+    starts = valid & ~torch.nn.functional.pad(valid[:, :-1], (1, 0), value=False)
+    turn = torch.where(valid, starts.long().cumsum(dim=1) - 1, torch.zeros_like(starts, dtype=torch.long))
+    count = int(starts.sum(dim=1).max().item()) if valid.any() else 0
+    per_turn = torch.zeros(rewards.shape[0], max(count, 1), dtype=rewards.dtype, device=rewards.device)
+    per_turn.scatter_add_(1, turn, torch.where(valid, rewards, torch.zeros_like(rewards)))
+    exists = torch.arange(per_turn.shape[1], device=rewards.device) < starts.sum(dim=1, keepdim=True)
+    returns = torch.zeros_like(per_turn)
+    following = torch.zeros_like(per_turn[:, 0])
+    for k in reversed(range(per_turn.shape[1])):
+        following = torch.where(exists[:, k], per_turn[:, k] + gamma * following, following)
+        returns[:, k] = following
+    return torch.where(valid, returns.gather(1, turn), torch.zeros_like(rewards)), returns, exists
+
+
+def rebn_advantages(rewards: torch.Tensor, mask: torch.Tensor, gamma: float, eps: float = 1e-6) -> torch.Tensor:
+    """Per-turn discounted returns with return batch normalisation (REBN), as token advantages.
+
+    Shape: rewards, mask (B, T) -> (B, T). Each turn's return (`turn_returns`) is centred and scaled by the mean
+    and (biased) std over every turn of the batch, each turn counted once; a single-turn row's advantage is its
+    whitened reward. Fewer than two turns: only centred.
+    """
+    per_token, per_turn, exists = turn_returns(rewards, mask, gamma)
+    turns = per_turn[exists]
+    if turns.numel() == 0:
+        return torch.zeros_like(rewards)
+    scale = turns.std(unbiased=False) + eps if turns.numel() > 1 else torch.ones((), dtype=rewards.dtype)
+    return (per_token - turns.mean()) / scale * mask

@@ -27,8 +27,10 @@ def gae_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE over response tokens (Schulman et al., 2016). Shape: (B, T) each -> (advantages (B, T), returns (B, T)).
 
-    delta_t = r_t + gamma * V_{t+1} - V_t and A_t = delta_t + gamma * lam * A_{t+1}, where V and A are 0
-    after the last valid token (the episode ends there). returns = A + V. Both are 0 outside the mask.
+    delta_t = r_t + gamma * V_{t+1} - V_t and A_t = delta_t + gamma * lam * A_{t+1}, where t+1 is the next
+    *valid* token: tokens outside the mask (a multi-turn row's observations) are skipped, not ends of the
+    episode; V and A are 0 after the last valid token (the episode ends there). returns = A + V. Both are 0
+    outside the mask.
     """
     valid = mask.bool()
     values = torch.where(valid, values, torch.zeros_like(values))
@@ -41,6 +43,7 @@ def gae_advantages(
         adv = delta + gamma * lam * next_adv
         adv = torch.where(valid[:, t], adv, torch.zeros_like(adv))
         advantages[:, t] = adv
-        next_value = torch.where(valid[:, t], values[:, t], torch.zeros_like(adv))
-        next_adv = adv
+        next_value = torch.where(valid[:, t], values[:, t], next_value)
+        next_adv = torch.where(valid[:, t], adv, next_adv)
     return advantages, (advantages + values) * mask
+

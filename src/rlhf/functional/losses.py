@@ -42,6 +42,36 @@ def clipped_policy_loss(
     return loss, was_clipped, log_ratio
 
 
+def gspo_policy_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+    clip_eps_low: float, clip_eps_high: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GSPO's clipped surrogate with one ratio per sequence (Zheng et al., 2025), per token, to be minimised.
+
+    Shape: logp, old_logp, advantages, mask (B, T) -> (loss (B, T), clipped (B, T) bool, log_ratio (B, T)).
+    s_i = exp(mean over the sequence's tokens of (logp - old_logp)), the length-normalised sequence ratio. Each
+    token carries s_i (value) with the gradient of its own logp (GSPO-token: s_i,t = sg[s_i] * p_t / sg[p_t]),
+    so loss_t = max(-A_t * s_i,t, -A_t * clip(s_i,t, 1 - eps_low, 1 + eps_high)). ``log_ratio`` is log s_i at
+    every token of the sequence.
+    """
+    seq_log_ratio = masked_sum(logp - old_logp, mask, dim=1) / mask.sum(dim=1).clamp(min=1)
+    log_ratio = seq_log_ratio.detach().unsqueeze(1) + logp - logp.detach()
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped, log_ratio.detach().expand_as(logp)
+
+
+def importance_sampling_loss(logp: torch.Tensor, sampler_logp: torch.Tensor, advantages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unclipped importance-weighted policy gradient, per token, to be minimised: -A * pi / pi_sampler.
+
+    Shape: logp, sampler_logp (the generator's), advantages (B, T) -> (loss (B, T), log_ratio (B, T)). The
+    gradient is -A * ratio * grad log pi: REINFORCE corrected for samples drawn by another distribution.
+    """
+    log_ratio = logp - sampler_logp
+    return -advantages * torch.exp(log_ratio), log_ratio
+
+
 def clipped_value_loss(
     values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip_eps: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,9 +6,10 @@ import torch
 from transformers import GenerationConfig
 
 from rlhf.functional import logprobs_from_logits
-from rlhf.generators.base import Rollout, SamplingParams, concat_rollouts
+from rlhf.generators.base import SamplingParams
 from rlhf.models.loading import load_causal_lm
 from rlhf.registry import register
+from rlhf.trajectory import Trajectories, concat, from_completions
 
 
 def stop_token_id(tokenizer, stop_token: str) -> int:
@@ -69,6 +70,8 @@ def generation_config(sampling: SamplingParams, stop_id: int, pad_id: int) -> Ge
 class HFGenerator:
     """Samples with its own copy of the policy weights, refreshed by `update_weights` after each step."""
 
+    config_keys = ("batch_size",)
+
     def __init__(self, cfg, model_cfg, tokenizer, device: torch.device) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -119,16 +122,16 @@ class HFGenerator:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollout:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Trajectories:
         if self.asleep:
             raise RuntimeError("the generator is asleep; wake_up() it with the new weights before generating")
         chunks = [
             self._generate_chunk(prompts[start : start + self.cfg.batch_size], sampling)
             for start in range(0, len(prompts), self.cfg.batch_size)
         ]
-        return concat_rollouts(chunks, self.pad_id)
+        return concat(chunks, self.pad_id)
 
-    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollout:
+    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingParams) -> Trajectories:
         query_ids, query_mask = left_pad(prompts, self.pad_id)
         query_ids, query_mask = query_ids.to(self.device), query_mask.to(self.device)
         out = self.model.generate(
@@ -144,4 +147,4 @@ class HFGenerator:
             [logprobs_from_logits(step.float().unsqueeze(1) / temperature, raw[:, t : t + 1]).squeeze(1) for t, step in enumerate(out.logits)],
             dim=1,
         )
-        return Rollout(query_ids, query_mask, response_ids, response_mask, logprobs * response_mask, stopped)
+        return from_completions(query_ids, query_mask, response_ids, response_mask, logprobs * response_mask, stopped)

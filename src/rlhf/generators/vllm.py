@@ -13,10 +13,11 @@ import os
 
 import torch
 
-from rlhf.generators.base import Rollout, SamplingParams
+from rlhf.generators.base import SamplingParams
 from rlhf.generators.hf import left_pad, stop_token_id
 from rlhf.models.loading import resolve_model_path
 from rlhf.registry import register
+from rlhf.trajectory import Trajectories, from_completions
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,11 @@ def memory_in_use(device: torch.device) -> int | None:
 class VLLMGenerator:
     """One vLLM engine per process (one per generator rank on the Ray backend)."""
 
+    config_keys = (
+        "num_engines", "tensor_parallel_size", "gpu_memory_utilization", "kv_cache_memory_bytes", "max_model_len",
+        "enable_sleep", "enforce_eager", "enable_prefix_caching",
+    )
+
     def __init__(self, cfg, model_cfg, tokenizer, device: torch.device) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         vllm = import_vllm()
@@ -138,7 +144,7 @@ class VLLMGenerator:
         self.asleep = False
         self.freed_bytes = 0  # what the last sleep released, as `resident_bytes` measures it
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollout:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Trajectories:
         if self.asleep:
             raise RuntimeError("the vLLM engine is asleep; wake_up() it with the new weights before generating")
         outputs = self.llm.generate(
@@ -146,7 +152,7 @@ class VLLMGenerator:
         )
         query_ids, query_mask = left_pad(prompts, self.pad_id)
         response_ids, response_mask, logprobs, stopped = response_rows(outputs, self.stop_id, self.pad_id)
-        return Rollout(query_ids, query_mask, response_ids, response_mask, logprobs, stopped)
+        return from_completions(query_ids, query_mask, response_ids, response_mask, logprobs, stopped)
 
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Replace the weights in place; the prefix cache is dropped, since its KV came from the old weights."""

@@ -2,7 +2,7 @@
 
 A factory registered as kind ``critic`` is called as ``factory(cfg=<critic config>, model_cfg=...,
 init_path=str, train_cfg=..., total_optimizer_steps=int, device=...)`` and returns an object with
-``values(rollout)``, ``rollout_values(rollout, chunk)``, ``micro_loss`` and the optimisation methods of
+``values(batch)``, ``rollout_values(batch, chunk)``, ``micro_loss`` and the optimisation methods of
 `TrainableModel`.
 """
 
@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from rlhf.generators.base import Rollout
 from rlhf.models.dtypes import DTYPES
+from rlhf.models.logprobs import in_chunks
 from rlhf.models.trainable import TrainableModel
-from rlhf.models.value import ValueModule, load_value_model, response_values
+from rlhf.models.value import ValueModule, load_value_model, window_values
 from rlhf.registry import register
+from rlhf.trajectory import Forward, Trajectories
 
 
 @register("critic", "torch")
@@ -30,16 +31,15 @@ class TorchCritic(TrainableModel):
             cfg.strategy, module=ValueModule(model),
         )
 
-    def values(self, rollout: Rollout) -> torch.Tensor:
-        """V(s_t) before each response token, with gradients, in float32. Shape: (B, Lr)."""
+    def values(self, batch: Trajectories) -> torch.Tensor:
+        """V(s_t) before each window token, with gradients, in float32. Shape: (B, T)."""
         with self.autocast():
-            return response_values(self.module, rollout)
+            return window_values(self.module, batch)
 
-    @torch.no_grad()
-    def rollout_values(self, rollout: Rollout, chunk: int) -> torch.Tensor:
-        """`values` without gradients, ``chunk`` rows per forward. Shape: (B, Lr)."""
-        return torch.cat([self.values(part) for part in rollout.chunks(chunk)])
+    def rollout_values(self, batch: Trajectories, chunk: int) -> torch.Tensor:
+        """`values` without gradients, ``chunk`` rows per forward. Shape: (B, T)."""
+        return in_chunks(self.values, batch, chunk)
 
-    def micro_loss(self, estimator, micro, denominator: torch.Tensor, temperature: float):
-        """(the estimator's weighted value loss of micro batch ``micro``, its metrics), with gradients."""
-        return estimator.value_loss(micro, self.values(micro.rollout), denominator)
+    def micro_loss(self, loss_fn, micro: Trajectories, denominator: torch.Tensor, temperature: float, with_entropy: bool):
+        """``loss_fn(micro, Forward(values=...), denominator)``: (loss share, metrics), with gradients."""
+        return loss_fn(micro, Forward(values=self.values(micro)), denominator)

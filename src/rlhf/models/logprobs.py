@@ -1,28 +1,42 @@
-"""Teacher-forced logprobs of rollout responses under a causal LM."""
+"""Teacher-forced logprobs of trajectories' action windows under a causal LM."""
 
 from __future__ import annotations
 
 import torch
 
 from rlhf import functional as F
-from rlhf.generators.base import Rollout
+from rlhf.trajectory import Trajectories
 
 
-def response_logits(model: torch.nn.Module, rollout: Rollout, temperature: float) -> torch.Tensor:
-    """Logits that predict each response token, divided by the sampling temperature. Shape: (B, Lr, V)."""
-    input_ids, attention_mask, position_ids = rollout.model_inputs()
+def window_logits(model: torch.nn.Module, batch: Trajectories, temperature: float) -> torch.Tensor:
+    """Logits that predict each token of the action window, divided by the sampling temperature. Shape: (B, T, V).
+
+    The whole row runs through the model; the vocabulary-sized float logits are kept for the window only.
+    """
+    input_ids, attention_mask, position_ids = batch.model_inputs()
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
-    query_len = rollout.query_ids.shape[1]
-    response_len = rollout.response_ids.shape[1]
+    start, width = batch.window_start, batch.loss_mask.shape[1]
     # the token at position i is predicted by the logits at position i - 1
-    return logits[:, query_len - 1 : query_len - 1 + response_len].float() / temperature
+    return logits[:, start - 1 : start - 1 + width].float() / temperature
 
 
-def response_logprobs(
-    model: torch.nn.Module, rollout: Rollout, temperature: float, with_entropy: bool = False
+def window_logprobs(
+    model: torch.nn.Module, batch: Trajectories, temperature: float, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logprobs (B, Lr), entropy (B, Lr) or None) of each response token; 0 outside the response mask."""
-    logits = response_logits(model, rollout, temperature)
-    logp = F.logprobs_from_logits(logits, rollout.response_ids) * rollout.response_mask
-    entropy = F.entropy_from_logits(logits) * rollout.response_mask if with_entropy else None
+    """(logprobs (B, T), entropy (B, T) or None) of each window token; 0 outside the loss mask."""
+    logits = window_logits(model, batch, temperature)
+    logp = F.logprobs_from_logits(logits, batch.window_ids) * batch.loss_mask
+    entropy = F.entropy_from_logits(logits) * batch.loss_mask if with_entropy else None
     return logp, entropy
+
+
+@torch.no_grad()
+def in_chunks(fn, batch: Trajectories, size: int):
+    """``fn`` on consecutive row chunks of at most ``size`` rows, without gradients; outputs concatenated by row.
+
+    ``fn`` returns a tensor or a tuple of tensors (a None stays None).
+    """
+    parts = [fn(part) for part in batch.chunks(size)]
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat(parts)
+    return tuple(None if column[0] is None else torch.cat(column) for column in zip(*parts))

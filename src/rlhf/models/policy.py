@@ -11,13 +11,13 @@ from pathlib import Path
 
 import torch
 
-from rlhf.estimators.base import Forward
-from rlhf.generators.base import Rollout
 from rlhf.models.dtypes import DTYPES
 from rlhf.models.loading import load_causal_lm
-from rlhf.models.logprobs import response_logprobs
-from rlhf.models.trainable import TrainableModel, clip_and_step, lr_lambda, make_optimizer  # noqa: F401 (re-exported)
+from rlhf.models.logprobs import in_chunks, window_logprobs
+from rlhf.models.optim import clip_and_step, lr_lambda, make_optimizer  # noqa: F401 (re-exported)
+from rlhf.models.trainable import TrainableModel
 from rlhf.registry import register
+from rlhf.trajectory import Forward, Trajectories
 
 
 @register("policy", "torch")
@@ -32,22 +32,19 @@ class TorchPolicy(TrainableModel):
             cfg.strategy,
         )
 
-    def logprobs(self, rollout: Rollout, temperature: float, with_entropy: bool = False):
-        """(logprobs (B, Lr), entropy or None) with gradients enabled, in float32."""
+    def logprobs(self, batch: Trajectories, temperature: float, with_entropy: bool = False):
+        """(logprobs (B, T), entropy or None) of the action window, with gradients enabled, in float32."""
         with self.autocast():
-            return response_logprobs(self.module, rollout, temperature, with_entropy)
+            return window_logprobs(self.module, batch, temperature, with_entropy)
 
-    @torch.no_grad()
-    def rollout_logprobs(self, rollout: Rollout, temperature: float, chunk: int, with_entropy: bool = False):
-        """`logprobs` without gradients, ``chunk`` rows per forward: (logprobs (B, Lr), entropy (B, Lr) or None)."""
-        parts = [self.logprobs(part, temperature, with_entropy) for part in rollout.chunks(chunk)]
-        entropy = torch.cat([p[1] for p in parts]) if with_entropy else None
-        return torch.cat([p[0] for p in parts]), entropy
+    def rollout_logprobs(self, batch: Trajectories, temperature: float, chunk: int, with_entropy: bool = False):
+        """`logprobs` without gradients, ``chunk`` rows per forward: (logprobs (B, T), entropy (B, T) or None)."""
+        return in_chunks(lambda part: self.logprobs(part, temperature, with_entropy), batch, chunk)
 
-    def micro_loss(self, estimator, micro, denominator: torch.Tensor, temperature: float):
-        """(the estimator's policy loss of micro batch ``micro``, its metrics), with gradients."""
-        logp, entropy = self.logprobs(micro.rollout, temperature, with_entropy=estimator.needs_entropy)
-        return estimator.policy_loss(micro, Forward(logp, entropy), denominator)
+    def micro_loss(self, loss_fn, micro: Trajectories, denominator: torch.Tensor, temperature: float, with_entropy: bool):
+        """``loss_fn(micro, Forward(logp, entropy), denominator)``: (loss share, metrics), with gradients."""
+        logp, entropy = self.logprobs(micro, temperature, with_entropy)
+        return loss_fn(micro, Forward(logp=logp, entropy=entropy), denominator)
 
     def export(self, path: Path, tokenizer) -> None:
         """The policy as a plain Hugging Face folder (safetensors, config, tokenizer); every rank calls it."""

@@ -1,18 +1,17 @@
 """The reference policy: a frozen model that only scores responses, for the KL term.
 
 A factory registered as kind ``reference`` is called as ``factory(cfg=<reference config>, model_cfg=...,
-device=...)`` and returns an object with ``logprobs(rollout, temperature) -> (B, Lr)``.
+device=...)`` and returns an object with ``rollout_logprobs(batch, temperature, chunk) -> (B, T)``.
 """
 
 from __future__ import annotations
 
-
 import torch
 
-from rlhf.generators.base import Rollout
 from rlhf.models.loading import load_causal_lm
-from rlhf.models.logprobs import response_logprobs
+from rlhf.models.logprobs import in_chunks, window_logprobs
 from rlhf.registry import register
+from rlhf.trajectory import Trajectories
 
 
 @register("reference", "frozen")
@@ -24,10 +23,6 @@ class FrozenReference:
         self.model = load_causal_lm(path, model_cfg.dtype, model_cfg.revision, model_cfg.trust_remote_code, device).eval()
         self.model.requires_grad_(False)
 
-    @torch.no_grad()
-    def logprobs(self, rollout: Rollout, temperature: float) -> torch.Tensor:
-        return response_logprobs(self.model, rollout, temperature)[0]
-
-    def rollout_logprobs(self, rollout: Rollout, temperature: float, chunk: int) -> torch.Tensor:
-        """`logprobs`, ``chunk`` rows per forward. Shape: (B, Lr)."""
-        return torch.cat([self.logprobs(part, temperature) for part in rollout.chunks(chunk)])
+    def rollout_logprobs(self, batch: Trajectories, temperature: float, chunk: int) -> torch.Tensor:
+        """Logprobs of the action window, ``chunk`` rows per forward, no gradients. Shape: (B, T)."""
+        return in_chunks(lambda part: window_logprobs(self.model, part, temperature)[0], batch, chunk)

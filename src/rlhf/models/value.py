@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification
 from transformers.utils import logging as hf_logging
 
 from rlhf.functional import last_token_index
-from rlhf.generators.base import Rollout
+from rlhf.trajectory import Trajectories
 from rlhf.models.dtypes import DTYPES
 from rlhf.models.loading import disable_dropout, resolve_model_path, zero_dropout_config
 
@@ -96,16 +96,15 @@ class ValueModule(torch.nn.Module):
         return token_scores(self.model, input_ids, attention_mask, position_ids)
 
 
-def response_values(scorer: torch.nn.Module, rollout: Rollout) -> torch.Tensor:
-    """Critic values V(s_t) of the state before each response token. Shape: (B, Lr), 0 outside the mask.
+def window_values(scorer: torch.nn.Module, batch: Trajectories) -> torch.Tensor:
+    """Critic values V(s_t) of the state before each window token. Shape: (B, T), 0 outside the loss mask.
 
     ``scorer`` maps (input_ids, attention_mask, position_ids) to per-token scores: a `ValueModule`, possibly
     wrapped by a training strategy.
     """
-    input_ids, attention_mask, position_ids = rollout.model_inputs()
-    scores = scorer(input_ids, attention_mask, position_ids)
-    start = rollout.query_ids.shape[1] - 1
-    return scores[:, start : start + rollout.response_ids.shape[1]] * rollout.response_mask
+    scores = scorer(*batch.model_inputs())
+    start = batch.window_start - 1
+    return scores[:, start : start + batch.loss_mask.shape[1]] * batch.loss_mask
 
 
 def sequence_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

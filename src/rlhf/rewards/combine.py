@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rlhf import registry
-from rlhf.generators.base import Rollout
+from rlhf.trajectory import Trajectories
 
 
 class RewardSet:
@@ -35,13 +35,13 @@ class RewardSet:
             self.model.moments.load_state_dict(state["model_moments"])
 
     def score(
-        self, prompts: list[str], responses: list[str], ground_truths: list, rollout: Rollout, training: bool = True
+        self, prompts: list[str], responses: list[str], ground_truths: list, batch: Trajectories, training: bool = True
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """(scores (B,), metrics): weighted sum of every function and the model, then the non-stop penalty.
 
         ``training=False`` (evaluation) leaves the reward model's running statistics alone.
         """
-        stopped = rollout.stopped.cpu()
+        stopped = batch.stopped.cpu()
         total = torch.zeros(len(responses))
         verified = torch.ones(len(responses), dtype=torch.bool)
         has_verifier = False
@@ -56,7 +56,7 @@ class RewardSet:
                 has_verifier = True
                 verified &= values > 0
         if self.model is not None:
-            model_scores, model_metrics = self.model.score(rollout, update_stats=training)
+            model_scores, model_metrics = self.model.score(batch, update_stats=training)
             total += self.cfg.model_weight * model_scores
             metrics |= model_metrics
         if self.cfg.non_stop_penalty:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from rlhf.generators.base import Rollout
+from rlhf.models.logprobs import in_chunks
 from rlhf.models.value import load_value_model, sequence_scores
+from rlhf.trajectory import Trajectories
 
 
 class RunningMoments:
@@ -34,9 +35,9 @@ class RunningMoments:
 
 
 class RewardModelScorer:
-    """Loads `reward.path` (a sequence-classification folder) and scores rollouts with it.
+    """Loads `reward.path` (a sequence-classification folder) and scores trajectories with it.
 
-    With ``remote_scores`` (a callable rollout -> (B,) raw scores, such as reward-model replicas on Ray) nothing
+    With ``remote_scores`` (a callable batch -> (B,) raw scores, such as reward-model replicas on Ray) nothing
     loads here; normalisation and clipping still happen here, so their statistics live with the run.
     """
 
@@ -49,16 +50,15 @@ class RewardModelScorer:
             self.model.requires_grad_(False)
         self.moments = RunningMoments()
 
-    @torch.no_grad()
-    def raw_scores(self, rollout: Rollout) -> torch.Tensor:
-        """The model's score of each prompt + response. Shape: (B,)."""
+    def raw_scores(self, batch: Trajectories) -> torch.Tensor:
+        """The model's score of each whole row (prompt and everything after it), at its last token. Shape: (B,)."""
         if self.remote_scores is not None:
-            return self.remote_scores(rollout)
-        return torch.cat([sequence_scores(self.model, *part.model_inputs()[:2]) for part in rollout.chunks(self.chunk)])
+            return self.remote_scores(batch)
+        return in_chunks(lambda part: sequence_scores(self.model, *part.model_inputs()[:2]), batch, self.chunk)
 
-    def score(self, rollout: Rollout, update_stats: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
+    def score(self, batch: Trajectories, update_stats: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
         """(scores (B,) after normalisation and clipping, metrics); evaluation passes ``update_stats=False``."""
-        raw = self.raw_scores(rollout).cpu()
+        raw = self.raw_scores(batch).cpu()
         scores = raw
         if self.cfg.normalize:
             if update_stats:

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 import torch
 
 from rlhf import stages
-from rlhf.generators.base import Rollout, SamplingParams
+from rlhf.generators.base import SamplingParams
 from rlhf.registry import register
 from rlhf.schedules.common import RunState
 from rlhf.schedules.loop import learn, run_steps, timed
+from rlhf.trajectory import Trajectories
 
 log = logging.getLogger("rlhf")
 
@@ -52,13 +53,13 @@ class VersionedGenerator:
             self.inner.update_weights(pending)
             self.version = version
 
-    def generate_versioned(self, prompts: list[list[int]], sampling: SamplingParams) -> tuple[Rollout, int]:
-        """A rollout from the newest published weights, and their version (one version for the whole rollout)."""
+    def generate_versioned(self, prompts: list[list[int]], sampling: SamplingParams) -> tuple[Trajectories, int]:
+        """Trajectories from the newest published weights, and their version (one version for the whole batch)."""
         with self.lock:
             self._load_pending()
             return self.inner.generate(prompts, sampling), self.version
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollout:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Trajectories:
         return self.generate_versioned(prompts, sampling)[0]
 
     def update_weights(self, state_dict, version: int | None = None) -> None:
@@ -121,8 +122,8 @@ class RolloutProducer:
                     self.positions[index] = self._states()
                     examples = self.c.prompts.next_batch(cfg.train.prompts_per_step)
                 repeated = stages.repeat_prompts(examples, cfg.algorithm.num_samples_per_prompt)
-                rollout, version = self.generator.generate_versioned([list(ex.token_ids) for ex in repeated], sampling)
-                scored = stages.score(self.c, repeated, rollout)
+                batch, version = self.generator.generate_versioned([list(ex.token_ids) for ex in repeated], sampling)
+                scored = stages.score(self.c, repeated, stages.with_groups(batch, cfg.algorithm.num_samples_per_prompt))
                 scored.versions = torch.full((len(repeated),), version, dtype=torch.long)
                 self.ready.put(Produced(index, scored, time.perf_counter() - start))
         except BaseException as err:  # handed to the trainer thread, which re-raises it
@@ -219,3 +220,6 @@ def run(c, cfg, sizes, tracker, state: RunState, stop) -> RunState:
     finally:
         producer.close()
         c.generator = generator.inner
+
+
+run.config_keys = ("max_staleness",)  # the `schedule.*` keys it reads

@@ -58,3 +58,6 @@ def run(c, cfg, sizes, tracker, state: RunState, stop) -> RunState:
         if cfg.schedule.offload_optimizer:
             for _, model in stages.trained_models(c):
                 model.reload_optimizer()  # checkpoints and exports expect the state where training keeps it
+
+
+run.config_keys = ("offload_optimizer",)  # the `schedule.*` keys it reads

@@ -91,10 +91,10 @@ def run_steps(
 
 
 def learn(c, cfg, scored: stages.Scored, state: RunState, times: dict[str, float]) -> dict[str, float]:
-    """Score-to-update half of a step: logprobs, values and the estimator's batch, then the optimiser steps."""
+    """Score-to-update half of a step: logprobs, values and the algorithm's batch, then the optimiser steps."""
     train = cfg.train
     with timed(times, "logprobs"):
-        batch, metrics = stages.prepare(c, scored, cfg.generator.temperature, train.micro_batch_size, cfg.algorithm.num_samples_per_prompt)
+        batch, metrics = stages.prepare(c, scored, cfg.generator.temperature, train.micro_batch_size)
     with timed(times, "training"):
         metrics |= stages.update_policy(c, batch, train, cfg.generator.temperature, state.guard)
     return metrics

@@ -7,6 +7,8 @@ import logging
 import time
 from pathlib import Path
 
+from torch.utils.tensorboard import SummaryWriter
+
 log = logging.getLogger("rlhf")
 
 # (metric, console label, format) for the one-line progress report
@@ -57,8 +59,6 @@ class Tracker:
                 _truncate_after(path, resume_step)
         self.writer = None
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
             purge = resume_step + 1 if resume_step is not None else None
             self.writer = SummaryWriter(log_dir=str(output_dir / "tensorboard"), purge_step=purge)
         self.jsonl = open(jsonl, "a", encoding="utf-8")

@@ -1,0 +1,59 @@
+"""Algorithms composed from registered parts: advantage estimators (`advantages`), policy losses
+(`policy_losses`), and the two shapes that wire them (`policy_gradient`, `pairwise`).
+
+`build_algorithm(cfg.algorithm, max_new_tokens)` checks the composition (names, pairwise vs per-token parts) and
+returns the algorithm object the stages call: `build_batch`, `denominator`, `policy_loss`, `value_loss`.
+"""
+
+from __future__ import annotations
+
+from rlhf import registry
+from rlhf.algorithms import advantages, policy_losses  # noqa: F401 (registers the built-in parts)
+from rlhf.algorithms.base import AdvantageInputs, PolicyLoss, register_advantage, register_policy_loss
+from rlhf.algorithms.pairwise import PairwisePreference
+from rlhf.algorithms.policy_gradient import PolicyGradient
+from rlhf.config.errors import ConfigError
+from rlhf.registry import trait
+
+
+def parts(cfg):
+    """(advantage estimator, policy loss) that `algorithm.advantage` and `algorithm.policy_loss` name."""
+    return (
+        registry.resolve("advantage", cfg.advantage, key="algorithm.advantage"),
+        registry.resolve("policy_loss", cfg.policy_loss, key="algorithm.policy_loss"),
+    )
+
+
+def check_composition(cfg) -> None:
+    """ConfigError when the chosen parts do not fit together (a pairwise part with a per-token one)."""
+    advantage, loss = parts(cfg)
+    pairwise_adv, pairwise_loss = bool(trait(advantage, "pairwise", False)), bool(trait(loss, "pairwise", False))
+    per_token = [n for n in registry.names("policy_loss") if not trait(registry.resolve("policy_loss", n), "pairwise", False)]
+    pairwise = [n for n in registry.names("policy_loss") if trait(registry.resolve("policy_loss", n), "pairwise", False)]
+    if pairwise_adv and not pairwise_loss:
+        raise ConfigError(
+            f"algorithm.policy_loss={cfg.policy_loss} trains on per-token advantages, but algorithm.advantage="
+            f"{cfg.advantage} makes (chosen, rejected) pairs; choose a pairwise loss ({', '.join(pairwise)}) or a "
+            f"per-token advantage"
+        )
+    if pairwise_loss and not pairwise_adv:
+        pair_makers = [n for n in registry.names("advantage") if trait(registry.resolve("advantage", n), "pairwise", False)]
+        raise ConfigError(
+            f"algorithm.policy_loss={cfg.policy_loss} trains on preference pairs, but algorithm.advantage={cfg.advantage} "
+            f"gives per-token advantages; choose algorithm.advantage={' or '.join(pair_makers)}, or a per-token loss "
+            f"({', '.join(per_token)})"
+        )
+
+
+def build_algorithm(cfg, max_new_tokens: int):
+    """The algorithm `algorithm.*` composes (cheap: no model); ConfigError for a bad composition."""
+    check_composition(cfg)
+    advantage, _ = parts(cfg)
+    shape = PairwisePreference if trait(advantage, "pairwise", False) else PolicyGradient
+    return shape(cfg, max_new_tokens)
+
+
+__all__ = [
+    "AdvantageInputs", "PairwisePreference", "PolicyGradient", "PolicyLoss", "build_algorithm", "check_composition",
+    "register_advantage", "register_policy_loss",
+]

@@ -1,0 +1,94 @@
+"""How algorithm parts register, and what an advantage estimator is given.
+
+An algorithm is composed from config (`algorithm.advantage`, `algorithm.policy_loss`, plus one KL term, one
+entropy term and one loss aggregation): see `rlhf.algorithms.policy_gradient` and `rlhf.algorithms.pairwise`.
+
+- An advantage estimator is ``fn(inputs: AdvantageInputs, cfg) -> (advantages (B, T), returns (B, T) or None)``;
+  a pairwise one (``pairwise=True``) returns the (chosen (P,), rejected (P,)) row indices of preference pairs.
+- A policy loss is ``fn(logp (B, T), batch: Trajectories, cfg) -> PolicyLoss``; a pairwise one is
+  ``fn(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, beta)`` on summed sequence logprobs (P,)
+  -> (loss (P,), chosen reward (P,), rejected reward (P,)).
+
+``cfg`` is the `algorithm` config node; ``config_keys`` names the keys of it a part reads, so a key that no chosen
+part reads is refused before anything loads (`rlhf.config.ownership`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from rlhf import functional as F
+from rlhf.registry import register, trait  # noqa: F401 (trait: re-exported for the algorithm shapes)
+
+
+def register_advantage(
+    name: str, *, config_keys: tuple[str, ...] = (), needs_critic: bool = False, min_samples_per_prompt: int = 1,
+    pairwise: bool = False,
+) -> Callable:
+    """Decorator: register an advantage estimator under ``name`` with its traits."""
+
+    def add(fn: Callable) -> Callable:
+        fn.config_keys, fn.needs_critic = tuple(config_keys), needs_critic
+        fn.min_samples_per_prompt, fn.pairwise = min_samples_per_prompt, pairwise
+        return register("advantage", name)(fn)
+
+    return add
+
+
+def register_policy_loss(name: str, *, config_keys: tuple[str, ...] = (), pairwise: bool = False) -> Callable:
+    """Decorator: register a policy loss under ``name`` with its traits."""
+
+    def add(fn: Callable) -> Callable:
+        fn.config_keys, fn.pairwise = tuple(config_keys), pairwise
+        return register("policy_loss", name)(fn)
+
+    return add
+
+
+@dataclass
+class PolicyLoss:
+    """A policy loss per token and what it reports. Shapes: (B, T)."""
+
+    loss: torch.Tensor  # to be minimised, per token
+    clipped: torch.Tensor  # bool: tokens whose loss came from a clipped branch
+    log_ratio: torch.Tensor  # log of the importance ratio the loss used (detached where the loss detaches it)
+
+
+@dataclass
+class AdvantageInputs:
+    """One step's rewards as an advantage estimator sees them. Shapes: (B,) per row, (B, T) per window token."""
+
+    scores: torch.Tensor  # (B,) reward after the non-stop penalty
+    mask: torch.Tensor  # (B, T) the loss mask
+    group_size: int  # rows per group; a group's rows are contiguous
+    kl: torch.Tensor | None = None  # (B, T) KL of the pre-update policy to the reference (0 outside the mask)
+    kl_coef: float = 0.0  # this step's KL coefficient
+    kl_in_reward: bool = False  # the KL is a reward penalty (else a loss term, and the rewards are the scores)
+    values: torch.Tensor | None = None  # (B, T) the critic's values (estimators with needs_critic)
+
+    def non_score_rewards(self) -> torch.Tensor:
+        """The KL penalty of each row, -kl_coef * summed KL (0 when the KL is not in the reward). Shape: (B,)."""
+        if self.kl is None or not self.kl_in_reward:
+            return torch.zeros_like(self.scores)
+        return -self.kl_coef * F.masked_sum(self.kl, self.mask, dim=1)
+
+    def sequence_rewards(self) -> torch.Tensor:
+        """Score plus the KL penalty, one per row. Shape: (B,)."""
+        if self.kl is None or not self.kl_in_reward:
+            return self.scores
+        return self.scores + self.non_score_rewards()
+
+    def token_rewards(self) -> torch.Tensor:
+        """The KL penalty at every token plus the score at each row's last action token. Shape: (B, T)."""
+        penalty = -self.kl_coef * self.kl if self.kl is not None and self.kl_in_reward else torch.zeros_like(self.mask)
+        return F.token_level_rewards(self.scores, penalty, self.mask)
+
+
+def make_kl_controller(cfg):
+    """The fixed or adaptive KL coefficient of `algorithm.kl_ctl`."""
+    if cfg.kl_ctl == "adaptive":
+        return F.AdaptiveKLController(cfg.beta, cfg.target_kl, cfg.kl_horizon)
+    return F.FixedKLController(cfg.beta)

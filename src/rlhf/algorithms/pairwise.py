@@ -1,0 +1,86 @@
+"""A pairwise preference algorithm composed from config: online DPO (or IPO) on pairs the reward ranks.
+
+`algorithm.advantage` (e.g. `best_vs_worst`) picks the (chosen, rejected) pairs among each prompt's samples;
+`algorithm.policy_loss` (`dpo`, `ipo`) is the loss on their summed logprobs against the reference's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from rlhf import functional as F
+from rlhf import registry
+from rlhf.algorithms.base import AdvantageInputs
+from rlhf.registry import trait
+from rlhf.trajectory import Forward, Trajectories, group_size
+
+
+class PairwisePreference:
+    """Pairs whose two responses scored the same carry no preference and are left out of the loss.
+
+    With `algorithm.reuse_training_logprobs`, no separate pre-update forward runs: `objective/kl` and
+    `objective/entropy` come from the training forward (one pass fewer per step; the KL is then measured on
+    weights that already moved during the step's earlier mini batches).
+    """
+
+    pairwise = True
+    needs_reference = True
+    needs_critic = False
+
+    def __init__(self, cfg, max_new_tokens: int) -> None:
+        self.cfg = cfg
+        self.pairs = registry.resolve("advantage", cfg.advantage, key="algorithm.advantage")
+        self.pair_loss = registry.resolve("policy_loss", cfg.policy_loss, key="algorithm.policy_loss")
+        self.min_samples_per_prompt = max(2, int(trait(self.pairs, "min_samples_per_prompt", 2)))
+        self.needs_old_logprobs = not cfg.reuse_training_logprobs
+        self.needs_entropy = bool(cfg.reuse_training_logprobs)
+
+    def build_batch(self, batch: Trajectories) -> tuple[Trajectories, dict[str, float]]:
+        """The pairs as consecutive rows (chosen_0, rejected_0, chosen_1, ...), and the step's metrics."""
+        mask = batch.loss_mask
+        chosen, rejected = self.pairs(AdvantageInputs(batch.scores, mask, group_size(batch.group_id)), self.cfg)
+        rows = torch.stack([chosen, rejected], dim=1).reshape(-1)
+        margin = batch.scores[chosen] - batch.scores[rejected]
+        metrics = {
+            "objective/scores_margin": margin.mean().item(),
+            "objective/rlhf_reward": batch.scores.mean().item(),
+            "objective/non_score_reward": 0.0,
+            "val/valid_pairs": (margin > 0).float().mean().item(),
+        }
+        if batch.old_logp is not None:
+            kl = F.kl_per_token(batch.old_logp, batch.ref_logp, self.cfg.kl_estimator) * mask
+            metrics["objective/kl"] = F.masked_sum(kl, mask, dim=1).mean().item()
+        pairs = batch.select(rows)
+        extras = dict(pairs.extras, pair_valid=(margin > 0).float().repeat_interleave(2))
+        return replace(pairs, extras=extras, rows_per_unit=2), metrics
+
+    def denominator(self, mini: Trajectories) -> torch.Tensor:
+        """Valid pairs in the mini batch."""
+        return (mini.extras["pair_valid"].sum() / 2).clamp(min=1)
+
+    def policy_loss(self, micro: Trajectories, out: Forward, denominator: torch.Tensor):
+        """(the micro batch's share of the mini batch's pair loss, metrics)."""
+        mask = micro.loss_mask
+        seq_logp = F.masked_sum(out.logp, mask, dim=1)
+        seq_ref = F.masked_sum(micro.ref_logp, mask, dim=1)
+        valid = micro.extras["pair_valid"][0::2]
+        losses, chosen_reward, rejected_reward = self.pair_loss(
+            seq_logp[0::2], seq_logp[1::2], seq_ref[0::2], seq_ref[1::2], self.cfg.beta
+        )
+        loss = F.masked_sum(losses, valid) / denominator
+        metrics = {
+            "objective/loss": loss.detach(),
+            "logps/chosen": F.masked_mean(seq_logp[0::2].detach(), valid),
+            "logps/rejected": F.masked_mean(seq_logp[1::2].detach(), valid),
+            "reward/chosen": F.masked_mean(chosen_reward, valid),
+            "reward/rejected": F.masked_mean(rejected_reward, valid),
+            "reward_margin": F.masked_mean(chosen_reward - rejected_reward, valid),
+        }
+        if self.cfg.reuse_training_logprobs:
+            kl = F.kl_per_token(out.logp.detach(), micro.ref_logp, self.cfg.kl_estimator) * mask
+            metrics["objective/kl"] = F.masked_sum(kl, mask, dim=1).mean()
+            if out.entropy is not None:
+                metrics["objective/entropy"] = F.masked_sum(out.entropy.detach(), mask, dim=1).mean()
+        return loss, metrics

@@ -1,0 +1,117 @@
+"""A policy-gradient algorithm composed from config: an advantage estimator, a policy loss, one KL term, one
+entropy term and one loss aggregation (plus the critic's value loss when the advantage needs a critic).
+
+`algorithm=grpo|rloo|reinforce|ppo` are presets of this one class; `algorithm.policy_loss=gspo` swaps a part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from rlhf import functional as F
+from rlhf import registry
+from rlhf.algorithms.base import AdvantageInputs, make_kl_controller
+from rlhf.registry import trait
+from rlhf.trajectory import Forward, Trajectories, group_size
+
+
+class PolicyGradient:
+    """Advantages per token from `algorithm.advantage`, minimised through `algorithm.policy_loss`.
+
+    Loss of a mini batch = aggregate(policy loss [* truncated IS weights]) + kl_coef * aggregate(KL to the reference)
+    [when the KL is a loss] - entropy_coef * aggregate(entropy); the critic's is vf_coef * aggregate(value loss).
+    """
+
+    pairwise = False
+    needs_old_logprobs = True
+
+    def __init__(self, cfg, max_new_tokens: int) -> None:
+        self.cfg = cfg
+        self.advantage = registry.resolve("advantage", cfg.advantage, key="algorithm.advantage")
+        self.surrogate = registry.resolve("policy_loss", cfg.policy_loss, key="algorithm.policy_loss")
+        self.needs_critic = bool(trait(self.advantage, "needs_critic", False))
+        self.min_samples_per_prompt = int(trait(self.advantage, "min_samples_per_prompt", 1))
+        self.needs_reference = cfg.beta > 0
+        self.needs_entropy = cfg.entropy_coef != 0
+        self.kl_ctl = make_kl_controller(cfg)
+        self.kl_coef = self.kl_ctl.value  # set again at the start of every step by build_batch
+        self.loss_agg_norm = float(cfg.loss_agg_norm if cfg.loss_agg_norm is not None else max_new_tokens)
+
+    def state_dict(self) -> dict[str, float]:
+        """The KL coefficient (it moves under the adaptive controller)."""
+        return {"kl_coef": self.kl_ctl.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.kl_ctl.value = state["kl_coef"]
+
+    def build_batch(self, batch: Trajectories) -> tuple[Trajectories, dict[str, float]]:
+        """Advantages (and returns) for a scored batch with old/ref logprobs (and values); the step's metrics."""
+        self.kl_coef = self.kl_ctl.value  # the coefficient of this step, in the reward and in the loss alike
+        mask = batch.loss_mask
+        kl = None
+        if batch.ref_logp is not None:
+            kl = F.kl_per_token(batch.old_logp, batch.ref_logp, self.cfg.kl_estimator)
+            kl = torch.where(mask.bool(), kl, torch.zeros_like(kl))
+        inputs = AdvantageInputs(
+            batch.scores, mask, group_size(batch.group_id), kl, self.kl_coef, self.cfg.kl_in_reward, batch.values
+        )
+        advantages, returns = self.advantage(inputs, self.cfg)
+        metrics = {
+            "objective/rlhf_reward": inputs.sequence_rewards().mean().item(),
+            "objective/non_score_reward": inputs.non_score_rewards().mean().item(),
+        }
+        if kl is not None:
+            metrics["objective/kl"] = F.masked_sum(kl, mask, dim=1).mean().item()
+            metrics["objective/kl_coef"] = self.kl_coef
+            self.kl_ctl.update(metrics["objective/kl"], len(batch))  # moves the coefficient for the next step
+        if returns is not None:
+            metrics["val/values"] = F.masked_mean(batch.values, mask).item()
+            metrics["val/returns"] = F.masked_mean(returns, mask).item()
+        extras = dict(batch.extras)
+        if self.cfg.tis_clip is not None:
+            weights, clipped = F.truncated_is_weights(batch.old_logp, batch.gen_logp, mask, self.cfg.tis_clip)
+            extras["is_weights"] = weights
+            metrics["val/is_weight_mean"] = F.masked_mean(weights, mask).item()
+            metrics["val/is_clipfrac"] = F.masked_mean(clipped.float(), mask).item()
+        return replace(batch, advantages=advantages, returns=returns, extras=extras), metrics
+
+    def denominator(self, mini: Trajectories) -> torch.Tensor:
+        """What a mini batch's loss is divided by, so micro-batch losses add up to the mini-batch loss."""
+        return F.loss_denominator(mini.loss_mask, self.cfg.loss_agg, self.loss_agg_norm)
+
+    def aggregate(self, per_token: torch.Tensor, micro: Trajectories, denominator: torch.Tensor) -> torch.Tensor:
+        return F.aggregate_loss(per_token, micro.loss_mask, self.cfg.loss_agg, denominator)
+
+    def policy_loss(self, micro: Trajectories, out: Forward, denominator: torch.Tensor):
+        """(the micro batch's share of the mini-batch policy loss, metrics); `loss/...` metrics are shares too."""
+        cfg, mask = self.cfg, micro.loss_mask
+        surrogate = self.surrogate(out.logp, micro, cfg)
+        per_token = surrogate.loss * micro.extras["is_weights"] if "is_weights" in micro.extras else surrogate.loss
+        pg_loss = self.aggregate(per_token, micro, denominator)
+        loss = pg_loss
+        log_ratio = surrogate.log_ratio.detach()
+        metrics = {
+            "loss/policy_avg": pg_loss.detach(),
+            "policy/approxkl_avg": F.masked_mean(0.5 * log_ratio**2, mask),
+            "policy/clipfrac_avg": F.masked_mean(surrogate.clipped.float(), mask),
+            "val/ratio": F.masked_mean(log_ratio.exp(), mask),
+        }
+        if micro.ref_logp is not None and cfg.beta > 0 and not cfg.kl_in_reward:
+            kl_loss = self.aggregate(F.kl_per_token(out.logp, micro.ref_logp, cfg.kl_estimator), micro, denominator)
+            loss = loss + self.kl_coef * kl_loss  # beta (or the adaptive coefficient) enters the loss here
+            metrics["loss/kl_avg"] = kl_loss.detach()
+        if out.entropy is not None and cfg.entropy_coef != 0:
+            entropy = self.aggregate(out.entropy, micro, denominator)
+            loss = loss - cfg.entropy_coef * entropy
+            metrics["loss/entropy_avg"] = entropy.detach()
+        return loss, metrics
+
+    def value_loss(self, micro: Trajectories, out: Forward, denominator: torch.Tensor):
+        """(vf_coef * the micro batch's share of the clipped value loss, metrics), for the critic."""
+        mask = micro.loss_mask
+        per_token, clipped = F.clipped_value_loss(out.values, micro.values, micro.returns, self.cfg.cliprange_value)
+        value_loss = self.aggregate(per_token, micro, denominator)
+        metrics = {"loss/value_avg": value_loss.detach(), "val/clipfrac_avg": F.masked_mean(clipped.float(), mask)}
+        return self.cfg.vf_coef * value_loss, metrics

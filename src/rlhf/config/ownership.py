@@ -1,0 +1,122 @@
+"""Config keys belong to the component that reads them: a key set for a component the run did not choose is an
+error before anything loads, naming the key and the choice that reads it.
+
+A key counts as set when its value differs from the schema's default (presets only set what their parts read).
+Registered parts declare the keys of their section they read as ``config_keys``; a user's own part (an import
+path) declares none, and then its section is not checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, fields
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from rlhf import registry
+from rlhf.config.errors import ConfigError
+from rlhf.config.schema import AlgorithmConfig, ClusterConfig, CriticConfig, GeneratorConfig, ReferenceConfig, RewardConfig
+from rlhf.config.schema import DatasetConfig, ScheduleConfig
+from rlhf.generators.base import SAMPLING_KEYS
+
+POLICY_GRADIENT_KEYS = ("tis_clip", "loss_agg", "loss_agg_norm", "beta", "kl_estimator", "kl_in_reward", "kl_ctl", "entropy_coef")
+PAIRWISE_KEYS = ("beta", "kl_estimator", "reuse_training_logprobs")
+ADAPTIVE_KL_KEYS = ("target_kl", "kl_horizon")
+ALWAYS = ("name", "advantage", "policy_loss", "num_samples_per_prompt")
+LOCAL_ONLY = ("device",)
+
+
+def _plain(value):
+    return OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
+
+
+def set_keys(node, schema) -> list[str]:
+    """Keys of ``node`` whose value differs from the schema dataclass's default."""
+    changed = []
+    for f in fields(schema):
+        if f.default is not MISSING:
+            default = f.default
+        elif f.default_factory is not MISSING:
+            default = f.default_factory()
+            default = OmegaConf.to_container(OmegaConf.structured(default)) if hasattr(default, "__dataclass_fields__") else default
+        else:
+            continue
+        if _plain(node[f.name]) != default:
+            changed.append(f.name)
+    return changed
+
+
+def _refuse(section: str, node, schema, read: set[str], chosen: str, readers) -> None:
+    """ConfigError for the first set key of ``section`` that is not in ``read``; ``readers(key)`` says who reads it."""
+    for key in set_keys(node, schema):
+        if key not in read:
+            who = readers(key)
+            hint = f"it is read by {who}" if who else "no component reads it"
+            raise ConfigError(
+                f"{section}.{key}={_plain(node[key])!r} is not read by this run's choice ({chosen}); {hint}. "
+                f"Remove the override or choose that component"
+            )
+
+
+def _part_readers(kind: str, key: str, config_key: str) -> str:
+    names = [n for n in registry.names(kind) if key in (registry.trait(registry.resolve(kind, n), "config_keys", ()) or ())]
+    return " or ".join(f"{config_key}={n}" for n in names)
+
+
+def algorithm_keys(cfg, algorithm) -> set[str] | None:
+    """The `algorithm.*` keys the composed algorithm reads; None when a user's part declares none."""
+    algo = cfg.algorithm
+    advantage = registry.resolve("advantage", algo.advantage, key="algorithm.advantage")
+    loss = registry.resolve("policy_loss", algo.policy_loss, key="algorithm.policy_loss")
+    declared = [registry.trait(advantage, "config_keys"), registry.trait(loss, "config_keys")]
+    if any(keys is None for keys in declared):
+        return None
+    read = set(ALWAYS) | set(declared[0]) | set(declared[1])
+    read |= set(PAIRWISE_KEYS if algorithm.pairwise else POLICY_GRADIENT_KEYS)
+    if not algorithm.pairwise and algo.kl_ctl == "adaptive":
+        read |= set(ADAPTIVE_KL_KEYS)
+    return read
+
+
+def _algorithm_readers(key: str) -> str:
+    parts = [p for p in (_part_readers("advantage", key, "algorithm.advantage"), _part_readers("policy_loss", key, "algorithm.policy_loss")) if p]
+    if key in ADAPTIVE_KL_KEYS:
+        parts.append("algorithm.kl_ctl=adaptive")
+    if key in PAIRWISE_KEYS and key not in POLICY_GRADIENT_KEYS:
+        parts.append("a pairwise algorithm (algorithm.advantage=best_vs_worst)")
+    if key in POLICY_GRADIENT_KEYS and key not in PAIRWISE_KEYS:
+        parts.append("a per-token (policy-gradient) algorithm")
+    return " or ".join(parts)
+
+
+def check_ownership(cfg, algorithm) -> None:
+    """ConfigError naming the first key that is set but read by no chosen component (see the module docstring)."""
+    algo = cfg.algorithm
+    read = algorithm_keys(cfg, algorithm)
+    if read is not None:
+        chosen = f"algorithm.advantage={algo.advantage}, algorithm.policy_loss={algo.policy_loss}"
+        _refuse("algorithm", algo, AlgorithmConfig, read, chosen, _algorithm_readers)
+    for section, kind, schema, base in (
+        ("generator", "generator", GeneratorConfig, SAMPLING_KEYS),
+        ("dataset", "dataset", DatasetConfig, ("name",)),
+        ("schedule", "schedule", ScheduleConfig, ("name",)),
+    ):
+        node = cfg[section]
+        declared = registry.trait(registry.resolve(kind, node.name, key=f"{section}.name"), "config_keys", ())
+        if node.name in registry.names(kind) or declared:
+            readers = lambda key, kind=kind, section=section: _part_readers(kind, key, f"{section}.name")  # noqa: E731
+            _refuse(section, node, schema, set(base) | set(declared or ()), f"{section}.name={node.name}", readers)
+    critic = "algorithm.advantage=gae (an advantage with a critic)"
+    if not algorithm.needs_critic:
+        _refuse("critic", cfg.critic, CriticConfig, {"name"}, f"algorithm.advantage={algo.advantage} trains no critic", lambda k: critic)
+    if not algorithm.needs_reference:
+        _refuse("reference", cfg.reference, ReferenceConfig, {"name"}, "algorithm.beta=0 loads no reference", lambda k: "algorithm.beta > 0")
+    if not cfg.reward.path:
+        model_keys = ("model_weight", "normalize", "clip")
+        other = {f.name for f in fields(RewardConfig)} - set(model_keys)
+        _refuse("reward", cfg.reward, RewardConfig, other, "reward.path=null: no reward model", lambda k: "a reward model (reward.path)")
+    if cfg.cluster.backend == "local":
+        local = {"name", "backend", "device"}
+        _refuse("cluster", cfg.cluster, ClusterConfig, local, "cluster.backend=local", lambda k: "cluster.backend=ray")
+    else:
+        ray_keys = {f.name for f in fields(ClusterConfig)} - set(LOCAL_ONLY)
+        _refuse("cluster", cfg.cluster, ClusterConfig, ray_keys, "cluster.backend=ray", lambda k: "cluster.backend=local")

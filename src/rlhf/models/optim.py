@@ -1,0 +1,104 @@
+"""Optimiser helpers every trained model shares: AdamW with an LR schedule, gradient clipping, skipped steps, checkpoints."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+
+def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
+    """Multiplier of the peak learning rate at each optimiser step: linear warm-up, then constant or linear decay."""
+
+    def factor(step: int) -> float:
+        if warmup_steps > 0 and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "linear":
+            remaining = total_steps - warmup_steps
+            return max(0.0, 1.0 - (step - warmup_steps) / max(1, remaining))
+        return 1.0
+
+    return factor
+
+
+def make_optimizer(model: torch.nn.Module, train_cfg, lr: float, total_optimizer_steps: int):
+    """AdamW over the trainable parameters and its LR schedule, from `train.*`."""
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=lr,
+        betas=tuple(train_cfg.adam_betas),
+        eps=train_cfg.adam_eps,
+        weight_decay=train_cfg.weight_decay,
+    )
+    schedule = lr_lambda(train_cfg.lr_schedule, train_cfg.warmup_steps, total_optimizer_steps)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def clip_gradients(model: torch.nn.Module, max_grad_norm: float) -> float:
+    """Clip the global gradient norm (when > 0); returns the pre-clip norm (non-finite when a gradient is).
+
+    Sharded (FSDP2) parameters give a DTensor norm, reduced over the ranks into the full norm here.
+    """
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def clip_and_step(model: torch.nn.Module, optimizer, scheduler, max_grad_norm: float) -> float:
+    """Clip, step, advance the schedule, clear grads; returns the pre-clip norm.
+
+    A non-finite norm skips the update entirely (weights, optimiser moments and schedule untouched).
+    """
+    return step_if_finite(clip_gradients(model, max_grad_norm), optimizer, scheduler)
+
+
+def step_if_finite(norm: float, optimizer, scheduler) -> float:
+    """Step the optimiser and schedule when the (already clipped) gradients' pre-clip ``norm`` is finite, else
+    change nothing; clears the gradients either way and returns ``norm``."""
+    if math.isfinite(norm):
+        optimizer.step()
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+def save_trainable(path: Path, model: torch.nn.Module, optimizer, scheduler) -> None:
+    """Weights as a Hugging Face folder (safetensors) plus optimiser and scheduler states."""
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path / "model", safe_serialization=True)
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, path / "optim.pt")
+
+
+def load_trainable(path: Path, model: torch.nn.Module, optimizer, scheduler) -> None:
+    """Inverse of `save_trainable`; never unpickles arbitrary objects (safetensors, weights_only=True)."""
+    weights = {}
+    for shard in sorted((path / "model").glob("*.safetensors")):
+        weights |= load_file(shard, device=str(next(model.parameters()).device))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = {name for name in missing if "lm_head" in name and getattr(model.config, "tie_word_embeddings", False)}
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"checkpoint {path} does not match the model: missing {sorted(set(missing) - tied)}, unexpected {unexpected}")
+    state = torch.load(path / "optim.pt", weights_only=True)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, to: torch.device | dict) -> dict:
+    """Move every tensor of the optimiser's state (Adam moments, step counters), in place.
+
+    ``to``: one device for all, or the dict a previous call returned, to put each tensor back where it was.
+    Returns {(param index, key): device before the move}.
+    """
+    before = {}
+    for index, state in enumerate(optimizer.state.values()):
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                before[(index, key)] = value.device
+                state[key] = value.to(to.get((index, key), value.device) if isinstance(to, dict) else to)
+    return before
+
+
+def is_share(key: str) -> bool:
+    """Loss metrics are each micro batch's share of the mini-batch loss (summed); others are averaged."""
+    return key.startswith("loss/") or key == "objective/loss"

@@ -1,0 +1,167 @@
+"""The one batch type every stage passes on: token-level trajectories. Owned by no backend.
+
+A row is one trajectory: its prompt and every token after it (actions, and in multi-turn rows the observations
+between them). Per-token tensors cover the row's *action window*: the last T columns of ``input_ids``, from the
+first column any row trains on (column j of a (B, T) tensor is token ``input_ids[:, L - T + j]``). Log-softmax
+over the vocabulary, losses and advantages run on that window only; ``loss_mask`` marks, inside it, the tokens the
+policy is trained on. A single-turn completion is the case where the window is the response.
+
+Shapes: B rows, L tokens per row, T = window columns (T <= L - 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+
+PER_ROW = ("group_id", "stopped", "scores")
+PER_TOKEN = ("loss_mask", "gen_logp", "old_logp", "ref_logp", "values", "advantages", "returns")
+
+
+@dataclass
+class Trajectories:
+    """Rows of token ids with what each stage adds to them (``None`` until a stage fills it)."""
+
+    input_ids: torch.Tensor  # (B, L) long: prompt and everything after it; padding where attention_mask is 0
+    attention_mask: torch.Tensor  # (B, L) long: 1 for real tokens
+    loss_mask: torch.Tensor  # (B, T) float: 1 for the action tokens the policy is trained on
+    gen_logp: torch.Tensor  # (B, T) float: the generator's logprob of each action token (0 elsewhere)
+    group_id: torch.Tensor  # (B,) long: rows sampled for the same prompt (or task instance) share an id
+    stopped: torch.Tensor  # (B,) bool: the trajectory ended by itself (stop token), not at the length limit
+    old_logp: torch.Tensor | None = None  # (B, T) the policy's logprobs before this step's update
+    ref_logp: torch.Tensor | None = None  # (B, T) the reference model's logprobs
+    values: torch.Tensor | None = None  # (B, T) the critic's value of the state before each token
+    advantages: torch.Tensor | None = None  # (B, T) per-token advantages
+    returns: torch.Tensor | None = None  # (B, T) value targets (algorithms with a critic)
+    scores: torch.Tensor | None = None  # (B,) the reward of each row after the non-stop penalty
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # algorithm-specific row-aligned tensors (B, ...)
+    rows_per_unit: int = 1  # rows trained as one unit (2 for a chosen/rejected pair); batches split whole units
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def window_start(self) -> int:
+        """Column of ``input_ids`` where the action window starts (L - T)."""
+        return self.input_ids.shape[1] - self.loss_mask.shape[1]
+
+    @property
+    def window_ids(self) -> torch.Tensor:
+        """The tokens of the action window. Shape: (B, T)."""
+        return self.input_ids[:, self.window_start :]
+
+    @property
+    def action_lengths(self) -> torch.Tensor:
+        """Trained tokens per row. Shape: (B,)."""
+        return self.loss_mask.sum(dim=1)
+
+    @property
+    def num_units(self) -> int:
+        return len(self) // self.rows_per_unit
+
+    def model_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids, attention_mask, position_ids), each (B, L), for a teacher-forced forward.
+
+        Positions count real tokens only, so a left-padded prompt sees the positions it saw when sampled.
+        """
+        position_ids = (self.attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        return self.input_ids, self.attention_mask, position_ids
+
+    def _map(self, fn) -> "Trajectories":
+        """Apply ``fn`` to every tensor (fields and extras)."""
+        changes = {f.name: fn(getattr(self, f.name)) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **changes, extras={k: fn(v) for k, v in self.extras.items()})
+
+    def select(self, index: torch.Tensor | slice) -> "Trajectories":
+        """The rows at ``index`` (a slice or a 1-D index tensor), every column kept."""
+        if isinstance(index, torch.Tensor):
+            index = index.to(self.input_ids.device)
+        return self._map(lambda t: t[index])
+
+    def select_units(self, units: torch.Tensor) -> "Trajectories":
+        """The rows of the given units (``rows_per_unit`` consecutive rows each), in order."""
+        rows = (units.unsqueeze(1) * self.rows_per_unit + torch.arange(self.rows_per_unit)).reshape(-1)
+        return self.select(rows)
+
+    def chunks(self, size: int) -> list["Trajectories"]:
+        """Consecutive row slices of at most ``size`` rows (micro batches for a forward pass)."""
+        return [self.select(slice(start, start + size)) for start in range(0, len(self), size)]
+
+    def to(self, device: torch.device | str) -> "Trajectories":
+        return self._map(lambda t: t.to(device))
+
+
+def group_size(group_id: torch.Tensor) -> int:
+    """G when rows come in contiguous groups of G equal ids (a prompt's samples in a row); else ValueError.
+
+    Shape: group_id (B,).
+    """
+    size = int((group_id == group_id[0]).sum().item()) if len(group_id) else 1
+    blocks = group_id.view(-1, size) if len(group_id) % size == 0 else None
+    if blocks is None or not (blocks == blocks[:, :1]).all() or blocks[:, 0].unique().numel() != blocks.shape[0]:
+        raise ValueError(f"rows must come in contiguous groups of equal size; got group ids {group_id.tolist()}")
+    return size
+
+
+@dataclass
+class Forward:
+    """A trained model's outputs on a micro batch's window, with gradients. Shapes: (B, T)."""
+
+    logp: torch.Tensor | None = None  # the policy's logprobs
+    entropy: torch.Tensor | None = None  # the policy's entropy, when the algorithm asks for it
+    values: torch.Tensor | None = None  # the critic's values
+
+
+def from_completions(
+    query_ids: torch.Tensor, query_mask: torch.Tensor, response_ids: torch.Tensor, response_mask: torch.Tensor,
+    logprobs: torch.Tensor, stopped: torch.Tensor,
+) -> Trajectories:
+    """Single-turn rows: a left-padded prompt (B, Lq) then a right-padded response (B, Lr) that is the window.
+
+    ``response_mask`` (B, Lr) marks real response tokens (the stop token included); each row is its own group
+    until the caller says which rows share a prompt.
+    """
+    return Trajectories(
+        input_ids=torch.cat([query_ids, response_ids], dim=1),
+        attention_mask=torch.cat([query_mask, response_mask.long()], dim=1),
+        loss_mask=response_mask.float(),
+        gen_logp=logprobs,
+        group_id=torch.arange(query_ids.shape[0], device=query_ids.device),
+        stopped=stopped,
+    )
+
+
+def _pad(t: torch.Tensor, left: int, right: int, value: float) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (left, right), value=value) if left or right else t
+
+
+def concat(parts: list[Trajectories], pad_id: int) -> Trajectories:
+    """Stack rows of different widths: the context before each window is padded on the left, the window on the
+    right, so every row's window starts at the same column. Rows keep their group ids."""
+    if len(parts) == 1:
+        return parts[0]
+    context = max(p.window_start for p in parts)
+    window = max(p.loss_mask.shape[1] for p in parts)
+
+    def stack(name: str, value: float) -> torch.Tensor | None:
+        tensors = [getattr(p, name) for p in parts]
+        if any(t is None for t in tensors):
+            return None
+        per_token = name in PER_TOKEN
+        out = []
+        for p, t in zip(parts, tensors):
+            grow = window - p.loss_mask.shape[1]
+            out.append(_pad(t, 0, grow, value) if per_token else _pad(t, context - p.window_start, grow, value))
+        return torch.cat(out)
+
+    per_token = {name: stack(name, 0.0) for name in PER_TOKEN}
+    per_row = {name: None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts]) for name in PER_ROW}
+    return Trajectories(
+        input_ids=stack("input_ids", pad_id),
+        attention_mask=stack("attention_mask", 0),
+        extras={k: torch.cat([p.extras[k] for p in parts]) for k in parts[0].extras},
+        rows_per_unit=parts[0].rows_per_unit,
+        **per_token,
+        **per_row,
+    )

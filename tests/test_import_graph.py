@@ -1,0 +1,80 @@
+"""The package's import structure, checked by parsing the source (nothing is imported).
+
+Import cycles between `rlhf` modules make import order matter and tempt function-level imports as a
+workaround; those in turn hide dependencies and defer import errors to run time. So: no cycles, and no
+imports inside functions except of the optional heavy engines, which a run may not have installed.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+OPTIONAL_ENGINES = {"vllm", "deepspeed", "ray", "peft"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> tuple[dict[str, set[str]], list[str]]:
+    """({module: rlhf modules it imports, at any nesting level}, ["file:line" of function-level imports])."""
+    files = {module_name(p): p for p in sorted((SRC / "rlhf").rglob("*.py"))}
+    graph: dict[str, set[str]] = {name: set() for name in files}
+    offenders = []
+    for name, path in files.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        nested = {id(n) for f in functions for n in ast.walk(f) if n is not f}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]) if node.level else ""
+                module = ".".join(filter(None, [base, node.module]))
+                targets = [f"{module}.{alias.name}" if f"{module}.{alias.name}" in files else module for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                while target not in files and "." in target:  # `import rlhf.a.b.name` -> rlhf.a.b
+                    target = target.rpartition(".")[0]
+                if target in files and target != name:
+                    graph[name].add(target)
+            roots = {t.split(".")[0] for t in targets}
+            if id(node) in nested and not roots <= OPTIONAL_ENGINES:
+                offenders.append(f"{path.relative_to(SRC.parent)}:{node.lineno}")
+    return graph, offenders
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path [a, b, ..., a], by depth-first search; None when the graph is acyclic."""
+    done: set[str] = set()
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        if node in stack:
+            return stack[stack.index(node) :] + [node]
+        if node in done:
+            return None
+        stack.append(node)
+        for child in sorted(graph[node]):
+            if cycle := visit(child):
+                return cycle
+        stack.pop()
+        done.add(node)
+        return None
+
+    return next((cycle for node in sorted(graph) if (cycle := visit(node))), None)
+
+
+def test_rlhf_modules_import_each_other_without_cycles():
+    cycle = find_cycle(import_graph()[0])
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_imports_sit_at_module_level_except_optional_engines():
+    offenders = import_graph()[1]
+    assert not offenders, "function-level imports (move them to the top of the file):\n" + "\n".join(offenders)
