@@ -21,7 +21,7 @@ from rlhf.checkpoint import STATE_FILE, complete_checkpoints, resume_path
 from rlhf.config.schema import AlgorithmConfig, CriticConfig, RewardConfig
 from rlhf.config.errors import ConfigError
 from rlhf.data.prompts import PromptExample, PromptStream
-from rlhf.estimators import GRPO
+from rlhf.algorithms import PolicyGradient, build_algorithm
 from rlhf.models import optim as optim_module
 from rlhf.models.critic import TorchCritic
 from rlhf.models.policy import TorchPolicy
@@ -44,11 +44,11 @@ def texts(batch: list[PromptExample]) -> list[str]:
     return [example.text for example in batch]
 
 
-def grpo(**overrides) -> GRPO:
-    """A GRPO estimator on a namespace with every AlgorithmConfig field (defaults, then ``overrides``)."""
-    fields = asdict(AlgorithmConfig(estimator="grpo"))
+def grpo(**overrides) -> PolicyGradient:
+    """A GRPO algorithm on a namespace with every AlgorithmConfig field (defaults, then ``overrides``)."""
+    fields = asdict(AlgorithmConfig(name="grpo", advantage="grpo"))
     fields.update(overrides)
-    return GRPO(SimpleNamespace(**fields))
+    return build_algorithm(SimpleNamespace(**fields), max_new_tokens=8)
 
 
 def make_step_dir(root: Path, name: str, complete: bool = True) -> Path:
@@ -87,7 +87,7 @@ def stub_components(policy=None, critic=None) -> SimpleNamespace:
         policy=policy or StubPolicy(),
         critic=critic,
         prompts=PromptStream(make_examples(5), seed=0),
-        estimator=grpo(),
+        algorithm=grpo(),
         rewards=RewardSet(OmegaConf.structured(RewardConfig())),
         shuffle=torch.Generator().manual_seed(0),
     )
@@ -315,12 +315,12 @@ def train_step(model_owner, loss_fn) -> None:
 def policy_loss(policy, rollout):
     """A loss raising the likelihood of the rollout's responses."""
     logp, _ = policy.logprobs(rollout, temperature=1.0)
-    return -(logp * rollout.response_mask).sum()
+    return -(logp * rollout.loss_mask).sum()
 
 
 def critic_loss(critic, rollout):
     """A loss pulling every value towards 1."""
-    return (((critic.values(rollout) - 1.0) ** 2) * rollout.response_mask).sum()
+    return (((critic.values(rollout) - 1.0) ** 2) * rollout.loss_mask).sum()
 
 
 def snapshot(owner) -> dict:
@@ -372,13 +372,13 @@ def components(policy_cfg, model_cfg, train_cfg, tiny_model_dir, rollout):
     rewards = RewardSet(OmegaConf.structured(RewardConfig()))
     rewards.model = SimpleNamespace(moments=RunningMoments())  # only its moments are checkpointed
     rewards.model.moments.update(torch.tensor([1.0, 2.0, 4.0]))
-    estimator = grpo(beta=0.1, kl_ctl="adaptive", target_kl=1.0, kl_horizon=10)
-    estimator.kl_ctl.update(5.0, 4)
+    algorithm = grpo(beta=0.1, kl_ctl="adaptive", target_kl=1.0, kl_horizon=10)
+    algorithm.kl_ctl.update(5.0, 4)
     c = SimpleNamespace(
         policy=policy,
         critic=critic,
         prompts=PromptStream(make_examples(7), seed=5),
-        estimator=estimator,
+        algorithm=algorithm,
         rewards=rewards,
         shuffle=torch.Generator().manual_seed(3),
     )
@@ -399,7 +399,7 @@ def test_save_load_round_trip_restores_everything(components, rollout, tmp_path)
         "policy": snapshot(c.policy),
         "critic": snapshot(c.critic),
         "prompts": c.prompts.state_dict(),
-        "kl_coef": c.estimator.kl_ctl.value,
+        "kl_coef": c.algorithm.kl_ctl.value,
         "moments": c.rewards.model.moments.state_dict(),
     }
     expected_draws = draws(c)
@@ -408,13 +408,13 @@ def test_save_load_round_trip_restores_everything(components, rollout, tmp_path)
     train_step(c.policy, lambda p: policy_loss(p, rollout))
     train_step(c.critic, lambda v: critic_loss(v, rollout))
     c.prompts.next_batch(9)  # into the next epoch
-    c.estimator.kl_ctl.update(0.0, 4)
+    c.algorithm.kl_ctl.update(0.0, 4)
     c.rewards.model.moments.update(torch.tensor([-3.0, 9.0]))
     random.seed(99)
     np.random.seed(99)
     torch.manual_seed(99)
     c.shuffle.manual_seed(99)
-    assert c.estimator.kl_ctl.value != expected["kl_coef"]
+    assert c.algorithm.kl_ctl.value != expected["kl_coef"]
     assert c.prompts.state_dict() != expected["prompts"]
     assert c.policy.scheduler.last_epoch != expected["policy"]["last_epoch"]
 
@@ -424,7 +424,7 @@ def test_save_load_round_trip_restores_everything(components, rollout, tmp_path)
     assert_same_snapshot(snapshot(c.policy), expected["policy"])
     assert_same_snapshot(snapshot(c.critic), expected["critic"])
     assert c.prompts.state_dict() == expected["prompts"]
-    assert c.estimator.kl_ctl.value == expected["kl_coef"]
+    assert c.algorithm.kl_ctl.value == expected["kl_coef"]
     assert c.rewards.model.moments.state_dict() == expected["moments"]
     assert draws(c) == expected_draws
 

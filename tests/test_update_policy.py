@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from types import SimpleNamespace
 
 import pytest
@@ -11,16 +11,14 @@ import torch
 from omegaconf import OmegaConf
 
 from rlhf.config.schema import AlgorithmConfig, CriticConfig
-from rlhf.estimators import GRPO
-from rlhf.estimators.base import StepInputs
-from rlhf.estimators.ppo import PPO
-from rlhf.generators.base import Rollout
+from rlhf.algorithms import build_algorithm
 from rlhf.generators.hf import left_pad
 from rlhf.models.critic import TorchCritic
 from rlhf.models.optim import clip_and_step, make_optimizer
 from rlhf.models.policy import TorchPolicy
 from rlhf.schedules.common import NonFiniteError, NonFiniteGuard
-from rlhf.stages import update_policy
+from rlhf.stages import update_policy, with_groups
+from rlhf.trajectory import Trajectories, from_completions
 
 CPU = torch.device("cpu")
 NAN = float("nan")
@@ -109,8 +107,8 @@ def test_clip_and_step_with_non_finite_grads_changes_nothing(train_cfg, bad):
 # --- update_policy ------------------------------------------------------------------------------------
 
 
-def make_rollout(tokenizer, pairs: list[tuple[str, str]]) -> Rollout:
-    """A rollout of (prompt, response) texts; every response ends with EOS and is right-padded."""
+def make_rollout(tokenizer, pairs: list[tuple[str, str]]) -> Trajectories:
+    """Single-turn trajectories of (prompt, response) texts; every response ends with EOS and is right-padded."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     query_ids, query_mask = left_pad([tokenizer(prompt)["input_ids"] for prompt, _ in pairs], pad)
     responses = [tokenizer.convert_tokens_to_ids(list(response)) + [eos] for _, response in pairs]
@@ -118,7 +116,9 @@ def make_rollout(tokenizer, pairs: list[tuple[str, str]]) -> Rollout:
     response_ids = torch.tensor([r + [pad] * (width - len(r)) for r in responses])
     response_mask = torch.tensor([[1.0] * len(r) + [0.0] * (width - len(r)) for r in responses])
     rows = len(pairs)
-    return Rollout(query_ids, query_mask, response_ids, response_mask, torch.zeros(rows, width), torch.ones(rows, dtype=torch.bool))
+    return from_completions(
+        query_ids, query_mask, response_ids, response_mask, torch.zeros(rows, width), torch.ones(rows, dtype=torch.bool)
+    )
 
 
 # Two prompts x two samples (GRPO groups of 2); scores make every row's advantage non-zero.
@@ -126,9 +126,9 @@ PAIRS = [("1+2=", "3"), ("1+2=", "12"), ("4+4=", "80"), ("4+4=", "8")]
 SCORES = torch.tensor([1.0, 0.0, 0.0, 1.0])
 
 
-def algorithm_cfg(estimator: str, **overrides) -> SimpleNamespace:
+def algorithm_cfg(advantage: str, **overrides) -> SimpleNamespace:
     """Every AlgorithmConfig field (schema defaults, then ``overrides``)."""
-    fields = asdict(AlgorithmConfig(estimator=estimator))
+    fields = asdict(AlgorithmConfig(name=advantage, advantage=advantage))
     fields.update(overrides)
     return SimpleNamespace(**fields)
 
@@ -150,9 +150,9 @@ def grad_norm(module: torch.nn.Module) -> float:
 
 
 class Setup:
-    """A real tiny TorchPolicy, a GRPO batch built from PAIRS, and an estimator whose `loss` can return NaN.
+    """A real tiny TorchPolicy, a GRPO batch built from PAIRS, and an algorithm whose `policy_loss` can return NaN.
 
-    ``nan_calls`` are 0-based indices of `loss` calls (one per micro batch) that return a NaN policy loss.
+    ``nan_calls`` are 0-based indices of `policy_loss` calls (one per micro batch) that return a NaN policy loss.
     Each call records the policy's weights as they were at that call and, for good calls, its metrics; each
     backward records the global norm of the accumulated gradients (with one micro batch per mini batch, the
     norm `update_policy` reports for that mini batch).
@@ -160,28 +160,28 @@ class Setup:
 
     def __init__(self, policy_cfg, model_cfg, train, tokenizer, nan_calls=()) -> None:
         self.policy = TorchPolicy(policy_cfg, model_cfg, train, total_optimizer_steps=10, device=CPU)
-        self.estimator = GRPO(algorithm_cfg("grpo", num_samples_per_prompt=2))
-        rollout = make_rollout(tokenizer, PAIRS)
+        self.algorithm = build_algorithm(algorithm_cfg("grpo", num_samples_per_prompt=2), max_new_tokens=8)
+        rollout = with_groups(make_rollout(tokenizer, PAIRS), 2)
         with torch.no_grad():
             old_logp, _ = self.policy.logprobs(rollout, temperature=1.0)
-        self.batch, _ = self.estimator.build_batch(StepInputs(rollout, SCORES, old_logp, None, None, 2))
-        assert (self.batch.tensors["advantages"].abs().sum(dim=1) > 0).all()
+        self.batch, _ = self.algorithm.build_batch(replace(rollout, scores=SCORES, old_logp=old_logp))
+        assert (self.batch.advantages.abs().sum(dim=1) > 0).all()
         self.nan_calls = set(nan_calls)
         self.weights_at_call: list[dict] = []
         self.good_metrics: list[dict[str, float]] = []
         self.grad_norms: list[float] = []
         self.poison_backward: set[int] = set()  # 0-based backward calls after which one gradient entry is set to NaN
-        real_loss, real_backward = self.estimator.loss, self.policy.backward
+        real_loss, real_backward = self.algorithm.policy_loss, self.policy.backward
 
         def loss(micro, out, denominator):
-            """The real loss, multiplied by NaN on the chosen calls."""
+            """The real policy loss, multiplied by NaN on the chosen calls."""
             call = len(self.weights_at_call)
             self.weights_at_call.append(weights(self.policy.model))
-            policy_loss, value_loss, metrics = real_loss(micro, out, denominator)
+            policy_loss, metrics = real_loss(micro, out, denominator)
             if call in self.nan_calls:
-                return policy_loss * NAN, value_loss, metrics
+                return policy_loss * NAN, metrics
             self.good_metrics.append({k: float(v) for k, v in metrics.items()})
-            return policy_loss, value_loss, metrics
+            return policy_loss, metrics
 
         def backward(loss):
             """The real backward (optionally poisoning a gradient), recording the accumulated gradient norm."""
@@ -190,9 +190,9 @@ class Setup:
                 next(self.policy.model.parameters()).grad.view(-1)[0] = NAN
             self.grad_norms.append(grad_norm(self.policy.model))
 
-        self.estimator.loss = loss
+        self.algorithm.policy_loss = loss
         self.policy.backward = backward
-        self.c = SimpleNamespace(policy=self.policy, critic=None, estimator=self.estimator, shuffle=torch.Generator().manual_seed(0))
+        self.c = SimpleNamespace(policy=self.policy, critic=None, algorithm=self.algorithm, shuffle=torch.Generator().manual_seed(0))
 
 
 def test_nan_mini_batches_change_nothing_and_good_ones_train(policy_cfg, model_cfg, train_cfg, tokenizer):
@@ -273,17 +273,17 @@ def test_all_good_mini_batches_with_several_epochs(policy_cfg, model_cfg, train_
 
 
 def ppo_setup(policy_cfg, model_cfg, train_cfg, tokenizer, tiny_model_dir):
-    """(train config, policy, critic, PPO estimator, batch) for one PPO mini batch of the tiny model."""
+    """(train config, policy, critic, PPO algorithm (GAE with a critic), batch) for one PPO mini batch of the tiny model."""
     train = train_cfg(lr=1e-2, num_mini_batches=1, micro_batch_size=4)
     policy = TorchPolicy(policy_cfg, model_cfg, train, total_optimizer_steps=10, device=CPU)
     critic = TorchCritic(OmegaConf.structured(CriticConfig()), model_cfg, tiny_model_dir, train, total_optimizer_steps=10, device=CPU)
-    estimator = PPO(algorithm_cfg("ppo", num_samples_per_prompt=1))
-    rollout = make_rollout(tokenizer, PAIRS)
+    algorithm = build_algorithm(algorithm_cfg("gae", num_samples_per_prompt=1), max_new_tokens=8)
+    rollout = with_groups(make_rollout(tokenizer, PAIRS), 1)
     with torch.no_grad():
         old_logp, _ = policy.logprobs(rollout, temperature=1.0)
         values = critic.values(rollout)
-    batch, _ = estimator.build_batch(StepInputs(rollout, SCORES, old_logp, None, values, 1))
-    return train, policy, critic, estimator, batch
+    batch, _ = algorithm.build_batch(replace(rollout, scores=SCORES, old_logp=old_logp, values=values))
+    return train, policy, critic, algorithm, batch
 
 
 @pytest.mark.parametrize("poisoned", ["critic", "policy"])
@@ -291,7 +291,7 @@ def test_ppo_non_finite_gradient_skips_only_that_model(policy_cfg, model_cfg, tr
     """PPO: a NaN gradient in the critic (or the policy) skips that model's update; the healthy one still steps.
 
     (Each model clips and steps on its own, as DeepSpeed does internally; a non-finite *loss* skips both, tested below.)"""
-    train, policy, critic, estimator, batch = ppo_setup(policy_cfg, model_cfg, train_cfg, tokenizer, tiny_model_dir)
+    train, policy, critic, algorithm, batch = ppo_setup(policy_cfg, model_cfg, train_cfg, tokenizer, tiny_model_dir)
     owner = critic if poisoned == "critic" else policy
     real_backward = owner.backward
 
@@ -303,7 +303,7 @@ def test_ppo_non_finite_gradient_skips_only_that_model(policy_cfg, model_cfg, tr
     owner.backward = poisoned_backward
     before = {"policy": weights(policy.model), "critic": weights(critic.model)}
     guard = NonFiniteGuard(max_in_row=3)
-    c = SimpleNamespace(policy=policy, critic=critic, estimator=estimator, shuffle=torch.Generator().manual_seed(0))
+    c = SimpleNamespace(policy=policy, critic=critic, algorithm=algorithm, shuffle=torch.Generator().manual_seed(0))
     assert update_policy(c, batch, train, 1.0, guard) == {}
     assert guard.total == 1
     healthy = "policy" if poisoned == "critic" else "critic"
@@ -313,12 +313,12 @@ def test_ppo_non_finite_gradient_skips_only_that_model(policy_cfg, model_cfg, tr
 
 def test_ppo_non_finite_critic_loss_moves_neither(policy_cfg, model_cfg, train_cfg, tokenizer, tiny_model_dir):
     """PPO: a NaN value loss drops the policy's gradients too (the policy accumulated first); neither model moves."""
-    train, policy, critic, estimator, batch = ppo_setup(policy_cfg, model_cfg, train_cfg, tokenizer, tiny_model_dir)
-    real_value_loss = estimator.value_loss
-    estimator.value_loss = lambda micro, v, d: (real_value_loss(micro, v, d)[0] * NAN, {})
+    train, policy, critic, algorithm, batch = ppo_setup(policy_cfg, model_cfg, train_cfg, tokenizer, tiny_model_dir)
+    real_value_loss = algorithm.value_loss
+    algorithm.value_loss = lambda micro, out, d: (real_value_loss(micro, out, d)[0] * NAN, {})
     before = {"policy": weights(policy.model), "critic": weights(critic.model)}
     guard = NonFiniteGuard(max_in_row=3)
-    c = SimpleNamespace(policy=policy, critic=critic, estimator=estimator, shuffle=torch.Generator().manual_seed(0))
+    c = SimpleNamespace(policy=policy, critic=critic, algorithm=algorithm, shuffle=torch.Generator().manual_seed(0))
     assert update_policy(c, batch, train, 1.0, guard) == {}
     assert guard.total == 1
     assert same_weights(weights(policy.model), before["policy"])

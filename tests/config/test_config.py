@@ -61,7 +61,7 @@ def test_every_group_option_composes_and_validates(group):
 
 def test_default_is_grpo_on_the_builtin_task():
     cfg = compose_config()
-    assert cfg.algorithm.estimator == "grpo"
+    assert (cfg.algorithm.name, cfg.algorithm.advantage, cfg.algorithm.policy_loss) == ("grpo", "grpo", "ppo_clip")
     assert cfg.model.name_or_path == "builtin:tiny_arith"
     assert cfg.dataset.name == "arith"
     assert cfg.cluster.name == "local"
@@ -107,7 +107,7 @@ def test_unknown_group_option_is_an_error():
         (["reward.functions=[]"], r"reward.functions is empty"),
         (["model.dtype=float8"], r"model.dtype='float8'"),
         (["algorithm.tis_clip=0"], r"algorithm.tis_clip=0.0 must be > 0"),
-        (["algorithm=online_dpo", "algorithm.tis_clip=2"], r"algorithm.tis_clip weights policy-gradient token losses; online_dpo"),
+        (["algorithm=online_dpo", "algorithm.tis_clip=2"], r"algorithm.tis_clip weights policy-gradient token losses; algorithm.policy_loss=dpo"),
     ],
 )
 def test_infeasible_config_fails_with_key_and_numbers(overrides, message):
@@ -182,7 +182,11 @@ def test_reward_training_config_composes_and_rejects_unknown_keys():
         (["algorithm=ppo", "algorithm.cliprange_value=0"], r"algorithm.cliprange_value=0.0 must be > 0"),
         (["algorithm.kl_ctl=adaptive", "algorithm.beta=0"], r"algorithm.kl_ctl=adaptive starts from algorithm.beta"),
         (["train.adam_betas=[0.9,1.5]"], r"train.adam_betas=\[0.9, 1.5\] must hold two numbers in \[0, 1\)"),
-        (["algorithm.estimator=rlhf.estimators.dpo.OnlineDPO", "train.num_mini_batches=3"], r"16 pairs per step"),
+        (
+            ["algorithm.advantage=rlhf.algorithms.advantages.best_vs_worst", "algorithm.policy_loss=rlhf.algorithms.policy_losses.dpo",
+             "train.num_mini_batches=3"],
+            r"16 pairs per step",
+        ),
     ],
 )
 def test_infeasible_algorithm_settings_fail_with_key(overrides, message):

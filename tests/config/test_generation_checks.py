@@ -28,7 +28,7 @@ def test_switching_to_vllm_changes_the_backend_and_nothing_else(experiment):
         (["generator=vllm", "cluster=ray_local", "generator.tensor_parallel_size=2"], r"tensor_parallel_size=2: on cluster.backend=ray"),
         (["generator=vllm", "generator.gpu_memory_utilization=1.5"], r"generator.gpu_memory_utilization=1.5 must be in \(0, 1\]"),
         (["generator=vllm", "generator.kv_cache_memory_bytes=0"], r"generator.kv_cache_memory_bytes=0 must be > 0"),
-        (["generator.max_model_len=16"], r"generator.max_model_len=16 is shorter than dataset.max_prompt_length \+ generator.max_new_tokens = 20"),
+        (["generator=vllm", "generator.max_model_len=16"], r"generator.max_model_len=16 is shorter than dataset.max_prompt_length \+ generator.max_new_tokens = 20"),
         (["schedule=async", "schedule.max_staleness=-1"], r"schedule.max_staleness=-1 must be >= 0"),
         (["generator=vllm", "cluster.device=cuda:1"], r"cluster.device=cuda:1: vLLM always starts on the first visible GPU"),
         (["schedule=hybrid", "generator=vllm"], r"schedule=hybrid puts the generator to sleep while training; set generator.enable_sleep=true"),

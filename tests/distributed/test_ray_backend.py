@@ -12,6 +12,7 @@ import torch
 from conftest import compose, max_weight_diff
 
 from rlhf import checkpoint, stages
+from rlhf.algorithms import build_algorithm
 from rlhf.build import build_components
 from rlhf.config.errors import ConfigError
 from rlhf.config.validate import validate
@@ -25,10 +26,8 @@ from rlhf.schedules.sync import train_step
 pytestmark = pytest.mark.slow
 
 
-def estimator_of(cfg):
-    from rlhf import registry
-
-    return registry.resolve("estimator", cfg.algorithm.estimator)(cfg=cfg.algorithm, gen_cfg=cfg.generator)
+def algorithm_of(cfg):
+    return build_algorithm(cfg.algorithm, cfg.generator.max_new_tokens)
 
 
 def placements(run) -> dict[str, list[dict]]:
@@ -38,7 +37,7 @@ def placements(run) -> dict[str, list[dict]]:
 
 def test_colocated_roles_share_bundles_and_split_roles_do_not(ray_cluster):
     cfg = compose("algorithm=ppo", "algorithm.num_samples_per_prompt=4", "cluster.colocate=[[actor,ref],[critic]]")
-    run, handles = start(cfg, estimator_of(cfg), 10, 0)
+    run, handles = start(cfg, algorithm_of(cfg), 10, 0)
     try:
         where = placements(run)
         assert set(where) == {"actor", "ref", "critic", "generator"}
@@ -59,7 +58,7 @@ def test_infeasible_layout_fails_up_front_with_the_arithmetic(ray_cluster):
     cfg = compose("cluster.roles.actor.devices_per_node=4", "cluster.roles.ref.devices_per_node=4", "cluster.roles.generator.devices_per_node=5")
     began = time.monotonic()
     with pytest.raises(ConfigError, match=r"needs 9 CPU .*actor\+ref: 1 node\(s\) x 4 = 4; generator: 1 node\(s\) x 5 = 5.* offers 8"):
-        start(cfg, estimator_of(cfg), 10, 0)
+        start(cfg, algorithm_of(cfg), 10, 0)
     assert time.monotonic() - began < 10
     assert ray.util.placement_group_table() == {} or all(
         pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
@@ -115,8 +114,8 @@ def test_generator_samples_from_the_pushed_weights_not_stale_ones(ray_cluster):
         local = HFGenerator(cfg.generator, cfg.model, load_tokenizer(cfg.model.name_or_path), torch.device("cpu"))
         local.update_weights(ray.get(c.policy.state_dict()))
         expected = local.generate(prompts, greedy)
-        assert torch.equal(after.response_ids, expected.response_ids)
-        assert not torch.equal(after.response_ids, before.response_ids)
+        assert torch.equal(after.window_ids, expected.window_ids)
+        assert not torch.equal(after.window_ids, before.window_ids)
     finally:
         c.close()
 

@@ -32,28 +32,28 @@ def strategy_overrides(name: str, ranks: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference_step():
-    """(batch, estimator, temperature, micro units, metrics, grad norm, weights after) of one local single-process step."""
+    """(batch, algorithm, denominator, metrics, grad norm, weights after) of one local single-process step."""
     cfg = compose("cluster=local", "train.lr=1e-2", "train.adam_eps=1e-4", "algorithm.beta=0.05", "algorithm.kl_in_reward=false")
     sizes = validate(cfg)
     c = build_components(cfg, sizes)
     examples = c.prompts.next_batch(cfg.train.prompts_per_step)
     scored = stages.generate_and_score(c, examples, 4, stages.sampling_params(cfg.generator))
-    batch, _ = stages.prepare(c, scored, cfg.generator.temperature, cfg.train.micro_batch_size, 4)
-    denominator = c.estimator.denominator(batch)
-    finite, metrics = c.policy.accumulate(c.estimator, batch, denominator, 8, cfg.generator.temperature)
+    batch, _ = stages.prepare(c, scored, cfg.generator.temperature, cfg.train.micro_batch_size)
+    denominator = c.algorithm.denominator(batch)
+    finite, metrics = c.policy.accumulate(c.algorithm.policy_loss, batch, denominator, 8, cfg.generator.temperature)
     assert finite
     norm = c.policy.optimizer_step()
     weights = {k: v.detach().clone() for k, v in c.policy.state_dict().items()}
-    return batch, c.estimator, denominator, metrics, norm, weights
+    return batch, c.algorithm, denominator, metrics, norm, weights
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,ranks", STRATEGIES, ids=[f"{n}-ws{r}" for n, r in STRATEGIES])
 def test_one_rl_step_agrees_with_single_process(started, reference_step, name, ranks):
-    batch, estimator, denominator, metrics, norm, weights = reference_step
+    batch, algorithm, denominator, metrics, norm, weights = reference_step
     cfg = compose("train.lr=1e-2", "train.adam_eps=1e-4", "algorithm.beta=0.05", "algorithm.kl_in_reward=false", *strategy_overrides(name, ranks))
     trainer = started.trainer(cfg, ranks)
-    finite, remote_metrics = trainer.accumulate(estimator, batch, denominator, 8, 1.0)
+    finite, remote_metrics = trainer.accumulate(algorithm.policy_loss, batch, denominator, 8, 1.0)
     assert finite
     assert remote_metrics["loss/policy_avg"] == pytest.approx(metrics["loss/policy_avg"], abs=1e-6)
     assert remote_metrics["loss/kl_avg"] == pytest.approx(metrics["loss/kl_avg"], abs=1e-6)
@@ -70,14 +70,14 @@ def test_one_rl_step_agrees_with_single_process(started, reference_step, name, r
 @pytest.mark.slow
 def test_deepspeed_offload_and_fsdp2_offload_step_too(started, reference_step):
     """ZeRO-3 with optimiser and parameter offload, and FSDP2 with CPU offload, still give the same step."""
-    batch, estimator, denominator, metrics, norm, weights = reference_step
+    batch, algorithm, denominator, metrics, norm, weights = reference_step
     for extra in (
         ["policy.strategy.name=deepspeed", "policy.strategy.zero_stage=3", "policy.strategy.offload_optimizer=true", "policy.strategy.offload_params=true"],
         ["policy.strategy.name=fsdp2", "policy.strategy.offload_params=true"],
     ):
         cfg = compose("train.lr=1e-2", "train.adam_eps=1e-4", "algorithm.beta=0.05", "algorithm.kl_in_reward=false", *extra)
         trainer = started.trainer(cfg, 2)
-        assert trainer.accumulate(estimator, batch, denominator, 8, 1.0)[0]
+        assert trainer.accumulate(algorithm.policy_loss, batch, denominator, 8, 1.0)[0]
         assert trainer.optimizer_step() == pytest.approx(norm, rel=1e-4)
         import ray
 

@@ -1,4 +1,4 @@
-"""The transformers generator and the Rollout it returns: padding, stop handling, logprobs, weight sync."""
+"""The transformers generator and the trajectories it returns: padding, stop handling, logprobs, weight sync."""
 
 from __future__ import annotations
 
@@ -7,17 +7,23 @@ import torch
 
 from rlhf.generators.base import SamplingParams
 from rlhf.generators.hf import left_pad, stop_token_id, truncate_at_stop
-from rlhf.models.logprobs import response_logprobs
+from rlhf.models.logprobs import window_logprobs
 
 PROMPTS = ["1+1=", "12+34=", "5", "9+9+9+9=", "3+4=", "0=", "77+", "8+8=", "40+2=", "6", "123=", "2+2+2="]
 GREEDY = SamplingParams(max_new_tokens=6, greedy=True)
 
 
+def query(batch):
+    """(ids, mask) of the prompt columns of single-turn trajectories (everything before the action window)."""
+    return batch.input_ids[:, : batch.window_start], batch.attention_mask[:, : batch.window_start]
+
+
 def assert_same_rollout(a, b, atol: float = 1e-5) -> None:
-    """Equal token tensors and stop flags, logprobs equal within ``atol``."""
-    for name in ("query_ids", "query_mask", "response_ids", "response_mask", "stopped"):
+    """Equal token tensors (prompts and responses), masks and stop flags, logprobs equal within ``atol``."""
+    assert a.window_start == b.window_start
+    for name in ("input_ids", "attention_mask", "loss_mask", "stopped"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
-    torch.testing.assert_close(a.logprobs, b.logprobs, atol=atol, rtol=0)
+    torch.testing.assert_close(a.gen_logp, b.gen_logp, atol=atol, rtol=0)
 
 
 # --- pure helpers -------------------------------------------------------------------------------------
@@ -48,14 +54,15 @@ def test_stop_token_id_eos_literal_and_unknown(tokenizer):
         stop_token_id(tokenizer, "xyz")
 
 
-# --- Rollout ------------------------------------------------------------------------------------------
+# --- Trajectories -------------------------------------------------------------------------------------
 
 
-def test_model_inputs_positions_count_real_tokens_only(rollout):
+def test_model_inputs_positions_count_real_tokens_only(rollout, encode, tokenizer):
     """Position ids of real tokens run 0..n-1 whatever the left padding; inputs are prompt then response."""
     input_ids, attention_mask, position_ids = rollout.model_inputs()
-    assert torch.equal(input_ids, torch.cat([rollout.query_ids, rollout.response_ids], dim=1))
-    assert torch.equal(attention_mask, torch.cat([rollout.query_mask, rollout.response_mask.long()], dim=1))
+    query_ids, query_mask = left_pad(encode(["1+2=", "12+30=", "7"]), tokenizer.pad_token_id)  # the fixture's prompts
+    assert torch.equal(input_ids, torch.cat([query_ids, rollout.window_ids], dim=1))
+    assert torch.equal(attention_mask, torch.cat([query_mask, rollout.loss_mask.long()], dim=1))
     for row in range(len(rollout)):
         real = attention_mask[row].bool()
         assert position_ids[row][real].tolist() == list(range(int(real.sum())))
@@ -66,12 +73,12 @@ def test_rollout_select_takes_rows_of_every_field(rollout):
     """`select` with an index tensor or a slice picks the same rows from every tensor."""
     picked = rollout.select(torch.tensor([2, 0]))
     assert len(picked) == 2
-    assert torch.equal(picked.query_ids, rollout.query_ids[[2, 0]])
-    assert torch.equal(picked.response_mask, rollout.response_mask[[2, 0]])
+    assert torch.equal(query(picked)[0], query(rollout)[0][[2, 0]])
+    assert torch.equal(picked.loss_mask, rollout.loss_mask[[2, 0]])
     assert picked.stopped.tolist() == [False, True]
-    assert picked.response_lengths.tolist() == [4.0, 3.0]
+    assert picked.action_lengths.tolist() == [4.0, 3.0]
     sliced = rollout.select(slice(1, 3))
-    assert len(sliced) == 2 and torch.equal(sliced.response_ids, rollout.response_ids[1:3])
+    assert len(sliced) == 2 and torch.equal(sliced.window_ids, rollout.window_ids[1:3])
 
 
 # --- HFGenerator --------------------------------------------------------------------------------------
@@ -88,8 +95,8 @@ def test_generate_left_pads_prompts_of_different_lengths(generator, encode, toke
     prompts = encode(PROMPTS)
     rollout = generator.generate(prompts, GREEDY)
     expected_ids, expected_mask = left_pad(prompts, tokenizer.pad_token_id)
-    assert torch.equal(rollout.query_ids, expected_ids)
-    assert torch.equal(rollout.query_mask, expected_mask)
+    assert torch.equal(query(rollout)[0], expected_ids)
+    assert torch.equal(query(rollout)[1], expected_mask)
     assert len(rollout) == len(PROMPTS)
 
 
@@ -97,9 +104,9 @@ def test_generate_stops_at_eos_and_flags_non_stop(generator, encode, tokenizer):
     """Nothing follows the first EOS; `stopped` is false exactly for responses that ran to max_new_tokens."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     rollout = generator.generate(encode(PROMPTS), GREEDY)
-    assert rollout.response_ids.shape[1] <= GREEDY.max_new_tokens
+    assert rollout.window_ids.shape[1] <= GREEDY.max_new_tokens
     assert rollout.stopped.any() and not rollout.stopped.all(), "fixture should give both kinds of response"
-    for ids, mask, stopped in zip(rollout.response_ids, rollout.response_mask, rollout.stopped):
+    for ids, mask, stopped in zip(rollout.window_ids, rollout.loss_mask, rollout.stopped):
         length = int(mask.sum())
         assert mask[:length].eq(1).all() and mask[length:].eq(0).all()
         assert ids[length:].eq(pad).all()
@@ -108,7 +115,7 @@ def test_generate_stops_at_eos_and_flags_non_stop(generator, encode, tokenizer):
             assert real[-1] == eos and eos not in real[:-1]
         else:
             assert eos not in real and length == GREEDY.max_new_tokens
-    assert rollout.logprobs[rollout.response_mask == 0].eq(0).all()
+    assert rollout.gen_logp[rollout.loss_mask == 0].eq(0).all()
 
 
 def test_greedy_is_deterministic(generator, encode):
@@ -123,11 +130,11 @@ def test_greedy_response_does_not_depend_on_batch_padding(generator, encode):
     batch = generator.generate(prompts, GREEDY)
     for row, prompt in enumerate(prompts):
         alone = generator.generate([prompt], GREEDY)
-        width = alone.response_ids.shape[1]
-        assert torch.equal(alone.response_ids[0], batch.response_ids[row, :width]), PROMPTS[row]
-        assert batch.response_mask[row, width:].eq(0).all()
+        width = alone.window_ids.shape[1]
+        assert torch.equal(alone.window_ids[0], batch.window_ids[row, :width]), PROMPTS[row]
+        assert batch.loss_mask[row, width:].eq(0).all()
         assert alone.stopped[0] == batch.stopped[row]
-        torch.testing.assert_close(alone.logprobs[0], batch.logprobs[row, :width], atol=1e-4, rtol=0)
+        torch.testing.assert_close(alone.gen_logp[0], batch.gen_logp[row, :width], atol=1e-4, rtol=0)
 
 
 def test_chunked_generation_equals_one_batch(make_generator, tiny_model_dir, encode):
@@ -152,16 +159,16 @@ def test_generator_logprobs_match_teacher_forced(generator, encode, sampling):
     """The generator's logprobs equal the trainer's teacher-forced logprobs at the same temperature."""
     rollout = generator.generate(encode(PROMPTS) * 2, sampling)
     temperature = 1.0 if sampling.greedy else sampling.temperature
-    expected, _ = response_logprobs(generator.model, rollout, temperature)
-    torch.testing.assert_close(rollout.logprobs, expected, atol=1e-4, rtol=0)
-    assert rollout.logprobs.le(0).all() and rollout.logprobs[rollout.response_mask.bool()].lt(0).any()
+    expected, _ = window_logprobs(generator.model, rollout, temperature)
+    torch.testing.assert_close(rollout.gen_logp, expected, atol=1e-4, rtol=0)
+    assert rollout.gen_logp.le(0).all() and rollout.gen_logp[rollout.loss_mask.bool()].lt(0).any()
 
 
 def test_literal_stop_token_ends_responses(make_generator, tiny_model_dir, encode, tokenizer):
     """With stop_token='=', a response ends at its first '=' and is flagged stopped."""
     stop = tokenizer.convert_tokens_to_ids("=")
     rollout = make_generator(tiny_model_dir, stop_token="=").generate(encode(PROMPTS), GREEDY)
-    for ids, mask, stopped in zip(rollout.response_ids, rollout.response_mask, rollout.stopped):
+    for ids, mask, stopped in zip(rollout.window_ids, rollout.loss_mask, rollout.stopped):
         real = ids[: int(mask.sum())].tolist()
         assert bool(stopped) == (stop in real)
         if stopped:
@@ -182,13 +189,13 @@ def test_update_weights_switches_to_new_weights(make_generator, tiny_model_dir, 
                 param.add_(0.2 * torch.randn_like(param))
     before = generator.generate(prompts, GREEDY)
     target = donor.generate(prompts, GREEDY)
-    assert not torch.equal(before.response_ids, target.response_ids), "the new weights should answer differently"
+    assert not torch.equal(before.window_ids, target.window_ids), "the new weights should answer differently"
 
     generator.update_weights(donor.model.state_dict())
     after = generator.generate(prompts, GREEDY)
     assert_same_rollout(after, target, atol=1e-6)
-    expected, _ = response_logprobs(donor.model, after, 1.0)
-    torch.testing.assert_close(after.logprobs, expected, atol=1e-4, rtol=0)
+    expected, _ = window_logprobs(donor.model, after, 1.0)
+    torch.testing.assert_close(after.gen_logp, expected, atol=1e-4, rtol=0)
 
 
 def test_the_models_own_generation_config_never_changes_sampling(make_generator, tiny_model_dir, encode, tmp_path):
@@ -203,7 +210,7 @@ def test_the_models_own_generation_config_never_changes_sampling(make_generator,
     prompts = encode(["1+2=", "3+4=", "9+9=", "0+0=", "5+5="])
     plain = make_generator(tiny_model_dir).generate(prompts, SamplingParams(max_new_tokens=6, greedy=True))
     configured = make_generator(str(tmp_path)).generate(prompts, SamplingParams(max_new_tokens=6, greedy=True))
-    assert torch.equal(plain.response_ids, configured.response_ids)
+    assert torch.equal(plain.window_ids, configured.window_ids)
 
 
 def test_sleep_frees_the_weights_and_wake_up_brings_new_ones(make_generator, tiny_model_dir, other_model_dir, encode):

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from rlhf.config.schema import GeneratorConfig, ModelConfig
 from rlhf.generators.base import SamplingParams
-from rlhf.models.logprobs import response_logprobs
+from rlhf.models.logprobs import window_logprobs
 
 if not os.environ.get("RLHF_REQUIRE_VLLM"):
     pytest.importorskip("vllm", reason="vLLM is not installed (see the README); CI sets RLHF_REQUIRE_VLLM=1")
@@ -73,28 +73,29 @@ def test_greedy_rollout_equals_the_hf_generators(engine, hf, encode):
     prompts = encode(PROMPTS)
     ours, theirs = engine.generate(prompts, GREEDY), hf.generate(prompts, GREEDY)
     assert ours.stopped.any() and not ours.stopped.all(), "fixture should give both kinds of response"
-    for name in ("query_ids", "query_mask", "response_ids", "response_mask", "stopped"):
+    assert ours.window_start == theirs.window_start  # the same left-padded prompt columns before the responses
+    for name in ("input_ids", "attention_mask", "loss_mask", "stopped"):
         assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
-    torch.testing.assert_close(ours.logprobs, theirs.logprobs, atol=1e-4, rtol=0)
+    torch.testing.assert_close(ours.gen_logp, theirs.gen_logp, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.6])
 def test_sampled_logprobs_match_the_trainer(engine, hf, encode, temperature):
     """Sampled responses: vLLM's per-token logprobs equal the trainer's teacher-forced logprobs at that temperature."""
     rollout = engine.generate(encode(PROMPTS) * 4, SamplingParams(max_new_tokens=6, temperature=temperature))
-    expected, _ = response_logprobs(hf.model, rollout, temperature)
-    torch.testing.assert_close(rollout.logprobs, expected, atol=1e-4, rtol=0)
-    assert rollout.logprobs[rollout.response_mask == 0].eq(0).all()
+    expected, _ = window_logprobs(hf.model, rollout, temperature)
+    torch.testing.assert_close(rollout.gen_logp, expected, atol=1e-4, rtol=0)
+    assert rollout.gen_logp[rollout.loss_mask == 0].eq(0).all()
 
 
 def test_sampling_varies_and_follows_the_model(engine, encode, tokenizer):
     """Repeated prompts get different samples; every token is in the vocabulary; nothing follows a stop token."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     rollout = engine.generate(encode(["3+4="]) * 64, SamplingParams(max_new_tokens=6, temperature=1.0))
-    distinct = {tuple(ids[: int(mask.sum())].tolist()) for ids, mask in zip(rollout.response_ids, rollout.response_mask)}
+    distinct = {tuple(ids[: int(mask.sum())].tolist()) for ids, mask in zip(rollout.window_ids, rollout.loss_mask)}
     assert len(distinct) > 5
-    assert rollout.response_ids.max() < len(tokenizer)
-    for ids, mask, stopped in zip(rollout.response_ids, rollout.response_mask, rollout.stopped):
+    assert rollout.window_ids.max() < len(tokenizer)
+    for ids, mask, stopped in zip(rollout.window_ids, rollout.loss_mask, rollout.stopped):
         length = int(mask.sum())
         assert ids[length:].eq(pad).all() and mask[length:].eq(0).all()
         real = ids[:length].tolist()
@@ -118,9 +119,9 @@ def test_literal_stop_token_ends_responses_and_eos_does_not(stop_at_equals, mode
     prompts = encode(PROMPTS)
     ours = stop_at_equals.generate(prompts, GREEDY)
     theirs = make_generator(model_dir, stop_token="=").generate(prompts, GREEDY)
-    assert torch.equal(ours.response_ids, theirs.response_ids) and torch.equal(ours.stopped, theirs.stopped)
+    assert torch.equal(ours.window_ids, theirs.window_ids) and torch.equal(ours.stopped, theirs.stopped)
     assert ours.stopped.any()
-    for ids, mask, stopped in zip(ours.response_ids, ours.response_mask, ours.stopped):
+    for ids, mask, stopped in zip(ours.window_ids, ours.loss_mask, ours.stopped):
         real = ids[: int(mask.sum())].tolist()
         assert bool(stopped) == (stop in real) and (not stopped or real.index(stop) == len(real) - 1)
 
@@ -134,11 +135,11 @@ def test_update_weights_changes_what_is_sampled(engine, hf, encode, original_wei
     new = perturbed(original_weights)
     hf.update_weights(new)
     target = hf.generate(prompts, GREEDY)
-    assert not torch.equal(before.response_ids, target.response_ids), "the new weights should answer differently"
+    assert not torch.equal(before.window_ids, target.window_ids), "the new weights should answer differently"
     engine.update_weights(new)
     after = engine.generate(prompts, GREEDY)
-    assert torch.equal(after.response_ids, target.response_ids)
-    torch.testing.assert_close(after.logprobs, target.logprobs, atol=1e-4, rtol=0)
+    assert torch.equal(after.window_ids, target.window_ids)
+    torch.testing.assert_close(after.gen_logp, target.gen_logp, atol=1e-4, rtol=0)
 
 
 def test_sleep_frees_the_weights_and_wake_up_loads_new_ones(engine, hf, encode, original_weights):
@@ -153,4 +154,4 @@ def test_sleep_frees_the_weights_and_wake_up_loads_new_ones(engine, hf, encode, 
     engine.update_weights(new)  # wakes it
     assert not engine.asleep and engine.resident_bytes() == held
     hf.update_weights(new)
-    assert torch.equal(engine.generate(prompts, GREEDY).response_ids, hf.generate(prompts, GREEDY).response_ids)
+    assert torch.equal(engine.generate(prompts, GREEDY).window_ids, hf.generate(prompts, GREEDY).window_ids)

@@ -9,12 +9,17 @@ import torch
 
 from rlhf import registry
 from rlhf.generators.base import SamplingParams
-from rlhf.models.logprobs import response_logprobs
+from rlhf.models.logprobs import window_logprobs
 from rlhf.models.optim import lr_lambda
 from rlhf.models.policy import TorchPolicy
 from rlhf.models.reference import FrozenReference
 
 CPU = torch.device("cpu")
+
+
+def reference_logprobs(reference: FrozenReference, batch, temperature: float) -> torch.Tensor:
+    """The reference's logprobs of the whole batch in one forward, without gradients. Shape: (B, T)."""
+    return reference.rollout_logprobs(batch, temperature, chunk=len(batch))
 
 
 def make_policy(policy_cfg, model_cfg, train_cfg, total_steps: int = 10, **train_overrides) -> TorchPolicy:
@@ -26,7 +31,7 @@ def make_policy(policy_cfg, model_cfg, train_cfg, total_steps: int = 10, **train
 def train_step(policy: TorchPolicy, rollout) -> float:
     """One step raising the likelihood of the rollout's responses; returns the gradient norm."""
     logprobs, _ = policy.logprobs(rollout, temperature=1.0)
-    policy.backward(-logprobs.sum() / rollout.response_mask.sum())
+    policy.backward(-logprobs.sum() / rollout.loss_mask.sum())
     return policy.optimizer_step()
 
 
@@ -116,9 +121,9 @@ def test_policy_logprobs_have_gradients_and_entropy(policy_cfg, model_cfg, train
     """Policy logprobs carry gradients, are 0 outside the response mask, and entropy is returned on request."""
     policy = make_policy(policy_cfg, model_cfg, train_cfg)
     logprobs, entropy = policy.logprobs(rollout, temperature=1.0, with_entropy=True)
-    assert logprobs.requires_grad and logprobs.shape == rollout.response_ids.shape
-    assert logprobs[rollout.response_mask == 0].eq(0).all()
-    assert entropy.shape == logprobs.shape and entropy[rollout.response_mask.bool()].gt(0).all()
+    assert logprobs.requires_grad and logprobs.shape == rollout.window_ids.shape
+    assert logprobs[rollout.loss_mask == 0].eq(0).all()
+    assert entropy.shape == logprobs.shape and entropy[rollout.loss_mask.bool()].gt(0).all()
 
 
 def test_generator_sync_after_policy_step(policy_cfg, model_cfg, train_cfg, make_generator, tiny_model_dir, encode):
@@ -132,9 +137,9 @@ def test_generator_sync_after_policy_step(policy_cfg, model_cfg, train_cfg, make
     fresh = generator.generate(encode(["1+2=", "33+4=", "5"]) * 3, sampling)
     with torch.no_grad():
         expected, _ = policy.logprobs(fresh, 0.8)
-        stale, _ = response_logprobs(make_generator(tiny_model_dir).model, fresh, 0.8)
-    torch.testing.assert_close(fresh.logprobs, expected, atol=1e-4, rtol=0)
-    assert (fresh.logprobs - stale).abs().max() > 1e-3
+        stale, _ = window_logprobs(make_generator(tiny_model_dir).model, fresh, 0.8)
+    torch.testing.assert_close(fresh.gen_logp, expected, atol=1e-4, rtol=0)
+    assert (fresh.gen_logp - stale).abs().max() > 1e-3
 
 
 # --- FrozenReference ----------------------------------------------------------------------------------
@@ -146,21 +151,21 @@ def test_reference_is_frozen_and_unaffected_by_training(policy_cfg, model_cfg, t
     assert not any(p.requires_grad for p in reference.model.parameters())
     assert not reference.model.training
     policy = make_policy(policy_cfg, model_cfg, train_cfg, lr=1e-2)
-    ref_before = reference.logprobs(rollout, 1.0)
+    ref_before = reference_logprobs(reference, rollout, 1.0)
     with torch.no_grad():
         torch.testing.assert_close(policy.logprobs(rollout, 1.0)[0], ref_before, atol=1e-5, rtol=0)
     assert not ref_before.requires_grad
     for _ in range(3):
         train_step(policy, rollout)
-    torch.testing.assert_close(reference.logprobs(rollout, 1.0), ref_before, atol=0, rtol=0)
+    torch.testing.assert_close(reference_logprobs(reference, rollout, 1.0), ref_before, atol=0, rtol=0)
     with torch.no_grad():
         assert (policy.logprobs(rollout, 1.0)[0] - ref_before).abs().max() > 1e-3
 
 
 def test_reference_loads_its_own_weights_when_named(model_cfg, reference_cfg, other_model_dir, tiny_model_dir, rollout):
     """reference.name_or_path picks other weights than the policy's starting point."""
-    own = FrozenReference(reference_cfg(), model_cfg, CPU).logprobs(rollout, 1.0)
-    other = FrozenReference(reference_cfg(name_or_path=other_model_dir), model_cfg, CPU).logprobs(rollout, 1.0)
-    same = FrozenReference(reference_cfg(name_or_path=tiny_model_dir), model_cfg, CPU).logprobs(rollout, 1.0)
+    own = reference_logprobs(FrozenReference(reference_cfg(), model_cfg, CPU), rollout, 1.0)
+    other = reference_logprobs(FrozenReference(reference_cfg(name_or_path=other_model_dir), model_cfg, CPU), rollout, 1.0)
+    same = reference_logprobs(FrozenReference(reference_cfg(name_or_path=tiny_model_dir), model_cfg, CPU), rollout, 1.0)
     torch.testing.assert_close(same, own, atol=0, rtol=0)
     assert (other - own).abs().max() > 1e-2

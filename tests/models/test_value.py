@@ -16,7 +16,7 @@ from rlhf.functional import masked_mean
 from rlhf.models.critic import TorchCritic
 from rlhf.models.loading import load_causal_lm
 from rlhf.models.policy import TorchPolicy
-from rlhf.models.value import ValueModule, init_score_head, load_value_model, response_values, score_head, sequence_scores, token_scores
+from rlhf.models.value import ValueModule, init_score_head, load_value_model, score_head, sequence_scores, token_scores, window_values
 from rlhf.rewards.model import RewardModelScorer
 
 CPU = torch.device("cpu")
@@ -24,8 +24,9 @@ CPU = torch.device("cpu")
 
 def unpadded(rollout, row: int) -> tuple[torch.Tensor, int]:
     """(prompt + response ids of one row without any padding, shape (1, L); the prompt's length)."""
-    query = rollout.query_ids[row][rollout.query_mask[row].bool()]
-    response = rollout.response_ids[row][rollout.response_mask[row].bool()]
+    start = rollout.window_start  # single-turn rows: the prompt columns, then the response (the window)
+    query = rollout.input_ids[row, :start][rollout.attention_mask[row, :start].bool()]
+    response = rollout.window_ids[row][rollout.loss_mask[row].bool()]
     return torch.cat([query, response]).unsqueeze(0), len(query)
 
 
@@ -126,20 +127,20 @@ def test_sequence_scores_pick_the_last_real_token(reward_model_dir, rollout):
     assert (batched[1:] - batched[:-1]).abs().min() > 1e-4  # distinct rows, so a wrong index would show
 
 
-def test_response_values_align_with_response_tokens(reward_model_dir, rollout):
+def test_window_values_align_with_response_tokens(reward_model_dir, rollout):
     """values[:, t] is the head at the token before response token t; 0 outside the mask."""
     # values[:, t] is the head at the token before response token t (alone: position len(prompt) - 1 + t);
     # exactly 0 outside the response mask.
     model = load_value_model(reward_model_dir)
     with torch.no_grad():
-        values = response_values(ValueModule(model), rollout)
-        assert values.shape == rollout.response_ids.shape
+        values = window_values(ValueModule(model), rollout)
+        assert values.shape == rollout.window_ids.shape
         for i in range(3):
             ids, prompt_len = unpadded(rollout, i)
             alone = token_scores(model, ids, torch.ones_like(ids), torch.arange(ids.shape[1]).unsqueeze(0))[0]
-            length = int(rollout.response_mask[i].sum())
+            length = int(rollout.loss_mask[i].sum())
             assert_close(values[i, :length], alone[prompt_len - 1 : prompt_len - 1 + length], atol=1e-5, rtol=0)
-    assert torch.equal(values[rollout.response_mask == 0], torch.zeros(int((rollout.response_mask == 0).sum())))
+    assert torch.equal(values[rollout.loss_mask == 0], torch.zeros(int((rollout.loss_mask == 0).sum())))
 
 
 # --- critic and frozen reward model -------------------------------------------------------------------
@@ -154,18 +155,18 @@ def make_critic(model_cfg, train_cfg, init_path: str, **critic_overrides) -> Tor
 def critic_step(critic: TorchCritic, rollout) -> None:
     """One backward + optimizer step pulling every value towards 1."""
     values = critic.values(rollout)
-    critic.backward(masked_mean((values - 1.0) ** 2, rollout.response_mask))
+    critic.backward(masked_mean((values - 1.0) ** 2, rollout.loss_mask))
     critic.optimizer_step()
 
 
 def test_critic_is_registered_and_its_values_carry_gradients(model_cfg, train_cfg, tiny_model_dir, rollout):
-    """`torch` builds TorchCritic; values are (B, Lr), differentiable, 0 outside the mask, in train mode."""
+    """`torch` builds TorchCritic; values are (B, T), differentiable, 0 outside the mask, in train mode."""
     assert registry.resolve("critic", "torch") is TorchCritic
     critic = make_critic(model_cfg, train_cfg, tiny_model_dir)
     values = critic.values(rollout)
     assert critic.model.training
-    assert values.shape == rollout.response_ids.shape and values.requires_grad
-    assert values[rollout.response_mask == 0].eq(0).all()
+    assert values.shape == rollout.window_ids.shape and values.requires_grad
+    assert values[rollout.loss_mask == 0].eq(0).all()
 
 
 def test_critic_learning_rate(model_cfg, train_cfg, tiny_model_dir):
@@ -208,7 +209,7 @@ def test_critic_training_moves_values_towards_the_target(model_cfg, train_cfg, t
 
     def loss() -> float:
         with torch.no_grad():
-            return masked_mean((critic.values(rollout) - 1.0) ** 2, rollout.response_mask).item()
+            return masked_mean((critic.values(rollout) - 1.0) ** 2, rollout.loss_mask).item()
 
     start = loss()
     for _ in range(3):

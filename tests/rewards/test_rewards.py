@@ -10,12 +10,12 @@ import torch
 from omegaconf import OmegaConf
 
 from rlhf.config.schema import RewardConfig, RewardFunctionConfig
-from rlhf.generators.base import Rollout
 from rlhf.registry import RegistryError
 from rlhf.models.value import load_value_model, sequence_scores
 from rlhf.rewards.combine import RewardSet
 from rlhf.rewards.model import RewardModelScorer, RunningMoments
 from rlhf.rewards.rules import arith_correct, exact_match, integer_format, length_penalty
+from rlhf.trajectory import Trajectories, from_completions
 
 
 def reward_cfg(*functions: tuple, non_stop_penalty: bool = True, penalty: float = -10.0, **model_options):
@@ -30,10 +30,10 @@ def reward_cfg(*functions: tuple, non_stop_penalty: bool = True, penalty: float 
     )
 
 
-def stopped_rollout(stopped: list[bool]) -> Rollout:
-    """A one-token rollout whose only meaningful field is ``stopped`` (all RewardSet reads without a model)."""
+def stopped_rollout(stopped: list[bool]) -> Trajectories:
+    """One-token trajectories whose only meaningful field is ``stopped`` (all RewardSet reads without a model)."""
     rows = len(stopped)
-    return Rollout(
+    return from_completions(
         query_ids=torch.ones(rows, 1, dtype=torch.long),
         query_mask=torch.ones(rows, 1, dtype=torch.long),
         response_ids=torch.ones(rows, 1, dtype=torch.long),

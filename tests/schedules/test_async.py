@@ -90,13 +90,13 @@ def test_versioned_generator_loads_published_weights_between_generate_calls(make
     assert not finished.is_set() and generator.published == 4 and generator.version == 3
     new[next(iter(new))].add_(100.0)  # the trainer keeps updating in place: the published copy must not change
     worker.join()
-    assert result["version"] == 3 and torch.equal(result["rollout"].response_ids, before.response_ids)
+    assert result["version"] == 3 and torch.equal(result["rollout"].window_ids, before.window_ids)
     inner.generate = original
     rollout, version = generator.generate_versioned(prompts, greedy)
     assert version == 4 and generator.version == 4
     reference = make_generator(tiny_model_dir)
     reference.update_weights({k: v - (100.0 if i == 0 else 0.0) for i, (k, v) in enumerate(new.items())})
-    assert torch.equal(rollout.response_ids, reference.generate(prompts, greedy).response_ids)
+    assert torch.equal(rollout.window_ids, reference.generate(prompts, greedy).window_ids)
     generator.update_weights(old, version=9)
     assert generator.generate_versioned(prompts, greedy)[1] == 9
 
