@@ -147,35 +147,34 @@ def test_exported_model_loads_with_plain_transformers_and_generates_the_same_tok
     assert not torch.equal(model.model.embed_tokens.weight, load_causal_lm("builtin:tiny_arith").model.embed_tokens.weight), "trained weights were exported"
 
 
-NAN_ESTIMATOR = '''
-import torch
-from rlhf.estimators import GRPO
+NAN_LOSS = '''
+from rlhf.algorithms.policy_losses import ppo_clip
 
-class NaNOnSomeSteps(GRPO):
-    """GRPO whose loss is NaN on the calls listed in `bad_calls` (a test hook plugged in by config)."""
+bad_calls = {BAD}
+calls = 0
 
-    bad_calls = {BAD}
-    calls = 0
 
-    def loss(self, micro, out, denominator):
-        loss, value_loss, metrics = super().loss(micro, out, denominator)
-        NaNOnSomeSteps.calls += 1
-        if NaNOnSomeSteps.calls in self.bad_calls:
-            loss = loss * float("nan")
-        return loss, value_loss, metrics
+def nan_on_some_steps(logp, batch, cfg):
+    """GRPO's policy loss (ppo_clip) made NaN on the calls listed in `bad_calls` (a test hook plugged in by config)."""
+    global calls
+    out = ppo_clip(logp, batch, cfg)
+    calls += 1
+    if calls in bad_calls:
+        out.loss = out.loss * float("nan")
+    return out
 '''
 
 
-def write_nan_estimator(folder: Path, bad_calls: set[int]) -> dict:
-    (folder / "nan_estimator.py").write_text(NAN_ESTIMATOR.replace("{BAD}", repr(bad_calls)))
+def write_nan_loss(folder: Path, bad_calls: set[int]) -> dict:
+    (folder / "nan_loss.py").write_text(NAN_LOSS.replace("{BAD}", repr(bad_calls)))
     return {"PYTHONPATH": str(folder)}
 
 
 def test_non_finite_loss_is_skipped_and_counted(tmp_path):
-    env = write_nan_estimator(tmp_path, {3, 4})  # one micro batch per step: steps 3 and 4 get a NaN loss
+    env = write_nan_loss(tmp_path, {3, 4})  # one micro batch per step: steps 3 and 4 get a NaN loss
     run_dir = tmp_path / "run"
     run_cli(
-        "algorithm.estimator=nan_estimator.NaNOnSomeSteps", "train.num_steps=6", "eval.every=0",
+        "algorithm.policy_loss=nan_loss.nan_on_some_steps", "train.num_steps=6", "eval.every=0",
         "train.micro_batch_size=128", f"hydra.run.dir={run_dir}", cwd=tmp_path, env_extra=env,
     )
     skipped = dict(scalars(run_dir)["train/skipped_steps"])
@@ -185,9 +184,9 @@ def test_non_finite_loss_is_skipped_and_counted(tmp_path):
 
 
 def test_too_many_non_finite_steps_in_a_row_stop_the_run(tmp_path):
-    env = write_nan_estimator(tmp_path, {2, 3, 4})
+    env = write_nan_loss(tmp_path, {2, 3, 4})
     proc = run_cli(
-        "algorithm.estimator=nan_estimator.NaNOnSomeSteps", "train.num_steps=6", "eval.every=0",
+        "algorithm.policy_loss=nan_loss.nan_on_some_steps", "train.num_steps=6", "eval.every=0",
         "train.micro_batch_size=128", "train.max_skipped_steps_in_row=3", cwd=tmp_path, env_extra=env, check=False,
     )
     assert proc.returncode == 3

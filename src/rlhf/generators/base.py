@@ -28,6 +28,27 @@ class SamplingParams:
     greedy: bool = False
 
 
+def release_parameters(module: torch.nn.Module) -> dict[str, torch.Size]:
+    """Free every parameter's storage (tied ones once), keeping the tensors; returns their shapes for
+    `restore_parameters`. Buffers, being small, stay."""
+    shapes = {}
+    for name, param in module.named_parameters():
+        shapes[name] = param.shape
+        param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+    return shapes
+
+
+def restore_parameters(module: torch.nn.Module, shapes: dict[str, torch.Size]) -> None:
+    """Reallocate what `release_parameters` freed (uninitialised: load weights into it next)."""
+    for name, param in module.named_parameters():
+        param.data = torch.empty(shapes[name], dtype=param.dtype, device=param.device)
+
+
+def parameter_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the parameters a module holds now (0 once released)."""
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
 class Generator(Protocol):
     config_keys: tuple[str, ...]  # class attribute: the backend's own `generator.*` keys
 

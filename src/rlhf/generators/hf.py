@@ -6,7 +6,7 @@ import torch
 from transformers import GenerationConfig
 
 from rlhf.functional import logprobs_from_logits
-from rlhf.generators.base import SamplingParams
+from rlhf.generators.base import SamplingParams, parameter_bytes, release_parameters, restore_parameters
 from rlhf.models.loading import load_causal_lm
 from rlhf.registry import register
 from rlhf.trajectory import Trajectories, concat, from_completions
@@ -96,20 +96,16 @@ class HFGenerator:
         self.model.load_state_dict(state_dict, strict=True)
 
     def sleep(self) -> None:
-        """Free the weights (tied ones once) until `wake_up` brings new ones; buffers, being small, stay."""
+        """Free the weights until `wake_up` brings new ones."""
         self.freed_bytes = self.resident_bytes()
-        self._shapes = {}
-        for name, param in self.model.named_parameters():
-            self._shapes[name] = param.shape
-            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        self._shapes = release_parameters(self.model)
 
     @torch.no_grad()
     def wake_up(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Reallocate the weights and load ``state_dict`` into them (the freed values are gone)."""
         if self._shapes is None:
             raise RuntimeError("wake_up() without sleep()")
-        for name, param in self.model.named_parameters():
-            param.data = torch.empty(self._shapes[name], dtype=param.dtype, device=param.device)
+        restore_parameters(self.model, self._shapes)
         self._shapes = None
         self.model.load_state_dict(state_dict, strict=True)
 
@@ -119,7 +115,7 @@ class HFGenerator:
 
     def resident_bytes(self) -> int:
         """Bytes of weights this generator holds now (0 while asleep)."""
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return parameter_bytes(self.model)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Trajectories:

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from rlhf.generators.base import SamplingParams
+from rlhf.generators.base import SamplingParams, parameter_bytes, release_parameters, restore_parameters
 from rlhf.generators.hf import left_pad, stop_token_id
 from rlhf.models.loading import resolve_model_path
 from rlhf.registry import register
@@ -79,20 +79,16 @@ def response_rows(outputs, stop_id: int, pad_id: int) -> tuple[torch.Tensor, tor
 
 def _release_weights(worker) -> None:
     """In each engine worker: free every weight tensor, remembering the shapes on the worker for `_restore_weights`."""
-    worker.rlhf_weight_shapes = {}
-    for name, param in worker.model_runner.get_model().named_parameters():
-        worker.rlhf_weight_shapes[name] = param.shape
-        param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+    worker.rlhf_weight_shapes = release_parameters(worker.model_runner.get_model())
 
 
 def _restore_weights(worker) -> None:
     """In each engine worker: reallocate the weights freed by `_release_weights` (values come from a reload)."""
-    for name, param in worker.model_runner.get_model().named_parameters():
-        param.data = torch.empty(worker.rlhf_weight_shapes[name], dtype=param.dtype, device=param.device)
+    restore_parameters(worker.model_runner.get_model(), worker.rlhf_weight_shapes)
 
 
 def _weight_bytes(worker) -> int:
-    return sum(p.numel() * p.element_size() for p in worker.model_runner.get_model().parameters())
+    return parameter_bytes(worker.model_runner.get_model())
 
 
 def memory_in_use(device: torch.device) -> int | None:

@@ -1,0 +1,99 @@
+"""Composing an algorithm from registered parts: refused compositions, a user-registered loss, gspo on grpo."""
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from algorithm_fixtures import make_algorithm, trajectories
+from rlhf import registry
+from rlhf.algorithms import PolicyGradient, PolicyLoss, policy_losses, register_policy_loss
+from rlhf.config import ConfigError
+from rlhf.trajectory import Forward
+
+# --- refused compositions -----------------------------------------------------------------------------
+
+
+def test_per_token_loss_on_pairs_is_refused():
+    """gspo with best_vs_worst: the error names both keys and the pairwise losses to choose from."""
+    with pytest.raises(ConfigError) as err:
+        make_algorithm(advantage="best_vs_worst", policy_loss="gspo")
+    message = str(err.value)
+    assert "algorithm.policy_loss=gspo" in message and "algorithm.advantage=best_vs_worst" in message
+    assert "(dpo, ipo)" in message
+
+
+def test_pairwise_loss_on_per_token_advantages_is_refused():
+    """dpo with grpo: the error names both keys and the pair-making advantage to choose."""
+    with pytest.raises(ConfigError) as err:
+        make_algorithm(advantage="grpo", policy_loss="dpo")
+    message = str(err.value)
+    assert "algorithm.policy_loss=dpo" in message and "algorithm.advantage=grpo" in message
+    assert "algorithm.advantage=best_vs_worst" in message
+
+
+def test_unknown_advantage_lists_the_registered_names():
+    with pytest.raises(ConfigError) as err:
+        make_algorithm(advantage="nope")
+    message = str(err.value)
+    assert "'nope'" in message and "algorithm.advantage" in message
+    registered = registry.names("advantage")
+    assert {"grpo", "rloo", "reinforce", "gae", "rebn", "best_vs_worst"} <= set(registered)
+    assert f"Registered: {', '.join(registered)}" in message
+
+
+# --- a new loss is one registered function ------------------------------------------------------------
+
+
+@pytest.fixture
+def scratch_registry(monkeypatch):
+    """Registrations made in the test vanish after it (built-ins loaded first, so they stay)."""
+    registry.names("policy_loss")
+    monkeypatch.setattr(registry, "_REGISTRY", {kind: dict(parts) for kind, parts in registry._REGISTRY.items()})
+
+
+def test_a_registered_loss_is_picked_by_config_and_aggregated(scratch_registry):
+    """Reinforce advantages [-1, +1] (scores [1, 3]); the loss -3 * A * logp per token:
+    row 0 A=-1, logp [-1, -2] -> [-3, -6]; row 1 A=+1, logp [-0.5] -> [1.5]; token_mean (-3 - 6 + 1.5) / 3 = -2.5."""
+
+    @register_policy_loss("test_only_scaled_reinforce")
+    def scaled_reinforce(logp, batch, cfg):
+        loss = -3.0 * batch.advantages * logp
+        return PolicyLoss(loss, torch.zeros_like(loss, dtype=torch.bool), (logp - batch.old_logp).detach())
+
+    algo = make_algorithm(advantage="reinforce", policy_loss="test_only_scaled_reinforce", loss_agg="token_mean")
+    assert isinstance(algo, PolicyGradient) and algo.surrogate is scaled_reinforce
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    batch, _ = algo.build_batch(trajectories(mask, scores=torch.tensor([1.0, 3.0]), old_logp=torch.zeros(2, 2)))
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, 9.0]])
+    loss, metrics = algo.policy_loss(batch, Forward(logp), algo.denominator(batch))
+    assert_close(loss, torch.tensor(-2.5))
+    assert_close(metrics["loss/policy_avg"], torch.tensor(-2.5))
+
+
+# --- gspo on grpo advantages --------------------------------------------------------------------------
+
+
+def test_gspo_policy_loss_on_grpo_advantages():
+    """G=2, scores [0, 2], no std: A = [-1, +1]. Clip 0.2.
+
+    Row 0 (A=-1): log-ratios [0.1, -0.3], s = e^-0.1 = 0.9048374, loss 0.9048374 per token, unclipped.
+    Row 1 (A=+1): log-ratio [0.4], s = e^0.4 = 1.4918247 > 1.2 -> loss -1.2, clipped.
+    token_mean: (2 * 0.9048374 - 1.2) / 3 = 0.2032249; clipfrac 1/3; ratio (2 * 0.9048374 + 1.4918247) / 3 = 1.1004998.
+    Gradient: -A * s / 3 = 0.3016125 on row 0's tokens, 0 on the clipped row.
+    """
+    algo = make_algorithm(advantage="grpo", policy_loss="gspo", num_samples_per_prompt=2, norm_adv_by_std=False)
+    assert algo.surrogate is policy_losses.gspo
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    old_logp = torch.tensor([[-1.0, -1.0, 9.0], [-2.0, 9.0, 9.0]])
+    batch, _ = algo.build_batch(trajectories(mask, 2, scores=torch.tensor([0.0, 2.0]), old_logp=old_logp))
+    assert_close(batch.advantages, torch.tensor([[-1.0, -1.0, 0.0], [1.0, 0.0, 0.0]]))
+    logp = (old_logp + torch.tensor([[0.1, -0.3, 0.0], [0.4, 0.0, 0.0]])).requires_grad_(True)
+    loss, metrics = algo.policy_loss(batch, Forward(logp), algo.denominator(batch))
+    assert_close(loss, torch.tensor(0.2032249))
+    assert_close(metrics["policy/clipfrac_avg"], torch.tensor(1.0 / 3.0))
+    assert_close(metrics["val/ratio"], torch.tensor(1.1004998))
+    loss.backward()
+    g = math.exp(-0.1) / 3
+    assert_close(logp.grad, torch.tensor([[g, g, 0.0], [0.0, 0.0, 0.0]]))
