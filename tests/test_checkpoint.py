@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from rlhf import checkpoint
 from rlhf.checkpoint import STATE_FILE, complete_checkpoints, resume_path
 from rlhf.config.schema import AlgorithmConfig, CriticConfig, RewardConfig
-from rlhf.config.errors import ConfigError
+from rlhf.errors import ConfigError
 from rlhf.data.prompts import PromptExample, PromptStream
 from rlhf.algorithms import PolicyGradient, build_algorithm
 from rlhf.models import optim as optim_module

@@ -19,8 +19,15 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def ancestors(module: str) -> list[str]:
+    """The packages ``module`` lies in, innermost last: rlhf.a.b -> [rlhf, rlhf.a]."""
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
 def import_graph() -> tuple[dict[str, set[str]], list[str]]:
-    """({module: rlhf modules it imports, at any nesting level}, ["file:line" of function-level imports])."""
+    """({module: rlhf modules it imports, at any nesting level, and the packages whose __init__ that import runs},
+    ["file:line" of function-level imports])."""
     files = {module_name(p): p for p in sorted((SRC / "rlhf").rglob("*.py"))}
     graph: dict[str, set[str]] = {name: set() for name in files}
     offenders = []
@@ -43,6 +50,10 @@ def import_graph() -> tuple[dict[str, set[str]], list[str]]:
                     target = target.rpartition(".")[0]
                 if target in files and target != name:
                     graph[name].add(target)
+                # importing rlhf.a.b first runs the __init__ of package rlhf.a, unless it is the importer's own
+                for package in ancestors(target):
+                    if package in files and package != name and not name.startswith(package + "."):
+                        graph[name].add(package)
             roots = {t.split(".")[0] for t in targets}
             if id(node) in nested and not roots <= OPTIONAL_ENGINES:
                 offenders.append(f"{path.relative_to(SRC.parent)}:{node.lineno}")

@@ -18,7 +18,7 @@ from transformers import AutoConfig
 from rlhf import registry
 from rlhf.algorithms import build_algorithm
 from rlhf.components import build_model, critic_init_path
-from rlhf.config.errors import ConfigError
+from rlhf.errors import ConfigError
 from rlhf.config.validate import DerivedSizes
 from rlhf.data.prompts import PromptExample, PromptStream
 from rlhf.distributed.cluster import start

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlhf.config.errors import ConfigError
+from rlhf.errors import ConfigError
 
 log = logging.getLogger("rlhf")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable
 
-from rlhf.config.errors import ConfigError
+from rlhf.errors import ConfigError
 
 KINDS = (
     "dataset", "preference_dataset", "generator", "policy", "reference", "critic", "reward", "advantage", "policy_loss",

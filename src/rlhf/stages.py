@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from rlhf import functional as F
+from rlhf.functional import masked_mean, masked_sum
 from rlhf.data.prompts import PromptExample
 from rlhf.generators.base import SamplingParams
 from rlhf.trajectory import Trajectories
@@ -79,8 +79,8 @@ def prepare(c, scored: Scored, temperature: float, micro_batch_size: int) -> tup
     if c.algorithm.needs_old_logprobs:
         old_logp, entropy = c.policy.rollout_logprobs(batch, temperature, micro_batch_size, with_entropy=True)
         batch = replace(batch, old_logp=old_logp)
-        metrics["objective/entropy"] = F.masked_sum(entropy, mask, dim=1).mean().item()
-        metrics["val/generator_logprob_diff"] = F.masked_mean((batch.gen_logp - old_logp).abs(), mask).item()
+        metrics["objective/entropy"] = masked_sum(entropy, mask, dim=1).mean().item()
+        metrics["val/generator_logprob_diff"] = masked_mean((batch.gen_logp - old_logp).abs(), mask).item()
     if c.reference is not None:
         batch = replace(batch, ref_logp=c.reference.rollout_logprobs(batch, temperature, micro_batch_size))
     if c.critic is not None:

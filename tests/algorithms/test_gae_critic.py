@@ -216,7 +216,8 @@ def test_value_loss_gradient_reaches_only_the_values():
     # the policy loss does not depend on the values.
     algo = make_ppo(vf_coef=0.1, beta=0.0)
     batch = loss_batch()  # finite padding here: the chain rule gives 0 * NaN = NaN at NaN-padded tokens
-    batch = replace(batch, **{k: torch.nan_to_num(getattr(batch, k), nan=1e3) for k in ("old_logp", "advantages", "returns", "values")})
+    names = ("old_logp", "advantages", "returns", "values")
+    batch = replace(batch, **{k: torch.nan_to_num(getattr(batch, k), nan=1e3) for k in names})
     values = torch.nan_to_num(NEW_VALUES, nan=1e3).requires_grad_(True)
     logp = torch.zeros(3, 3, requires_grad=True)
     denominator = algo.denominator(batch)
@@ -244,10 +245,6 @@ def test_value_loss_micro_batches_sum_to_mini_batch():
     assert_close(sum(parts), whole)
 
 
-@pytest.mark.xfail(
-    raises=TypeError, strict=True,
-    reason="value_loss no longer checks for the critic's values (the fused loss() that did is gone); see the port report",
-)
 def test_value_loss_needs_the_critic_forward():
     """A Forward without values is a ValueError naming the critic."""
     with pytest.raises(ValueError, match="critic"):

@@ -241,6 +241,7 @@ def test_tis_off_adds_no_weights_and_leaves_the_loss_alone():
     mask = torch.ones(2, 2)
     algo = make_algorithm(num_samples_per_prompt=2, beta=0.0)
     # generator logprobs far from the trainer: they would matter if TIS were on
-    step = trajectories(mask, 2, scores=torch.tensor([1.0, 0.0]), old_logp=torch.zeros(2, 2), gen_logp=torch.full((2, 2), -3.0))
+    gen_logp = torch.full((2, 2), -3.0)
+    step = trajectories(mask, 2, scores=torch.tensor([1.0, 0.0]), old_logp=torch.zeros(2, 2), gen_logp=gen_logp)
     batch, metrics = algo.build_batch(step)
     assert "is_weights" not in batch.extras and "val/is_weight_mean" not in metrics

@@ -57,7 +57,8 @@ def test_policy_loss_token_mean_and_metrics():
 def test_policy_loss_seq_mean_token_mean():
     """Sequence means (-1.1 - 1.2) / 2 = -1.15 and 0.8 / 1; (-1.15 + 0.8) / 2 sequences = -0.175."""
     logp, old_logp, _ = _inputs()
-    loss, _ = policy_loss(make_algorithm(loss_agg="seq_mean_token_mean"), logp, old_logp, None, ADV, MASK, torch.tensor(2.0))
+    algo = make_algorithm(loss_agg="seq_mean_token_mean")
+    loss, _ = policy_loss(algo, logp, old_logp, None, ADV, MASK, torch.tensor(2.0))
     assert_close(loss, torch.tensor(-0.175))
 
 
@@ -215,7 +216,8 @@ def test_dual_clip_c_from_config():
 
 
 def test_kl_loss_uses_the_coefficient_of_its_step_and_the_next_step_the_adapted_one():
-    """A step's loss uses the coefficient its build_batch logged (0.1); the adaptive update (to 0.102) is the next step's."""
+    """A step's loss uses the coefficient its build_batch logged (0.1); the adaptive update (0.102) is the next
+    step's."""
     algo = make_algorithm(num_samples_per_prompt=2, beta=0.1, kl_in_reward=False, kl_estimator="k1",
                           kl_ctl="adaptive", target_kl=0.5, kl_horizon=20)
     _, metrics_step = build_kl_example(algo, group=2)
@@ -255,7 +257,8 @@ def test_entropy_bonus_gradient():
     """d loss / d entropy = -entropy_coef / denominator = -0.01 / 3 on valid tokens, 0 elsewhere."""
     logp, old_logp, _ = _inputs()
     entropy = ENTROPY.clone().requires_grad_(True)
-    loss, _ = policy_loss(make_algorithm(entropy_coef=0.01), logp, old_logp, None, ADV, MASK, torch.tensor(3.0), entropy)
+    algo = make_algorithm(entropy_coef=0.01)
+    loss, _ = policy_loss(algo, logp, old_logp, None, ADV, MASK, torch.tensor(3.0), entropy)
     loss.backward()
     assert_close(entropy.grad, MASK * (-0.01 / 3.0))
 

@@ -55,9 +55,10 @@ def test_concat_pads_context_left_and_window_right():
     for rows, part in ((slice(0, 1), a), (slice(1, 3), b)):
         got, want = out.select(rows), part
         for i in range(len(part)):
-            assert torch.equal(got.input_ids[i][got.attention_mask[i].bool()], want.input_ids[i][want.attention_mask[i].bool()])
+            real, want_real = got.attention_mask[i].bool(), want.attention_mask[i].bool()
+            assert torch.equal(got.input_ids[i][real], want.input_ids[i][want_real])
             got_pos, want_pos = got.model_inputs()[2][i], want.model_inputs()[2][i]
-            assert torch.equal(got_pos[got.attention_mask[i].bool()], want_pos[want.attention_mask[i].bool()])
+            assert torch.equal(got_pos[real], want_pos[want_real])
         width = part.loss_mask.shape[1]
         assert torch.equal(got.window_ids[:, :width], part.window_ids)
         assert torch.equal(got.loss_mask[:, :width], part.loss_mask)

@@ -14,7 +14,7 @@ from conftest import compose, max_weight_diff
 from rlhf import checkpoint, stages
 from rlhf.algorithms import build_algorithm
 from rlhf.build import build_components
-from rlhf.config.errors import ConfigError
+from rlhf.errors import ConfigError
 from rlhf.config.validate import validate
 from rlhf.distributed.cluster import start
 from rlhf.distributed.remote import WorkerError

@@ -12,7 +12,7 @@ from rlhf.algorithms import advantages, policy_losses  # noqa: F401 (registers t
 from rlhf.algorithms.base import AdvantageInputs, PolicyLoss, register_advantage, register_policy_loss
 from rlhf.algorithms.pairwise import PairwisePreference
 from rlhf.algorithms.policy_gradient import PolicyGradient
-from rlhf.config.errors import ConfigError
+from rlhf.errors import ConfigError
 from rlhf.registry import trait
 
 

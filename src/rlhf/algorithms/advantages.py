@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import torch
 
-from rlhf import functional as F
+from rlhf.functional import (
+    baseline_advantages,
+    gae_advantages,
+    group_normalized_advantages,
+    masked_whiten,
+    rebn_advantages,
+    rloo_advantages,
+    to_token_level,
+)
 from rlhf.algorithms.base import AdvantageInputs, register_advantage
 
 
@@ -16,28 +24,28 @@ def whiten_rows(advantages: torch.Tensor, whiten: bool) -> torch.Tensor:
     """Sequence advantages whitened across the batch when ``whiten`` (and there are two or more). Shape: (B,)."""
     if not whiten or advantages.numel() < 2:
         return advantages
-    return F.masked_whiten(advantages, torch.ones_like(advantages))
+    return masked_whiten(advantages, torch.ones_like(advantages))
 
 
 @register_advantage("grpo", config_keys=("norm_adv_by_std",), min_samples_per_prompt=2)
 def grpo(inputs: AdvantageInputs, cfg):
     """Group-relative: each reward centred (and by default std-scaled) within its prompt's samples."""
-    advantages = F.group_normalized_advantages(inputs.sequence_rewards(), inputs.group_size, cfg.norm_adv_by_std)
-    return F.to_token_level(advantages, inputs.mask), None
+    advantages = group_normalized_advantages(inputs.sequence_rewards(), inputs.group_size, cfg.norm_adv_by_std)
+    return to_token_level(advantages, inputs.mask), None
 
 
 @register_advantage("rloo", config_keys=("whiten_advantages",), min_samples_per_prompt=2)
 def rloo(inputs: AdvantageInputs, cfg):
     """REINFORCE leave-one-out: a sample's baseline is the mean reward of its prompt's other samples."""
-    advantages = whiten_rows(F.rloo_advantages(inputs.sequence_rewards(), inputs.group_size), cfg.whiten_advantages)
-    return F.to_token_level(advantages, inputs.mask), None
+    advantages = whiten_rows(rloo_advantages(inputs.sequence_rewards(), inputs.group_size), cfg.whiten_advantages)
+    return to_token_level(advantages, inputs.mask), None
 
 
 @register_advantage("reinforce", config_keys=("whiten_advantages",))
 def reinforce(inputs: AdvantageInputs, cfg):
     """REINFORCE with the batch-mean baseline (optionally whitened across the batch)."""
-    advantages = whiten_rows(F.baseline_advantages(inputs.sequence_rewards()), cfg.whiten_advantages)
-    return F.to_token_level(advantages, inputs.mask), None
+    advantages = whiten_rows(baseline_advantages(inputs.sequence_rewards()), cfg.whiten_advantages)
+    return to_token_level(advantages, inputs.mask), None
 
 
 @register_advantage(
@@ -48,16 +56,16 @@ def gae(inputs: AdvantageInputs, cfg):
     are the value targets. `vf_coef` and `cliprange_value` configure the critic's loss that comes with it."""
     if inputs.values is None:
         raise ValueError("algorithm.advantage=gae needs the critic's values; none were computed")
-    advantages, returns = F.gae_advantages(inputs.token_rewards(), inputs.values, inputs.mask, cfg.gamma, cfg.lam)
+    advantages, returns = gae_advantages(inputs.token_rewards(), inputs.values, inputs.mask, cfg.gamma, cfg.lam)
     if cfg.whiten_advantages:
-        advantages = F.masked_whiten(advantages, inputs.mask)
+        advantages = masked_whiten(advantages, inputs.mask)
     return advantages, returns
 
 
 @register_advantage("rebn", config_keys=("gamma",))
 def rebn(inputs: AdvantageInputs, cfg):
     """Per-turn returns discounted by `gamma`, normalised over every turn of the batch (return batch normalisation)."""
-    return F.rebn_advantages(inputs.token_rewards(), inputs.mask, cfg.gamma), None
+    return rebn_advantages(inputs.token_rewards(), inputs.mask, cfg.gamma), None
 
 
 @register_advantage("best_vs_worst", min_samples_per_prompt=2, pairwise=True)

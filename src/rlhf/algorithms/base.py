@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from rlhf import functional as F
+from rlhf.functional import AdaptiveKLController, FixedKLController, masked_sum, token_level_rewards
 from rlhf.registry import register, trait  # noqa: F401 (trait: re-exported for the algorithm shapes)
 
 
@@ -73,7 +73,7 @@ class AdvantageInputs:
         """The KL penalty of each row, -kl_coef * summed KL (0 when the KL is not in the reward). Shape: (B,)."""
         if self.kl is None or not self.kl_in_reward:
             return torch.zeros_like(self.scores)
-        return -self.kl_coef * F.masked_sum(self.kl, self.mask, dim=1)
+        return -self.kl_coef * masked_sum(self.kl, self.mask, dim=1)
 
     def sequence_rewards(self) -> torch.Tensor:
         """Score plus the KL penalty, one per row. Shape: (B,)."""
@@ -84,11 +84,11 @@ class AdvantageInputs:
     def token_rewards(self) -> torch.Tensor:
         """The KL penalty at every token plus the score at each row's last action token. Shape: (B, T)."""
         penalty = -self.kl_coef * self.kl if self.kl is not None and self.kl_in_reward else torch.zeros_like(self.mask)
-        return F.token_level_rewards(self.scores, penalty, self.mask)
+        return token_level_rewards(self.scores, penalty, self.mask)
 
 
 def make_kl_controller(cfg):
     """The fixed or adaptive KL coefficient of `algorithm.kl_ctl`."""
     if cfg.kl_ctl == "adaptive":
-        return F.AdaptiveKLController(cfg.beta, cfg.target_kl, cfg.kl_horizon)
-    return F.FixedKLController(cfg.beta)
+        return AdaptiveKLController(cfg.beta, cfg.target_kl, cfg.kl_horizon)
+    return FixedKLController(cfg.beta)

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import torch
 
-from rlhf import functional as F
+from rlhf.functional import kl_per_token, masked_mean, masked_sum
 from rlhf import registry
 from rlhf.algorithms.base import AdvantageInputs
 from rlhf.registry import trait
@@ -50,8 +50,8 @@ class PairwisePreference:
             "val/valid_pairs": (margin > 0).float().mean().item(),
         }
         if batch.old_logp is not None:
-            kl = F.kl_per_token(batch.old_logp, batch.ref_logp, self.cfg.kl_estimator) * mask
-            metrics["objective/kl"] = F.masked_sum(kl, mask, dim=1).mean().item()
+            kl = kl_per_token(batch.old_logp, batch.ref_logp, self.cfg.kl_estimator) * mask
+            metrics["objective/kl"] = masked_sum(kl, mask, dim=1).mean().item()
         pairs = batch.select(rows)
         extras = dict(pairs.extras, pair_valid=(margin > 0).float().repeat_interleave(2))
         return replace(pairs, extras=extras, rows_per_unit=2), metrics
@@ -63,24 +63,24 @@ class PairwisePreference:
     def policy_loss(self, micro: Trajectories, out: Forward, denominator: torch.Tensor):
         """(the micro batch's share of the mini batch's pair loss, metrics)."""
         mask = micro.loss_mask
-        seq_logp = F.masked_sum(out.logp, mask, dim=1)
-        seq_ref = F.masked_sum(micro.ref_logp, mask, dim=1)
+        seq_logp = masked_sum(out.logp, mask, dim=1)
+        seq_ref = masked_sum(micro.ref_logp, mask, dim=1)
         valid = micro.extras["pair_valid"][0::2]
         losses, chosen_reward, rejected_reward = self.pair_loss(
             seq_logp[0::2], seq_logp[1::2], seq_ref[0::2], seq_ref[1::2], self.cfg.beta
         )
-        loss = F.masked_sum(losses, valid) / denominator
+        loss = masked_sum(losses, valid) / denominator
         metrics = {
             "objective/loss": loss.detach(),
-            "logps/chosen": F.masked_mean(seq_logp[0::2].detach(), valid),
-            "logps/rejected": F.masked_mean(seq_logp[1::2].detach(), valid),
-            "reward/chosen": F.masked_mean(chosen_reward, valid),
-            "reward/rejected": F.masked_mean(rejected_reward, valid),
-            "reward_margin": F.masked_mean(chosen_reward - rejected_reward, valid),
+            "logps/chosen": masked_mean(seq_logp[0::2].detach(), valid),
+            "logps/rejected": masked_mean(seq_logp[1::2].detach(), valid),
+            "reward/chosen": masked_mean(chosen_reward, valid),
+            "reward/rejected": masked_mean(rejected_reward, valid),
+            "reward_margin": masked_mean(chosen_reward - rejected_reward, valid),
         }
         if self.cfg.reuse_training_logprobs:
-            kl = F.kl_per_token(out.logp.detach(), micro.ref_logp, self.cfg.kl_estimator) * mask
-            metrics["objective/kl"] = F.masked_sum(kl, mask, dim=1).mean()
+            kl = kl_per_token(out.logp.detach(), micro.ref_logp, self.cfg.kl_estimator) * mask
+            metrics["objective/kl"] = masked_sum(kl, mask, dim=1).mean()
             if out.entropy is not None:
-                metrics["objective/entropy"] = F.masked_sum(out.entropy.detach(), mask, dim=1).mean()
+                metrics["objective/entropy"] = masked_sum(out.entropy.detach(), mask, dim=1).mean()
         return loss, metrics

@@ -10,7 +10,15 @@ from dataclasses import replace
 
 import torch
 
-from rlhf import functional as F
+from rlhf.functional import (
+    aggregate_loss,
+    clipped_value_loss,
+    kl_per_token,
+    loss_denominator,
+    masked_mean,
+    masked_sum,
+    truncated_is_weights,
+)
 from rlhf import registry
 from rlhf.algorithms.base import AdvantageInputs, make_kl_controller
 from rlhf.registry import trait
@@ -52,7 +60,7 @@ class PolicyGradient:
         mask = batch.loss_mask
         kl = None
         if batch.ref_logp is not None:
-            kl = F.kl_per_token(batch.old_logp, batch.ref_logp, self.cfg.kl_estimator)
+            kl = kl_per_token(batch.old_logp, batch.ref_logp, self.cfg.kl_estimator)
             kl = torch.where(mask.bool(), kl, torch.zeros_like(kl))
         inputs = AdvantageInputs(
             batch.scores, mask, group_size(batch.group_id), kl, self.kl_coef, self.cfg.kl_in_reward, batch.values
@@ -63,26 +71,26 @@ class PolicyGradient:
             "objective/non_score_reward": inputs.non_score_rewards().mean().item(),
         }
         if kl is not None:
-            metrics["objective/kl"] = F.masked_sum(kl, mask, dim=1).mean().item()
+            metrics["objective/kl"] = masked_sum(kl, mask, dim=1).mean().item()
             metrics["objective/kl_coef"] = self.kl_coef
             self.kl_ctl.update(metrics["objective/kl"], len(batch))  # moves the coefficient for the next step
         if returns is not None:
-            metrics["val/values"] = F.masked_mean(batch.values, mask).item()
-            metrics["val/returns"] = F.masked_mean(returns, mask).item()
+            metrics["val/values"] = masked_mean(batch.values, mask).item()
+            metrics["val/returns"] = masked_mean(returns, mask).item()
         extras = dict(batch.extras)
         if self.cfg.tis_clip is not None:
-            weights, clipped = F.truncated_is_weights(batch.old_logp, batch.gen_logp, mask, self.cfg.tis_clip)
+            weights, clipped = truncated_is_weights(batch.old_logp, batch.gen_logp, mask, self.cfg.tis_clip)
             extras["is_weights"] = weights
-            metrics["val/is_weight_mean"] = F.masked_mean(weights, mask).item()
-            metrics["val/is_clipfrac"] = F.masked_mean(clipped.float(), mask).item()
+            metrics["val/is_weight_mean"] = masked_mean(weights, mask).item()
+            metrics["val/is_clipfrac"] = masked_mean(clipped.float(), mask).item()
         return replace(batch, advantages=advantages, returns=returns, extras=extras), metrics
 
     def denominator(self, mini: Trajectories) -> torch.Tensor:
         """What a mini batch's loss is divided by, so micro-batch losses add up to the mini-batch loss."""
-        return F.loss_denominator(mini.loss_mask, self.cfg.loss_agg, self.loss_agg_norm)
+        return loss_denominator(mini.loss_mask, self.cfg.loss_agg, self.loss_agg_norm)
 
     def aggregate(self, per_token: torch.Tensor, micro: Trajectories, denominator: torch.Tensor) -> torch.Tensor:
-        return F.aggregate_loss(per_token, micro.loss_mask, self.cfg.loss_agg, denominator)
+        return aggregate_loss(per_token, micro.loss_mask, self.cfg.loss_agg, denominator)
 
     def policy_loss(self, micro: Trajectories, out: Forward, denominator: torch.Tensor):
         """(the micro batch's share of the mini-batch policy loss, metrics); `loss/...` metrics are shares too."""
@@ -94,12 +102,12 @@ class PolicyGradient:
         log_ratio = surrogate.log_ratio.detach()
         metrics = {
             "loss/policy_avg": pg_loss.detach(),
-            "policy/approxkl_avg": F.masked_mean(0.5 * log_ratio**2, mask),
-            "policy/clipfrac_avg": F.masked_mean(surrogate.clipped.float(), mask),
-            "val/ratio": F.masked_mean(log_ratio.exp(), mask),
+            "policy/approxkl_avg": masked_mean(0.5 * log_ratio**2, mask),
+            "policy/clipfrac_avg": masked_mean(surrogate.clipped.float(), mask),
+            "val/ratio": masked_mean(log_ratio.exp(), mask),
         }
         if micro.ref_logp is not None and cfg.beta > 0 and not cfg.kl_in_reward:
-            kl_loss = self.aggregate(F.kl_per_token(out.logp, micro.ref_logp, cfg.kl_estimator), micro, denominator)
+            kl_loss = self.aggregate(kl_per_token(out.logp, micro.ref_logp, cfg.kl_estimator), micro, denominator)
             loss = loss + self.kl_coef * kl_loss  # beta (or the adaptive coefficient) enters the loss here
             metrics["loss/kl_avg"] = kl_loss.detach()
         if out.entropy is not None and cfg.entropy_coef != 0:
@@ -110,8 +118,10 @@ class PolicyGradient:
 
     def value_loss(self, micro: Trajectories, out: Forward, denominator: torch.Tensor):
         """(vf_coef * the micro batch's share of the clipped value loss, metrics), for the critic."""
+        if out.values is None:
+            raise ValueError("the value loss needs the critic's values for the micro batch; Forward.values is None")
         mask = micro.loss_mask
-        per_token, clipped = F.clipped_value_loss(out.values, micro.values, micro.returns, self.cfg.cliprange_value)
+        per_token, clipped = clipped_value_loss(out.values, micro.values, micro.returns, self.cfg.cliprange_value)
         value_loss = self.aggregate(per_token, micro, denominator)
-        metrics = {"loss/value_avg": value_loss.detach(), "val/clipfrac_avg": F.masked_mean(clipped.float(), mask)}
+        metrics = {"loss/value_avg": value_loss.detach(), "val/clipfrac_avg": masked_mean(clipped.float(), mask)}
         return self.cfg.vf_coef * value_loss, metrics

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from rlhf.config.errors import require as _require
+from rlhf.errors import require as _require
 
 
 def _colocated(cfg, a: str, b: str) -> bool:

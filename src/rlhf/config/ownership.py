@@ -13,7 +13,7 @@ from dataclasses import MISSING, fields
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rlhf import registry
-from rlhf.config.errors import ConfigError
+from rlhf.errors import ConfigError
 from rlhf.config.schema import AlgorithmConfig, ClusterConfig, CriticConfig, GeneratorConfig, ReferenceConfig, RewardConfig
 from rlhf.config.schema import DatasetConfig, ScheduleConfig
 from rlhf.generators.base import SAMPLING_KEYS

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from rlhf.algorithms import build_algorithm
-from rlhf.config.errors import require as _require
+from rlhf.errors import require as _require
 from rlhf.config.generation_checks import check_generation
 from rlhf.config.ownership import check_ownership
 from rlhf.distributed.layout import validate_cluster

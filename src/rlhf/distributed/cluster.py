@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from rlhf.config.errors import ConfigError
+from rlhf.errors import ConfigError
 from rlhf.distributed.layout import PlacementSpec, bundle_resources, check_fits, placement_specs, used_roles
 from rlhf.distributed.remote import ActorGroup, RemoteGenerator, RemoteReplicas, RemoteTrainer
 from rlhf.distributed.workers import RoleWorker

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlhf.config.errors import ConfigError
+from rlhf.errors import ConfigError
 from rlhf.distributed.strategies import STRATEGIES
 
 ROLES = ("actor", "ref", "critic", "reward", "generator")

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from rlhf.config.errors import ConfigError
+from rlhf.errors import ConfigError
 from rlhf.models.dtypes import DTYPES
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf import functional as F
+from rlhf.functional import entropy_from_logits, logprobs_from_logits
 from rlhf.trajectory import Trajectories
 
 
@@ -25,8 +25,8 @@ def window_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs (B, T), entropy (B, T) or None) of each window token; 0 outside the loss mask."""
     logits = window_logits(model, batch, temperature)
-    logp = F.logprobs_from_logits(logits, batch.window_ids) * batch.loss_mask
-    entropy = F.entropy_from_logits(logits) * batch.loss_mask if with_entropy else None
+    logp = logprobs_from_logits(logits, batch.window_ids) * batch.loss_mask
+    entropy = entropy_from_logits(logits) * batch.loss_mask if with_entropy else None
     return logp, entropy
 
 

@@ -8,7 +8,7 @@ cache; elsewhere the weights are freed) so training has the memory, then wakes i
 from __future__ import annotations
 
 from rlhf import stages
-from rlhf.config.errors import ConfigError
+from rlhf.errors import ConfigError
 from rlhf.registry import register
 from rlhf.schedules.common import RunState
 from rlhf.schedules.loop import generate, learn, run_steps, timed
