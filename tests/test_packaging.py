@@ -1,4 +1,4 @@
-"""The built wheel carries `conf/` (as rlhf.conf) and the built-in model, so Hydra works when installed."""
+"""The built wheel carries every module, `conf/` (as rlhf.conf) and the built-in model, so it works when installed."""
 
 from __future__ import annotations
 
@@ -25,3 +25,5 @@ def test_wheel_contains_configs_and_builtin_model(tmp_path):
     assert expected_conf <= names, sorted(expected_conf - names)
     assert "rlhf/assets/tiny_arith/model.safetensors" in names
     assert "rlhf/assets/tiny_arith/tokenizer.json" in names
+    modules = {f"rlhf/{p.relative_to(ROOT / 'src' / 'rlhf')}" for p in (ROOT / "src" / "rlhf").rglob("*.py")}
+    assert modules <= names, f"modules missing from the wheel (a package without __init__.py?): {sorted(modules - names)}"

@@ -1,0 +1,290 @@
+"""The GPU path, checked in one script: learning on the built-in task, GRPO throughput and training MFU on a
+Qwen2.5-0.5B-shaped model (bf16 autocast, fp32 master weights), hybrid sleep/wake memory, and the DDP / FSDP2
+strategies at world size 1.
+
+    python bench/gpu_check.py                       # full scale on CUDA (all sections)
+    python bench/gpu_check.py --tiny --device cpu   # the same code at tiny scale: what CI runs
+    python bench/gpu_check.py --sections learn,throughput --json out.json
+
+Models are built locally with random weights in the real shapes (no hub). Figures print as Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from omegaconf import OmegaConf
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from rlhf import stages
+from rlhf.algorithms import build_algorithm
+from rlhf.config.schema import AlgorithmConfig, GeneratorConfig, ModelConfig, PolicyConfig, ReferenceConfig, StrategyConfig
+from rlhf.config.schema import TrainConfig
+from rlhf.generators.base import SamplingParams
+from rlhf.generators.hf import HFGenerator
+from rlhf.models.policy import TorchPolicy
+from rlhf.models.reference import FrozenReference
+from rlhf.models.tiny import build_char_tokenizer
+from rlhf.schedules.common import NonFiniteGuard
+
+SECTIONS = ("peak", "learn", "throughput", "hybrid", "strategies")
+QWEN2_5_0_5B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                    num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=512, max_position_embeddings=128, tie_word_embeddings=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device: torch.device, fn):
+    """(result, seconds) of ``fn()``, with the device synchronised around it."""
+    sync(device)
+    start = time.perf_counter()
+    result = fn()
+    sync(device)
+    return result, time.perf_counter() - start
+
+
+def peak_matmul_flops(device: torch.device, tiny: bool) -> float:
+    """Measured FLOP/s of a square matrix product: bf16 8192^3 on CUDA, float32 256^3 on CPU (tiny)."""
+    n, dtype = (256, torch.float32) if tiny or device.type != "cuda" else (8192, torch.bfloat16)
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    _, seconds = timed(device, lambda: [a @ b for _ in range(10)])
+    return 2 * n**3 * 10 / seconds
+
+
+def save_model(folder: Path, shape: dict) -> str:
+    """A randomly initialised Qwen2 of ``shape`` and a character tokenizer, saved as a model folder."""
+    torch.manual_seed(0)
+    tokenizer = build_char_tokenizer("0123456789+=")
+    model = Qwen2ForCausalLM(Qwen2Config(pad_token_id=0, bos_token_id=1, eos_token_id=2, attention_dropout=0.0, **shape))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def run_cli(args: list[str], out: Path) -> dict:
+    """`python -m rlhf.train <args>` in ``out``; the first and last evaluations and seconds per step."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "rlhf.train", f"hydra.run.dir={out}", "logging.tensorboard=false", *args]
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    wall = time.perf_counter() - start
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/greedy_correct_rate" in r]
+    steps = [r["time/step"] for r in rows if "time/step" in r]
+    return {
+        "args": " ".join(args), "wall_s": round(wall, 1), "s_per_step": round(sum(steps) / len(steps), 4),
+        "greedy_start": evals[0]["eval/greedy_correct_rate"], "greedy_end": evals[-1]["eval/greedy_correct_rate"],
+        "sampled_start": evals[0]["eval/sampled_correct_rate"], "sampled_end": evals[-1]["eval/sampled_correct_rate"],
+    }
+
+
+def learn(device: torch.device, tiny: bool, work: Path) -> list[dict]:
+    """The default run and experiment=ppo_arith_tiny on ``device``: eval correct rates before and after."""
+    short = ["train.num_steps=40", "eval.every=0"] if tiny else []
+    runs = [[], ["experiment=ppo_arith_tiny"]]
+    return [run_cli([f"cluster.device={device}", *extra, *short], work / f"learn{i}") for i, extra in enumerate(runs)]
+
+
+def train_flops_per_token(config, seq_len: int) -> float:
+    """Model FLOPs per trained token (forward + backward): 6 N (matmul weights, lm_head included, embedding lookup
+    excluded) + 12 L d S for attention scores and values (PaLM's convention, no causal halving)."""
+    d, layers, heads, kv = config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads
+    head_dim = d // heads
+    per_layer = d * d * 2 + 2 * d * kv * head_dim + 3 * d * config.intermediate_size  # q, o, k, v, gate/up/down
+    matmul_params = layers * per_layer + d * config.vocab_size  # + lm_head
+    return 6 * matmul_params + 12 * layers * d * seq_len
+
+
+def throughput(device: torch.device, tiny: bool, work: Path, peak: float) -> list[dict]:
+    """GRPO steps on a Qwen2.5-0.5B-shaped model, gradient checkpointing off and on: seconds per stage, tokens/s,
+    training MFU against the measured matmul peak, peak memory."""
+    shape = TINY if tiny else QWEN2_5_0_5B
+    prompt_len, new_tokens, prompts, samples, micro = (8, 8, 4, 2, 4) if tiny else (256, 256, 16, 4, 16)
+    folder = save_model(work / "qwen_shaped", shape)
+    dtype = "float32" if device.type == "cpu" else "bfloat16"
+    model_cfg = OmegaConf.structured(ModelConfig(name_or_path=folder, dtype=dtype))
+    algo_cfg = OmegaConf.structured(AlgorithmConfig(name="grpo", advantage="grpo", num_samples_per_prompt=samples, beta=0.04))
+    gen_cfg = OmegaConf.structured(GeneratorConfig(max_new_tokens=new_tokens, batch_size=prompts * samples, stop_token="<eos>"))
+    results = []
+    for checkpointing in (False, True):
+        train_cfg = OmegaConf.structured(TrainConfig(micro_batch_size=micro, lr=1e-6))
+        policy = TorchPolicy(OmegaConf.structured(PolicyConfig(gradient_checkpointing=checkpointing)), model_cfg,
+                             train_cfg, total_optimizer_steps=10, device=device)
+        reference = FrozenReference(OmegaConf.structured(ReferenceConfig()), model_cfg, device)
+        tokenizer = build_char_tokenizer("0123456789+=")
+        generator = HFGenerator(gen_cfg, model_cfg, tokenizer, device)
+        generator.update_weights(policy.state_dict())
+        algorithm = build_algorithm(algo_cfg, new_tokens)
+        c = SimpleNamespace(policy=policy, reference=reference, critic=None, algorithm=algorithm, device=device,
+                            shuffle=torch.Generator().manual_seed(0))
+        vocab = shape["vocab_size"]
+        times: dict[str, float] = {}
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        for step in range(3):  # step 0 warms up
+            prompt_ids = torch.randint(3, vocab, (prompts, prompt_len)).tolist()
+            repeated = [p for p in prompt_ids for _ in range(samples)]
+            sampling = SamplingParams(new_tokens, temperature=1.0)
+            batch, gen_s = timed(device, lambda: generator.generate(repeated, sampling))
+            batch = replace(stages.with_groups(batch, samples), scores=torch.randn(len(repeated)))
+            scored = stages.Scored(batch.to("cpu"), [""] * len(repeated), [""] * len(repeated), {})
+            (trained, _), logp_s = timed(device, lambda: stages.prepare(c, scored, 1.0, micro))
+            _, train_s = timed(device, lambda: stages.update_policy(c, trained, train_cfg, 1.0, NonFiniteGuard(3)))
+            _, sync_s = timed(device, lambda: generator.update_weights(policy.state_dict()))
+            if step:
+                for key, value in (("generation", gen_s), ("logprobs", logp_s), ("training", train_s), ("weight_sync", sync_s)):
+                    times[key] = times.get(key, 0.0) + value / 2
+        rows, seq = len(repeated), prompt_len + new_tokens
+        trained_tokens = rows * seq
+        flops = train_flops_per_token(policy.model.config, seq) * trained_tokens
+        results.append({
+            "gradient_checkpointing": checkpointing, "rows": rows, "tokens_per_row": seq, "micro_batch_rows": micro,
+            **{f"s_{k}": round(v, 3) for k, v in times.items()},
+            "generation_tokens_per_s": round(rows * new_tokens / times["generation"], 1),
+            "training_tokens_per_s": round(trained_tokens / times["training"], 1),
+            "training_tflops": round(flops / times["training"] / 1e12, 4),
+            "training_mfu": round(flops / times["training"] / peak, 4),
+            "max_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+        })
+        del policy, reference, generator, c
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def allocated(device: torch.device) -> float | None:
+    return round(torch.cuda.memory_allocated(device) / 2**20, 1) if device.type == "cuda" else None
+
+
+def hybrid(device: torch.device, tiny: bool, work: Path) -> dict:
+    """What sleeping frees on the device and waking re-takes (hf generator), and what optimiser offload frees."""
+    folder = save_model(work / "hybrid_model", TINY if tiny else QWEN2_5_0_5B)
+    dtype = "float32" if device.type == "cpu" else "bfloat16"
+    model_cfg = OmegaConf.structured(ModelConfig(name_or_path=folder, dtype=dtype))
+    policy = TorchPolicy(OmegaConf.structured(PolicyConfig()), model_cfg, OmegaConf.structured(TrainConfig(lr=1e-6)), 10, device)
+    generator = HFGenerator(OmegaConf.structured(GeneratorConfig(max_new_tokens=4)), model_cfg, build_char_tokenizer("0123456789+="), device)
+    weights = policy.state_dict()
+    out = {"awake_mib": allocated(device)}
+    generator.sleep()
+    out |= {"asleep_mib": allocated(device), "freed_bytes_reported": generator.freed_bytes}
+    generator.update_weights(weights)
+    out["woken_mib"] = allocated(device)
+    batch = generator.generate([[1, 5, 6]] * 2, SamplingParams(4))  # one optimiser step, so Adam's state exists
+    logp, _ = policy.logprobs(replace(batch, group_id=torch.zeros(2, dtype=torch.long)).to(device), 1.0)
+    policy.backward(-logp.sum())
+    policy.optimizer_step()
+    out["with_optimizer_state_mib"] = allocated(device)
+    policy.offload_optimizer()
+    policy.release_cached_memory()
+    out["optimizer_offloaded_mib"] = allocated(device)
+    policy.reload_optimizer()
+    out["optimizer_reloaded_mib"] = allocated(device)
+    return out
+
+
+def strategies(device: torch.device, tiny: bool) -> list[dict]:
+    """One optimiser step under single, ddp and fsdp2 at world size 1 (torchrun, NCCL on CUDA, gloo on CPU)."""
+    results = []
+    for name in ("ddp", "fsdp2"):
+        cmd = ["torchrun", "--standalone", "--nproc_per_node=1", __file__, "--strategy-worker", name, "--device", str(device)]
+        if tiny:
+            cmd.append("--tiny")
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        done = subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return results
+
+
+def strategy_worker(name: str, device: torch.device, tiny: bool) -> None:
+    """Inside torchrun: the same step under `single` (no wrapper) and under ``name``; prints the comparison."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    torch.distributed.init_process_group(backend)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = save_model(Path(tmp), TINY if tiny else QWEN2_5_0_5B)
+        model_cfg = OmegaConf.structured(ModelConfig(name_or_path=folder, dtype="bfloat16" if device.type == "cuda" else "float32"))
+        train_cfg = OmegaConf.structured(TrainConfig(lr=1e-3, adam_eps=1e-4))
+        ids = torch.randint(3, 400, (4, 32), generator=torch.Generator().manual_seed(0)).to(device)
+        steps = {}
+        for strategy in ("single", name):
+            policy_cfg = OmegaConf.structured(PolicyConfig(strategy=StrategyConfig(name=strategy)))
+            policy = TorchPolicy(policy_cfg, model_cfg, train_cfg, total_optimizer_steps=1, device=device)
+            logits = policy.module(input_ids=ids).logits.float()
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+            policy.backward(loss)
+            norm = policy.optimizer_step()
+            steps[strategy] = (loss.item(), norm, {k: v.detach().float().cpu() for k, v in policy.full_state_dict().items()})
+        (loss_a, norm_a, w_a), (loss_b, norm_b, w_b) = steps["single"], steps[name]
+        diff = max((w_a[k] - w_b[k]).abs().max().item() for k in w_a)
+        print(json.dumps({"strategy": name, "backend": backend, "loss": loss_b, "loss_single": loss_a, "grad_norm": norm_b,
+                          "grad_norm_single": norm_a, "max_weight_diff_vs_single": diff}))
+    torch.distributed.destroy_process_group()
+
+
+def markdown(results: dict) -> str:
+    lines = []
+    for section, value in results.items():
+        lines.append(f"### {section}")
+        rows = value if isinstance(value, list) else [value]
+        if rows and isinstance(rows[0], dict):
+            keys = list(rows[0])
+            lines += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+            lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
+        else:
+            lines.append(str(value))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes and short runs (the CPU form CI runs)")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    parser.add_argument("--json", help="also write the figures to this JSON file")
+    parser.add_argument("--strategy-worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if args.strategy_worker:
+        return strategy_worker(args.strategy_worker, device, args.tiny)
+    wanted = args.sections.split(",")
+    unknown = set(wanted) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+    results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                     "torch": torch.__version__}
+    peak = peak_matmul_flops(device, args.tiny)
+    results["peak"] = {"matmul_tflops": round(peak / 1e12, 4)}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        if "learn" in wanted:
+            results["learn"] = learn(device, args.tiny, work)
+        if "throughput" in wanted:
+            results["throughput"] = throughput(device, args.tiny, work, peak)
+        if "hybrid" in wanted:
+            results["hybrid"] = hybrid(device, args.tiny, work)
+        if "strategies" in wanted:
+            results["strategies"] = strategies(device, args.tiny)
+    print(markdown(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
