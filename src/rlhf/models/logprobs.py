@@ -2,22 +2,35 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from rlhf.functional import entropy_from_logits, logprobs_from_logits
 from rlhf.trajectory import Trajectories
 
 
+def keeps_logits(model: torch.nn.Module) -> bool:
+    """Whether the causal LM (or the DDP / DeepSpeed wrapper around it) takes `logits_to_keep`, computing the output
+    layer for the last positions only."""
+    inner = getattr(model, "module", model)
+    return "logits_to_keep" in inspect.signature(inner.forward).parameters
+
+
 def window_logits(model: torch.nn.Module, batch: Trajectories, temperature: float) -> torch.Tensor:
     """Logits that predict each token of the action window, divided by the sampling temperature. Shape: (B, T, V).
 
-    The whole row runs through the model; the vocabulary-sized float logits are kept for the window only.
+    The whole row runs through the model; the output layer (a vocabulary-sized matmul) runs for the window only
+    when the model allows it, and the float logits are kept for the window only.
     """
     input_ids, attention_mask, position_ids = batch.model_inputs()
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
     start, width = batch.window_start, batch.loss_mask.shape[1]
-    # the token at position i is predicted by the logits at position i - 1
-    return logits[:, start - 1 : start - 1 + width].float() / temperature
+    # the token at position i is predicted by the logits at position i - 1: the window needs positions
+    # start - 1 .. L - 2, i.e. the last width + 1 positions without the very last
+    keep = {"logits_to_keep": width + 1} if keeps_logits(model) else {}
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **keep).logits
+    window = logits[:, :-1] if keep else logits[:, start - 1 : start - 1 + width]
+    return window.float() / temperature
 
 
 def window_logprobs(
