@@ -102,71 +102,89 @@ def learn(device: torch.device, tiny: bool, work: Path) -> list[dict]:
     return [run_cli([f"cluster.device={device}", *extra, *short], work / f"learn{i}") for i, extra in enumerate(runs)]
 
 
-def train_flops_per_token(config, seq_len: int) -> float:
-    """Model FLOPs per trained token (forward + backward): 6 N (matmul weights, lm_head included, embedding lookup
-    excluded) + 12 L d S for attention scores and values (PaLM's convention, no causal halving)."""
+def train_flops(config, rows: int, seq_len: int, window: int) -> float:
+    """Model FLOPs of one training pass (forward + backward) over ``rows`` rows of ``seq_len`` tokens whose last
+    ``window`` are scored: 6 N per token for the transformer's matmul weights (the embedding lookup excluded),
+    6 d V per window token for the output layer (it runs on the window only), and 12 L d S per token for attention
+    scores and values (PaLM's convention, no causal halving)."""
     d, layers, heads, kv = config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads
     head_dim = d // heads
     per_layer = d * d * 2 + 2 * d * kv * head_dim + 3 * d * config.intermediate_size  # q, o, k, v, gate/up/down
-    matmul_params = layers * per_layer + d * config.vocab_size  # + lm_head
-    return 6 * matmul_params + 12 * layers * d * seq_len
+    per_token = 6 * layers * per_layer + 12 * layers * d * seq_len
+    return rows * (seq_len * per_token + window * 6 * d * config.vocab_size)
 
 
-def throughput(device: torch.device, tiny: bool, work: Path, peak: float) -> list[dict]:
-    """GRPO steps on a Qwen2.5-0.5B-shaped model, gradient checkpointing off and on: seconds per stage, tokens/s,
-    training MFU against the measured matmul peak, peak memory."""
+def throughput(device: torch.device, tiny: bool, work: Path, peak: float, micro_batches: list[int], profile: bool = False) -> list[dict]:
+    """GRPO steps on a Qwen2.5-0.5B-shaped model, gradient checkpointing off and on, for each micro-batch size:
+    seconds per stage, tokens/s, training MFU against the measured matmul peak, peak memory."""
     shape = TINY if tiny else QWEN2_5_0_5B
-    prompt_len, new_tokens, prompts, samples, micro = (8, 8, 4, 2, 4) if tiny else (256, 256, 16, 4, 16)
+    prompt_len, new_tokens, prompts, samples = (8, 8, 4, 2) if tiny else (256, 256, 16, 4)
     folder = save_model(work / "qwen_shaped", shape)
     dtype = "float32" if device.type == "cpu" else "bfloat16"
     model_cfg = OmegaConf.structured(ModelConfig(name_or_path=folder, dtype=dtype))
     algo_cfg = OmegaConf.structured(AlgorithmConfig(name="grpo", advantage="grpo", num_samples_per_prompt=samples, beta=0.04))
     gen_cfg = OmegaConf.structured(GeneratorConfig(max_new_tokens=new_tokens, batch_size=prompts * samples, stop_token="<eos>"))
     results = []
-    for checkpointing in (False, True):
-        train_cfg = OmegaConf.structured(TrainConfig(micro_batch_size=micro, lr=1e-6))
-        policy = TorchPolicy(OmegaConf.structured(PolicyConfig(gradient_checkpointing=checkpointing)), model_cfg,
-                             train_cfg, total_optimizer_steps=10, device=device)
-        reference = FrozenReference(OmegaConf.structured(ReferenceConfig()), model_cfg, device)
-        tokenizer = build_char_tokenizer("0123456789+=")
-        generator = HFGenerator(gen_cfg, model_cfg, tokenizer, device)
-        generator.update_weights(policy.state_dict())
-        algorithm = build_algorithm(algo_cfg, new_tokens)
-        c = SimpleNamespace(policy=policy, reference=reference, critic=None, algorithm=algorithm, device=device,
-                            shuffle=torch.Generator().manual_seed(0))
-        vocab = shape["vocab_size"]
-        times: dict[str, float] = {}
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        for step in range(3):  # step 0 warms up
-            prompt_ids = torch.randint(3, vocab, (prompts, prompt_len)).tolist()
-            repeated = [p for p in prompt_ids for _ in range(samples)]
-            sampling = SamplingParams(new_tokens, temperature=1.0)
-            batch, gen_s = timed(device, lambda: generator.generate(repeated, sampling))
-            batch = replace(stages.with_groups(batch, samples), scores=torch.randn(len(repeated)))
-            scored = stages.Scored(batch.to("cpu"), [""] * len(repeated), [""] * len(repeated), {})
-            (trained, _), logp_s = timed(device, lambda: stages.prepare(c, scored, 1.0, micro))
-            _, train_s = timed(device, lambda: stages.update_policy(c, trained, train_cfg, 1.0, NonFiniteGuard(3)))
-            _, sync_s = timed(device, lambda: generator.update_weights(policy.state_dict()))
-            if step:
-                for key, value in (("generation", gen_s), ("logprobs", logp_s), ("training", train_s), ("weight_sync", sync_s)):
-                    times[key] = times.get(key, 0.0) + value / 2
-        rows, seq = len(repeated), prompt_len + new_tokens
-        trained_tokens = rows * seq
-        flops = train_flops_per_token(policy.model.config, seq) * trained_tokens
-        results.append({
-            "gradient_checkpointing": checkpointing, "rows": rows, "tokens_per_row": seq, "micro_batch_rows": micro,
-            **{f"s_{k}": round(v, 3) for k, v in times.items()},
-            "generation_tokens_per_s": round(rows * new_tokens / times["generation"], 1),
-            "training_tokens_per_s": round(trained_tokens / times["training"], 1),
-            "training_tflops": round(flops / times["training"] / 1e12, 4),
-            "training_mfu": round(flops / times["training"] / peak, 4),
-            "max_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
-        })
-        del policy, reference, generator, c
+    for checkpointing, micro in [(ckpt, m) for m in micro_batches for ckpt in (False, True)]:
+        try:
+            results.append(grpo_steps(device, folder, shape, model_cfg, algo_cfg, gen_cfg, checkpointing, micro,
+                                      (prompt_len, new_tokens, prompts, samples), peak, profile))
+        except torch.OutOfMemoryError:
+            results.append({"gradient_checkpointing": checkpointing, "micro_batch_rows": micro, "result": "out of memory"})
+        print(json.dumps(results[-1]), file=sys.stderr)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return results
+
+
+def grpo_steps(device, folder, shape, model_cfg, algo_cfg, gen_cfg, checkpointing, micro, sizes, peak, profile) -> dict:
+    """Three GRPO steps (the first warms up) of one configuration; the figures of the last two."""
+    prompt_len, new_tokens, prompts, samples = sizes
+    train_cfg = OmegaConf.structured(TrainConfig(micro_batch_size=micro, lr=1e-6))
+    policy = TorchPolicy(OmegaConf.structured(PolicyConfig(gradient_checkpointing=checkpointing)), model_cfg,
+                         train_cfg, total_optimizer_steps=10, device=device)
+    reference = FrozenReference(OmegaConf.structured(ReferenceConfig()), model_cfg, device)
+    tokenizer = build_char_tokenizer("0123456789+=")
+    generator = HFGenerator(gen_cfg, model_cfg, tokenizer, device)
+    generator.update_weights(policy.state_dict())
+    algorithm = build_algorithm(algo_cfg, new_tokens)
+    c = SimpleNamespace(policy=policy, reference=reference, critic=None, algorithm=algorithm, device=device,
+                        shuffle=torch.Generator().manual_seed(0))
+    vocab = shape["vocab_size"]
+    times: dict[str, float] = {}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for step in range(3):  # step 0 warms up
+        prompt_ids = torch.randint(3, vocab, (prompts, prompt_len)).tolist()
+        repeated = [p for p in prompt_ids for _ in range(samples)]
+        sampling = SamplingParams(new_tokens, temperature=1.0)
+        batch, gen_s = timed(device, lambda: generator.generate(repeated, sampling))
+        batch = replace(stages.with_groups(batch, samples), scores=torch.randn(len(repeated)))
+        scored = stages.Scored(batch.to("cpu"), [""] * len(repeated), [""] * len(repeated), {})
+        (trained, _), logp_s = timed(device, lambda: stages.prepare(c, scored, 1.0, micro))
+        update = lambda: stages.update_policy(c, trained, train_cfg, 1.0, NonFiniteGuard(3))  # noqa: E731
+        if profile and step == 2 and not checkpointing:
+            with torch.profiler.profile() as prof:
+                update()
+            print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15), file=sys.stderr)
+        _, train_s = timed(device, update)
+        _, sync_s = timed(device, lambda: generator.update_weights(policy.state_dict()))
+        if step:
+            for key, value in (("generation", gen_s), ("logprobs", logp_s), ("training", train_s), ("weight_sync", sync_s)):
+                times[key] = times.get(key, 0.0) + value / 2
+    rows, seq = len(repeated), prompt_len + new_tokens
+    trained_tokens = rows * seq
+    flops = train_flops(policy.model.config, rows, seq, new_tokens)
+    result = {
+        "gradient_checkpointing": checkpointing, "rows": rows, "tokens_per_row": seq, "micro_batch_rows": micro,
+        **{f"s_{k}": round(v, 3) for k, v in times.items()},
+        "generation_tokens_per_s": round(rows * new_tokens / times["generation"], 1),
+        "training_tokens_per_s": round(trained_tokens / times["training"], 1),
+        "training_tflops": round(flops / times["training"] / 1e12, 4),
+        "training_mfu": round(flops / times["training"] / peak, 4),
+        "max_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+    }
+    return result
 
 
 def allocated(device: torch.device) -> float | None:
@@ -243,9 +261,9 @@ def markdown(results: dict) -> str:
         lines.append(f"### {section}")
         rows = value if isinstance(value, list) else [value]
         if rows and isinstance(rows[0], dict):
-            keys = list(rows[0])
+            keys = list(dict.fromkeys(k for r in rows for k in r))
             lines += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-            lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
+            lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
         else:
             lines.append(str(value))
         lines.append("")
@@ -258,6 +276,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes and short runs (the CPU form CI runs)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     parser.add_argument("--json", help="also write the figures to this JSON file")
+    parser.add_argument("--micro-batches", default="16", help="throughput: comma-separated micro-batch sizes (rows)")
+    parser.add_argument("--profile", action="store_true", help="throughput: print the top kernels of one training step")
     parser.add_argument("--strategy-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -276,7 +296,8 @@ def main() -> None:
         if "learn" in wanted:
             results["learn"] = learn(device, args.tiny, work)
         if "throughput" in wanted:
-            results["throughput"] = throughput(device, args.tiny, work, peak)
+            micro = [4] if args.tiny else [int(m) for m in args.micro_batches.split(",")]
+            results["throughput"] = throughput(device, args.tiny, work, peak, micro, args.profile)
         if "hybrid" in wanted:
             results["hybrid"] = hybrid(device, args.tiny, work)
         if "strategies" in wanted:

@@ -6,8 +6,11 @@ import torch
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Log-probability of each label. Shape: logits (B, T, V), labels (B, T) -> (B, T)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    """Log-probability of each label, in float32 (bf16 logits are upcast inside the kernel, not copied first).
+
+    Shape: logits (B, T, V), labels (B, T) -> (B, T).
+    """
+    logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
     return torch.gather(logp, -1, labels.unsqueeze(-1)).squeeze(-1)
 
 
@@ -16,5 +19,5 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
     Tokens masked to -inf contribute 0 (the limit of p log p), not NaN.
     """
-    probs = torch.softmax(logits.float(), dim=-1)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     return torch.special.entr(probs).sum(-1)

@@ -30,7 +30,8 @@ def window_logits(model: torch.nn.Module, batch: Trajectories, temperature: floa
     keep = {"logits_to_keep": width + 1} if keeps_logits(model) else {}
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **keep).logits
     window = logits[:, :-1] if keep else logits[:, start - 1 : start - 1 + width]
-    return window.float() / temperature
+    # in the model's dtype at temperature 1 (the log-softmax upcasts), else divided in float32
+    return window if temperature == 1.0 else window.float() / temperature
 
 
 def window_logprobs(
