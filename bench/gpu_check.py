@@ -97,7 +97,7 @@ def run_cli(args: list[str], out: Path) -> dict:
 
 def learn(device: torch.device, tiny: bool, work: Path) -> list[dict]:
     """The default run and experiment=ppo_arith_tiny on ``device``: eval correct rates before and after."""
-    short = ["train.num_steps=40", "eval.every=0"] if tiny else []
+    short = ["train.num_steps=40", "eval.every=0", "eval.num_samples=2"] if tiny else []
     runs = [[], ["experiment=ppo_arith_tiny"]]
     return [run_cli([f"cluster.device={device}", *extra, *short], work / f"learn{i}") for i, extra in enumerate(runs)]
 

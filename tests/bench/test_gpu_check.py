@@ -1,0 +1,28 @@
+"""The GPU check script in its CPU form, so it cannot rot between the sessions that have a GPU to run it on."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_at_tiny_scale_on_cpu(tmp_path):
+    out = tmp_path / "figures.json"
+    subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--device", "cpu", "--json", str(out)], check=True,
+                   capture_output=True, text=True, timeout=900)
+    figures = json.loads(out.read_text())
+    assert figures["peak"]["matmul_tflops"] > 0
+    for run in figures["learn"]:
+        assert run["sampled_end"] > run["sampled_start"], run  # the built-in task is learned in 40 steps
+    for row in figures["throughput"]:
+        assert row["training_tokens_per_s"] > 0 and 0 < row["training_mfu"] < 1, row
+    assert figures["hybrid"]["freed_bytes_reported"] > 0
+    for row in figures["strategies"]:
+        assert row["loss"] == row["loss_single"] and row["max_weight_diff_vs_single"] == 0.0, row
