@@ -72,6 +72,20 @@ def test_a_registered_loss_is_picked_by_config_and_aggregated(scratch_registry):
     assert_close(metrics["loss/policy_avg"], torch.tensor(-2.5))
 
 
+def test_a_loss_that_reads_critic_values_needs_an_advantage_with_a_critic(scratch_registry):
+    @register_policy_loss("test_only_value_baseline", needs_critic=True)
+    def value_baseline(logp, batch, cfg):
+        loss = -(batch.advantages - batch.values) * logp
+        return PolicyLoss(loss, torch.zeros_like(loss, dtype=torch.bool), logp.detach() * 0)
+
+    with pytest.raises(ConfigError) as err:
+        make_algorithm(advantage="grpo", policy_loss="test_only_value_baseline")
+    message = str(err.value)
+    assert "algorithm.policy_loss=test_only_value_baseline reads a critic's values" in message
+    assert "algorithm.advantage=grpo trains no critic; choose algorithm.advantage=gae" in message
+    assert make_algorithm(advantage="gae", policy_loss="test_only_value_baseline").needs_critic
+
+
 # --- gspo on grpo advantages --------------------------------------------------------------------------
 
 

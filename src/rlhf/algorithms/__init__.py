@@ -25,7 +25,8 @@ def parts(cfg):
 
 
 def check_composition(cfg) -> None:
-    """ConfigError when the chosen parts do not fit together (a pairwise part with a per-token one)."""
+    """ConfigError when the chosen parts do not fit together: a pairwise part with a per-token one, or a loss that
+    reads a critic's values with an advantage estimator that trains none."""
     advantage, loss = parts(cfg)
     pairwise_adv, pairwise_loss = bool(trait(advantage, "pairwise", False)), bool(trait(loss, "pairwise", False))
     per_token = [n for n in registry.names("policy_loss") if not trait(registry.resolve("policy_loss", n), "pairwise", False)]
@@ -35,6 +36,12 @@ def check_composition(cfg) -> None:
             f"algorithm.policy_loss={cfg.policy_loss} trains on per-token advantages, but algorithm.advantage="
             f"{cfg.advantage} makes (chosen, rejected) pairs; choose a pairwise loss ({', '.join(pairwise)}) or a "
             f"per-token advantage"
+        )
+    if trait(loss, "needs_critic", False) and not trait(advantage, "needs_critic", False):
+        with_critic = [n for n in registry.names("advantage") if trait(registry.resolve("advantage", n), "needs_critic", False)]
+        raise ConfigError(
+            f"algorithm.policy_loss={cfg.policy_loss} reads a critic's values, but algorithm.advantage={cfg.advantage} "
+            f"trains no critic; choose algorithm.advantage={' or '.join(with_critic)}"
         )
     if pairwise_loss and not pairwise_adv:
         pair_makers = [n for n in registry.names("advantage") if trait(registry.resolve("advantage", n), "pairwise", False)]

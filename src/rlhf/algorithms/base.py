@@ -38,11 +38,14 @@ def register_advantage(
     return add
 
 
-def register_policy_loss(name: str, *, config_keys: tuple[str, ...] = (), pairwise: bool = False) -> Callable:
-    """Decorator: register a policy loss under ``name`` with its traits."""
+def register_policy_loss(
+    name: str, *, config_keys: tuple[str, ...] = (), pairwise: bool = False, needs_critic: bool = False
+) -> Callable:
+    """Decorator: register a policy loss under ``name`` with its traits (``needs_critic``: it reads
+    ``batch.values``, so the advantage estimator must train a critic)."""
 
     def add(fn: Callable) -> Callable:
-        fn.config_keys, fn.pairwise = tuple(config_keys), pairwise
+        fn.config_keys, fn.pairwise, fn.needs_critic = tuple(config_keys), pairwise, needs_critic
         return register("policy_loss", name)(fn)
 
     return add
