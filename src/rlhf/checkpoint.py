@@ -152,7 +152,7 @@ def load(c, path: Path) -> dict[str, Any]:
         c.critic.load_checkpoint(path / "critic")
     c.prompts.load_state_dict(state["prompts"])
     if hasattr(c.algorithm, "load_state_dict"):
-        c.algorithm.load_state_dict(state["algorithm"])
+        c.algorithm.load_state_dict(state.get("algorithm", state.get("estimator")))  # older checkpoints: "estimator"
     c.rewards.load_state_dict(state["rewards"])
     rng = torch.load(path / "rng.pt", weights_only=True)
     torch.set_rng_state(rng["torch_rng"])
