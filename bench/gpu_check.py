@@ -97,7 +97,7 @@ def run_cli(args: list[str], out: Path) -> dict:
 
 def learn(device: torch.device, tiny: bool, work: Path) -> list[dict]:
     """The default run and experiment=ppo_arith_tiny on ``device``: eval correct rates before and after."""
-    short = ["train.num_steps=40", "eval.every=0", "eval.num_samples=2"] if tiny else []
+    short = ["train.num_steps=10", "eval.every=0", "eval.num_samples=1", "eval.max_prompts=20"] if tiny else []
     runs = [[], ["experiment=ppo_arith_tiny"]]
     return [run_cli([f"cluster.device={device}", *extra, *short], work / f"learn{i}") for i, extra in enumerate(runs)]
 
@@ -219,19 +219,14 @@ def hybrid(device: torch.device, tiny: bool, work: Path) -> dict:
 
 def strategies(device: torch.device, tiny: bool) -> list[dict]:
     """One optimiser step under single, ddp and fsdp2 at world size 1 (torchrun, NCCL on CUDA, gloo on CPU)."""
-    results = []
-    for name in ("ddp", "fsdp2"):
-        cmd = ["torchrun", "--standalone", "--nproc_per_node=1", __file__, "--strategy-worker", name, "--device", str(device)]
-        if tiny:
-            cmd.append("--tiny")
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        done = subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
-        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    return results
+    cmd = ["torchrun", "--standalone", "--nproc_per_node=1", __file__, "--strategy-worker", "ddp,fsdp2", "--device", str(device)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd + (["--tiny"] if tiny else []), check=True, env=env, capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def strategy_worker(name: str, device: torch.device, tiny: bool) -> None:
-    """Inside torchrun: the same step under `single` (no wrapper) and under ``name``; prints the comparison."""
+def strategy_worker(names: list[str], device: torch.device, tiny: bool) -> None:
+    """Inside torchrun: the same step under `single` (no wrapper) and under each of ``names``; prints the comparison."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     torch.distributed.init_process_group(backend)
     with tempfile.TemporaryDirectory() as tmp:
@@ -240,7 +235,7 @@ def strategy_worker(name: str, device: torch.device, tiny: bool) -> None:
         train_cfg = OmegaConf.structured(TrainConfig(lr=1e-3, adam_eps=1e-4))
         ids = torch.randint(3, 400, (4, 32), generator=torch.Generator().manual_seed(0)).to(device)
         steps = {}
-        for strategy in ("single", name):
+        for strategy in ("single", *names):
             policy_cfg = OmegaConf.structured(PolicyConfig(strategy=StrategyConfig(name=strategy)))
             policy = TorchPolicy(policy_cfg, model_cfg, train_cfg, total_optimizer_steps=1, device=device)
             logits = policy.module(input_ids=ids).logits.float()
@@ -248,10 +243,14 @@ def strategy_worker(name: str, device: torch.device, tiny: bool) -> None:
             policy.backward(loss)
             norm = policy.optimizer_step()
             steps[strategy] = (loss.item(), norm, {k: v.detach().float().cpu() for k, v in policy.full_state_dict().items()})
-        (loss_a, norm_a, w_a), (loss_b, norm_b, w_b) = steps["single"], steps[name]
-        diff = max((w_a[k] - w_b[k]).abs().max().item() for k in w_a)
-        print(json.dumps({"strategy": name, "backend": backend, "loss": loss_b, "loss_single": loss_a, "grad_norm": norm_b,
-                          "grad_norm_single": norm_a, "max_weight_diff_vs_single": diff}))
+        loss_a, norm_a, w_a = steps["single"]
+        rows = []
+        for name in names:
+            loss_b, norm_b, w_b = steps[name]
+            diff = max((w_a[k] - w_b[k]).abs().max().item() for k in w_a)
+            rows.append({"strategy": name, "backend": backend, "loss": loss_b, "loss_single": loss_a, "grad_norm": norm_b,
+                         "grad_norm_single": norm_a, "max_weight_diff_vs_single": diff})
+        print(json.dumps(rows))
     torch.distributed.destroy_process_group()
 
 
@@ -282,7 +281,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     if args.strategy_worker:
-        return strategy_worker(args.strategy_worker, device, args.tiny)
+        return strategy_worker(args.strategy_worker.split(","), device, args.tiny)
     wanted = args.sections.split(",")
     unknown = set(wanted) - set(SECTIONS)
     if unknown:

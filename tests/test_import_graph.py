@@ -11,7 +11,9 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-OPTIONAL_ENGINES = {"vllm", "deepspeed", "ray", "peft"}
+# optional heavy engines, plus `datasets`: it takes 1.5 s to import and only `dataset=mix` runs need it, while
+# every CLI process and Ray worker imports the package (the test suite launches about 60 of them)
+OPTIONAL_ENGINES = {"vllm", "deepspeed", "ray", "peft", "datasets"}
 
 
 def module_name(path: Path) -> str:

@@ -55,9 +55,10 @@ def check_composition(cfg) -> None:
 def build_algorithm(cfg, max_new_tokens: int):
     """The algorithm `algorithm.*` composes (cheap: no model); ConfigError for a bad composition."""
     check_composition(cfg)
-    advantage, _ = parts(cfg)
-    shape = PairwisePreference if trait(advantage, "pairwise", False) else PolicyGradient
-    return shape(cfg, max_new_tokens)
+    advantage, loss = parts(cfg)
+    if trait(advantage, "pairwise", False):
+        return PairwisePreference(cfg, advantage, loss)
+    return PolicyGradient(cfg, advantage, loss, max_new_tokens)
 
 
 __all__ = [

@@ -11,7 +11,6 @@ from dataclasses import replace
 import torch
 
 from rlhf.functional import kl_per_token, masked_mean, masked_sum
-from rlhf import registry
 from rlhf.algorithms.base import AdvantageInputs
 from rlhf.registry import trait
 from rlhf.trajectory import Forward, Trajectories, group_size
@@ -29,10 +28,9 @@ class PairwisePreference:
     needs_reference = True
     needs_critic = False
 
-    def __init__(self, cfg, max_new_tokens: int) -> None:
-        self.cfg = cfg
-        self.pairs = registry.resolve("advantage", cfg.advantage, key="algorithm.advantage")
-        self.pair_loss = registry.resolve("policy_loss", cfg.policy_loss, key="algorithm.policy_loss")
+    def __init__(self, cfg, pairs, pair_loss) -> None:
+        """``pairs``, ``pair_loss``: the registered parts `algorithm.advantage` and `algorithm.policy_loss` name."""
+        self.cfg, self.pairs, self.pair_loss = cfg, pairs, pair_loss
         self.min_samples_per_prompt = max(2, int(trait(self.pairs, "min_samples_per_prompt", 2)))
         self.needs_old_logprobs = not cfg.reuse_training_logprobs
         self.needs_entropy = bool(cfg.reuse_training_logprobs)

@@ -19,7 +19,6 @@ from rlhf.functional import (
     masked_sum,
     truncated_is_weights,
 )
-from rlhf import registry
 from rlhf.algorithms.base import AdvantageInputs, make_kl_controller
 from rlhf.registry import trait
 from rlhf.trajectory import Forward, Trajectories, group_size
@@ -35,10 +34,10 @@ class PolicyGradient:
     pairwise = False
     needs_old_logprobs = True
 
-    def __init__(self, cfg, max_new_tokens: int) -> None:
-        self.cfg = cfg
-        self.advantage = registry.resolve("advantage", cfg.advantage, key="algorithm.advantage")
-        self.surrogate = registry.resolve("policy_loss", cfg.policy_loss, key="algorithm.policy_loss")
+    def __init__(self, cfg, advantage, surrogate, max_new_tokens: int) -> None:
+        """``advantage``, ``surrogate``: the registered parts `algorithm.advantage` and `algorithm.policy_loss` name;
+        ``max_new_tokens`` is `loss_agg_norm`'s default."""
+        self.cfg, self.advantage, self.surrogate = cfg, advantage, surrogate
         self.needs_critic = bool(trait(self.advantage, "needs_critic", False))
         self.min_samples_per_prompt = int(trait(self.advantage, "min_samples_per_prompt", 1))
         self.needs_reference = cfg.beta > 0

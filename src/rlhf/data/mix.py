@@ -18,7 +18,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from datasets import load_dataset
 from omegaconf import OmegaConf
 
 from rlhf.data.prompts import PromptExample, PromptSplits
@@ -69,6 +68,8 @@ def split_files(folder: Path, split: str) -> list[Path]:
 
 def load_rows(src, seed: int, sanity_check: int | None, key: str) -> list[tuple[int, dict[str, Any]]]:
     """(row index in the split, row) for the rows of one source after `amount` (seeded) and `sanity_check`."""
+    from datasets import load_dataset  # 1.5 s to import (pandas, pyarrow): only runs that read a dataset pay it
+
     local = Path(src.path).expanduser()
     if local.is_file():
         fmt = LOCAL_FORMATS.get(local.suffix)
