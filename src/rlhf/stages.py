@@ -11,8 +11,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from rlhf.functional import masked_mean, masked_sum
 from rlhf.data.prompts import PromptExample
+from rlhf.functional import masked_mean, masked_sum
 from rlhf.generators.base import SamplingParams
 from rlhf.trajectory import Trajectories
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from rlhf.algorithms.base import AdvantageInputs, register_advantage
 from rlhf.functional import (
     baseline_advantages,
     gae_advantages,
@@ -17,7 +18,6 @@ from rlhf.functional import (
     rloo_advantages,
     to_token_level,
 )
-from rlhf.algorithms.base import AdvantageInputs, register_advantage
 
 
 def whiten_rows(advantages: torch.Tensor, whiten: bool) -> torch.Tensor:

@@ -10,8 +10,8 @@ from dataclasses import replace
 
 import torch
 
-from rlhf.functional import kl_per_token, masked_mean, masked_sum
 from rlhf.algorithms.base import AdvantageInputs
+from rlhf.functional import kl_per_token, masked_mean, masked_sum
 from rlhf.registry import trait
 from rlhf.trajectory import Forward, Trajectories, group_size
 

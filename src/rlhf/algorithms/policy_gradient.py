@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import torch
 
+from rlhf.algorithms.base import AdvantageInputs, make_kl_controller
 from rlhf.functional import (
     aggregate_loss,
     clipped_value_loss,
@@ -19,7 +20,6 @@ from rlhf.functional import (
     masked_sum,
     truncated_is_weights,
 )
-from rlhf.algorithms.base import AdvantageInputs, make_kl_controller
 from rlhf.registry import trait
 from rlhf.trajectory import Forward, Trajectories, group_size
 

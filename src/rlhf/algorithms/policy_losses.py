@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from rlhf.functional import clipped_policy_loss, dpo_loss, gspo_policy_loss, importance_sampling_loss
 from rlhf.algorithms.base import PolicyLoss, register_policy_loss
+from rlhf.functional import clipped_policy_loss, dpo_loss, gspo_policy_loss, importance_sampling_loss
 from rlhf.trajectory import Trajectories
 
 

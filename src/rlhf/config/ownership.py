@@ -13,9 +13,10 @@ from dataclasses import MISSING, fields
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rlhf import registry
+from rlhf.config.schema import (
+    AlgorithmConfig, ClusterConfig, CriticConfig, DatasetConfig, GeneratorConfig, ReferenceConfig, RewardConfig, ScheduleConfig,
+)
 from rlhf.errors import ConfigError
-from rlhf.config.schema import AlgorithmConfig, ClusterConfig, CriticConfig, GeneratorConfig, ReferenceConfig, RewardConfig
-from rlhf.config.schema import DatasetConfig, ScheduleConfig
 from rlhf.generators.base import SAMPLING_KEYS
 
 POLICY_GRADIENT_KEYS = ("tis_clip", "loss_agg", "loss_agg_norm", "beta", "kl_estimator", "kl_in_reward", "kl_ctl", "entropy_coef")
