@@ -1,6 +1,6 @@
 """The GPU path, checked in one script: learning on the built-in task, GRPO throughput and training MFU on a
 Qwen2.5-0.5B-shaped model (bf16 autocast, fp32 master weights), hybrid sleep/wake memory, and the DDP / FSDP2
-strategies at world size 1.
+strategies at world size 1 (a process group started in this process).
 
     python bench/gpu_check.py                       # full scale on CUDA (all sections)
     python bench/gpu_check.py --tiny --device cpu   # the same code at tiny scale: what CI runs
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -96,9 +97,10 @@ def run_cli(args: list[str], out: Path) -> dict:
 
 
 def learn(device: torch.device, tiny: bool, work: Path) -> list[dict]:
-    """The default run and experiment=ppo_arith_tiny on ``device``: eval correct rates before and after."""
+    """The default run and experiment=ppo_arith_tiny on ``device``: eval correct rates before and after (tiny: the
+    default run for 10 steps; tests/e2e checks that every algorithm learns)."""
     short = ["train.num_steps=10", "eval.every=0", "eval.num_samples=1", "eval.max_prompts=20"] if tiny else []
-    runs = [[], ["experiment=ppo_arith_tiny"]]
+    runs = [[]] if tiny else [[], ["experiment=ppo_arith_tiny"]]
     return [run_cli([f"cluster.device={device}", *extra, *short], work / f"learn{i}") for i, extra in enumerate(runs)]
 
 
@@ -218,15 +220,17 @@ def hybrid(device: torch.device, tiny: bool, work: Path) -> dict:
 
 
 def strategies(device: torch.device, tiny: bool) -> list[dict]:
-    """One optimiser step under single, ddp and fsdp2 at world size 1 (torchrun, NCCL on CUDA, gloo on CPU)."""
-    cmd = ["torchrun", "--standalone", "--nproc_per_node=1", __file__, "--strategy-worker", "ddp,fsdp2", "--device", str(device)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run(cmd + (["--tiny"] if tiny else []), check=True, env=env, capture_output=True, text=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """One optimiser step under single, ddp and fsdp2 in a process group of world size 1 (NCCL on CUDA, gloo on
+    CPU), started in this process."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    return strategy_steps(["ddp", "fsdp2"], device, tiny)
 
 
-def strategy_worker(names: list[str], device: torch.device, tiny: bool) -> None:
-    """Inside torchrun: the same step under `single` (no wrapper) and under each of ``names``; prints the comparison."""
+def strategy_steps(names: list[str], device: torch.device, tiny: bool) -> list[dict]:
+    """The same step under `single` (no wrapper) and under each of ``names``; how each compares to `single`."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     torch.distributed.init_process_group(backend)
     with tempfile.TemporaryDirectory() as tmp:
@@ -250,8 +254,8 @@ def strategy_worker(names: list[str], device: torch.device, tiny: bool) -> None:
             diff = max((w_a[k] - w_b[k]).abs().max().item() for k in w_a)
             rows.append({"strategy": name, "backend": backend, "loss": loss_b, "loss_single": loss_a, "grad_norm": norm_b,
                          "grad_norm_single": norm_a, "max_weight_diff_vs_single": diff})
-        print(json.dumps(rows))
     torch.distributed.destroy_process_group()
+    return rows
 
 
 def markdown(results: dict) -> str:
@@ -277,11 +281,8 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures to this JSON file")
     parser.add_argument("--micro-batches", default="16", help="throughput: comma-separated micro-batch sizes (rows)")
     parser.add_argument("--profile", action="store_true", help="throughput: print the top kernels of one training step")
-    parser.add_argument("--strategy-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     device = torch.device(args.device)
-    if args.strategy_worker:
-        return strategy_worker(args.strategy_worker.split(","), device, args.tiny)
     wanted = args.sections.split(",")
     unknown = set(wanted) - set(SECTIONS)
     if unknown:
