@@ -24,13 +24,18 @@ def parts(cfg):
     )
 
 
+def names_with(kind: str, name: str) -> list[str]:
+    """Registered names of ``kind`` whose part has the trait ``name`` set."""
+    return [n for n in registry.names(kind) if trait(registry.resolve(kind, n), name, False)]
+
+
 def check_composition(cfg) -> None:
     """ConfigError when the chosen parts do not fit together: a pairwise part with a per-token one, or a loss that
     reads a critic's values with an advantage estimator that trains none."""
     advantage, loss = parts(cfg)
     pairwise_adv, pairwise_loss = bool(trait(advantage, "pairwise", False)), bool(trait(loss, "pairwise", False))
-    per_token = [n for n in registry.names("policy_loss") if not trait(registry.resolve("policy_loss", n), "pairwise", False)]
-    pairwise = [n for n in registry.names("policy_loss") if trait(registry.resolve("policy_loss", n), "pairwise", False)]
+    pairwise = names_with("policy_loss", "pairwise")
+    per_token = [n for n in registry.names("policy_loss") if n not in pairwise]
     if pairwise_adv and not pairwise_loss:
         raise ConfigError(
             f"algorithm.policy_loss={cfg.policy_loss} trains on per-token advantages, but algorithm.advantage="
@@ -38,13 +43,13 @@ def check_composition(cfg) -> None:
             f"per-token advantage"
         )
     if trait(loss, "needs_critic", False) and not trait(advantage, "needs_critic", False):
-        with_critic = [n for n in registry.names("advantage") if trait(registry.resolve("advantage", n), "needs_critic", False)]
+        with_critic = names_with("advantage", "needs_critic")
         raise ConfigError(
             f"algorithm.policy_loss={cfg.policy_loss} reads a critic's values, but algorithm.advantage={cfg.advantage} "
             f"trains no critic; choose algorithm.advantage={' or '.join(with_critic)}"
         )
     if pairwise_loss and not pairwise_adv:
-        pair_makers = [n for n in registry.names("advantage") if trait(registry.resolve("advantage", n), "pairwise", False)]
+        pair_makers = names_with("advantage", "pairwise")
         raise ConfigError(
             f"algorithm.policy_loss={cfg.policy_loss} trains on preference pairs, but algorithm.advantage={cfg.advantage} "
             f"gives per-token advantages; choose algorithm.advantage={' or '.join(pair_makers)}, or a per-token loss "

@@ -13,6 +13,7 @@ from dataclasses import MISSING, fields
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rlhf import registry
+from rlhf.algorithms import parts
 from rlhf.config.schema import (
     AlgorithmConfig, ClusterConfig, CriticConfig, DatasetConfig, GeneratorConfig, ReferenceConfig, RewardConfig, ScheduleConfig,
 )
@@ -66,8 +67,7 @@ def _part_readers(kind: str, key: str, config_key: str) -> str:
 def algorithm_keys(cfg, algorithm) -> set[str] | None:
     """The `algorithm.*` keys the composed algorithm reads; None when a user's part declares none."""
     algo = cfg.algorithm
-    advantage = registry.resolve("advantage", algo.advantage, key="algorithm.advantage")
-    loss = registry.resolve("policy_loss", algo.policy_loss, key="algorithm.policy_loss")
+    advantage, loss = parts(algo)
     declared = [registry.trait(advantage, "config_keys"), registry.trait(loss, "config_keys")]
     if any(keys is None for keys in declared):
         return None
