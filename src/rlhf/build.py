@@ -23,6 +23,9 @@ from rlhf.config.validate import DerivedSizes
 from rlhf.data.prompts import PromptExample, PromptStream
 from rlhf.distributed.cluster import start
 from rlhf.distributed.layout import used_roles
+from rlhf.envs.loop import EpisodeRunner
+from rlhf.envs.rows import REDUCTIONS
+from rlhf.generators.hf import stop_token_id
 from rlhf.models.loading import check_vocab_match, load_tokenizer, looks_local, pick_device, resolve_model_path
 from rlhf.rewards.combine import RewardSet
 from rlhf.rewards.model import RewardModelScorer
@@ -47,6 +50,7 @@ class Components:
     shuffle: torch.Generator | None = None  # orders mini batches; its state is checkpointed
     data_report: dict | None = None  # what dataset loading kept and dropped, per source
     backend: Any | None = None  # the Ray backend's actors and placement groups (cluster.backend=ray)
+    env: EpisodeRunner | None = None  # plays multi-turn episodes (env.name set); None = single-turn prompts
 
     def close(self) -> None:
         """Release remote workers and placement groups (a no-op for the local backend)."""
@@ -99,6 +103,7 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
         "reference": registry.resolve("reference", cfg.reference.name, key="reference.name"),
         "critic": registry.resolve("critic", cfg.critic.name, key="critic.name"),
     }
+    env_factory = registry.resolve("env", cfg.env.name, key="env.name") if cfg.env.name else None
     rewards = RewardSet(cfg.reward)
     algorithm = build_algorithm(cfg.algorithm, cfg.generator.max_new_tokens)
     # 2. tokenizers and data (cheap); every other model must share the policy's vocabulary
@@ -114,13 +119,17 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
                 check_vocab_match(tokenizer, load_tokenizer(path), f"policy `{model.name_or_path}`", f"`{path}`")
             except ValueError as err:
                 raise ConfigError(f"{key}: {err}") from None
+    runner = build_env(env_factory, cfg, tokenizer, rewards) if env_factory is not None else None
     try:
-        splits = factories["dataset"](cfg=cfg.dataset, tokenizer=tokenizer, seed=cfg.seed)
+        if runner is not None and not runner.maker.uses_dataset:
+            splits = runner.maker.tasks(cfg.seed)  # the environment's own task instances replace the dataset
+        else:
+            splits = factories["dataset"](cfg=cfg.dataset, tokenizer=tokenizer, seed=cfg.seed)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     log.info("dataset %s: %d train prompts, %d eval prompts", cfg.dataset.name, len(splits.train), len(splits.eval))
     missing_truth = sum(ex.ground_truth is None for ex in splits.train + splits.eval)
-    if rewards.verifiers and missing_truth:
+    if rewards.verifiers and missing_truth and (runner is None or runner.maker.uses_dataset):
         raise ConfigError(
             f"reward functions {rewards.verifiers} check answers against a ground truth, but {missing_truth} prompts "
             f"carry none; set dataset.ground_truth_key=<column> or choose other reward.functions"
@@ -150,7 +159,20 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
         shuffle=torch.Generator().manual_seed(cfg.seed),
         data_report=splits.report,
         backend=backend,
+        env=runner,
     )
+
+
+def build_env(factory, cfg, tokenizer, rewards: RewardSet) -> EpisodeRunner:
+    """The environment maker and its agent loop; the maker checks its own keys (ids, files) before any model loads."""
+    if cfg.env.reward_reduce not in REDUCTIONS:
+        raise ConfigError(f"env.reward_reduce={cfg.env.reward_reduce!r}; choose one of {', '.join(REDUCTIONS)}")
+    maker = factory(cfg=cfg.env, tokenizer=tokenizer, rewards=rewards)
+    try:
+        stop_id = stop_token_id(tokenizer, cfg.generator.stop_token)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return EpisodeRunner(maker, cfg.env, tokenizer, stop_id)
 
 
 def build_local_models(cfg, sizes: DerivedSizes, algorithm, tokenizer, device) -> dict[str, Any]:

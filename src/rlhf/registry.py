@@ -14,7 +14,7 @@ from rlhf.errors import ConfigError
 
 KINDS = (
     "dataset", "preference_dataset", "generator", "policy", "reference", "critic", "reward", "advantage", "policy_loss",
-    "schedule",
+    "schedule", "env",
 )
 
 _REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {kind: {} for kind in KINDS}
@@ -60,6 +60,10 @@ def _load_builtins() -> None:
         "rlhf.schedules.sync",
         "rlhf.schedules.asynchronous",
         "rlhf.schedules.hybrid",
+        "rlhf.envs.builtin",
+        "rlhf.envs.gem",
+        "rlhf.envs.agent_func",
+        "rlhf.envs.single_turn",
     ):
         importlib.import_module(module)
 

@@ -7,11 +7,14 @@ Every stage passes on one type, `rlhf.trajectory.Trajectories`.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass, replace
 
 import torch
 
 from rlhf.data.prompts import PromptExample
+from rlhf.envs.loop import drop_failed_groups
+from rlhf.envs.rows import episode_metrics, episode_rows, transcript
 from rlhf.functional import masked_mean, masked_sum
 from rlhf.generators.base import SamplingParams
 from rlhf.trajectory import Trajectories
@@ -41,10 +44,38 @@ def sampling_params(gen_cfg, greedy: bool = False) -> SamplingParams:
 def generate_and_score(
     c, examples: list[PromptExample], samples_per_prompt: int, sampling: SamplingParams, training: bool = True
 ) -> Scored:
-    """Sample ``samples_per_prompt`` responses per prompt (grouped in a row), decode them, score them."""
+    """Sample ``samples_per_prompt`` responses per prompt (grouped in a row), decode them, score them; with an
+    environment (`env.name`), play ``samples_per_prompt`` episodes of each task instead (`play`)."""
+    if c.env is not None:
+        return play(c, examples, samples_per_prompt, sampling, c.generator)
     repeated = repeat_prompts(examples, samples_per_prompt)
     batch = c.generator.generate([list(ex.token_ids) for ex in repeated], sampling)
     return score(c, repeated, with_groups(batch, samples_per_prompt), training)
+
+
+def play(c, examples: list[PromptExample], group_size: int, sampling: SamplingParams, generator) -> Scored:
+    """``group_size`` episodes of each task with ``generator``, as trajectory rows scored by the environment.
+
+    Groups with a failed episode are dropped (their baseline would be biased) and counted; a batch in which every
+    episode failed stops the run, naming the first error.
+    """
+    runner = c.env
+    tasks = examples if runner.maker.uses_dataset else [None] * len(examples)
+    episodes = runner.run(generator, tasks, [task_seed(ex, runner.maker, c.prompts.seed) for ex in examples], group_size, sampling)
+    kept, failed = drop_failed_groups(episodes)
+    if not kept:
+        first = next(ep.error for ep in episodes if ep.failed)
+        raise RuntimeError(f"every episode of the batch failed in environment {runner.cfg.name!r}; the first: {first}")
+    batch = episode_rows(kept, runner.cfg.reward_reduce, int(c.tokenizer.pad_token_id))
+    return Scored(batch, [ep.turns[0].observation for ep in kept], [transcript(ep) for ep in kept], episode_metrics(kept, failed))
+
+
+def task_seed(example: PromptExample, maker, run_seed: int) -> int:
+    """An episode's reset seed: the task instance itself for environments without a dataset (its ground truth),
+    else fixed by the prompt text and the run's seed."""
+    if not maker.uses_dataset:
+        return int(example.ground_truth)
+    return (zlib.crc32(example.text.encode()) + 7919 * run_seed) % 2**31
 
 
 def repeat_prompts(examples: list[PromptExample], samples_per_prompt: int) -> list[PromptExample]:
@@ -80,13 +111,26 @@ def prepare(c, scored: Scored, temperature: float, micro_batch_size: int) -> tup
         old_logp, entropy = c.policy.rollout_logprobs(batch, temperature, micro_batch_size, with_entropy=True)
         batch = replace(batch, old_logp=old_logp)
         metrics["objective/entropy"] = masked_sum(entropy, mask, dim=1).mean().item()
-        metrics["val/generator_logprob_diff"] = masked_mean((batch.gen_logp - old_logp).abs(), mask).item()
+        metrics |= sample_train_gap(batch.gen_logp, old_logp, mask)
     if c.reference is not None:
         batch = replace(batch, ref_logp=c.reference.rollout_logprobs(batch, temperature, micro_batch_size))
     if c.critic is not None:
         batch = replace(batch, values=c.critic.rollout_values(batch, micro_batch_size))
     batch, algorithm_metrics = c.algorithm.build_batch(batch)
     return batch, metrics | algorithm_metrics
+
+
+def sample_train_gap(gen_logp: torch.Tensor, train_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the generator's logprobs are from the trainer's on the same tokens (seed 004's names).
+
+    Shapes: (B, T) each. v1 = mean(gen - train), v2 = mean((gen - train)^2) / 2, over action tokens.
+    """
+    diff = gen_logp - train_logp
+    return {
+        "val/generator_logprob_diff": masked_mean(diff.abs(), mask).item(),
+        "train/kl_sample_train_v1": masked_mean(diff, mask).item(),
+        "train/kl_sample_train_v2": 0.5 * masked_mean(diff.square(), mask).item(),
+    }
 
 
 def trained_models(c) -> list[tuple[str, object]]:
@@ -103,7 +147,7 @@ def update_policy(c, batch: Trajectories, train_cfg, temperature: float, guard) 
     Returns the algorithm's metrics averaged over mini batches, and gradient norms.
     """
     units = batch.num_units
-    mini_units = units // train_cfg.num_mini_batches
+    mini_units = max(1, units // train_cfg.num_mini_batches)  # an environment batch may have lost failed groups
     micro_units = min(mini_units, max(1, train_cfg.micro_batch_size // batch.rows_per_unit))
     trained = trained_models(c)
     loss_fns = {"policy": "policy_loss", "critic": "value_loss"}  # the algorithm's loss for each trained model
@@ -149,6 +193,9 @@ def evaluate(c, examples: list[PromptExample], gen_cfg, eval_cfg) -> tuple[dict[
         metrics[f"eval/{name}_scores"] = scored.scores.mean().item()
         if "objective/verifiable_correct_rate" in scored.metrics:
             metrics[f"eval/{name}_correct_rate"] = scored.metrics["objective/verifiable_correct_rate"]
+        for key in ("success_rate", "episode_return", "num_turns_per_episode"):
+            if f"env/{key}" in scored.metrics:
+                metrics[f"eval/{name}_{key}"] = scored.metrics[f"env/{key}"]
         if "reward/model" in scored.metrics:
             metrics[f"eval/{name}_reward_model"] = scored.metrics["reward/model"]
         metrics[f"eval/{name}_sequence_lengths"] = scored.batch.action_lengths.mean().item()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 PER_ROW = ("group_id", "stopped", "scores")
-PER_TOKEN = ("loss_mask", "gen_logp", "old_logp", "ref_logp", "values", "advantages", "returns")
+PER_TOKEN = ("loss_mask", "gen_logp", "old_logp", "ref_logp", "values", "advantages", "returns", "turn_rewards")
 
 
 @dataclass
@@ -35,6 +35,7 @@ class Trajectories:
     advantages: torch.Tensor | None = None  # (B, T) per-token advantages
     returns: torch.Tensor | None = None  # (B, T) value targets (algorithms with a critic)
     scores: torch.Tensor | None = None  # (B,) the reward of each row after the non-stop penalty
+    turn_rewards: torch.Tensor | None = None  # (B, T) multi-turn: each turn's reward at its last action token; None = `scores` at the last
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # algorithm-specific row-aligned tensors (B, ...)
     rows_per_unit: int = 1  # rows trained as one unit (2 for a chosen/rejected pair); batches split whole units
 

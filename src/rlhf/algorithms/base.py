@@ -71,6 +71,7 @@ class AdvantageInputs:
     kl_coef: float = 0.0  # this step's KL coefficient
     kl_in_reward: bool = False  # the KL is a reward penalty (else a loss term, and the rewards are the scores)
     values: torch.Tensor | None = None  # (B, T) the critic's values (estimators with needs_critic)
+    turn_rewards: torch.Tensor | None = None  # (B, T) multi-turn: each turn's reward at its last action token
 
     def non_score_rewards(self) -> torch.Tensor:
         """The KL penalty of each row, -kl_coef * summed KL (0 when the KL is not in the reward). Shape: (B,)."""
@@ -85,8 +86,11 @@ class AdvantageInputs:
         return self.scores + self.non_score_rewards()
 
     def token_rewards(self) -> torch.Tensor:
-        """The KL penalty at every token plus the score at each row's last action token. Shape: (B, T)."""
+        """The KL penalty at every token plus the rewards: the score at each row's last action token, or with
+        ``turn_rewards`` each turn's reward at its own last token. Shape: (B, T)."""
         penalty = -self.kl_coef * self.kl if self.kl is not None and self.kl_in_reward else torch.zeros_like(self.mask)
+        if self.turn_rewards is not None:
+            return penalty * self.mask + self.turn_rewards
         return token_level_rewards(self.scores, penalty, self.mask)
 
 

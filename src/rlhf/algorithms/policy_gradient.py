@@ -62,7 +62,8 @@ class PolicyGradient:
             kl = kl_per_token(batch.old_logp, batch.ref_logp, self.cfg.kl_estimator)
             kl = torch.where(mask.bool(), kl, torch.zeros_like(kl))
         inputs = AdvantageInputs(
-            batch.scores, mask, group_size(batch.group_id), kl, self.kl_coef, self.cfg.kl_in_reward, batch.values
+            batch.scores, mask, group_size(batch.group_id), kl, self.kl_coef, self.cfg.kl_in_reward, batch.values,
+            batch.turn_rewards,
         )
         advantages, returns = self.advantage(inputs, self.cfg)
         metrics = {

@@ -15,8 +15,10 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from rlhf import registry
 from rlhf.algorithms import parts
 from rlhf.config.schema import (
-    AlgorithmConfig, ClusterConfig, CriticConfig, DatasetConfig, GeneratorConfig, ReferenceConfig, RewardConfig, ScheduleConfig,
+    AlgorithmConfig, ClusterConfig, CriticConfig, DatasetConfig, EnvConfig, GeneratorConfig, ReferenceConfig, RewardConfig,
+    ScheduleConfig,
 )
+from rlhf.envs.base import BASE_KEYS
 from rlhf.errors import ConfigError
 from rlhf.generators.base import SAMPLING_KEYS
 
@@ -106,6 +108,7 @@ def check_ownership(cfg, algorithm) -> None:
         if node.name in registry.names(kind) or declared:
             readers = lambda key, kind=kind, section=section: _part_readers(kind, key, f"{section}.name")  # noqa: E731
             _refuse(section, node, schema, set(base) | set(declared or ()), f"{section}.name={node.name}", readers)
+    check_env_keys(cfg.env)
     critic = "algorithm.advantage=gae (an advantage with a critic)"
     if not algorithm.needs_critic:
         _refuse("critic", cfg.critic, CriticConfig, {"name"}, f"algorithm.advantage={algo.advantage} trains no critic", lambda k: critic)
@@ -121,3 +124,14 @@ def check_ownership(cfg, algorithm) -> None:
     else:
         ray_keys = {f.name for f in fields(ClusterConfig)} - set(LOCAL_ONLY)
         _refuse("cluster", cfg.cluster, ClusterConfig, ray_keys, "cluster.backend=ray", lambda k: "cluster.backend=local")
+
+
+def check_env_keys(env) -> None:
+    """`env.*` keys set for no environment, or for an environment that does not read them."""
+    if env.name is None:
+        _refuse("env", env, EnvConfig, {"name"}, "env.name=null (single-turn prompts)", lambda k: "an environment (env=...)")
+        return
+    declared = registry.trait(registry.resolve("env", env.name, key="env.name"), "config_keys", ())
+    if env.name in registry.names("env") or declared:
+        readers = lambda key: _part_readers("env", key, "env.name")  # noqa: E731
+        _refuse("env", env, EnvConfig, set(BASE_KEYS) | set(declared or ()), f"env.name={env.name}", readers)

@@ -201,6 +201,22 @@ class ClusterConfig:
 
 
 @dataclass
+class EnvConfig:
+    name: Optional[str] = None  # null = single-turn prompts scored by `reward`; else an environment: arith_retry, gem, agent_func, single_turn, or an import path
+    template: str = "no"  # how observations become text: no (as is), qwen3_game, qwen3_general, chat (the tokenizer's chat template)
+    num_parallel: int = 32  # episodes whose turns are generated together (one generate call per turn and batch)
+    max_turns: int = 4  # actions per episode; an episode still running after them ends as truncated
+    max_tokens: int = 256  # tokens per trajectory, prompt included; an action that would pass it ends the episode as truncated
+    max_concurrency: int = 32  # environment reset/step calls in flight at once
+    step_timeout_s: float = 60.0  # a reset/step call still running after this loses its episode (counted in env/failed_episodes)
+    reward_reduce: str = "sum"  # a trajectory's score from its turn rewards: sum or last
+    id: Optional[str] = None  # gem: the environment id, e.g. game:GuessTheNumber-v0-easy
+    wrappers: str = ""  # gem: comma-separated GEM wrapper names applied in order, e.g. concat
+    eval_size: int = 32  # gem: held-out task instances (reset seeds) evaluated
+    path: Optional[str] = None  # agent_func: the Python file defining `async def step(state, action, label, **kw)`
+
+
+@dataclass
 class ScheduleConfig:
     name: str = "sync"  # when stages run: sync, async (generation overlaps training), hybrid (generator sleeps while training), or an import path
     max_staleness: int = 1  # async: policy versions a trained batch may lag the policy that trains on it (0 = on-policy)
@@ -240,6 +256,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)  # batch sizes, optimiser, run length
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # placement and devices
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)  # the orchestrator loop
+    env: EnvConfig = field(default_factory=EnvConfig)  # multi-turn environment (null name: single-turn prompts)
     eval: EvalConfig = field(default_factory=EvalConfig)  # periodic evaluation
     logging: LoggingConfig = field(default_factory=LoggingConfig)  # console and TensorBoard
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # saving and pruning training state

@@ -16,6 +16,7 @@ import logging
 import queue
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,13 @@ class VersionedGenerator:
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Trajectories:
         return self.generate_versioned(prompts, sampling)[0]
+
+    @contextmanager
+    def pinned(self):
+        """(generator, version) held on one version across several generate calls (a batch of multi-turn episodes)."""
+        with self.lock:
+            self._load_pending()
+            yield self.inner, self.version
 
     def update_weights(self, state_dict, version: int | None = None) -> None:
         """Publish new weights as ``version`` (default: the next one); they load before the next generate call.
@@ -121,13 +129,21 @@ class RolloutProducer:
                 with self.positions_lock:
                     self.positions[index] = self._states()
                     examples = self.c.prompts.next_batch(cfg.train.prompts_per_step)
-                repeated = stages.repeat_prompts(examples, cfg.algorithm.num_samples_per_prompt)
-                batch, version = self.generator.generate_versioned([list(ex.token_ids) for ex in repeated], sampling)
-                scored = stages.score(self.c, repeated, stages.with_groups(batch, cfg.algorithm.num_samples_per_prompt))
-                scored.versions = torch.full((len(repeated),), version, dtype=torch.long)
+                scored, version = self._produce(examples, sampling)
+                scored.versions = torch.full((len(scored.batch),), version, dtype=torch.long)
                 self.ready.put(Produced(index, scored, time.perf_counter() - start))
         except BaseException as err:  # handed to the trainer thread, which re-raises it
             self.error = err
+
+    def _produce(self, examples, sampling) -> tuple[stages.Scored, int]:
+        """One scored batch of ``examples`` and the policy version that generated all of it."""
+        n = self.cfg.algorithm.num_samples_per_prompt
+        if self.c.env is not None:
+            with self.generator.pinned() as (generator, version):
+                return stages.play(self.c, examples, n, sampling, generator), version
+        repeated = stages.repeat_prompts(examples, n)
+        batch, version = self.generator.generate_versioned([list(ex.token_ids) for ex in repeated], sampling)
+        return stages.score(self.c, repeated, stages.with_groups(batch, n)), version
 
     def _states(self) -> dict:
         return {"prompts": self.c.prompts.state_dict(), "rewards": self.c.rewards.state_dict()}

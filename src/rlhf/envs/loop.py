@@ -1,0 +1,252 @@
+"""The agent loop: episodes run turn by turn, the live ones generated together, the environments stepped concurrently.
+
+Token in, token out: an episode is a growing list of token ids. Each turn the generator samples an action after the
+whole history; those exact tokens (and their logprobs) are kept, the decoded text goes to `step`, and the next
+observation, rendered by `env.template`, is tokenised on its own and appended. History is never re-tokenised, so
+the trainer sees exactly the tokens the generator sampled.
+
+An environment that raises, answers malformed, or hangs past `env.step_timeout_s` loses its episode (logged once
+per distinct error), never the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import logging
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from rlhf.data.prompts import PromptExample
+from rlhf.envs.base import EnvError, EnvMaker, check_reset, check_step
+from rlhf.envs.templates import render
+from rlhf.generators.base import SamplingParams
+
+log = logging.getLogger("rlhf")
+
+
+@dataclass
+class Turn:
+    """One observation and the action that answered it."""
+
+    observation: str  # the observation text (before the template); turn 0: the prompt
+    observation_ids: list[int]  # the tokens appended for it (templated)
+    action_ids: list[int] = field(default_factory=list)  # the tokens the generator sampled, exactly
+    action_logp: list[float] = field(default_factory=list)  # the generator's logprob of each
+    action: str = ""  # the decoded action given to `step`
+    reward: float = 0.0  # what `step` returned for it
+    stopped: bool = False  # the action ended with the stop token
+
+
+@dataclass
+class Episode:
+    """One task instance played to its end."""
+
+    group: int  # episodes of one task instance share it (GRPO/RLOO groups)
+    seed: int  # the reset seed
+    task: PromptExample | None  # the dataset row (environments that use a dataset)
+    turns: list[Turn] = field(default_factory=list)
+    end: str = ""  # terminated | truncated (by the environment) | max_turns | max_tokens | failed
+    error: str | None = None  # why it failed
+    info: dict = field(default_factory=dict)  # the last info the environment returned
+
+    @property
+    def failed(self) -> bool:
+        return self.end == "failed"
+
+    @property
+    def episode_return(self) -> float:
+        return sum(t.reward for t in self.turns)
+
+    @property
+    def success(self) -> bool:
+        """``info["success"]`` of the last step when given, else a positive return."""
+        return bool(self.info["success"]) if "success" in self.info else self.episode_return > 0
+
+    @property
+    def stopped(self) -> bool:
+        """The last action ended with the stop token (it was not cut by a token limit)."""
+        return bool(self.turns) and self.turns[-1].stopped
+
+    def token_ids(self) -> list[int]:
+        """Every token so far: observations and actions, in order."""
+        return [i for t in self.turns for i in t.observation_ids + t.action_ids]
+
+
+def _in_daemon_thread(fn: Callable, args: tuple) -> concurrent.futures.Future:
+    """Run ``fn(*args)`` in a daemon thread: one that hangs can be abandoned without blocking the process's exit."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def target() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as err:  # handed to the waiting episode
+            future.set_exception(err)
+
+    threading.Thread(target=target, daemon=True, name="rlhf-env-call").start()
+    return future
+
+
+class EpisodeRunner:
+    """Plays batches of episodes of one environment with a generator (`run`)."""
+
+    def __init__(self, maker: EnvMaker, cfg, tokenizer, stop_id: int) -> None:
+        self.maker, self.cfg, self.tokenizer, self.stop_id = maker, cfg, tokenizer, stop_id
+        self._loop = asyncio.new_event_loop()  # one loop for the run: async environments may keep loop-bound state
+        self._logged: set[str] = set()  # errors already logged (each distinct one once)
+
+    # -- environment calls ---------------------------------------------------------------------------------
+    async def _call(self, name: str, fn: Callable, args: tuple, limit: asyncio.Semaphore) -> Any:
+        timeout = self.cfg.step_timeout_s
+        async with limit:
+            try:
+                result = await asyncio.wait_for(self._start(fn, args), timeout)
+                if inspect.isawaitable(result):  # a plain method that returned a coroutine
+                    result = await asyncio.wait_for(result, timeout)
+                return result
+            except (asyncio.TimeoutError, TimeoutError):
+                raise EnvError(f"{name}() did not return within env.step_timeout_s={timeout:g} s") from None
+
+    @staticmethod
+    def _start(fn: Callable, args: tuple):
+        if inspect.iscoroutinefunction(fn):
+            return fn(*args)
+        return asyncio.wrap_future(_in_daemon_thread(fn, args))
+
+    def _call_all(self, name: str, calls: list[tuple[Callable, tuple]]) -> list[Any]:
+        """``fn(*args)`` for every call, at most `env.max_concurrency` at once; an exception is returned, not raised."""
+
+        async def gather():
+            limit = asyncio.Semaphore(self.cfg.max_concurrency)
+            return await asyncio.gather(*(self._call(name, fn, args, limit) for fn, args in calls), return_exceptions=True)
+
+        return self._loop.run_until_complete(gather()) if calls else []
+
+    def _fail(self, episode: Episode, what: str, err: BaseException) -> None:
+        episode.end = "failed"
+        episode.error = f"{what}: {type(err).__name__}: {err}"
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise err
+        key = f"{what}:{type(err).__name__}:{err}"
+        if key not in self._logged:
+            self._logged.add(key)
+            log.warning("environment %s: episode lost (seed %d): %s (further episodes failing the same way are only counted)",
+                        self.cfg.name, episode.seed, episode.error)
+
+    # -- the loop ------------------------------------------------------------------------------------------
+    def _observe(self, episode: Episode, text: str, first: bool) -> None:
+        """Append a new turn holding the rendered, tokenised observation (the prompt keeps its special tokens)."""
+        rendered = render(self.cfg.template, text, self.tokenizer, first)
+        ids = self.tokenizer(rendered, add_special_tokens=first)["input_ids"]
+        episode.turns.append(Turn(observation=text, observation_ids=list(ids)))
+
+    def run(
+        self, generator, tasks: list[PromptExample | None], seeds: list[int], group_size: int, sampling: SamplingParams
+    ) -> list[Episode]:
+        """Play ``group_size`` episodes of each task (reset with its seed); episodes of a task are contiguous."""
+        episodes = [Episode(group=g, seed=seeds[g], task=tasks[g]) for g in range(len(tasks)) for _ in range(group_size)]
+        envs: list[Any] = [None] * len(episodes)
+        for i, ep in enumerate(episodes):
+            try:
+                envs[i] = self.maker.make(ep.task)
+            except Exception as err:  # the user's environment code
+                self._fail(ep, "make", err)
+        live = [i for i, ep in enumerate(episodes) if not ep.failed]
+        answers = self._call_all("reset", [(envs[i].reset, (episodes[i].seed,)) for i in live])
+        for i, answer in zip(live, answers):
+            try:
+                if isinstance(answer, BaseException):
+                    raise answer
+                observation, info = check_reset(answer)
+                episodes[i].info = info
+                self._observe(episodes[i], observation, first=True)
+            except Exception as err:
+                self._fail(episodes[i], "reset", err)
+        live = [i for i in live if not episodes[i].failed]
+        for _ in range(self.cfg.max_turns):
+            live = self._budgeted(episodes, live)
+            if not live:
+                break
+            self._act(generator, episodes, live, sampling)
+            live = self._step(envs, episodes, live)
+        for i in live:
+            episodes[i].end = "max_turns"
+        for ep in episodes:  # an observation no action answered is not part of the trajectory
+            if len(ep.turns) > 1 and not ep.turns[-1].action_ids:
+                ep.turns.pop()
+        for env in envs:
+            close = getattr(env, "close", None)
+            if callable(close):
+                try:
+                    close()
+                except Exception as err:  # closing is best effort
+                    log.debug("environment close() raised: %s", err)
+        return episodes
+
+    def _budgeted(self, episodes: list[Episode], live: list[int]) -> list[int]:
+        """The live episodes with room for at least one more action token; the others end at max_tokens."""
+        kept = []
+        for i in live:
+            if len(episodes[i].token_ids()) >= self.cfg.max_tokens:
+                episodes[i].end = "max_tokens"
+            else:
+                kept.append(i)
+        return kept
+
+    def _act(self, generator, episodes: list[Episode], live: list[int], sampling: SamplingParams) -> None:
+        """Sample each live episode's next action, `env.num_parallel` episodes per generate call."""
+        size = self.cfg.num_parallel
+        for start in range(0, len(live), size):
+            chunk = live[start : start + size]
+            contexts = [episodes[i].token_ids() for i in chunk]
+            batch = generator.generate(contexts, sampling).to("cpu")
+            window, mask = batch.window_ids, batch.loss_mask.bool()
+            for row, (i, context) in enumerate(zip(chunk, contexts)):
+                keep = mask[row]
+                turn = episodes[i].turns[-1]
+                turn.action_ids = window[row][keep].tolist()
+                turn.action_logp = batch.gen_logp[row][keep].tolist()
+                turn.stopped = bool(batch.stopped[row])
+                room = self.cfg.max_tokens - len(context)
+                if len(turn.action_ids) > room:  # cut to the budget: this action ends the episode
+                    turn.action_ids, turn.action_logp, turn.stopped = turn.action_ids[:room], turn.action_logp[:room], False
+                    episodes[i].end = "max_tokens"
+                turn.action = self.tokenizer.decode(turn.action_ids, skip_special_tokens=True)
+
+    def _step(self, envs: list[Any], episodes: list[Episode], live: list[int]) -> list[int]:
+        """Step every live episode's environment with its action; the episodes still running afterwards."""
+        acting = [i for i in live if not episodes[i].end]
+        answers = self._call_all("step", [(envs[i].step, (episodes[i].turns[-1].action,)) for i in acting])
+        still = []
+        for i, answer in zip(acting, answers):
+            ep = episodes[i]
+            try:
+                if isinstance(answer, BaseException):
+                    raise answer
+                result = check_step(answer)
+            except Exception as err:
+                self._fail(ep, "step", err)
+                continue
+            ep.turns[-1].reward = result.reward
+            ep.info = result.info
+            if result.terminated or result.truncated:
+                ep.end = "terminated" if result.terminated else "truncated"
+                continue
+            try:
+                self._observe(ep, result.observation, first=False)
+            except Exception as err:  # a template or tokenizer that cannot take this observation
+                self._fail(ep, "observation", err)
+                continue
+            still.append(i)
+        return still
+
+
+def drop_failed_groups(episodes: list[Episode]) -> tuple[list[Episode], int]:
+    """The episodes of groups in which none failed (a group's baseline needs all its members), renumbered
+    0..; and how many episodes failed."""
+    failed_groups = {ep.group for ep in episodes if ep.failed}
+    kept = [ep for ep in episodes if ep.group not in failed_groups]
+    renumber = {g: n for n, g in enumerate(dict.fromkeys(ep.group for ep in kept))}
+    return [replace(ep, group=renumber[ep.group]) for ep in kept], sum(ep.failed for ep in episodes)

@@ -1,0 +1,186 @@
+"""The agent loop with the real HF generator on a tiny model: the tokens and logprobs the trainer uses are exactly
+what the generator sampled, observations are masked, faults lose episodes (never the run), budgets truncate."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlhf import stages
+from rlhf.envs.base import BASE_KEYS
+from rlhf.envs.loop import EpisodeRunner, drop_failed_groups
+from rlhf.envs.rows import episode_rows
+from rlhf.generators.base import SamplingParams
+from rlhf.models.policy import TorchPolicy
+
+CPU = torch.device("cpu")
+
+
+def env_cfg(**overrides):
+    values = dict(name="toy", template="no", num_parallel=3, max_turns=3, max_tokens=64, max_concurrency=4,
+                  step_timeout_s=30.0, reward_reduce="sum")
+    assert set(values) == set(BASE_KEYS)
+    return SimpleNamespace(**values | overrides)
+
+
+class Retry:
+    """Asks `1+2=` up to three times; reward 1 for a `3`, else the question again. ``fault`` breaks it on purpose."""
+
+    def __init__(self, fault: str | None = None) -> None:
+        self.fault, self.turn = fault, 0
+
+    def reset(self, seed: int):
+        return "1+2=", {"seed": seed}
+
+    def step(self, action: str):
+        self.turn += 1
+        if self.fault == "raise":
+            raise KeyError("the user's environment broke")
+        if self.fault == "hang":
+            time.sleep(30)
+        if self.fault == "malformed":
+            return ("1+2=", 1.0)
+        right = action == "3"
+        return "1+2=", float(right) + 0.1 * self.turn, right, False, {"success": right}
+
+
+class AsyncRetry(Retry):
+    async def step(self, action: str):  # noqa: D102 - an async environment runs the same way
+        await asyncio.sleep(0)
+        return Retry.step(self, action)
+
+
+class Maker:
+    uses_dataset = False
+
+    def __init__(self, faults: dict[int, str] | None = None, cls=Retry) -> None:
+        self.faults, self.cls, self.made = faults or {}, cls, 0
+
+    def make(self, task):
+        env = self.cls(self.faults.get(self.made))
+        self.made += 1
+        return env
+
+
+class Recording:
+    """The real generator, remembering what every generate call returned for which context."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, []
+
+    def generate(self, prompts, sampling):
+        out = self.inner.generate(prompts, sampling)
+        self.calls.append((prompts, out))
+        return out
+
+
+def sampled_actions(recording: Recording) -> list[tuple[list[int], list[int], list[float]]]:
+    """(context, action tokens, logprobs) of every row the generator returned."""
+    found = []
+    for prompts, out in recording.calls:
+        for row, prompt in enumerate(prompts):
+            keep = out.loss_mask[row].bool()
+            found.append((list(prompt), out.window_ids[row][keep].tolist(), out.gen_logp[row][keep].tolist()))
+    return found
+
+
+def play(make_generator, tiny_model_dir, tokenizer, maker, cfg, groups=2, group_size=3, max_new_tokens=4):
+    recording = Recording(make_generator(tiny_model_dir))
+    runner = EpisodeRunner(maker, cfg, tokenizer, tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    episodes = runner.run(recording, [None] * groups, list(range(groups)), group_size, SamplingParams(max_new_tokens))
+    return episodes, recording
+
+
+def test_trained_tokens_and_logprobs_are_the_sampled_ones(make_generator, tiny_model_dir, tokenizer, policy_cfg, model_cfg, train_cfg):
+    episodes, recording = play(make_generator, tiny_model_dir, tokenizer, Maker(), env_cfg())
+    assert len(episodes) == 6 and not any(ep.failed for ep in episodes)
+    assert any(len(ep.turns) > 1 for ep in episodes), "the random tiny model should need a retry somewhere"
+    batch = episode_rows(episodes, "sum", tokenizer.pad_token_id)
+    sampled = sampled_actions(recording)
+    start = batch.window_start
+    for row, ep in enumerate(episodes):
+        real = batch.input_ids[row][batch.attention_mask[row].bool()].tolist()
+        assert real == ep.token_ids()
+        # walk the turns: each action equals what the generator returned for exactly the context before it
+        context = []
+        for turn in ep.turns:
+            context += turn.observation_ids
+            assert (context, turn.action_ids, turn.action_logp) in sampled
+            context += turn.action_ids
+        # in the row: action tokens carry mask 1 and the sampled logprob; observation tokens mask 0 and logprob 0
+        window_len = int(batch.attention_mask[row, start:].sum())
+        window = batch.input_ids[row, start : start + window_len].tolist()
+        mask = batch.loss_mask[row, :window_len].tolist()
+        logp = batch.gen_logp[row, :window_len].tolist()
+        flat = [(i, 1.0, lp) for t in ep.turns for i, lp in zip(t.action_ids, t.action_logp)]
+        obs = [i for t in ep.turns[1:] for i in t.observation_ids]
+        assert [(i, m, lp) for i, m, lp in zip(window, mask, logp) if m == 1.0] == flat
+        assert sorted(i for i, m in zip(window, mask) if m == 0.0) == sorted(obs)
+        assert all(lp == 0.0 for m, lp in zip(mask, logp) if m == 0.0)
+    # the trainer's own logprobs on the assembled rows (whole history as context) match the generator's
+    policy = TorchPolicy(policy_cfg, model_cfg, train_cfg(), total_optimizer_steps=1, device=CPU)
+    trained, _ = policy.rollout_logprobs(batch, temperature=1.0, chunk=8)
+    gap = stages.sample_train_gap(batch.gen_logp, trained, batch.loss_mask)
+    assert gap["val/generator_logprob_diff"] < 1e-4, gap
+
+
+def test_turn_rewards_sit_on_each_turns_last_action_token(make_generator, tiny_model_dir, tokenizer):
+    episodes, _ = play(make_generator, tiny_model_dir, tokenizer, Maker(), env_cfg())
+    for reduce in ("sum", "last"):
+        batch = episode_rows(episodes, reduce, tokenizer.pad_token_id)
+        for row, ep in enumerate(episodes):
+            rewards = [t.reward for t in ep.turns]
+            expected = sum(rewards) if reduce == "sum" else rewards[-1]
+            assert batch.scores[row].item() == pytest.approx(expected)
+            nonzero = batch.turn_rewards[row][batch.turn_rewards[row] != 0].tolist()
+            assert nonzero == pytest.approx(rewards if reduce == "sum" else rewards[-1:])
+    assert batch.group_id.tolist() == [0, 0, 0, 1, 1, 1]
+
+
+@pytest.mark.parametrize("cls", [Retry, AsyncRetry])
+def test_faults_lose_the_episode_and_its_group_not_the_run(make_generator, tiny_model_dir, tokenizer, cls, caplog):
+    faults = {1: "raise", 4: "malformed"}
+    episodes, _ = play(make_generator, tiny_model_dir, tokenizer, Maker(faults, cls), env_cfg(), groups=3)
+    failed = [i for i, ep in enumerate(episodes) if ep.failed]
+    assert failed == [1, 4]
+    assert "KeyError" in episodes[1].error and "step() must return" in episodes[4].error
+    kept, count = drop_failed_groups(episodes)
+    assert count == 2 and [ep.group for ep in kept] == [0, 0, 0] and kept[0].seed == 2  # only the third task survives
+    assert sum("episode lost" in r.message for r in caplog.records) == 2  # each distinct error logged once
+
+
+def test_a_hung_step_times_out(make_generator, tiny_model_dir, tokenizer):
+    start = time.perf_counter()
+    episodes, _ = play(make_generator, tiny_model_dir, tokenizer, Maker({0: "hang"}), env_cfg(step_timeout_s=0.5), groups=1)
+    assert episodes[0].failed and "env.step_timeout_s=0.5" in episodes[0].error
+    assert not any(ep.failed for ep in episodes[1:])
+    assert time.perf_counter() - start < 25  # the 30 s sleep was abandoned, not waited for
+
+
+def test_every_episode_failing_stops_the_run(make_generator, tiny_model_dir, tokenizer):
+    runner = EpisodeRunner(Maker({i: "raise" for i in range(4)}), env_cfg(), tokenizer, tokenizer.eos_token_id)
+    c = SimpleNamespace(env=runner, prompts=SimpleNamespace(seed=1), tokenizer=tokenizer)
+    tasks = [SimpleNamespace(ground_truth=s) for s in (5, 6)]
+    with pytest.raises(RuntimeError, match="every episode of the batch failed.*KeyError"):
+        stages.play(c, tasks, 2, SamplingParams(4), make_generator(tiny_model_dir))
+
+
+def test_token_budget_truncates_the_action_and_ends_the_episode(make_generator, tiny_model_dir, tokenizer):
+    prompt_len = len(tokenizer("1+2=")["input_ids"])
+    cfg = env_cfg(max_tokens=prompt_len + 2)
+    episodes, _ = play(make_generator, tiny_model_dir, tokenizer, Maker(), cfg, max_new_tokens=6)
+    assert all(len(ep.token_ids()) <= cfg.max_tokens for ep in episodes)
+    cut = [ep for ep in episodes if ep.end == "max_tokens" and not ep.stopped]  # the action was cut to the budget
+    assert cut and all(ep.turns[-1].reward == 0.0 and len(ep.turns[-1].action_ids) == 2 for ep in cut)
+
+
+def test_max_turns_ends_running_episodes(make_generator, tiny_model_dir, tokenizer):
+    episodes, _ = play(make_generator, tiny_model_dir, tokenizer, Maker(), env_cfg(max_turns=1))
+    assert all(len(ep.turns) == 1 for ep in episodes)
+    assert {ep.end for ep in episodes} <= {"terminated", "max_turns"}
+    assert all(ep.end == "terminated" for ep in episodes if ep.turns[0].action == "3")
