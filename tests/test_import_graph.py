@@ -12,8 +12,9 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 # optional heavy engines, plus `datasets`: it takes 1.5 s to import and only `dataset=mix` runs need it, while
-# every CLI process and Ray worker imports the package (the test suite launches about 60 of them)
-OPTIONAL_ENGINES = {"vllm", "deepspeed", "ray", "peft", "datasets"}
+# every CLI process and Ray worker imports the package (the test suite launches about 60 of them); `gem` (GEM's
+# environments) is optional and takes 2 s to import, needed by `env.name=gem` runs only
+OPTIONAL_ENGINES = {"vllm", "deepspeed", "ray", "peft", "datasets", "gem"}
 
 
 def module_name(path: Path) -> str:

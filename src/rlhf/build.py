@@ -23,8 +23,9 @@ from rlhf.config.validate import DerivedSizes
 from rlhf.data.prompts import PromptExample, PromptStream
 from rlhf.distributed.cluster import start
 from rlhf.distributed.layout import used_roles
+from rlhf.envs.base import seed_tasks
 from rlhf.envs.loop import EpisodeRunner
-from rlhf.envs.rows import REDUCTIONS
+from rlhf.envs.templates import check as check_template
 from rlhf.generators.hf import stop_token_id
 from rlhf.models.loading import check_vocab_match, load_tokenizer, looks_local, pick_device, resolve_model_path
 from rlhf.rewards.combine import RewardSet
@@ -122,7 +123,7 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
     runner = build_env(env_factory, cfg, tokenizer, rewards) if env_factory is not None else None
     try:
         if runner is not None and not runner.maker.uses_dataset:
-            splits = runner.maker.tasks(cfg.seed)  # the environment's own task instances replace the dataset
+            splits = seed_tasks(cfg.env.id or cfg.env.name, cfg.env.eval_size)  # reset seeds replace the dataset
         else:
             splits = factories["dataset"](cfg=cfg.dataset, tokenizer=tokenizer, seed=cfg.seed)
     except ValueError as err:
@@ -165,13 +166,17 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
 
 def build_env(factory, cfg, tokenizer, rewards: RewardSet) -> EpisodeRunner:
     """The environment maker and its agent loop; the maker checks its own keys (ids, files) before any model loads."""
-    if cfg.env.reward_reduce not in REDUCTIONS:
-        raise ConfigError(f"env.reward_reduce={cfg.env.reward_reduce!r}; choose one of {', '.join(REDUCTIONS)}")
+    if cfg.reward.path and not registry.trait(factory, "uses_rewards", False):
+        raise ConfigError(
+            f"reward.path={cfg.reward.path}: environment {cfg.env.name!r} scores its own episodes, so no reward model "
+            f"is read; remove reward.path (or use env=single_turn, whose rewards are the `reward` section)"
+        )
     maker = factory(cfg=cfg.env, tokenizer=tokenizer, rewards=rewards)
     try:
         stop_id = stop_token_id(tokenizer, cfg.generator.stop_token)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    check_template(cfg.env.template, tokenizer, tokenizer.convert_ids_to_tokens(stop_id))
     return EpisodeRunner(maker, cfg.env, tokenizer, stop_id)
 
 

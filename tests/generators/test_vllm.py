@@ -7,12 +7,15 @@ CI installs vLLM and sets RLHF_REQUIRE_VLLM=1, so there a missing vLLM fails the
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from rlhf.config.schema import GeneratorConfig, ModelConfig
+from rlhf.envs.loop import EpisodeRunner
+from rlhf.envs.rows import episode_rows
 from rlhf.generators.base import SamplingParams
 from rlhf.models.logprobs import window_logprobs
 
@@ -155,3 +158,47 @@ def test_sleep_frees_the_weights_and_wake_up_loads_new_ones(engine, hf, encode, 
     assert not engine.asleep and engine.resident_bytes() == held
     hf.update_weights(new)
     assert torch.equal(engine.generate(prompts, GREEDY).window_ids, hf.generate(prompts, GREEDY).window_ids)
+
+
+class AskAgain:
+    """A two-turn task for the loop: reward 1 for a `3`, else the question again."""
+
+    uses_dataset = False
+
+    def make(self, task):
+        return self
+
+    def reset(self, seed):
+        return "1+2=", {}
+
+    def step(self, action):
+        return "1+2=", float(action == "3"), action == "3", False, {}
+
+
+def test_multi_turn_episodes_train_on_exactly_what_vllm_sampled(engine, hf, tokenizer):
+    """Every turn's action tokens and logprobs in the trained rows are the engine's, after the whole history, and the
+    trainer's teacher-forced logprobs of those rows agree with them."""
+    cfg = SimpleNamespace(name="ask_again", template="no", num_parallel=8, max_turns=3, max_tokens=64, max_concurrency=8,
+                          step_timeout_s=60.0, reward_reduce="sum")
+    calls = []
+
+    class Recording:
+        def generate(self, prompts, sampling):
+            out = engine.generate(prompts, sampling)
+            for row, prompt in enumerate(prompts):
+                keep = out.loss_mask[row].bool()
+                calls.append((list(prompt), out.window_ids[row][keep].tolist(), out.gen_logp[row][keep].tolist()))
+            return out
+
+    runner = EpisodeRunner(AskAgain(), cfg, tokenizer, tokenizer.eos_token_id)
+    episodes = runner.run(Recording(), [None] * 4, [0, 1, 2, 3], 4, SamplingParams(max_new_tokens=4))
+    assert any(len(ep.turns) > 1 for ep in episodes)
+    for ep in episodes:
+        context = []
+        for turn in ep.turns:
+            context += turn.observation_ids
+            assert (context, turn.action_ids, turn.action_logp) in calls
+            context += turn.action_ids
+    batch = episode_rows(episodes, "sum", tokenizer.pad_token_id)
+    expected, _ = window_logprobs(hf.model, batch, 1.0)
+    torch.testing.assert_close(batch.gen_logp, expected * batch.loss_mask, atol=1e-4, rtol=0)

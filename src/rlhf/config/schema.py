@@ -212,7 +212,7 @@ class EnvConfig:
     reward_reduce: str = "sum"  # a trajectory's score from its turn rewards: sum or last
     id: Optional[str] = None  # gem: the environment id, e.g. game:GuessTheNumber-v0-easy
     wrappers: str = ""  # gem: comma-separated GEM wrapper names applied in order, e.g. concat
-    eval_size: int = 32  # gem: held-out task instances (reset seeds) evaluated
+    eval_size: int = 32  # environments without a dataset (gem): held-out task instances (reset seeds 0..N-1) evaluated
     path: Optional[str] = None  # agent_func: the Python file defining `async def step(state, action, label, **kw)`
 
 

@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 
 from rlhf.algorithms import build_algorithm
 from rlhf.errors import require as _require
+from rlhf.config.env_checks import check_env
 from rlhf.config.generation_checks import check_generation
 from rlhf.config.ownership import check_ownership
 from rlhf.distributed.layout import validate_cluster
@@ -217,6 +218,7 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         f"train.max_skipped_steps_in_row={train.max_skipped_steps_in_row} must be >= 1",
     )
     _require(cfg.logging.log_every >= 1, f"logging.log_every={cfg.logging.log_every} must be >= 1")
+    check_env(cfg)
     check_ownership(cfg, algorithm)
     sizes = derive_sizes(cfg, algorithm.pairwise)
     ranks = validate_cluster(cfg, algorithm, sizes.samples_per_step, sizes.mini_batch_size)

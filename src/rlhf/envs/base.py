@@ -12,7 +12,8 @@ one fresh environment per episode. Its class attribute ``config_keys`` names the
 
 Tasks: a maker with ``uses_dataset = True`` gets each episode's dataset row (`PromptExample`, drawn from the run's
 prompt stream, so checkpoints keep the stream); one without gets ``None`` and tells task instances apart by the
-reset seed alone. Episodes of one group (`algorithm.num_samples_per_prompt`) share the task and the reset seed.
+reset seed alone: `seed_tasks` makes those seeds the stream's tasks instead, so they are drawn, checkpointed and
+resumed the same way. Episodes of one group (`algorithm.num_samples_per_prompt`) share the task and the reset seed.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from rlhf.data.prompts import PromptExample
+from rlhf.data.prompts import PromptExample, PromptSplits
 
 # `env.*` keys the agent loop itself reads, whatever the environment
 BASE_KEYS = ("name", "template", "num_parallel", "max_turns", "max_tokens", "max_concurrency", "step_timeout_s", "reward_reduce")
@@ -43,6 +44,24 @@ class EnvMaker(Protocol):
 
     def make(self, task: PromptExample | None) -> Environment:
         """A fresh environment for one episode of ``task``."""
+
+
+TRAIN_SEEDS = (1_000_000, 100_000)  # environments without a dataset: first training reset seed, and how many
+
+
+def seed_tasks(env_id: str, eval_size: int) -> PromptSplits:
+    """Task instances of an environment without a dataset, as reset seeds (each example's ground truth).
+
+    Eval: seeds 0..eval_size-1, the same for every run; training: `TRAIN_SEEDS`, disjoint from them.
+    """
+    if eval_size < 1:
+        raise ValueError(f"env.eval_size={eval_size} must be at least 1")
+
+    def task(seed: int) -> PromptExample:
+        return PromptExample(text=f"{env_id} #{seed}", token_ids=(), ground_truth=seed)
+
+    first, count = TRAIN_SEEDS
+    return PromptSplits(train=[task(s) for s in range(first, first + count)], eval=[task(s) for s in range(eval_size)])
 
 
 class EnvError(RuntimeError):

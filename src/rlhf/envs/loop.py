@@ -96,6 +96,7 @@ class EpisodeRunner:
         self.maker, self.cfg, self.tokenizer, self.stop_id = maker, cfg, tokenizer, stop_id
         self._loop = asyncio.new_event_loop()  # one loop for the run: async environments may keep loop-bound state
         self._logged: set[str] = set()  # errors already logged (each distinct one once)
+        self.stop_text = tokenizer.convert_ids_to_tokens(stop_id)  # what later observations follow
 
     # -- environment calls ---------------------------------------------------------------------------------
     async def _call(self, name: str, fn: Callable, args: tuple, limit: asyncio.Semaphore) -> Any:
@@ -137,9 +138,10 @@ class EpisodeRunner:
 
     # -- the loop ------------------------------------------------------------------------------------------
     def _observe(self, episode: Episode, text: str, first: bool) -> None:
-        """Append a new turn holding the rendered, tokenised observation (the prompt keeps its special tokens)."""
-        rendered = render(self.cfg.template, text, self.tokenizer, first)
-        ids = self.tokenizer(rendered, add_special_tokens=first)["input_ids"]
+        """Append a new turn holding the rendered, tokenised observation. A plain (``no`` template) prompt gets the
+        tokenizer's special tokens like a dataset prompt; templated text writes its own."""
+        rendered = render(self.cfg.template, text, self.tokenizer, first, self.stop_text)
+        ids = self.tokenizer(rendered, add_special_tokens=first and self.cfg.template == "no")["input_ids"]
         episode.turns.append(Turn(observation=text, observation_ids=list(ids)))
 
     def run(

@@ -1,0 +1,34 @@
+"""The `env` section: bad values, keys no environment reads, and environments that cannot be built are refused
+before any model loads, naming the key and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf.config import ConfigError, compose_config, validate
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["env=arith_retry", "env.max_turns=0"], r"env.max_turns=0 must be >= 1"),
+        (["env=arith_retry", "env.num_parallel=0"], r"env.num_parallel=0 must be >= 1"),
+        (["env=arith_retry", "env.max_tokens=1"], r"env.max_tokens=1 must be >= 2"),
+        (["env=arith_retry", "env.step_timeout_s=0"], r"env.step_timeout_s=0.0 must be > 0"),
+        (["env=arith_retry", "env.reward_reduce=mean"], r"env.reward_reduce='mean'; choose one of sum, last"),
+        (["env=arith_retry", "env.template=llama"], r"env.template='llama'; choose one of no, qwen3_game"),
+        (["env.max_turns=3"], r"env.max_turns=3 is not read by this run's choice \(env.name=null \(single-turn prompts\)\)"),
+        (["env=arith_retry", "env.id=game:GuessTheNumber-v0"], r"env.id=.* is not read by this run's choice \(env.name=arith_retry\); "
+         r"it is read by env.name=gem"),
+        (["env=gem", "env.path=agent.py"], r"env.path='agent.py' .* read by env.name=agent_func"),
+        (["env.name=nosuchenv"], r"unknown env 'nosuchenv' \(config key `env.name`\). Registered: agent_func, arith_retry, gem, single_turn"),
+    ],
+)
+def test_bad_env_settings_are_refused_before_anything_loads(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(compose_config(overrides))
+
+
+@pytest.mark.parametrize("env", ["arith_retry", "gem", "single_turn"])
+def test_each_env_group_composes_and_validates(env):
+    validate(compose_config([f"env={env}"]))
