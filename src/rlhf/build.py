@@ -166,11 +166,6 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
 
 def build_env(factory, cfg, tokenizer, rewards: RewardSet) -> EpisodeRunner:
     """The environment maker and its agent loop; the maker checks its own keys (ids, files) before any model loads."""
-    if cfg.reward.path and not registry.trait(factory, "uses_rewards", False):
-        raise ConfigError(
-            f"reward.path={cfg.reward.path}: environment {cfg.env.name!r} scores its own episodes, so no reward model "
-            f"is read; remove reward.path (or use env=single_turn, whose rewards are the `reward` section)"
-        )
     maker = factory(cfg=cfg.env, tokenizer=tokenizer, rewards=rewards)
     try:
         stop_id = stop_token_id(tokenizer, cfg.generator.stop_token)

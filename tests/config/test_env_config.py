@@ -21,6 +21,7 @@ from rlhf.config import ConfigError, compose_config, validate
         (["env=arith_retry", "env.id=game:GuessTheNumber-v0"], r"env.id=.* is not read by this run's choice \(env.name=arith_retry\); "
          r"it is read by env.name=gem"),
         (["env=gem", "env.path=agent.py"], r"env.path='agent.py' .* read by env.name=agent_func"),
+        (["env=gem", "reward.path=models/rm"], r"reward.path=models/rm: environment 'gem' scores its own episodes"),
         (["env.name=nosuchenv"], r"unknown env 'nosuchenv' \(config key `env.name`\). Registered: agent_func, arith_retry, gem, single_turn"),
     ],
 )

@@ -4,6 +4,7 @@ other schedules, backends and generators, and across a resume."""
 from __future__ import annotations
 
 import json
+import os
 import string
 from pathlib import Path
 
@@ -77,3 +78,46 @@ def test_agent_function_file_runs_end_to_end(tmp_path):
         assert 1.0 <= steps[s]["env/num_turns_per_episode"] <= 2.0 and steps[s]["env/failed_episodes"] == 0
         assert steps[s]["env/success_rate"] == pytest.approx(steps[s]["env/episode_return"])  # reward 1 exactly on success
     assert any("[user]" in r["response"] for r in generations(out))  # a retry after a wrong first answer
+
+
+# the built-in multi-turn task, small and short: these runs check the plumbing; tests/envs checks the learning
+RETRY = ["env=arith_retry", "train.prompts_per_step=8", "eval.max_prompts=4", "eval.num_samples=0", *QUIET]
+RESUMED = ("env/episode_return", "env/num_turns_per_episode", "loss/policy_avg", "policy/grad_norm", "epoch")
+
+
+def test_resume_continues_the_same_episode_stream(tmp_path):
+    """Two steps, a checkpoint, resume=auto to four: steps 3 and 4 equal an uninterrupted run's, bitwise."""
+    ref, split = tmp_path / "ref", tmp_path / "split"
+    run_cli(*RETRY, "train.num_steps=4", f"hydra.run.dir={ref}", cwd=tmp_path)
+    run_cli(*RETRY, "train.num_steps=2", "checkpoint.every=2", f"hydra.run.dir={split}", cwd=tmp_path)
+    run_cli(*RETRY, "train.num_steps=4", "checkpoint.every=2", "resume=auto", f"hydra.run.dir={split}", cwd=tmp_path)
+    a, b = records(ref), records(split)
+    for step in (3, 4):
+        for key in RESUMED:
+            assert a[step][key] == b[step][key], f"step {step} {key}: {a[step][key]} != {b[step][key]}"
+
+
+def test_async_schedule_with_a_vllm_engine_plays_episodes_on_one_policy_version(tmp_path):
+    if not os.environ.get("RLHF_REQUIRE_VLLM"):
+        pytest.importorskip("vllm", reason="vLLM is not installed (see the README); CI sets RLHF_REQUIRE_VLLM=1")
+    out = tmp_path / "run"
+    run_cli(*RETRY, "schedule=async", "generator=vllm", "generator.kv_cache_memory_bytes=67108864", "train.num_steps=4",
+            f"hydra.run.dir={out}", cwd=tmp_path)
+    steps = records(out)
+    for s in range(1, 5):
+        assert steps[s]["async/staleness_max"] <= 1 and steps[s]["env/num_episodes"] == 8 * 8
+        assert steps[s]["env/num_turns_per_episode"] >= 1.0 and abs(steps[s]["train/kl_sample_train_v1"]) < 1.0
+    assert "eval/greedy_success_rate" in steps[4]
+
+
+def test_hybrid_schedule_on_ray_plays_episodes_with_two_generator_ranks(tmp_path):
+    out = tmp_path / "run"
+    proc = run_cli(
+        *RETRY, "cluster=ray_local", "schedule=hybrid", "cluster.roles.generator.devices_per_node=2",
+        "cluster.colocate=[[actor,ref,generator]]", "train.num_steps=3", f"hydra.run.dir={out}",
+        cwd=tmp_path, env_extra={"RAY_AUTH_MODE": "disabled"},
+    )
+    assert "placed on Ray: actor x2, ref x2, generator x2" in proc.stdout + proc.stderr
+    steps = records(out)
+    assert all(steps[s]["env/num_episodes"] == 64 and steps[s]["memory/generator_freed_mb"] > 0 for s in (1, 2, 3))
+    assert abs(steps[3]["train/kl_sample_train_v1"]) < 1e-3  # hybrid is on-policy: the generator's logprobs are the trainer's

@@ -18,4 +18,9 @@ def check_env(cfg) -> None:
     require(env.max_tokens >= 2, f"env.max_tokens={env.max_tokens} must be >= 2 (a prompt token and an action token)")
     require(env.step_timeout_s > 0, f"env.step_timeout_s={env.step_timeout_s} must be > 0")
     require(env.reward_reduce in REDUCTIONS, f"env.reward_reduce={env.reward_reduce!r}; choose one of {', '.join(REDUCTIONS)}")
+    require(
+        not cfg.reward.path,
+        f"reward.path={cfg.reward.path}: environment {env.name!r} scores its own episodes and no environment reads a "
+        f"reward model; remove reward.path (or env=none to score single-turn responses with it)",
+    )
     require(env.template in TEMPLATES, f"env.template={env.template!r}; choose one of {', '.join(TEMPLATES)}")
