@@ -193,7 +193,7 @@ def evaluate(c, examples: list[PromptExample], gen_cfg, eval_cfg) -> tuple[dict[
         metrics[f"eval/{name}_scores"] = scored.scores.mean().item()
         if "objective/verifiable_correct_rate" in scored.metrics:
             metrics[f"eval/{name}_correct_rate"] = scored.metrics["objective/verifiable_correct_rate"]
-        for key in ("success_rate", "episode_return", "num_turns_per_episode"):
+        for key in ("success_rate", "first_turn_success_rate", "later_turn_success_rate", "episode_return", "num_turns_per_episode"):
             if f"env/{key}" in scored.metrics:
                 metrics[f"eval/{name}_{key}"] = scored.metrics[f"env/{key}"]
         if "reward/model" in scored.metrics:

@@ -2,11 +2,17 @@
 
     python -m rlhf.warmstart                     # rebuilds src/rlhf/assets/tiny_arith (the committed one)
     python -m rlhf.warmstart --output-dir /tmp/m --steps 200
+    python -m rlhf.warmstart --retry             # rebuilds src/rlhf/assets/tiny_arith_retry (env=arith_retry)
 
 It trains a tiny Llama from scratch on addition demonstrations that are right only part of the time:
 by default 30% correct, 40% off by one (the most common single answer, so greedy decoding starts out
 wrong), 20% a random number and 10% malformed (sometimes too long to stop in time). RL then has real
 errors to fix; none of this runs inside `python -m rlhf.train`.
+
+``--retry`` adds the second turn of `env=arith_retry`: after every wrong first answer the problem follows
+again (`<bos>3+4=8<eos>3+4=`) with a retry that is right 30% of the time and repeats the rejected answer 40%
+of the time (so a greedy retry starts wrong too). Without it the model has never seen a token after <eos>
+and answers a retry with an empty string most of the time: RL would have nothing to reinforce there.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ from rlhf.data.arith import ALPHABET, arith_problems
 from rlhf.models.tiny import build_char_tokenizer, build_tiny_llama
 
 DEFAULT_OUTPUT = Path(__file__).parent / "assets" / "tiny_arith"
+RETRY_OUTPUT = Path(__file__).parent / "assets" / "tiny_arith_retry"
 MIX = {"correct": 0.30, "off_by_one": 0.40, "random": 0.20, "malformed": 0.10}
+RETRY_MIX = {"correct": 0.30, "repeat": 0.40, "random": 0.20, "malformed": 0.10}  # answers after a wrong one
 
 
 def demonstration(answer: str, rng: random.Random, max_sum: int) -> str:
@@ -36,25 +44,50 @@ def demonstration(answer: str, rng: random.Random, max_sum: int) -> str:
     return "".join(rng.choice(ALPHABET) for _ in range(rng.randint(1, 6)))
 
 
-def build_examples(tokenizer, max_operand: int, per_problem: int, seed: int) -> list[tuple[list[int], int]]:
-    """(token ids of prompt + demonstration + EOS, prompt length) for every problem, ``per_problem`` times."""
+def retry_demonstration(answer: str, rejected: str, rng: random.Random, max_sum: int) -> str:
+    """One noisy retry after the wrong answer ``rejected``: right, the same again, random or malformed."""
+    kind = rng.choices(list(RETRY_MIX), weights=list(RETRY_MIX.values()))[0]
+    if kind == "correct":
+        return answer
+    if kind == "repeat":
+        return rejected
+    if kind == "random":
+        return str(rng.randint(0, max_sum))
+    return "".join(rng.choice(ALPHABET) for _ in range(rng.randint(1, 6)))
+
+
+def build_examples(
+    tokenizer, max_operand: int, per_problem: int, seed: int, retry: bool = False
+) -> list[tuple[list[int], list[int]]]:
+    """(token ids of prompt + demonstration + EOS, 1 where the loss applies) for every problem, ``per_problem``
+    times; with ``retry``, a wrong demonstration is followed by the problem again and a retry."""
     rng = random.Random(seed)
+    eos = tokenizer.eos_token_id
     examples = []
     for prompt, answer in arith_problems(max_operand):
         prompt_ids = tokenizer(prompt)["input_ids"]
+        asked_again = tokenizer(prompt, add_special_tokens=False)["input_ids"]  # as env=arith_retry asks again
         for _ in range(per_problem):
-            reply = tokenizer(demonstration(answer, rng, 2 * max_operand), add_special_tokens=False)["input_ids"]
-            examples.append((prompt_ids + reply + [tokenizer.eos_token_id], len(prompt_ids)))
+            first = demonstration(answer, rng, 2 * max_operand)
+            reply = tokenizer(first, add_special_tokens=False)["input_ids"] + [eos]
+            ids, trained = prompt_ids + reply, [0] * len(prompt_ids) + [1] * len(reply)
+            if retry and first != answer:
+                second = tokenizer(retry_demonstration(answer, first, rng, 2 * max_operand), add_special_tokens=False)
+                ids += asked_again + second["input_ids"] + [eos]
+                trained += [0] * len(asked_again) + [1] * (len(second["input_ids"]) + 1)
+            examples.append((ids, trained))
     return examples
 
 
-def train(output_dir: Path, steps: int, batch_size: int, lr: float, seed: int, max_operand: int) -> None:
+def train(
+    output_dir: Path, steps: int, batch_size: int, lr: float, seed: int, max_operand: int, retry: bool = False
+) -> None:
     torch.manual_seed(seed)
     tokenizer = build_char_tokenizer(ALPHABET)
     model = build_tiny_llama(
         len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
     )
-    examples = build_examples(tokenizer, max_operand, per_problem=64, seed=seed)
+    examples = build_examples(tokenizer, max_operand, per_problem=64, seed=seed, retry=retry)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / steps)
     rng = random.Random(seed)
@@ -64,9 +97,9 @@ def train(output_dir: Path, steps: int, batch_size: int, lr: float, seed: int, m
         width = max(len(ids) for ids, _ in batch)
         input_ids = torch.full((batch_size, width), tokenizer.pad_token_id)
         labels = torch.full((batch_size, width), -100)
-        for row, (ids, prompt_len) in enumerate(batch):  # right-padded; loss on the reply and EOS only
+        for row, (ids, trained) in enumerate(batch):  # right-padded; loss on the replies and their EOS only
             input_ids[row, : len(ids)] = torch.tensor(ids)
-            labels[row, prompt_len : len(ids)] = torch.tensor(ids[prompt_len:])
+            labels[row, : len(ids)] = torch.where(torch.tensor(trained).bool(), torch.tensor(ids), -100)
         loss = model(input_ids=input_ids, attention_mask=(labels != -100) | (input_ids != tokenizer.pad_token_id), labels=labels).loss
         loss.backward()
         optimizer.step()
@@ -82,14 +115,16 @@ def train(output_dir: Path, steps: int, batch_size: int, lr: float, seed: int, m
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT, help="where to save model and tokenizer")
+    parser.add_argument("--output-dir", type=Path, default=None, help="where to save (default: the committed asset)")
     parser.add_argument("--steps", type=int, default=1500, help="optimiser steps")
     parser.add_argument("--batch-size", type=int, default=128, help="demonstrations per step")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (linear decay to 0)")
     parser.add_argument("--seed", type=int, default=0, help="seeds data and initialisation")
     parser.add_argument("--max-operand", type=int, default=9, help="operands range over 0..max-operand")
+    parser.add_argument("--retry", action="store_true", help="also demonstrate env=arith_retry's retry turn")
     args = parser.parse_args(argv)
-    train(args.output_dir, args.steps, args.batch_size, args.lr, args.seed, args.max_operand)
+    output_dir = args.output_dir or (RETRY_OUTPUT if args.retry else DEFAULT_OUTPUT)
+    train(output_dir, args.steps, args.batch_size, args.lr, args.seed, args.max_operand, args.retry)
 
 
 if __name__ == "__main__":

@@ -80,6 +80,20 @@ def test_agent_function_file_runs_end_to_end(tmp_path):
     assert any("[user]" in r["response"] for r in generations(out))  # a retry after a wrong first answer
 
 
+def test_the_multiturn_preset_learns(tmp_path):
+    """`experiment=multiturn_tiny`, shortened to 25 steps: success rises clearly, retries included."""
+    out = tmp_path / "run"
+    run_cli("experiment=multiturn_tiny", "train.num_steps=25", "eval.every=0", f"hydra.run.dir={out}", cwd=tmp_path)
+    steps = records(out)
+    start, end = steps[0], steps[25]
+    assert start["eval/greedy_num_turns_per_episode"] > 1.5, "the warm start is mostly wrong: most episodes retry"
+    assert end["eval/greedy_success_rate"] - start["eval/greedy_success_rate"] >= 0.3, (start, end)
+    assert end["eval/sampled_success_rate"] - start["eval/sampled_success_rate"] >= 0.25, (start, end)
+    assert end["eval/sampled_later_turn_success_rate"] > start["eval/sampled_later_turn_success_rate"] + 0.1, (start, end)
+    assert any("[user] " in g["response"] and "(reward 0.55)" in g["response"] for g in generations(out)), \
+        "some retry was right and earned the retry reward"
+
+
 # the built-in multi-turn task, small and short: these runs check the plumbing; tests/envs checks the learning
 RETRY = ["env=arith_retry", "train.prompts_per_step=8", "eval.max_prompts=4", "eval.num_samples=0", *QUIET]
 RESUMED = ("env/episode_return", "env/num_turns_per_episode", "loss/policy_avg", "policy/grad_norm", "epoch")

@@ -69,6 +69,7 @@ def transcript(episode: Episode) -> str:
 def episode_metrics(episodes: list[Episode], failed: int) -> dict[str, float]:
     """The batch's `env/*` metrics (names as in seed 004's GEM loop) over the episodes that did not fail."""
     n = max(len(episodes), 1)
+    longer = [ep for ep in episodes if len(ep.turns) > 1]
     return {
         "env/episode_return": sum(ep.episode_return for ep in episodes) / n,
         "env/num_turns_per_episode": sum(len(ep.turns) for ep in episodes) / n,
@@ -76,6 +77,8 @@ def episode_metrics(episodes: list[Episode], failed: int) -> dict[str, float]:
         "env/num_episodes": float(len(episodes)),
         "env/failed_episodes": float(failed),
         "env/success_rate": sum(ep.success for ep in episodes) / n,
+        "env/first_turn_success_rate": sum(ep.success and len(ep.turns) == 1 for ep in episodes) / n,
+        "env/later_turn_success_rate": sum(ep.success for ep in longer) / max(len(longer), 1),  # of those that went on
         "env/max_tokens_rate": sum(ep.end == "max_tokens" for ep in episodes) / n,
         "env/max_turns_rate": sum(ep.end == "max_turns" for ep in episodes) / n,
     }
