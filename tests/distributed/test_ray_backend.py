@@ -120,6 +120,21 @@ def test_generator_samples_from_the_pushed_weights_not_stale_ones(ray_cluster):
         c.close()
 
 
+def test_episodes_play_on_ray_with_two_generator_ranks_on_the_trainers_weights(ray_cluster):
+    """env=arith_retry on Ray: each turn's live episodes are split over two engines; the logprobs they sampled
+    with are the trainer's (the weights pushed after every step reached both ranks)."""
+    cfg, c = sync_components("env=arith_retry", "model=tiny_arith_retry", "cluster.roles.generator.devices_per_node=2")
+    try:
+        state = RunState()
+        for _ in range(2):
+            metrics, scored = train_step(c, cfg, state)
+            assert metrics["env/num_episodes"] == 32 and metrics["env/failed_episodes"] == 0
+            assert metrics["val/generator_logprob_diff"] < 1e-4
+        assert 1.0 <= metrics["env/num_turns_per_episode"] <= 2.0 and any("[user]" in r for r in scored.responses)
+    finally:
+        c.close()
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "deepspeed"])
 def test_checkpoint_round_trip_through_the_workers(ray_cluster, tmp_path, strategy):
     """Saving writes the gathered weights as a HF folder; loading restores the weights the trainer had then."""
