@@ -18,13 +18,11 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from cli_runs import train_records
 
 # the same GRPO work for both schedules: enough tokens per step that generation and training both take time
 WORK = [
@@ -38,13 +36,7 @@ RAY = ["cluster=ray_local", "cluster.roles.actor.devices_per_node=1", "cluster.c
 
 def run(schedule: str, steps: int, extra: list[str], folder: Path) -> list[dict]:
     """One training run; its per-step metric records (steps 2..)."""
-    out = folder / f"{schedule}-{len(list(folder.iterdir()))}"
-    cmd = [sys.executable, "-m", "rlhf.train", f"schedule={schedule}", f"train.num_steps={steps}", *WORK, *extra, f"hydra.run.dir={out}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    if proc.returncode != 0:
-        sys.exit(f"{schedule} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in records if "time/step" in r and r["step"] > 1]
+    return train_records(schedule, [f"schedule={schedule}", f"train.num_steps={steps}", *WORK, *extra], folder)
 
 
 def medians(records: list[dict]) -> dict[str, float]:

@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from cli_runs import train_records
 
 WORK = ["experiment=multiturn_tiny", "eval.every=0", "eval.max_prompts=4", "logging.tensorboard=false", "checkpoint.save_final_model=false"]
 GENERATORS = {"hf": [], "vllm": ["generator=vllm", "generator.kv_cache_memory_bytes=67108864"]}
@@ -32,14 +30,8 @@ GENERATORS = {"hf": [], "vllm": ["generator=vllm", "generator.kv_cache_memory_by
 
 def run(generator: str, schedule: str, steps: int, extra: list[str], folder: Path) -> list[dict]:
     """One training run; its per-step metric records (steps 2..)."""
-    out = folder / f"{generator}-{schedule}-{len(list(folder.iterdir()))}"
-    cmd = [sys.executable, "-m", "rlhf.train", *WORK, *GENERATORS[generator], f"schedule={schedule}", f"train.num_steps={steps}",
-           *extra, f"hydra.run.dir={out}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    if proc.returncode != 0:
-        sys.exit(f"{generator}/{schedule} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in records if "time/step" in r and r["step"] > 1]
+    overrides = [*WORK, *GENERATORS[generator], f"schedule={schedule}", f"train.num_steps={steps}", *extra]
+    return train_records(f"{generator}-{schedule}", overrides, folder)
 
 
 def summary(records: list[dict]) -> dict[str, float]:

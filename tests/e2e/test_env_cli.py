@@ -10,21 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_cli import run_cli
+from test_cli import records, run_cli
 
 from rlhf.models.tiny import build_char_tokenizer, build_tiny_llama
 
 pytestmark = pytest.mark.slow
 
 QUIET = ["logging.tensorboard=false", "checkpoint.save_final_model=false"]
-
-
-def records(run_dir: Path) -> dict[int, dict]:
-    by_step: dict[int, dict] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        by_step.setdefault(record["step"], {}).update(record)
-    return by_step
 
 
 def generations(run_dir: Path) -> list[dict]:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 import pytest
-from test_cli import run_cli
+from test_cli import records, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -15,14 +13,6 @@ if not os.environ.get("RLHF_REQUIRE_VLLM"):
     pytest.importorskip("vllm", reason="vLLM is not installed (see the README); CI sets RLHF_REQUIRE_VLLM=1")
 
 VLLM = ["generator=vllm", "generator.kv_cache_memory_bytes=67108864", "logging.tensorboard=false"]  # compiled (not eager), as by default
-
-
-def records(run_dir: Path) -> dict[int, dict]:
-    by_step: dict[int, dict] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        by_step.setdefault(record["step"], {}).update(record)
-    return by_step
 
 
 def assert_learned(steps: dict[int, dict], last: int) -> None:

@@ -1,0 +1,21 @@
+"""What the benchmarks share: one training run through the real CLI, read back as per-step metric records."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def train_records(name: str, overrides: list[str], folder: Path) -> list[dict]:
+    """Run `python -m rlhf.train <overrides>` in a fresh subfolder of ``folder``; its step records after step 1
+    (step 1 is a warm-up). Exits with the run's stderr tail if it fails."""
+    out = folder / f"{name}-{len(list(folder.iterdir()))}"
+    cmd = [sys.executable, "-m", "rlhf.train", *overrides, f"hydra.run.dir={out}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if proc.returncode != 0:
+        sys.exit(f"{name} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "time/step" in r and r["step"] > 1]
