@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rlhf import stages
+from rlhf.data.prompts import PromptExample
 from rlhf.envs.base import BASE_KEYS
 from rlhf.envs.loop import EpisodeRunner, drop_failed_groups
 from rlhf.envs.rows import episode_rows
@@ -184,3 +185,27 @@ def test_max_turns_ends_running_episodes(make_generator, tiny_model_dir, tokeniz
     assert all(len(ep.turns) == 1 for ep in episodes)
     assert {ep.end for ep in episodes} <= {"terminated", "max_turns"}
     assert all(ep.end == "terminated" for ep in episodes if ep.turns[0].action == "3")
+
+
+def test_a_dataset_prompt_keeps_the_datasets_own_tokens(make_generator, tiny_model_dir, tokenizer):
+    """When `reset` returns the row's text, the episode starts with the row's token ids (as a single-turn run would)."""
+    class Echo(Retry):
+        def __init__(self, task) -> None:
+            super().__init__()
+            self.task = task
+
+        def reset(self, seed: int):
+            return self.task.text, {}
+
+    class RowMaker:
+        uses_dataset = True
+
+        def make(self, task):
+            return Echo(task)
+
+    row = PromptExample(text="1+2=", token_ids=tuple(tokenizer("1+2=", add_special_tokens=False)["input_ids"]), ground_truth="3")
+    other = PromptExample(text="1+2=", token_ids=(), ground_truth="3")  # no tokens of its own: tokenised like a prompt
+    runner = EpisodeRunner(RowMaker(), env_cfg(max_turns=1), tokenizer, tokenizer.eos_token_id)
+    episodes = runner.run(make_generator(tiny_model_dir), [row, other], [0, 1], 1, SamplingParams(4))
+    assert episodes[0].turns[0].observation_ids == list(row.token_ids)  # no BOS: the row's own tokenisation
+    assert episodes[1].turns[0].observation_ids == tokenizer("1+2=")["input_ids"]  # BOS added

@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+from rlhf.data.mix import encode_prompt
 from rlhf.data.prompts import PromptExample
 from rlhf.envs.base import EnvError, EnvMaker, check_reset, check_step
 from rlhf.envs.templates import render
@@ -138,10 +139,17 @@ class EpisodeRunner:
 
     # -- the loop ------------------------------------------------------------------------------------------
     def _observe(self, episode: Episode, text: str, first: bool) -> None:
-        """Append a new turn holding the rendered, tokenised observation. A plain (``no`` template) prompt gets the
-        tokenizer's special tokens like a dataset prompt; templated text writes its own."""
+        """Append a new turn holding the rendered, tokenised observation. The first is tokenised as a dataset prompt
+        (the row's own tokens when it is the row's text; else BOS added unless the text has it); later ones get no
+        special tokens (they follow the action's stop token)."""
         rendered = render(self.cfg.template, text, self.tokenizer, first, self.stop_text)
-        ids = self.tokenizer(rendered, add_special_tokens=first and self.cfg.template == "no")["input_ids"]
+        task = episode.task
+        if first and task is not None and task.token_ids and rendered == task.text:
+            ids = list(task.token_ids)
+        elif first:
+            ids = encode_prompt(self.tokenizer, rendered)
+        else:
+            ids = self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
         episode.turns.append(Turn(observation=text, observation_ids=list(ids)))
 
     def run(
