@@ -82,9 +82,13 @@ def _in_daemon_thread(fn: Callable, args: tuple) -> concurrent.futures.Future:
 
     def target() -> None:
         try:
-            future.set_result(fn(*args))
+            outcome = (future.set_result, fn(*args))
         except BaseException as err:  # handed to the waiting episode
-            future.set_exception(err)
+            outcome = (future.set_exception, err)
+        try:
+            outcome[0](outcome[1])
+        except concurrent.futures.InvalidStateError:  # the episode stopped waiting (timed out): nobody to tell
+            pass
 
     threading.Thread(target=target, daemon=True, name="rlhf-env-call").start()
     return future
