@@ -41,6 +41,18 @@ def test_grpo_identical_scores_give_exactly_zero():
         assert torch.equal(adv, torch.zeros(4))
 
 
+@pytest.mark.parametrize("value", [0.1, 0.7, -1.3])
+@pytest.mark.parametrize("group_size", range(2, 17))
+def test_grpo_all_equal_groups_of_inexact_values_give_exactly_zero(value, group_size):
+    """0.1, 0.7 and -1.3 are not representable in binary: a float32 mean can be an ulp off and the std ~1e-7, which
+    without the exact-tie rule gives same-signed advantages up to ~0.1 (a full Adam step on no signal)."""
+    scores = torch.tensor([value] * group_size + [0.0, 1.0] * (group_size // 2) + [0.5] * (group_size % 2))
+    for norm in (True, False):
+        adv = group_normalized_advantages(scores, group_size=group_size, norm_by_std=norm)
+        assert torch.equal(adv[:group_size], torch.zeros(group_size))
+        assert adv[group_size:].abs().sum() > 0  # a mixed group still gets its signal
+
+
 def test_grpo_groups_are_contiguous_not_strided():
     """Samples 0,1 form a group, not samples 0,2: [0, 0, 10, 10] centres to all zeros."""
     adv = group_normalized_advantages(torch.tensor([0.0, 0.0, 10.0, 10.0]), group_size=2, norm_by_std=False)

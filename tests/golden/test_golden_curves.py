@@ -6,7 +6,9 @@ run on the action window only (`logits_to_keep`): a matrix product over fewer ro
 KL and entropy moved by at most 1.4e-6 while every sampled token, and so every score, stayed the same. That bound
 is asserted here against the old record, and `curves.json` (recorded after that change) must be reproduced
 bitwise by every later change of the plumbing. Re-record only for a deliberate change of the numerics:
-`python tests/golden/test_golden_curves.py`, and say why in the commit.
+`python tests/golden/test_golden_curves.py <algorithm>`, list it in `MOVED` with the reason, and say why in the
+commit; a moved algorithm is compared with the old record on its first step only (the same initial policy samples
+the same first batch).
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ CURVES = Path(__file__).with_name("curves.json")
 BEFORE_REPLUMBING = Path(__file__).with_name("curves_before_replumbing.json")
 ALGORITHMS = ("grpo", "rloo", "reinforce", "ppo", "online_dpo")
 STEPS = 20
+# algorithms whose numerics changed on purpose after `curves_before_replumbing.json`, and why
+MOVED = {
+    "grpo": "a group whose samples all scored the same gets advantage exactly 0; before, a float32 mean an ulp off "
+    "(scores such as 0.1) made it up to ~0.1, same-signed, which Adam turned into full-size steps",
+}
 KEYS = ("loss/policy_avg", "loss/value_avg", "objective/loss", "objective/scores", "objective/kl", "objective/entropy")
 
 
@@ -46,6 +53,9 @@ def test_curve_is_reproduced_bitwise(algorithm, tmp_path):
     curve = run_curve(algorithm, tmp_path)
     assert curve == json.loads(CURVES.read_text())[algorithm]
     before = json.loads(BEFORE_REPLUMBING.read_text())[algorithm]
+    if algorithm in MOVED:
+        assert curve["objective/scores"][0] == before["objective/scores"][0]  # the same first batch
+        return
     assert curve["objective/scores"] == before["objective/scores"]  # the same tokens were sampled at every step
     for key, values in before.items():
         assert max(abs(a - b) for a, b in zip(curve[key], values)) <= 2e-6, key
@@ -54,7 +64,7 @@ def test_curve_is_reproduced_bitwise(algorithm, tmp_path):
 if __name__ == "__main__":
     import tempfile
 
-    curves = {}
+    curves = json.loads(CURVES.read_text()) if CURVES.exists() else {}
     for name in (sys.argv[1:] or ALGORITHMS):
         with tempfile.TemporaryDirectory() as folder:
             curves[name] = run_curve(name, Path(folder))

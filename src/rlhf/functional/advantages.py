@@ -17,8 +17,10 @@ def group_normalized_advantages(
 ) -> torch.Tensor:
     """GRPO: each score minus its group's mean, divided by the group's std unless ``norm_by_std`` is false.
 
-    Shape: scores (B,) with B = prompts * G, groups contiguous -> (B,). The std is the unbiased one;
-    a group whose samples all scored the same gets advantage 0.
+    Shape: scores (B,) with B = prompts * G, groups contiguous -> (B,). The std is the unbiased one.
+    A group whose samples all scored the same gets advantage exactly 0: in floating point its mean can be an ulp
+    off a value such as 0.1 and its std ~1e-7, which would turn "no signal" into same-signed advantages of up to
+    ~0.1 that Adam scales into a full-size step.
     """
     if norm_by_std and group_size < 2:
         raise ValueError("GRPO with std normalisation needs at least 2 samples per prompt")
@@ -26,7 +28,8 @@ def group_normalized_advantages(
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if norm_by_std:
         centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
-    return centred.reshape(-1)
+    all_equal = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
+    return torch.where(all_equal, torch.zeros_like(centred), centred).reshape(-1)
 
 
 def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
