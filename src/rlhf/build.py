@@ -105,7 +105,7 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
         "critic": registry.resolve("critic", cfg.critic.name, key="critic.name"),
     }
     env_factory = registry.resolve("env", cfg.env.name, key="env.name") if cfg.env.name else None
-    rewards = RewardSet(cfg.reward)
+    rewards = RewardSet(cfg.reward, cfg.generator.max_new_tokens)
     algorithm = build_algorithm(cfg.algorithm, cfg.generator.max_new_tokens)
     # 2. tokenizers and data (cheap); every other model must share the policy's vocabulary
     model = cfg.model

@@ -14,7 +14,7 @@ from rlhf.errors import ConfigError
 
 KINDS = (
     "dataset", "preference_dataset", "generator", "policy", "reference", "critic", "reward", "advantage", "policy_loss",
-    "schedule", "env",
+    "schedule", "env", "rollout_correction",
 )
 
 _REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {kind: {} for kind in KINDS}

@@ -7,6 +7,7 @@ Every stage passes on one type, `rlhf.trajectory.Trajectories`.
 from __future__ import annotations
 
 import math
+import time
 import zlib
 from dataclasses import dataclass, replace
 
@@ -42,15 +43,37 @@ def sampling_params(gen_cfg, greedy: bool = False) -> SamplingParams:
 
 
 def generate_and_score(
-    c, examples: list[PromptExample], samples_per_prompt: int, sampling: SamplingParams, training: bool = True
+    c, examples: list[PromptExample], samples_per_prompt: int, sampling: SamplingParams, training: bool = True,
+    generator=None,
 ) -> Scored:
     """Sample ``samples_per_prompt`` responses per prompt (grouped in a row), decode them, score them; with an
-    environment (`env.name`), play ``samples_per_prompt`` episodes of each task instead (`play`)."""
+    environment (`env.name`), play ``samples_per_prompt`` episodes of each task instead (`play`). When training an
+    algorithm whose advantage needs a greedy baseline (ReMax), one greedy response per prompt is generated and scored
+    too (`with_greedy_baseline`). ``generator`` defaults to the run's."""
+    generator = generator if generator is not None else c.generator
     if c.env is not None:
-        return play(c, examples, samples_per_prompt, sampling, c.generator)
+        return play(c, examples, samples_per_prompt, sampling, generator)
     repeated = repeat_prompts(examples, samples_per_prompt)
-    batch = c.generator.generate([list(ex.token_ids) for ex in repeated], sampling)
-    return score(c, repeated, with_groups(batch, samples_per_prompt), training)
+    batch = generator.generate([list(ex.token_ids) for ex in repeated], sampling)
+    scored = score(c, repeated, with_groups(batch, samples_per_prompt), training)
+    if training and c.algorithm.needs_greedy_baseline:
+        scored = with_greedy_baseline(c, examples, scored, sampling, generator)
+    return scored
+
+
+def with_greedy_baseline(c, examples: list[PromptExample], scored: Scored, sampling: SamplingParams, generator) -> Scored:
+    """``scored`` with each row's baseline, the score of its prompt's greedy response (ReMax), as
+    ``batch.extras['baseline_scores']`` (B,); its cost is logged as `time/greedy_baseline`."""
+    start = time.perf_counter()
+    greedy = generator.generate([list(ex.token_ids) for ex in examples], replace(sampling, greedy=True))
+    baseline = score(c, examples, with_groups(greedy, 1), training=False).scores
+    per_row = baseline.repeat_interleave(len(scored.batch) // len(examples))
+    batch = replace(scored.batch, extras=dict(scored.batch.extras, baseline_scores=per_row))
+    metrics = scored.metrics | {
+        "objective/greedy_baseline_scores": baseline.mean().item(),
+        "time/greedy_baseline": time.perf_counter() - start,
+    }
+    return replace(scored, batch=batch, metrics=metrics)
 
 
 def play(c, examples: list[PromptExample], group_size: int, sampling: SamplingParams, generator) -> Scored:

@@ -218,21 +218,22 @@ def test_adaptive_kl_coefficient_shrinks_below_target():
     assert algo.kl_ctl.value == pytest.approx(0.098)
 
 
-# --- truncated importance sampling (algorithm.tis_clip) -------------------------------------------------
+# --- rollout corrections (algorithm.rollout_correction) -------------------------------------------------
 
 
 def test_tis_weights_each_token_loss_by_the_truncated_trainer_generator_ratio():
-    """Ratio 1 everywhere (logp = old_logp), so the surrogate is -A per token; with tis_clip=2 and generator
+    """Ratio 1 everywhere (logp = old_logp), so the surrogate is -A per token; with token_tis capped at 2 and generator
     logprobs giving ratios [e^0.5, 4 -> 2] and [1], the token-mean loss is -(1*e^0.5 + 1*2 + (-1)*1) / 3."""
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     old_logp = torch.tensor([[-1.0, -1.0], [-1.0, 0.0]])
     gen_logp = torch.tensor([[-1.5, -1.0 - math.log(4.0)], [-1.0, 0.0]])
-    algo = make_algorithm(tis_clip=2.0, num_samples_per_prompt=2, norm_adv_by_std=False, loss_agg="token_mean", beta=0.0)
+    algo = make_algorithm(rollout_correction="token_tis", rollout_corr_clip=2.0, num_samples_per_prompt=2, norm_adv_by_std=False, loss_agg="token_mean", beta=0.0)
     step = trajectories(mask, 2, scores=torch.tensor([1.0, -1.0]), old_logp=old_logp, gen_logp=gen_logp)
     batch, metrics = algo.build_batch(step)
     assert_close(batch.extras["is_weights"], torch.tensor([[math.exp(0.5), 2.0], [1.0, 0.0]]))
-    assert metrics["val/is_clipfrac"] == pytest.approx(1 / 3)
-    assert metrics["val/is_weight_mean"] == pytest.approx((math.exp(0.5) + 2.0 + 1.0) / 3)
+    assert metrics["rollout_corr/flagged_share"] == pytest.approx(1 / 3)
+    assert metrics["rollout_corr/weight_mean"] == pytest.approx((math.exp(0.5) + 2.0 + 1.0) / 3)
+    assert metrics["rollout_corr/ratio_max"] == pytest.approx(4.0) and metrics["rollout_corr/kept_share"] == 1.0
     loss, _ = algo.policy_loss(batch, Forward(old_logp.clone()), algo.denominator(batch))
     assert loss.item() == pytest.approx(-(math.exp(0.5) + 2.0 - 1.0) / 3, rel=1e-6)
 
@@ -244,4 +245,4 @@ def test_tis_off_adds_no_weights_and_leaves_the_loss_alone():
     gen_logp = torch.full((2, 2), -3.0)
     step = trajectories(mask, 2, scores=torch.tensor([1.0, 0.0]), old_logp=torch.zeros(2, 2), gen_logp=gen_logp)
     batch, metrics = algo.build_batch(step)
-    assert "is_weights" not in batch.extras and "val/is_weight_mean" not in metrics
+    assert "is_weights" not in batch.extras and not any(key.startswith("rollout_corr/") for key in metrics)

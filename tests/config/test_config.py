@@ -87,9 +87,10 @@ def test_wrong_type_names_the_key():
     assert "lr" in str(cause)
 
 
-def test_unknown_group_option_is_an_error():
-    with pytest.raises(ConfigCompositionException, match="algorithm"):
+def test_unknown_group_option_is_an_error_that_lists_the_options():
+    with pytest.raises(ConfigCompositionException, match="algorithm") as err:
         compose_config(["algorithm=does_not_exist"])
+    assert all(preset in str(err.value) for preset in group_options("algorithm"))
 
 
 @pytest.mark.parametrize(
@@ -106,8 +107,25 @@ def test_unknown_group_option_is_an_error():
         (["train.prompts_per_step=0"], r"train.prompts_per_step=0 must be >= 1"),
         (["reward.functions=[]"], r"reward.functions is empty"),
         (["model.dtype=float8"], r"model.dtype='float8'"),
-        (["algorithm.tis_clip=0"], r"algorithm.tis_clip=0.0 must be > 0"),
-        (["algorithm=online_dpo", "algorithm.tis_clip=2"], r"algorithm.tis_clip weights policy-gradient token losses; algorithm.policy_loss=dpo"),
+        (["algorithm.rollout_correction=token_tis", "algorithm.rollout_corr_clip=0"], r"algorithm.rollout_corr_clip=0.0 must be > 0"),
+        (["algorithm.rollout_correction=icepop", "algorithm.rollout_corr_low=2", "algorithm.rollout_corr_high=2"],
+         r"algorithm.rollout_corr_low=2.0 must be >= 0 and below algorithm.rollout_corr_high=2.0"),
+        (["algorithm.rollout_correction=bogus"], r"unknown rollout_correction 'bogus' \(config key `algorithm.rollout_correction`\). Registered: geo_reject, icepop, seq_tis, token_tis"),
+        (["algorithm.rollout_corr_clip=3"], r"algorithm.rollout_corr_clip=3.0 is not read.*algorithm.rollout_correction=seq_tis or algorithm.rollout_correction=token_tis"),
+        (["algorithm.rollout_correction=token_tis", "algorithm.rollout_corr_low=0.1"], r"rollout_corr_low=0.1 is not read.*rollout_correction=geo_reject or algorithm.rollout_correction=icepop"),
+        (["algorithm=online_dpo", "algorithm.rollout_correction=token_tis"], r"algorithm.rollout_correction weights policy-gradient token losses; algorithm.policy_loss=dpo"),
+        (["algorithm.advantage=remax", "env=arith_retry"], r"algorithm.advantage=remax baselines each prompt with the score of one greedy response"),
+        (["algorithm.policy_loss=cispo", "algorithm.clip_eps_high=0"], r"algorithm.clip_eps_high=0.0 must be > 0"),
+        (["reward.overlong_buffer_len=4"], r"reward.overlong_buffer_len=4 must be >= 1 and below generator.max_new_tokens=4"),
+        (["reward.overlong_buffer_len=0"], r"reward.overlong_buffer_len=0 must be >= 1"),
+        (["reward.overlong_buffer_len=2", "reward.overlong_penalty_factor=-1"], r"reward.overlong_penalty_factor=-1.0 must be >= 0"),
+        (["reward.overlong_penalty_factor=2"], r"reward.overlong_penalty_factor=2.0 is read only with overlong shaping on; set reward.overlong_buffer_len"),
+        (["env=arith_retry", "reward.overlong_buffer_len=2"], r"reward.overlong_buffer_len shapes single-turn responses; environment 'arith_retry'"),
+        (["algorithm=reinforce", "algorithm.num_samples_per_prompt=1", "algorithm.filter_groups=true"],
+         r"algorithm.filter_groups .* algorithm.num_samples_per_prompt >= 2 \(got 1"),
+        (["algorithm=online_dpo", "algorithm.filter_groups=true"], r"algorithm.filter_groups .* policy-gradient algorithm.*policy_loss=dpo"),
+        (["algorithm.filter_groups=true", "algorithm.max_resample_rounds=-1"], r"algorithm.max_resample_rounds=-1 must be >= 0"),
+        (["algorithm.max_resample_rounds=5"], r"algorithm.max_resample_rounds=5 is read only with algorithm.filter_groups=true"),
     ],
 )
 def test_infeasible_config_fails_with_key_and_numbers(overrides, message):

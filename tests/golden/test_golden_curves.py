@@ -1,5 +1,8 @@
 """Golden curves: the first 20 steps of every algorithm preset on the built-in task, seeded, on CPU.
 
+The recipes added later (dr_grpo, dapo, gspo, cispo, reinforce_pp, reinforce_pp_baseline, remax) have only
+`curves.json`, recorded when they were added.
+
 `curves_before_replumbing.json` was recorded before the data path was re-plumbed around token-level trajectories
 and composed algorithms (commit c15e7c1); the re-plumbing reproduced it bitwise. The output layer then learned to
 run on the action window only (`logits_to_keep`): a matrix product over fewer rows rounds differently on CPU, so
@@ -24,7 +27,7 @@ from rlhf.train import train
 
 CURVES = Path(__file__).with_name("curves.json")
 BEFORE_REPLUMBING = Path(__file__).with_name("curves_before_replumbing.json")
-ALGORITHMS = ("grpo", "rloo", "reinforce", "ppo", "online_dpo")
+ALGORITHMS = tuple(sorted(p.stem for p in (Path(__file__).parents[2] / "conf" / "algorithm").glob("*.yaml")))
 STEPS = 20
 # algorithms whose numerics changed on purpose after `curves_before_replumbing.json`, and why
 MOVED = {
@@ -52,7 +55,9 @@ def run_curve(algorithm: str, out: Path) -> dict[str, list[float]]:
 def test_curve_is_reproduced_bitwise(algorithm, tmp_path):
     curve = run_curve(algorithm, tmp_path)
     assert curve == json.loads(CURVES.read_text())[algorithm]
-    before = json.loads(BEFORE_REPLUMBING.read_text())[algorithm]
+    before = json.loads(BEFORE_REPLUMBING.read_text()).get(algorithm)
+    if before is None:  # a preset added after the re-plumbing (#21's recipes): only its own record applies
+        return
     if algorithm in MOVED:
         assert curve["objective/scores"][0] == before["objective/scores"][0]  # the same first batch
         return

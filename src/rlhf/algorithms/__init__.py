@@ -8,7 +8,7 @@ returns the algorithm object the stages call: `build_batch`, `denominator`, `pol
 from __future__ import annotations
 
 from rlhf import registry
-from rlhf.algorithms import advantages, policy_losses  # noqa: F401 (registers the built-in parts)
+from rlhf.algorithms import advantages, policy_losses, rollout_corrections  # noqa: F401 (registers the built-in parts)
 from rlhf.algorithms.base import AdvantageInputs, PolicyLoss, register_advantage, register_policy_loss
 from rlhf.algorithms.pairwise import PairwisePreference
 from rlhf.algorithms.policy_gradient import PolicyGradient
@@ -22,6 +22,13 @@ def parts(cfg):
         registry.resolve("advantage", cfg.advantage, key="algorithm.advantage"),
         registry.resolve("policy_loss", cfg.policy_loss, key="algorithm.policy_loss"),
     )
+
+
+def rollout_correction(cfg):
+    """The correction `algorithm.rollout_correction` names, or None when it is null."""
+    if cfg.rollout_correction is None:
+        return None
+    return registry.resolve("rollout_correction", cfg.rollout_correction, key="algorithm.rollout_correction")
 
 
 def names_with(kind: str, name: str) -> list[str]:
@@ -63,7 +70,7 @@ def build_algorithm(cfg, max_new_tokens: int):
     advantage, loss = parts(cfg)
     if trait(advantage, "pairwise", False):
         return PairwisePreference(cfg, advantage, loss)
-    return PolicyGradient(cfg, advantage, loss, max_new_tokens)
+    return PolicyGradient(cfg, advantage, loss, max_new_tokens, rollout_correction(cfg))
 
 
 __all__ = [

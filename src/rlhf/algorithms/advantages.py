@@ -12,9 +12,12 @@ from rlhf.algorithms.base import AdvantageInputs, register_advantage
 from rlhf.functional import (
     baseline_advantages,
     gae_advantages,
+    greedy_baseline_advantages,
     group_normalized_advantages,
+    last_token_index,
     masked_whiten,
     rebn_advantages,
+    reinforce_pp_advantages,
     rloo_advantages,
     to_token_level,
 )
@@ -46,6 +49,32 @@ def reinforce(inputs: AdvantageInputs, cfg):
     """REINFORCE with the batch-mean baseline (optionally whitened across the batch)."""
     advantages = whiten_rows(baseline_advantages(inputs.sequence_rewards()), cfg.whiten_advantages)
     return to_token_level(advantages, inputs.mask), None
+
+
+@register_advantage("reinforce_pp", config_keys=("gamma",))
+def reinforce_pp(inputs: AdvantageInputs, cfg):
+    """REINFORCE++ (Hu, 2025): per-token KL penalty in the reward, reward-to-go whitened over the batch's tokens."""
+    return reinforce_pp_advantages(inputs.token_rewards(), inputs.mask, cfg.gamma), None
+
+
+@register_advantage("reinforce_pp_baseline", config_keys=("gamma",), min_samples_per_prompt=2)
+def reinforce_pp_baseline(inputs: AdvantageInputs, cfg):
+    """REINFORCE++ with a baseline: each row's score minus its group's mean score (at the last action token) first,
+    then REINFORCE++'s returns and batch whitening."""
+    group_means = inputs.scores.view(-1, inputs.group_size).mean(dim=1).repeat_interleave(inputs.group_size)
+    rewards = inputs.token_rewards().clone()
+    rewards[torch.arange(rewards.shape[0], device=rewards.device), last_token_index(inputs.mask)] -= group_means
+    return reinforce_pp_advantages(rewards, inputs.mask, cfg.gamma), None
+
+
+@register_advantage("remax", config_keys=("whiten_advantages",), needs_greedy_baseline=True)
+def remax(inputs: AdvantageInputs, cfg):
+    """ReMax (Li et al., 2023): each row's reward minus the reward of its prompt's greedy response, generated in the
+    same step."""
+    if inputs.baselines is None:
+        raise ValueError("algorithm.advantage=remax needs each prompt's greedy-response score; none was generated")
+    advantages = greedy_baseline_advantages(inputs.sequence_rewards(), inputs.baselines)
+    return to_token_level(whiten_rows(advantages, cfg.whiten_advantages), inputs.mask), None
 
 
 @register_advantage(

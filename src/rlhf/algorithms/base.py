@@ -26,13 +26,15 @@ from rlhf.registry import register, trait  # noqa: F401 (trait: re-exported for 
 
 def register_advantage(
     name: str, *, config_keys: tuple[str, ...] = (), needs_critic: bool = False, min_samples_per_prompt: int = 1,
-    pairwise: bool = False,
+    pairwise: bool = False, needs_greedy_baseline: bool = False,
 ) -> Callable:
-    """Decorator: register an advantage estimator under ``name`` with its traits."""
+    """Decorator: register an advantage estimator under ``name`` with its traits (``needs_greedy_baseline``: each
+    step also generates and scores one greedy response per prompt, given as ``AdvantageInputs.baselines``)."""
 
     def add(fn: Callable) -> Callable:
         fn.config_keys, fn.needs_critic = tuple(config_keys), needs_critic
         fn.min_samples_per_prompt, fn.pairwise = min_samples_per_prompt, pairwise
+        fn.needs_greedy_baseline = needs_greedy_baseline
         return register("advantage", name)(fn)
 
     return add
@@ -72,6 +74,7 @@ class AdvantageInputs:
     kl_in_reward: bool = False  # the KL is a reward penalty (else a loss term, and the rewards are the scores)
     values: torch.Tensor | None = None  # (B, T) the critic's values (estimators with needs_critic)
     turn_rewards: torch.Tensor | None = None  # (B, T) multi-turn: each turn's reward at its last action token
+    baselines: torch.Tensor | None = None  # (B,) the score of the prompt's greedy response (estimators with needs_greedy_baseline)
 
     def non_score_rewards(self) -> torch.Tensor:
         """The KL penalty of each row, -kl_coef * summed KL (0 when the KL is not in the reward). Shape: (B,)."""

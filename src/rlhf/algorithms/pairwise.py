@@ -25,6 +25,7 @@ class PairwisePreference:
     """
 
     pairwise = True
+    needs_greedy_baseline = False
     needs_reference = True
     needs_critic = False
 

@@ -18,8 +18,8 @@ from rlhf.functional import (
     loss_denominator,
     masked_mean,
     masked_sum,
-    truncated_is_weights,
 )
+from rlhf.algorithms.rollout_corrections import correction_metrics
 from rlhf.registry import trait
 from rlhf.trajectory import Forward, Trajectories, group_size
 
@@ -27,19 +27,21 @@ from rlhf.trajectory import Forward, Trajectories, group_size
 class PolicyGradient:
     """Advantages per token from `algorithm.advantage`, minimised through `algorithm.policy_loss`.
 
-    Loss of a mini batch = aggregate(policy loss [* truncated IS weights]) + kl_coef * aggregate(KL to the reference)
+    Loss of a mini batch = aggregate(policy loss [* rollout-correction weights]) + kl_coef * aggregate(KL to the reference)
     [when the KL is a loss] - entropy_coef * aggregate(entropy); the critic's is vf_coef * aggregate(value loss).
     """
 
     pairwise = False
     needs_old_logprobs = True
 
-    def __init__(self, cfg, advantage, surrogate, max_new_tokens: int) -> None:
-        """``advantage``, ``surrogate``: the registered parts `algorithm.advantage` and `algorithm.policy_loss` name;
-        ``max_new_tokens`` is `loss_agg_norm`'s default."""
-        self.cfg, self.advantage, self.surrogate = cfg, advantage, surrogate
+    def __init__(self, cfg, advantage, surrogate, max_new_tokens: int, correction=None) -> None:
+        """``advantage``, ``surrogate``, ``correction``: the registered parts `algorithm.advantage`,
+        `algorithm.policy_loss` and `algorithm.rollout_correction` (None: off) name; ``max_new_tokens`` is
+        `loss_agg_norm`'s default."""
+        self.cfg, self.advantage, self.surrogate, self.correction = cfg, advantage, surrogate, correction
         self.needs_critic = bool(trait(self.advantage, "needs_critic", False))
         self.min_samples_per_prompt = int(trait(self.advantage, "min_samples_per_prompt", 1))
+        self.needs_greedy_baseline = bool(trait(self.advantage, "needs_greedy_baseline", False))
         self.needs_reference = cfg.beta > 0
         self.needs_entropy = cfg.entropy_coef != 0
         self.kl_ctl = make_kl_controller(cfg)
@@ -63,7 +65,7 @@ class PolicyGradient:
             kl = torch.where(mask.bool(), kl, torch.zeros_like(kl))
         inputs = AdvantageInputs(
             batch.scores, mask, group_size(batch.group_id), kl, self.kl_coef, self.cfg.kl_in_reward, batch.values,
-            batch.turn_rewards,
+            batch.turn_rewards, batch.extras.get("baseline_scores"),
         )
         advantages, returns = self.advantage(inputs, self.cfg)
         metrics = {
@@ -78,11 +80,10 @@ class PolicyGradient:
             metrics["val/values"] = masked_mean(batch.values, mask).item()
             metrics["val/returns"] = masked_mean(returns, mask).item()
         extras = dict(batch.extras)
-        if self.cfg.tis_clip is not None:
-            weights, clipped = truncated_is_weights(batch.old_logp, batch.gen_logp, mask, self.cfg.tis_clip)
+        if self.correction is not None:
+            weights, flagged = self.correction(batch.old_logp, batch.gen_logp, mask, self.cfg)
             extras["is_weights"] = weights
-            metrics["val/is_weight_mean"] = masked_mean(weights, mask).item()
-            metrics["val/is_clipfrac"] = masked_mean(clipped.float(), mask).item()
+            metrics |= correction_metrics(weights, flagged, batch.old_logp, batch.gen_logp, mask)
         return replace(batch, advantages=advantages, returns=returns, extras=extras), metrics
 
     def denominator(self, mini: Trajectories) -> torch.Tensor:

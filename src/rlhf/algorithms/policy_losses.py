@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from rlhf.algorithms.base import PolicyLoss, register_policy_loss
-from rlhf.functional import clipped_policy_loss, dpo_loss, gspo_policy_loss, importance_sampling_loss
+from rlhf.functional import cispo_policy_loss, clipped_policy_loss, dpo_loss, gspo_policy_loss, importance_sampling_loss
 from rlhf.trajectory import Trajectories
 
 
@@ -29,6 +29,12 @@ def gspo(logp: torch.Tensor, batch: Trajectories, cfg) -> PolicyLoss:
         logp, batch.old_logp, batch.advantages, batch.loss_mask, cfg.clip_eps_low, cfg.clip_eps_high
     )
     return PolicyLoss(loss, clipped, log_ratio)
+
+
+@register_policy_loss("cispo", config_keys=("clip_eps_low", "clip_eps_high"))
+def cispo(logp: torch.Tensor, batch: Trajectories, cfg) -> PolicyLoss:
+    """CISPO (MiniMax-M1): the clipped, detached importance weight times -A * logp; clipped tokens keep gradient."""
+    return PolicyLoss(*cispo_policy_loss(logp, batch.old_logp, batch.advantages, cfg.clip_eps_low, cfg.clip_eps_high))
 
 
 @register_policy_loss("importance_sampling")

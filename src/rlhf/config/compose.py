@@ -5,12 +5,22 @@ from __future__ import annotations
 from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from rlhf.config.schema import RewardTrainConfig, RunConfig
 
 CONFIG_MODULE = "rlhf.conf"
 SCHEMA_NAME = "rlhf_schema"
+
+
+def token_share(tokens: int, share: float) -> int:
+    """`${rlhf.share:N,s}` in a config: the share ``s`` of ``N`` tokens, rounded down, at least 1 (a preset that
+    scales with the generation budget, e.g. DAPO's overlong buffer, a fifth of it)."""
+    return max(1, int(tokens * share))
+
+
+# registered on import of rlhf.config, so every process that reads a config (Ray workers too) can resolve it
+OmegaConf.register_new_resolver("rlhf.share", token_share, replace=True)
 
 
 def register_schema() -> None:

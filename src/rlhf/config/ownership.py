@@ -13,7 +13,7 @@ from dataclasses import MISSING, fields
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rlhf import registry
-from rlhf.algorithms import parts
+from rlhf.algorithms import parts, rollout_correction
 from rlhf.config.schema import (
     AlgorithmConfig, ClusterConfig, CriticConfig, DatasetConfig, EnvConfig, GeneratorConfig, ReferenceConfig, RewardConfig,
     ScheduleConfig,
@@ -22,7 +22,8 @@ from rlhf.envs.base import BASE_KEYS
 from rlhf.errors import ConfigError
 from rlhf.generators.base import SAMPLING_KEYS
 
-POLICY_GRADIENT_KEYS = ("tis_clip", "loss_agg", "loss_agg_norm", "beta", "kl_estimator", "kl_in_reward", "kl_ctl", "entropy_coef")
+POLICY_GRADIENT_KEYS = ("rollout_correction", "loss_agg", "loss_agg_norm", "beta", "kl_estimator", "kl_in_reward", "kl_ctl", "entropy_coef",
+                        "filter_groups", "max_resample_rounds")
 PAIRWISE_KEYS = ("beta", "kl_estimator", "reuse_training_logprobs")
 ADAPTIVE_KL_KEYS = ("target_kl", "kl_horizon")
 ALWAYS = ("name", "advantage", "policy_loss", "num_samples_per_prompt")
@@ -77,11 +78,22 @@ def algorithm_keys(cfg, algorithm) -> set[str] | None:
     read |= set(PAIRWISE_KEYS if algorithm.pairwise else POLICY_GRADIENT_KEYS)
     if not algorithm.pairwise and algo.kl_ctl == "adaptive":
         read |= set(ADAPTIVE_KL_KEYS)
+    correction = None if algorithm.pairwise else rollout_correction(algo)
+    if correction is not None:
+        keys = registry.trait(correction, "config_keys")
+        if keys is None:
+            return None
+        read |= set(keys)
     return read
 
 
 def _algorithm_readers(key: str) -> str:
-    parts = [p for p in (_part_readers("advantage", key, "algorithm.advantage"), _part_readers("policy_loss", key, "algorithm.policy_loss")) if p]
+    parts = [
+        p for p in (
+            _part_readers("advantage", key, "algorithm.advantage"), _part_readers("policy_loss", key, "algorithm.policy_loss"),
+            _part_readers("rollout_correction", key, "algorithm.rollout_correction"),
+        ) if p
+    ]
     if key in ADAPTIVE_KL_KEYS:
         parts.append("algorithm.kl_ctl=adaptive")
     if key in PAIRWISE_KEYS and key not in POLICY_GRADIENT_KEYS:
@@ -97,6 +109,7 @@ def check_ownership(cfg, algorithm) -> None:
     read = algorithm_keys(cfg, algorithm)
     if read is not None:
         chosen = f"algorithm.advantage={algo.advantage}, algorithm.policy_loss={algo.policy_loss}"
+        chosen += f", algorithm.rollout_correction={algo.rollout_correction}" if algo.rollout_correction else ""
         _refuse("algorithm", algo, AlgorithmConfig, read, chosen, _algorithm_readers)
     for section, kind, schema, base in (
         ("generator", "generator", GeneratorConfig, SAMPLING_KEYS),

@@ -52,15 +52,18 @@ class DatasetConfig:
 @dataclass
 class AlgorithmConfig:
     name: str = MISSING  # the preset's name, for the record; `advantage` and `policy_loss` decide what runs
-    advantage: str = MISSING  # grpo, rloo, reinforce, gae (with a critic), rebn, best_vs_worst (pairs), or an import path
-    policy_loss: str = "ppo_clip"  # ppo_clip, gspo, importance_sampling; dpo or ipo (pairwise); or an import path
+    advantage: str = MISSING  # grpo, rloo, reinforce, reinforce_pp(_baseline), remax, gae (critic), rebn, best_vs_worst (pairs), or an import path
+    policy_loss: str = "ppo_clip"  # ppo_clip, gspo, cispo, importance_sampling; dpo or ipo (pairwise); or an import path
     num_samples_per_prompt: int = 4  # completions sampled per prompt (the group size for grpo/rloo)
     norm_adv_by_std: bool = True  # grpo: divide group-centred rewards by the group std (false = Dr.GRPO style)
     whiten_advantages: bool = False  # reinforce/rloo/gae: whiten advantages across the whole batch
-    clip_eps_low: float = 0.2  # ppo_clip/gspo: lower clip range, ratio >= 1 - clip_eps_low
-    clip_eps_high: float = 0.2  # ppo_clip/gspo: upper clip range, ratio <= 1 + clip_eps_high (raise it for clip-higher)
+    clip_eps_low: float = 0.2  # ppo_clip/gspo/cispo: lower clip range, ratio >= 1 - clip_eps_low
+    clip_eps_high: float = 0.2  # ppo_clip/gspo/cispo: upper clip range, ratio <= 1 + clip_eps_high (raise it for clip-higher)
     dual_clip_c: Optional[float] = None  # ppo_clip: cap the loss of negative-advantage tokens at -c*A (c > 1); null = off
-    tis_clip: Optional[float] = None  # truncated importance sampling: weight token losses by min(pi_trainer / pi_generator, tis_clip); null = off
+    rollout_correction: Optional[str] = None  # generator/trainer mismatch: token_tis, seq_tis, icepop, geo_reject, or an import path; null = off
+    rollout_corr_clip: float = 2.0  # token_tis/seq_tis: the importance weight's cap
+    rollout_corr_low: float = 0.5  # icepop/geo_reject: ratios below this are masked (icepop) or their row rejected (geo_reject)
+    rollout_corr_high: float = 2.0  # icepop/geo_reject: ratios above this are masked (icepop) or their row rejected (geo_reject)
     loss_agg: str = "token_mean"  # token_mean, seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm (Dr.GRPO)
     loss_agg_norm: Optional[float] = None  # seq_mean_token_sum_norm's constant divisor; null = generator.max_new_tokens
     beta: float = 0.0  # KL coefficient to the reference (pairwise losses: the DPO temperature); 0 disables the reference
@@ -70,11 +73,13 @@ class AlgorithmConfig:
     target_kl: float = 6.0  # kl_ctl=adaptive: the per-sequence KL to aim for
     kl_horizon: int = 10000  # kl_ctl=adaptive: samples over which the coefficient adapts
     entropy_coef: float = 0.0  # entropy bonus: loss -= entropy_coef * entropy
-    gamma: float = 1.0  # gae/rebn: discount over tokens (gae) or turns (rebn)
+    gamma: float = 1.0  # gae/reinforce_pp: discount over tokens; rebn: over turns
     lam: float = 0.95  # gae: GAE lambda
     vf_coef: float = 0.1  # gae: weight of the critic's value loss
     cliprange_value: Optional[float] = 0.2  # gae: value clip range around the old values; null = unclipped
     reuse_training_logprobs: bool = False  # pairwise: skip the pre-update forward; KL/entropy come from the training forward
+    filter_groups: bool = False  # dynamic sampling (DAPO): drop groups whose scores all tie, draw more prompts to fill the step
+    max_resample_rounds: int = 3  # filter_groups: extra prompt draws per step before training on the groups kept so far
 
 
 @dataclass
@@ -111,6 +116,8 @@ class RewardConfig:
     clip: Optional[float] = None  # reward model: clip scores to [-clip, clip] (after normalising); null = off
     non_stop_penalty: bool = True  # replace the score of responses that never stopped
     penalty_reward_value: float = -10.0  # the score given to a non-stop response
+    overlong_buffer_len: Optional[int] = None  # overlong shaping (DAPO): reward falls over the budget's last this many tokens; null = off
+    overlong_penalty_factor: float = 1.0  # overlong shaping: the reward lost by a response of generator.max_new_tokens tokens
 
 
 @dataclass

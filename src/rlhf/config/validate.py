@@ -16,6 +16,7 @@ from rlhf.errors import require as _require
 from rlhf.config.env_checks import check_env
 from rlhf.config.generation_checks import check_generation
 from rlhf.config.ownership import check_ownership
+from rlhf.config.schema import AlgorithmConfig, RewardConfig
 from rlhf.distributed.layout import validate_cluster
 from rlhf.functional.losses import LOSS_AGGREGATIONS
 from rlhf.models.dtypes import DTYPES
@@ -121,6 +122,12 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         f"algorithm.num_samples_per_prompt must be >= {min_samples} (got {algo.num_samples_per_prompt})",
     )
     _require(
+        not algorithm.needs_greedy_baseline or cfg.env.name is None,
+        f"algorithm.advantage={algo.advantage} baselines each prompt with the score of one greedy response, which an "
+        f"environment's episodes do not give (env.name={cfg.env.name}); use algorithm.advantage=rebn or grpo with an "
+        f"environment, or env=none",
+    )
+    _require(
         algo.kl_estimator in KL_ESTIMATORS,
         f"algorithm.kl_estimator={algo.kl_estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}",
     )
@@ -153,11 +160,28 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         algo.dual_clip_c is None or algo.dual_clip_c > 1,
         f"algorithm.dual_clip_c={algo.dual_clip_c} must be > 1 (or null to turn dual-clip off)",
     )
-    _require(algo.tis_clip is None or algo.tis_clip > 0, f"algorithm.tis_clip={algo.tis_clip} must be > 0 (or null to turn it off)")
+    _require(algo.rollout_corr_clip > 0, f"algorithm.rollout_corr_clip={algo.rollout_corr_clip} must be > 0 (the importance weight's cap)")
     _require(
-        algo.tis_clip is None or not algorithm.pairwise,
-        f"algorithm.tis_clip weights policy-gradient token losses; algorithm.policy_loss={algo.policy_loss} has none, "
-        f"set it to null",
+        0 <= algo.rollout_corr_low < algo.rollout_corr_high,
+        f"algorithm.rollout_corr_low={algo.rollout_corr_low} must be >= 0 and below algorithm.rollout_corr_high="
+        f"{algo.rollout_corr_high} (the band of kept ratios, e.g. 0.5 and 2)",
+    )
+    _require(
+        algo.rollout_correction is None or not algorithm.pairwise,
+        f"algorithm.rollout_correction weights policy-gradient token losses; algorithm.policy_loss={algo.policy_loss} "
+        f"has none, set it to null",
+    )
+    _require(
+        not algo.filter_groups or (algo.num_samples_per_prompt >= 2 and not algorithm.pairwise),
+        f"algorithm.filter_groups drops groups whose samples all scored the same, so it needs a policy-gradient "
+        f"algorithm with algorithm.num_samples_per_prompt >= 2 (got {algo.num_samples_per_prompt}, "
+        f"algorithm.policy_loss={algo.policy_loss}); raise num_samples_per_prompt or set filter_groups=false",
+    )
+    _require(algo.max_resample_rounds >= 0, f"algorithm.max_resample_rounds={algo.max_resample_rounds} must be >= 0")
+    _require(
+        algo.filter_groups or algo.max_resample_rounds == AlgorithmConfig.max_resample_rounds,
+        f"algorithm.max_resample_rounds={algo.max_resample_rounds} is read only with algorithm.filter_groups=true; "
+        f"set filter_groups=true or remove the override",
     )
     _require(0 <= algo.gamma <= 1 and 0 <= algo.lam <= 1, f"algorithm.gamma={algo.gamma} and algorithm.lam={algo.lam} must be in [0, 1]")
     _require(
@@ -191,6 +215,26 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         "reward.functions is empty and reward.path is null; name a reward function or a reward model folder",
     )
     _require(cfg.reward.clip is None or cfg.reward.clip > 0, f"reward.clip={cfg.reward.clip} must be > 0 or null")
+    buffer = cfg.reward.overlong_buffer_len
+    _require(
+        buffer is None or 1 <= buffer < gen.max_new_tokens,
+        f"reward.overlong_buffer_len={buffer} must be >= 1 and below generator.max_new_tokens={gen.max_new_tokens} "
+        f"(the response budget it is the end of); lower it, or null to turn overlong shaping off",
+    )
+    _require(
+        buffer is None or cfg.env.name is None,
+        f"reward.overlong_buffer_len shapes single-turn responses; environment {cfg.env.name!r} scores its own episodes, "
+        f"set it to null (or env=none)",
+    )
+    _require(
+        cfg.reward.overlong_penalty_factor >= 0,
+        f"reward.overlong_penalty_factor={cfg.reward.overlong_penalty_factor} must be >= 0 (the reward lost at the budget)",
+    )
+    _require(
+        buffer is not None or cfg.reward.overlong_penalty_factor == RewardConfig.overlong_penalty_factor,
+        f"reward.overlong_penalty_factor={cfg.reward.overlong_penalty_factor} is read only with overlong shaping on; "
+        f"set reward.overlong_buffer_len (e.g. a quarter of generator.max_new_tokens) or remove the override",
+    )
     _require(cfg.eval.every >= 0, f"eval.every={cfg.eval.every} must be >= 0")
     _require(cfg.eval.num_evals is None or cfg.eval.num_evals >= 1, f"eval.num_evals={cfg.eval.num_evals} must be >= 1")
     _require(cfg.eval.max_prompts is None or cfg.eval.max_prompts >= 1, f"eval.max_prompts={cfg.eval.max_prompts} must be >= 1")

@@ -5,19 +5,28 @@ Shapes: B = sequences in a batch, T = tokens of the action window (see `rlhf.tra
 
 from rlhf.functional.advantages import (
     baseline_advantages,
+    discounted_returns,
+    greedy_baseline_advantages,
     group_normalized_advantages,
     rebn_advantages,
+    reinforce_pp_advantages,
     rloo_advantages,
     to_token_level,
     turn_returns,
 )
 from rlhf.functional.gae import gae_advantages, last_token_index, token_level_rewards
-from rlhf.functional.importance import truncated_is_weights
+from rlhf.functional.importance import (
+    geometric_rejection_weights,
+    masked_is_weights,
+    sequence_truncated_is_weights,
+    truncated_is_weights,
+)
 from rlhf.functional.kl import AdaptiveKLController, FixedKLController, kl_per_token
 from rlhf.functional.logprobs import entropy_from_logits, logprobs_from_logits
 from rlhf.functional.losses import (
     LOSS_AGGREGATIONS,
     aggregate_loss,
+    cispo_policy_loss,
     clipped_policy_loss,
     clipped_value_loss,
     dpo_loss,
@@ -26,9 +35,17 @@ from rlhf.functional.losses import (
     loss_denominator,
 )
 from rlhf.functional.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from rlhf.functional.shaping import overlong_penalty
 
 __all__ = [
     "baseline_advantages",
+    "discounted_returns",
+    "greedy_baseline_advantages",
+    "reinforce_pp_advantages",
+    "geometric_rejection_weights",
+    "masked_is_weights",
+    "sequence_truncated_is_weights",
+    "cispo_policy_loss",
     "group_normalized_advantages",
     "rebn_advantages",
     "rloo_advantages",
@@ -54,5 +71,6 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "overlong_penalty",
     "truncated_is_weights",
 ]

@@ -1,8 +1,11 @@
-"""Sequence-level advantages for critic-free estimators (GRPO, REINFORCE with a baseline, RLOO)."""
+"""Advantages for critic-free estimators: per sequence (GRPO, RLOO, REINFORCE, ReMax) and per token from returns
+(REINFORCE++, REBN)."""
 
 from __future__ import annotations
 
 import torch
+
+from rlhf.functional.masked import masked_whiten
 
 
 def _groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -44,6 +47,41 @@ def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
 def baseline_advantages(scores: torch.Tensor) -> torch.Tensor:
     """REINFORCE with the batch-mean baseline. Shape: (B,) -> (B,)."""
     return scores - scores.mean()
+
+
+def greedy_baseline_advantages(scores: torch.Tensor, baselines: torch.Tensor) -> torch.Tensor:
+    """ReMax (Li et al., 2023, arXiv:2310.10505): each reward minus the reward of its prompt's greedy response.
+
+    Shape: scores (B,), baselines (B,) (the greedy response's reward, repeated for every sample of the prompt) -> (B,).
+    """
+    if scores.shape != baselines.shape:
+        raise ValueError(f"scores {tuple(scores.shape)} and baselines {tuple(baselines.shape)} must have one entry per row")
+    return scores - baselines
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Reward-to-go per token: G_t = r_t + gamma * G_t', t' the next valid token. Shape: (B, T) -> (B, T).
+
+    Tokens outside the mask (a multi-turn row's observations) are skipped, not ends of the episode; their rewards
+    are dropped and their returns are 0.
+    """
+    valid = mask.bool()
+    rewards = torch.where(valid, rewards, torch.zeros_like(rewards))
+    returns = torch.zeros_like(rewards)
+    following = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        following = torch.where(valid[:, t], rewards[:, t] + gamma * following, following)
+        returns[:, t] = torch.where(valid[:, t], following, torch.zeros_like(following))
+    return returns
+
+
+def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """REINFORCE++ (Hu, 2025, arXiv:2501.03262): token returns whitened over every valid token of the batch.
+
+    Shape: rewards (B, T) (per-token KL penalty plus the score at the last token), mask (B, T) -> (B, T), 0 outside
+    the mask. The batch-wide whitening is the only baseline: no critic, no per-prompt group.
+    """
+    return masked_whiten(discounted_returns(rewards, mask, gamma), mask)
 
 
 def to_token_level(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -62,6 +62,22 @@ def gspo_policy_loss(
     return torch.maximum(unclipped, clipped), clipped > unclipped, log_ratio.detach().expand_as(logp)
 
 
+def cispo_policy_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, clip_eps_low: float, clip_eps_high: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CISPO's loss per token, to be minimised (MiniMax-M1, Chen et al., 2025, arXiv:2506.13585).
+
+    Shape: logp, old_logp, advantages (B, T) -> (loss (B, T), clipped (B, T) bool, log_ratio (B, T)).
+    loss_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * A_t * logp_t with r_t = exp(logp_t - old_logp_t): the
+    importance weight is clipped and detached, so the gradient -w_t * A_t * grad logp_t never vanishes. A clipped
+    token (``clipped``) still gets gradient, unlike PPO's clip, which zeroes it; ``log_ratio`` is log r_t, detached.
+    """
+    log_ratio = (logp - old_logp).detach()
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    return -weight * advantages * logp, weight != ratio, log_ratio
+
+
 def importance_sampling_loss(logp: torch.Tensor, sampler_logp: torch.Tensor, advantages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Unclipped importance-weighted policy gradient, per token, to be minimised: -A * pi / pi_sampler.
 

@@ -1,18 +1,23 @@
-"""Several reward functions (and optionally a reward model) summed with weights, and the non-stop penalty."""
+"""Several reward functions (and optionally a reward model) summed with weights, the overlong shaping, and the non-stop
+penalty."""
 
 from __future__ import annotations
 
 import torch
 
 from rlhf import registry
+from rlhf.functional import overlong_penalty
 from rlhf.trajectory import Trajectories
 
 
 class RewardSet:
     """Scores responses with every configured function; see `rlhf.rewards.rules` for the call signature."""
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, max_new_tokens: int | None = None) -> None:
         self.cfg = cfg
+        self.max_new_tokens = max_new_tokens  # the response budget (generator.max_new_tokens) overlong shaping counts from
+        if cfg.overlong_buffer_len is not None and max_new_tokens is None:
+            raise ValueError("reward.overlong_buffer_len is set: RewardSet needs the response budget, max_new_tokens")
         self.model = None  # a RewardModelScorer, attached once models may load
         self.functions = []
         for i, fn_cfg in enumerate(cfg.functions):
@@ -37,9 +42,10 @@ class RewardSet:
     def score(
         self, prompts: list[str], responses: list[str], ground_truths: list, batch: Trajectories, training: bool = True
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """(scores (B,), metrics): weighted sum of every function and the model, then the non-stop penalty.
+        """(scores (B,), metrics): weighted sum of every function and the model, plus the overlong shaping, then the
+        non-stop penalty (which replaces the whole score of a response that never stopped).
 
-        ``training=False`` (evaluation) leaves the reward model's running statistics alone.
+        ``training=False`` (evaluation) leaves the reward model's running statistics alone; the reward is the same.
         """
         stopped = batch.stopped.cpu()
         total = torch.zeros(len(responses))
@@ -59,8 +65,17 @@ class RewardSet:
             model_scores, model_metrics = self.model.score(batch, update_stats=training)
             total += self.cfg.model_weight * model_scores
             metrics |= model_metrics
+        if self.cfg.overlong_buffer_len is not None:
+            shaping = self.overlong_shaping(batch)
+            total += shaping
+            metrics["reward/overlong_penalty"] = shaping.mean().item()
         if self.cfg.non_stop_penalty:
             total = torch.where(stopped, total, torch.full_like(total, self.cfg.penalty_reward_value))
         if has_verifier:  # a truncated response is never counted correct, whatever its text
             metrics["objective/verifiable_correct_rate"] = (verified & stopped).float().mean().item()
         return total, metrics
+
+    def overlong_shaping(self, batch: Trajectories) -> torch.Tensor:
+        """(B,) reward added for each response's length (`rlhf.functional.overlong_penalty`), on the CPU."""
+        lengths = batch.action_lengths.cpu()
+        return overlong_penalty(lengths, self.max_new_tokens, self.cfg.overlong_buffer_len, self.cfg.overlong_penalty_factor)

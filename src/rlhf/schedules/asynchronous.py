@@ -6,8 +6,8 @@ starts batch j only once the generator holds version >= j-1-`schedule.max_stalen
 staler than that bound (0 makes the schedule on-policy again, with no overlap). The trainer publishes its weights
 without waiting; they load between generate calls, so each batch comes from exactly one version.
 
-`algorithm.tis_clip` corrects for the gap (stale weights, and vLLM's numerics against the trainer's): each token's
-loss is weighted by min(pi_trainer / pi_generator, tis_clip).
+`algorithm.rollout_correction` corrects for the gap (stale weights, and vLLM's numerics against the trainer's), e.g.
+token_tis weights each token's loss by min(pi_trainer / pi_generator, rollout_corr_clip).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf import stages
+from rlhf import dynamic_sampling, stages
 from rlhf.generators.base import SamplingParams
 from rlhf.registry import register
 from rlhf.schedules.common import RunState
@@ -136,14 +136,16 @@ class RolloutProducer:
             self.error = err
 
     def _produce(self, examples, sampling) -> tuple[stages.Scored, int]:
-        """One scored batch of ``examples`` and the policy version that generated all of it."""
-        n = self.cfg.algorithm.num_samples_per_prompt
-        if self.c.env is not None:
-            with self.generator.pinned() as (generator, version):
-                return stages.play(self.c, examples, n, sampling, generator), version
-        repeated = stages.repeat_prompts(examples, n)
-        batch, version = self.generator.generate_versioned([list(ex.token_ids) for ex in repeated], sampling)
-        return stages.score(self.c, repeated, stages.with_groups(batch, n)), version
+        """One scored batch of ``examples`` (and of resampled prompts, `algorithm.filter_groups`) and the policy version
+        that generated all of it."""
+        with self.generator.pinned() as (generator, version):  # one version for every generate call of the batch
+            scored = dynamic_sampling.generate_groups(self.c, self.cfg.algorithm, examples, self._draw, sampling, generator=generator)
+            return scored, version
+
+    def _draw(self, size: int) -> list:
+        """``size`` more prompts for a resampling round, drawn under the lock that records stream positions."""
+        with self.positions_lock:
+            return self.c.prompts.next_batch(size)
 
     def _states(self) -> dict:
         return {"prompts": self.c.prompts.state_dict(), "rewards": self.c.rewards.state_dict()}

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from rlhf import checkpoint, stages
+from rlhf import checkpoint, dynamic_sampling, stages
 from rlhf.data.prompts import epochs_done
 from rlhf.schedules.common import RunState
 
@@ -101,7 +101,7 @@ def learn(c, cfg, scored: stages.Scored, state: RunState, times: dict[str, float
 
 
 def generate(c, cfg, times: dict[str, float]) -> stages.Scored:
-    """Draw the step's prompts, sample and score their responses."""
+    """Draw the step's prompts, sample and score their responses (`algorithm.filter_groups`: see `dynamic_sampling`)."""
     with timed(times, "generation"):
         examples = c.prompts.next_batch(cfg.train.prompts_per_step)
-        return stages.generate_and_score(c, examples, cfg.algorithm.num_samples_per_prompt, stages.sampling_params(cfg.generator))
+        return dynamic_sampling.generate_groups(c, cfg.algorithm, examples, c.prompts.next_batch, stages.sampling_params(cfg.generator))

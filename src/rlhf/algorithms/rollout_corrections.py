@@ -1,0 +1,73 @@
+"""Rollout corrections, registered by name (`algorithm.rollout_correction`). The math is in `rlhf.functional.importance`.
+
+A correction is ``fn(trainer_logp, generator_logp, mask, cfg) -> (weights (B, T), flagged (B, T) bool)``: detached
+per-token weights on the policy loss (0 drops a token) and the tokens it changed. `correction_metrics` reports
+what it did under `rollout_corr/`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from rlhf.functional import masked_mean
+from rlhf.functional.importance import (
+    geometric_rejection_weights,
+    masked_is_weights,
+    sequence_truncated_is_weights,
+    truncated_is_weights,
+)
+from rlhf.registry import register
+
+
+def register_rollout_correction(name: str, *, config_keys: tuple[str, ...] = ()) -> Callable:
+    """Decorator: register a rollout correction under ``name``; ``config_keys``: the `algorithm.*` keys it reads."""
+
+    def add(fn: Callable) -> Callable:
+        fn.config_keys = tuple(config_keys)
+        return register("rollout_correction", name)(fn)
+
+    return add
+
+
+@register_rollout_correction("token_tis", config_keys=("rollout_corr_clip",))
+def token_tis(trainer_logp, generator_logp, mask, cfg):
+    """Truncated IS per token (Yao et al., 2025, "Your efficient RL framework secretly brings you off-policy RL")."""
+    return truncated_is_weights(trainer_logp, generator_logp, mask, cfg.rollout_corr_clip)
+
+
+@register_rollout_correction("seq_tis", config_keys=("rollout_corr_clip",))
+def seq_tis(trainer_logp, generator_logp, mask, cfg):
+    """Truncated IS per sequence: the product of a row's token ratios, capped, weighs every token of the row."""
+    return sequence_truncated_is_weights(trainer_logp, generator_logp, mask, cfg.rollout_corr_clip)
+
+
+@register_rollout_correction("icepop", config_keys=("rollout_corr_low", "rollout_corr_high"))
+def icepop(trainer_logp, generator_logp, mask, cfg):
+    """Masked IS (IcePop, Ling Team, 2025, Ring-1T): tokens whose ratio leaves [low, high] carry no gradient."""
+    return masked_is_weights(trainer_logp, generator_logp, mask, cfg.rollout_corr_low, cfg.rollout_corr_high)
+
+
+@register_rollout_correction("geo_reject", config_keys=("rollout_corr_low", "rollout_corr_high"))
+def geo_reject(trainer_logp, generator_logp, mask, cfg):
+    """Sequence rejection by the geometric-mean ratio: rows outside [low, high] are dropped from the loss."""
+    return geometric_rejection_weights(trainer_logp, generator_logp, mask, cfg.rollout_corr_low, cfg.rollout_corr_high)
+
+
+def correction_metrics(
+    weights: torch.Tensor, flagged: torch.Tensor, trainer_logp: torch.Tensor, generator_logp: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """`rollout_corr/*` over the action tokens: kept share (weight > 0), masked share (weight 0), flagged share
+    (changed by the correction), the mean weight, and the token ratio's mean and max. Shapes: (B, T) each."""
+    real = mask.bool()
+    ratio = torch.exp(torch.where(real, trainer_logp - generator_logp, torch.zeros_like(trainer_logp)))
+    kept = masked_mean((weights > 0).float(), mask).item()
+    return {
+        "rollout_corr/kept_share": kept,
+        "rollout_corr/masked_share": 1.0 - kept if real.any() else 0.0,
+        "rollout_corr/flagged_share": masked_mean(flagged.float(), mask).item(),
+        "rollout_corr/weight_mean": masked_mean(weights, mask).item(),
+        "rollout_corr/ratio_mean": masked_mean(ratio, mask).item(),
+        "rollout_corr/ratio_max": ratio[real].max().item() if real.any() else 1.0,
+    }
