@@ -13,8 +13,9 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 # optional heavy engines, plus `datasets`: it takes 1.5 s to import and only `dataset=mix` runs need it, while
 # every CLI process and Ray worker imports the package (the test suite launches about 60 of them); `gem` (GEM's
-# environments) is optional and takes 2 s to import, needed by `env.name=gem` runs only
-OPTIONAL_ENGINES = {"vllm", "deepspeed", "ray", "peft", "datasets", "gem"}
+# environments) is optional and takes 2 s to import, needed by `env.name=gem` runs only; `reasoning_gym` likewise (1.5 s,
+# dataset/reward=reasoning_gym only); `math_verify` and `wandb` are extras that only their own reward / logging.wandb need
+OPTIONAL_ENGINES = {"vllm", "deepspeed", "ray", "peft", "datasets", "gem", "reasoning_gym", "math_verify", "wandb"}
 
 
 def module_name(path: Path) -> str:

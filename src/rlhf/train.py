@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+from transformers.utils import logging as transformers_logging
 
 from rlhf import checkpoint, registry
 from rlhf.build import build_components
@@ -23,6 +25,7 @@ from rlhf.config import ConfigError, register_schema, validate
 from rlhf.distributed.remote import WorkerError
 from rlhf.schedules.common import NonFiniteError, NonFiniteGuard, RunState, StopSignals
 from rlhf.seeding import seed_everything
+from rlhf.tracking.progress import wants_bar
 from rlhf.tracking.tracker import Tracker
 
 log = logging.getLogger("rlhf")
@@ -55,16 +58,16 @@ def run_schedule(cfg, out: Path, sizes, schedule, components, root: Path, resume
     if resume_from is not None:
         state = RunState.from_dict(checkpoint.load(components, resume_from), cfg.train.max_skipped_steps_in_row)
         components.generator.update_weights(components.policy.state_dict())
-    tracker = Tracker(out, cfg.logging.tensorboard, resume_step=state.step if resume_from else None, checkpoint_root=root)
+    tracker = Tracker(
+        out, cfg.logging.tensorboard, resume_step=state.step if resume_from else None, checkpoint_root=root,
+        settings=cfg.logging,
+    )
     tracker.config(OmegaConf.to_yaml(cfg), sizes.as_dict())
     if components.data_report:
         (out / "dataset_report.json").write_text(json.dumps(components.data_report, indent=2) + "\n")
     log.info("run id %s, starting at step %d", state.run_id, state.step)
-    try:
-        with StopSignals() as stop:
-            state = schedule(components, cfg, sizes, tracker, state, stop)
-    finally:
-        tracker.close()
+    with tracker, StopSignals() as stop:  # the tracker closes (a W&B run marked failed) on errors too
+        state = schedule(components, cfg, sizes, tracker, state, stop)
     state.elapsed = tracker.elapsed()
     if state.preempted:
         return state
@@ -83,6 +86,8 @@ def summarize(state) -> None:
 
 @hydra.main(config_path="pkg://rlhf.conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
+    if not wants_bar(cfg.logging.progress_bar, sys.stderr):
+        transformers_logging.disable_progress_bar()  # its loading bars would put control characters into CI logs
     try:
         state = train(cfg, Path(HydraConfig.get().runtime.output_dir))
     except ConfigError as err:

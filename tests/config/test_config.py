@@ -51,6 +51,7 @@ def test_every_group_option_composes_and_validates(group):
         ("reward", "model"): ["reward.path=builtin:tiny_arith"],
         ("dataset", "jsonl"): ["dataset.path=prompts.jsonl"],
         ("dataset", "parquet"): ["dataset.path=prompts.parquet"],
+        ("reward", "reasoning_gym"): ["dataset=reasoning_gym"],  # it scores that dataset's generated problems
         ("cluster", "8gpu_split"): ["train.prompts_per_step=14", "train.micro_batch_size=56"],  # 7 training ranks
     }
     for option in group_options(group):
@@ -126,6 +127,8 @@ def test_unknown_group_option_is_an_error_that_lists_the_options():
         (["algorithm=online_dpo", "algorithm.filter_groups=true"], r"algorithm.filter_groups .* policy-gradient algorithm.*policy_loss=dpo"),
         (["algorithm.filter_groups=true", "algorithm.max_resample_rounds=-1"], r"algorithm.max_resample_rounds=-1 must be >= 0"),
         (["algorithm.max_resample_rounds=5"], r"algorithm.max_resample_rounds=5 is read only with algorithm.filter_groups=true"),
+        (["dataset=reasoning_gym", "dataset.tasks=[bogus]"], r"dataset.tasks: unknown reasoning-gym task\(s\) \['bogus'\]; valid tasks: .*chain_sum"),
+        (["dataset=gsm8k", "dataset.ground_truth_format=latex"], r"dataset.ground_truth_format='latex'; choose one of raw, gsm8k, boxed"),
     ],
 )
 def test_infeasible_config_fails_with_key_and_numbers(overrides, message):

@@ -86,7 +86,7 @@ def text_tags(run_dir: Path) -> list[str]:
 
 
 def test_default_run_prints_progress_and_summary(tmp_path):
-    """`python -m rlhf.train` with no arguments: one console line per step and a start -> end summary."""
+    """`python -m rlhf.train` with no arguments: a console line at the last step (and every `logging.log_every`) and a start -> end summary."""
     proc = run_cli("train.num_steps=5", cwd=tmp_path)
     log = proc.stdout + proc.stderr
     assert "step    5/5" in log

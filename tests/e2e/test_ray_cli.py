@@ -61,7 +61,7 @@ def test_killed_worker_ends_the_run_with_role_rank_and_exit_code_4(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **RAY_ENV}
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlhf.train", "cluster=ray_local", "train.num_steps=100000", "eval.every=0",
-         "cluster.timeout_s=60", f"hydra.run.dir={tmp_path / 'run'}"],
+         "cluster.timeout_s=60", "logging.log_every=1", f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     lines = []

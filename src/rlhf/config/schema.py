@@ -28,6 +28,7 @@ class DataSourceConfig:
     split: str = "train"  # split to read (a single local file only has `train`)
     amount: float = 1.0  # a fraction of the split (<= 1) or a number of rows (a whole number > 1), seeded
     revision: Optional[str] = None  # hub revision (pin it: the tokenised cache keys on it, not on hub contents)
+    subset: Optional[str] = None  # hub dataset configuration (load_dataset's `name`), e.g. main for openai/gsm8k
 
 
 @dataclass
@@ -40,13 +41,17 @@ class DatasetConfig:
     prompt_key: str = "prompt"  # mix: column holding the prompt string (used when sft_messages_key is null)
     sft_messages_key: Optional[str] = None  # mix: column holding a conversation; its final assistant turn is dropped
     ground_truth_key: Optional[str] = None  # mix: column passed to the reward functions as ground truth
+    ground_truth_format: str = "raw"  # mix: raw (the column as is), gsm8k (the answer after `####`) or boxed (the last \boxed{})
+    prompt_suffix: Optional[str] = None  # mix/reasoning_gym: instruction appended to every prompt after a space; null = none
     chat_template: str = "tokenizer"  # mix: tokenizer (its own), simple_concat_with_space, tulu, a .jinja file, or inline Jinja
     max_prompt_length: int = 64  # prompts with more tokens are dropped and counted (arith: an error)
     strict: bool = False  # mix: bad rows stop the run (naming source, row and column) instead of being counted
     sanity_check: Optional[int] = None  # mix: keep at most this many rows of every source, for quick debugging
     cache_dir: Optional[str] = None  # mix: tokenised-dataset cache; null = $RLHF_CACHE/datasets or ~/.cache/rlhf/datasets
     max_operand: int = 9  # arith: operands are drawn from 0..max_operand
-    eval_size: int = 0  # arith: problems held out for evaluation; 0 = evaluate on the training problems
+    eval_size: int = 0  # arith: problems held out for eval; reasoning_gym: eval problems per task; 0 = eval on the train ones
+    tasks: list[str] = field(default_factory=list)  # reasoning_gym: task names (reasoning_gym.factory.DATASETS), mixed evenly
+    train_size: int = 1000  # reasoning_gym: training problems generated per task, seeded by the run's seed
 
 
 @dataclass
@@ -242,10 +247,15 @@ class EvalConfig:
 
 @dataclass
 class LoggingConfig:
-    log_every: int = 1  # console line every N steps
+    log_every: int = 20  # a plain console line every N steps (and at the last step)
+    progress_bar: str = "auto"  # live bar with step, ETA, score, KL, s/step: auto (only on a terminal), true or false
     tensorboard: bool = True  # write TensorBoard events to <run folder>/tensorboard
     sample_every: int = 20  # log a table of sample prompt/completion/reward texts every N steps
     num_sample_texts: int = 4  # rows in that table
+    wandb: bool = False  # also log metrics, the composed config and sample tables to Weights & Biases (pip install wandb)
+    wandb_project: str = "rlhf"  # the W&B project the run goes to
+    wandb_name: Optional[str] = None  # the W&B run name; null = the run folder's name
+    wandb_mode: Optional[str] = None  # null = from the environment (WANDB_MODE, default online); or online, offline
 
 
 @dataclass

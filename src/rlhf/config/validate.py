@@ -17,9 +17,12 @@ from rlhf.config.env_checks import check_env
 from rlhf.config.generation_checks import check_generation
 from rlhf.config.ownership import check_ownership
 from rlhf.config.schema import AlgorithmConfig, RewardConfig
+from rlhf.data.answers import GROUND_TRUTH_FORMATS
+from rlhf.data.reasoning_gym import check_reasoning_gym
 from rlhf.distributed.layout import validate_cluster
 from rlhf.functional.losses import LOSS_AGGREGATIONS
 from rlhf.models.dtypes import DTYPES
+from rlhf.tracking.checks import check_logging
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_CONTROLLERS = ("fixed", "adaptive")
@@ -242,6 +245,16 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     _require(data.max_prompt_length >= 1, f"dataset.max_prompt_length={data.max_prompt_length} must be >= 1")
     _require(0 <= data.eval_holdout < 1, f"dataset.eval_holdout={data.eval_holdout} must be in [0, 1)")
     _require(data.sanity_check is None or data.sanity_check >= 1, f"dataset.sanity_check={data.sanity_check} must be >= 1 or null")
+    _require(
+        data.ground_truth_format in GROUND_TRUTH_FORMATS,
+        f"dataset.ground_truth_format={data.ground_truth_format!r}; choose one of {', '.join(GROUND_TRUTH_FORMATS)}",
+    )
+    _require(
+        data.ground_truth_format == "raw" or bool(data.ground_truth_key),
+        f"dataset.ground_truth_format={data.ground_truth_format} extracts from dataset.ground_truth_key, which is null; "
+        "name the column",
+    )
+    check_reasoning_gym(cfg)
     if data.name == "mix":
         _require(
             len(data.train) > 0 or bool(data.path),
@@ -262,6 +275,7 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         f"train.max_skipped_steps_in_row={train.max_skipped_steps_in_row} must be >= 1",
     )
     _require(cfg.logging.log_every >= 1, f"logging.log_every={cfg.logging.log_every} must be >= 1")
+    check_logging(cfg.logging)
     check_env(cfg)
     check_ownership(cfg, algorithm)
     sizes = derive_sizes(cfg, algorithm.pairwise)

@@ -2,9 +2,10 @@
 
 Each source is a split of a dataset; `amount` takes a fraction of it (<= 1) or a number of rows (> 1),
 chosen by a seeded shuffle. Rows become prompts through `dataset.sft_messages_key` (a conversation whose
-final assistant turn is dropped) or `dataset.prompt_key` (a string, as one user message), rendered with
-`dataset.chat_template`. Bad rows and over-long prompts are counted per source and reported; tokenised
-results are cached on disk under a key that covers everything that shaped them.
+final assistant turn is dropped) or `dataset.prompt_key` (a string, as one user message), plus
+`dataset.prompt_suffix`, rendered with `dataset.chat_template`; `dataset.ground_truth_format` extracts the
+answer from the ground-truth column. Bad rows and over-long prompts are counted per source and reported;
+tokenised results are cached on disk under a key that covers everything that shaped them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from rlhf.data.answers import GROUND_TRUTH_FORMATS, with_suffix
 from rlhf.data.prompts import PromptExample, PromptSplits
 from rlhf.data.templates import resolve_template
 from rlhf.registry import register
@@ -88,7 +90,7 @@ def load_rows(src, seed: int, sanity_check: int | None, key: str) -> list[tuple[
     elif src.path.startswith(("/", "./", "../", "~")):
         raise ValueError(f"{key}.path={src.path}: no such file or folder")
     else:
-        data = load_dataset(src.path, split=src.split, revision=src.revision)
+        data = load_dataset(src.path, src.subset, split=src.split, revision=src.revision)
     n = len(data)
     if src.amount <= 1:
         take = round(n * src.amount)
@@ -136,11 +138,20 @@ def row_messages(row: dict[str, Any], cfg) -> list[dict[str, str]]:
 
 
 def row_ground_truth(row: dict[str, Any], cfg) -> Any:
-    if not cfg.ground_truth_key:
+    """The ground-truth column's value, or the answer `dataset.ground_truth_format` extracts from it."""
+    key = cfg.ground_truth_key
+    if not key:
         return None
-    if cfg.ground_truth_key not in row or row[cfg.ground_truth_key] is None:
-        raise BadRow(cfg.ground_truth_key, "missing")
-    return row[cfg.ground_truth_key]
+    if key not in row or row[key] is None:
+        raise BadRow(key, "missing")
+    if cfg.ground_truth_format == "raw":
+        return row[key]
+    if not isinstance(row[key], str):
+        raise BadRow(key, f"expected a string to extract a {cfg.ground_truth_format} answer from")
+    answer = GROUND_TRUTH_FORMATS[cfg.ground_truth_format](row[key])
+    if answer is None:
+        raise BadRow(key, f"no {cfg.ground_truth_format} answer in it")
+    return answer
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:
@@ -155,7 +166,7 @@ def to_examples(rows, src, cfg, tokenizer, template: str) -> tuple[list[PromptEx
     examples = []
     for index, row in rows:
         try:
-            messages = row_messages(row, cfg)
+            messages = with_suffix(row_messages(row, cfg), cfg.prompt_suffix)
             ground_truth = row_ground_truth(row, cfg)
         except BadRow as err:
             if cfg.strict:
@@ -187,7 +198,10 @@ def source_fingerprint(src) -> dict[str, Any]:
     if local.exists():
         files = [local] if local.is_file() else sorted(p for p in local.rglob("*") if p.is_file())
         stat = {str(p): [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
-    return {"path": src.path, "split": src.split, "amount": src.amount, "revision": src.revision, "files": stat}
+    return {
+        "path": src.path, "subset": src.subset, "split": src.split, "amount": src.amount, "revision": src.revision,
+        "files": stat,
+    }
 
 
 def cache_key(cfg, seed: int, template: str, tokenizer, sources: dict[str, list]) -> str:
@@ -196,7 +210,8 @@ def cache_key(cfg, seed: int, template: str, tokenizer, sources: dict[str, list]
         "seed": seed,
         "sources": {split: [source_fingerprint(s) for s in srcs] for split, srcs in sources.items()},
         "eval_holdout": cfg.eval_holdout,
-        "keys": [cfg.prompt_key, cfg.sft_messages_key, cfg.ground_truth_key],
+        "keys": [cfg.prompt_key, cfg.sft_messages_key, cfg.ground_truth_key, cfg.ground_truth_format],
+        "prompt_suffix": cfg.prompt_suffix,
         "template": template,
         "max_prompt_length": cfg.max_prompt_length,
         "strict": cfg.strict,
@@ -269,7 +284,8 @@ def log_report(report: dict) -> None:
 @register("dataset", "mix")
 def mixed_dataset(cfg, tokenizer, seed: int = 1) -> PromptSplits:
     """Train and eval prompts from `dataset.train` / `dataset.eval` sources (or `dataset.path`), cached."""
-    train_sources = list(cfg.train) or ([{"path": cfg.path, "split": "train", "amount": 1.0, "revision": None}] if cfg.path else [])
+    one_file = {"path": cfg.path, "split": "train", "amount": 1.0, "revision": None, "subset": None}
+    train_sources = list(cfg.train) or ([one_file] if cfg.path else [])
     if not train_sources:
         raise ValueError("dataset.name=mix needs dataset.train sources or dataset.path=<file>")
     sources = {"train": [OmegaConf.create(dict(s)) for s in train_sources], "eval": [OmegaConf.create(dict(s)) for s in cfg.eval]}
@@ -291,6 +307,6 @@ def mixed_dataset(cfg, tokenizer, seed: int = 1) -> PromptSplits:
 
 
 mixed_dataset.config_keys = (  # the `dataset.*` keys it reads
-    "train", "eval", "eval_holdout", "path", "prompt_key", "sft_messages_key", "ground_truth_key", "chat_template",
-    "max_prompt_length", "strict", "sanity_check", "cache_dir",
+    "train", "eval", "eval_holdout", "path", "prompt_key", "sft_messages_key", "ground_truth_key", "ground_truth_format",
+    "prompt_suffix", "chat_template", "max_prompt_length", "strict", "sanity_check", "cache_dir",
 )

@@ -53,11 +53,15 @@ class RewardSet:
         has_verifier = False
         metrics: dict[str, float] = {}
         for name, weight, args, fn in self.functions:
-            values = torch.tensor(fn(prompts=prompts, responses=responses, ground_truths=ground_truths, **args), dtype=torch.float32)
+            scores = fn(prompts=prompts, responses=responses, ground_truths=ground_truths, **args)
+            values = torch.tensor(scores, dtype=torch.float32)
             if values.shape != total.shape:
                 raise ValueError(f"reward function {name!r} returned {values.numel()} scores for {len(responses)} responses")
             total += weight * values
             metrics[f"reward/{name}"] = values.mean().item()
+            # a function returning `rules.Scores` reports more: reward/<name>_<metric>
+            extra = getattr(scores, "metrics", {})
+            metrics |= {f"reward/{name}_{key}": float(value) for key, value in extra.items()}
             if getattr(fn, "is_verifier", False):
                 has_verifier = True
                 verified &= values > 0

@@ -3,6 +3,11 @@
 A reward function is registered as kind ``reward`` and called as
 ``fn(prompts=[str], responses=[str], ground_truths=[...], **args) -> list[float]``, one score per response.
 Functions that verify correctness set ``is_verifier = True``; they feed `objective/verifiable_correct_rate`.
+
+Extra metrics: a function may return ``Scores(values, metrics={"no_answer_rate": 0.25})`` instead of a plain
+list. `Scores` is a list, so every caller that reads only the scores works unchanged; `RewardSet.score` also
+logs each metric as ``reward/<function name>_<metric>`` (e.g. `reward/math_verify_no_answer_rate`).
+More functions: `rlhf.rewards.math` (`math_verify`, `boxed_format`), `rlhf.rewards.remote` (`remote`, HTTP).
 """
 
 from __future__ import annotations
@@ -12,6 +17,14 @@ import re
 from rlhf.registry import register
 
 _INTEGER = re.compile(r"-?\d+")
+
+
+class Scores(list):
+    """One score per response (a list of floats) plus ``metrics`` ({short name: float}) for `RewardSet`."""
+
+    def __init__(self, values, metrics: dict[str, float] | None = None) -> None:
+        super().__init__(values)
+        self.metrics = dict(metrics or {})
 
 
 def verifier(fn):

@@ -72,8 +72,7 @@ def run_steps(
             "time/total": tracker.elapsed(),
         }
         tracker.log(step, metrics)
-        if step % cfg.logging.log_every == 0 or step == train.num_steps:
-            tracker.console(step, train.num_steps, metrics)
+        tracker.console(step, train.num_steps, metrics)  # the bar every step, a line every logging.log_every
         if cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
             n = cfg.logging.num_sample_texts
             tracker.samples(step, scored.prompts[:n], scored.responses[:n], scored.scores[:n].tolist())

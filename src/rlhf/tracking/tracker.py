@@ -1,17 +1,22 @@
-"""Metrics to TensorBoard, to a JSON Lines file and to the console, under the peers' names."""
+"""Metrics to TensorBoard, to a JSON Lines file, to the console (lines and a live bar) and optionally to W&B."""
 
 from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 
+import yaml
 from torch.utils.tensorboard import SummaryWriter
+
+from rlhf.tracking.progress import ProgressBar, wants_bar
+from rlhf.tracking.wandb_run import WandbRun
 
 log = logging.getLogger("rlhf")
 
-# (metric, console label, format) for the one-line progress report
+# (metric, console label, format) for the plain progress line
 CONSOLE_FIELDS = (
     ("objective/scores", "score", "{:+.3f}"),
     ("objective/verifiable_correct_rate", "correct", "{:.3f}"),
@@ -40,15 +45,24 @@ def _truncate_after(path: Path, step: int) -> None:
     path.write_text("".join(line + "\n" for line in kept))
 
 
+def console_line(step: int, num_steps: int, metrics: dict[str, float]) -> str:
+    """`step   20/200 | score +0.125 | ... | s/step 0.42`: the fields of CONSOLE_FIELDS the step has."""
+    parts = [f"step {step:>4}/{num_steps}"]
+    parts += [f"{label} {fmt.format(metrics[key])}" for key, label, fmt in CONSOLE_FIELDS if key in metrics]
+    return " | ".join(parts)
+
+
 class Tracker:
-    """Writes scalars and sample texts; `close` flushes everything."""
+    """Writes scalars and sample texts; `close` flushes everything. As a context manager it closes on errors too."""
 
     def __init__(
-        self, output_dir: Path, tensorboard: bool, resume_step: int | None = None, checkpoint_root: Path | None = None
+        self, output_dir: Path, tensorboard: bool, resume_step: int | None = None, checkpoint_root: Path | None = None,
+        settings=None,
     ) -> None:
         """On resume, records after ``resume_step`` (written after the checkpoint, then lost) are dropped.
 
         ``checkpoint_root`` is where the schedule saves checkpoints (default <output_dir>/checkpoints).
+        ``settings`` (the `logging` node) sets the console cadence, the bar and W&B; without it: a line per step.
         """
         self.output_dir = output_dir
         self.checkpoint_root = checkpoint_root or output_dir / "checkpoints"
@@ -57,6 +71,12 @@ class Tracker:
         if resume_step is not None:
             for path in (jsonl, output_dir / "eval_generations.jsonl"):
                 _truncate_after(path, resume_step)
+        self.log_every = settings.log_every if settings is not None else 1
+        # decided before wandb starts, as wandb wraps the console streams
+        bar = settings is not None and wants_bar(settings.progress_bar, sys.stderr)
+        self.bar = ProgressBar(sys.stderr) if bar else None
+        # first, as the step likeliest to fail (login, network), while nothing else is open
+        self.wandb = WandbRun(output_dir, settings) if settings is not None and settings.wandb else None
         self.writer = None
         if tensorboard:
             purge = resume_step + 1 if resume_step is not None else None
@@ -65,11 +85,13 @@ class Tracker:
         self.start = time.perf_counter()
 
     def config(self, composed_yaml: str, derived: dict[str, int]) -> None:
-        """The composed config and the derived sizes, in TensorBoard's text tab and `derived_sizes.json`."""
+        """The composed config and the derived sizes: TensorBoard's text tab, `derived_sizes.json`, the W&B config."""
         (self.output_dir / "derived_sizes.json").write_text(json.dumps(derived, indent=2) + "\n")
         if self.writer is not None:
             self.writer.add_text("config", "```yaml\n" + composed_yaml + "```", 0)
             self.writer.add_text("derived_sizes", "```json\n" + json.dumps(derived, indent=2) + "\n```", 0)
+        if self.wandb is not None:
+            self.wandb.config({**yaml.safe_load(composed_yaml), "derived_sizes": derived})
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if self.writer is not None:
@@ -77,11 +99,15 @@ class Tracker:
                 self.writer.add_scalar(key, value, step)
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
         self.jsonl.flush()
+        if self.wandb is not None:
+            self.wandb.log(step, metrics)
 
     def console(self, step: int, num_steps: int, metrics: dict[str, float]) -> None:
-        parts = [f"step {step:>4}/{num_steps}"]
-        parts += [f"{label} {fmt.format(metrics[key])}" for key, label, fmt in CONSOLE_FIELDS if key in metrics]
-        log.info(" | ".join(parts))
+        """Called every step: moves the bar (if any); a plain line every `logging.log_every` steps and at the last."""
+        if self.bar is not None:
+            self.bar.update(step, num_steps, metrics)
+        if step % self.log_every == 0 or step == num_steps:
+            log.info(console_line(step, num_steps, metrics))
 
     def samples(self, step: int, prompts: list[str], responses: list[str], scores: list[float], tag: str = "samples") -> None:
         """A small markdown table of prompt / completion / score, in TensorBoard's text tab and the log."""
@@ -89,6 +115,8 @@ class Tracker:
         rows += [f"| `{p}` | `{r}` | {s:+.2f} |" for p, r, s in zip(prompts, responses, scores)]
         if self.writer is not None:
             self.writer.add_text(tag, "\n".join(rows), step)
+        if self.wandb is not None:
+            self.wandb.samples(step, tag, prompts, responses, scores)
         for p, r, s in zip(prompts, responses, scores):
             log.debug("%s step %d: %r -> %r (%+.2f)", tag, step, p, r, s)
 
@@ -101,8 +129,22 @@ class Tracker:
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.flush()
-            self.writer.close()
-        self.jsonl.close()
+    def close(self, failed: bool = False) -> None:
+        """Close the bar, TensorBoard, the JSON Lines file and the W&B run (marked failed if ``failed``)."""
+        if self.bar is not None:
+            self.bar.close()
+        try:
+            if self.writer is not None:
+                self.writer.flush()
+                self.writer.close()
+            self.jsonl.close()
+        finally:
+            if self.wandb is not None:
+                self.wandb.close(failed)
+                self.wandb = None
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        self.close(failed=exc_type is not None)

@@ -1,0 +1,142 @@
+"""Math answers: `math_verify` checks the final answer symbolically; `boxed_format` rewards one ``\\boxed{}``.
+
+`math_verify` uses the math-verify package (``pip install 'rlhf[math]'``): it extracts the response's final
+answer (its ``\\boxed{...}`` first, else its last number or ``answer is ...`` expression) and compares it with
+the ground truth ("42", "\\frac{1}{2}", "0.5", "$\\sqrt{2}$") through SymPy: 1/2, \\frac{1}{2} and 0.5 agree.
+
+Time bound: math-verify stops each parse and each comparison after ``timeout_s`` seconds with
+``signal.alarm``, which works only in a process's main thread. Off the main thread (the async schedule scores
+in its producer thread) the batch is scored in a one-worker child process, whose main thread applies the same
+bound. The worker is spawned (safe beside CUDA and other threads) on first use, which takes a second or a few
+(it re-imports the entry module, e.g. `rlhf.train` and torch), and serves every later batch. On the main
+thread the alarm replaces any other SIGALRM timer (pytest-timeout's signal method, for one).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+from rlhf.errors import ConfigError, require
+from rlhf.registry import register
+from rlhf.rewards.rules import Scores, verifier
+
+_BOXED = "\\boxed{"
+_WORKER: ProcessPoolExecutor | None = None  # scores batches handed over from threads other than the main one
+_WORKER_LOCK = threading.Lock()  # two producer threads must not start two workers
+Graded = tuple[list[float], list[bool]]  # (1.0/0.0 per response, whether each response had an answer to read)
+
+
+def boxed_contents(text: str) -> list[str | None]:
+    """The text in each top-level ``\\boxed{...}`` of ``text`` (nested braces kept); None if never closed."""
+    contents: list[str | None] = []
+    start = text.find(_BOXED)
+    while start != -1:
+        depth, end = 1, start + len(_BOXED)
+        while end < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[end], 0)
+            end += 1
+        contents.append(text[start + len(_BOXED) : end - 1] if depth == 0 else None)
+        start = text.find(_BOXED, end)
+    return contents
+
+
+def _one_nonempty_box(text: str) -> bool:
+    """Whether ``text`` holds exactly one ``\\boxed{...}``, closed and not blank."""
+    boxes = boxed_contents(text)
+    return len(boxes) == 1 and boxes[0] is not None and boxes[0].strip() != ""
+
+
+@register("reward", "boxed_format")
+def boxed_format(prompts, responses, ground_truths, **_) -> list[float]:
+    """1.0 when the response has exactly one non-empty ``\\boxed{...}`` (the answer format), else 0.0."""
+    return [float(_one_nonempty_box(r)) for r in responses]
+
+
+def _math_verify_api():
+    """math-verify's (parse, verify, extraction targets: boxed answer first, then LaTeX, then expressions)."""
+    try:
+        from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+    except ImportError as err:
+        raise ConfigError(
+            "reward function math_verify needs the math-verify package: pip install 'rlhf[math]' "
+            "(or pip install 'math-verify>=0.7'), or remove math_verify from reward.functions"
+        ) from err
+    return parse, verify, [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+
+
+def _parse_truth(truth: str, timeout_s: int) -> list:
+    """math-verify's parse of a ground truth; bare LaTeX ("\\sqrt{2}") is read as if written "$\\sqrt{2}$"."""
+    parse, _, targets = _math_verify_api()
+    text = truth if "$" in truth or _BOXED in truth else f"${truth}$"
+    gold = parse(text, extraction_config=targets, parsing_timeout=timeout_s)
+    if not gold:
+        raise ValueError(
+            f"reward function math_verify: ground truth {truth!r} holds no answer math-verify can read; fix "
+            "that row of the dataset's ground-truth column (dataset.ground_truth_key), e.g. '42' or '1/2'"
+        )
+    return gold
+
+
+def score_answers(responses: list[str], truths: list[str], timeout_s: int) -> Graded:
+    """Per response: 1.0 when its final answer equals its truth, else 0.0; and whether it had an answer."""
+    parse, verify, targets = _math_verify_api()
+    golds = {truth: _parse_truth(truth, timeout_s) for truth in set(truths)}  # one parse per distinct truth
+    scores, answered = [], []
+    for response, truth in zip(responses, truths):
+        answer = parse(response, extraction_config=targets, parsing_timeout=timeout_s)  # [] if none; no raise
+        answered.append(bool(answer))
+        scores.append(float(bool(answer) and verify(golds[truth], answer, timeout_seconds=timeout_s)))
+    return scores, answered
+
+
+def _worker() -> ProcessPoolExecutor:
+    """The one-process pool that scores off the main thread (started on first use)."""
+    global _WORKER
+    with _WORKER_LOCK:
+        if _WORKER is None:
+            _WORKER = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        return _WORKER
+
+
+def _score_in_worker(responses: list[str], truths: list[str], timeout_s: int) -> Graded:
+    """`score_answers` in the worker process, where signal timeouts work; a dead worker is replaced."""
+    global _WORKER
+    try:
+        return _worker().submit(score_answers, responses, truths, timeout_s).result()
+    except BrokenProcessPool as err:
+        with _WORKER_LOCK:
+            _WORKER = None  # the next batch starts a fresh worker
+        raise RuntimeError(
+            f"reward function math_verify: its scoring process died ({err}); lower args.timeout_s"
+        ) from err
+
+
+def _check_args(ground_truths: list, timeout_s) -> None:
+    """Config errors: a missing ground truth, or a timeout signal.alarm cannot take."""
+    require(
+        all(truth is not None for truth in ground_truths),
+        "reward function math_verify needs a ground truth per prompt: set dataset.ground_truth_key to the "
+        "dataset's answer column",
+    )
+    require(
+        isinstance(timeout_s, int) and not isinstance(timeout_s, bool) and timeout_s >= 1,
+        f"reward function math_verify: args.timeout_s={timeout_s!r} must be a whole number of seconds >= 1 "
+        "(math-verify's signal.alarm bound per parse and per comparison)",
+    )
+
+
+@register("reward", "math_verify")
+@verifier
+def math_verify(prompts, responses, ground_truths, timeout_s: int = 5, **_) -> Scores:
+    """1.0 when the final answer equals the ground truth symbolically, else 0.0; metric ``no_answer_rate``."""
+    _check_args(ground_truths, timeout_s)
+    truths = [str(truth).strip() for truth in ground_truths]
+    if threading.current_thread() is threading.main_thread():
+        scores, answered = score_answers(list(responses), truths, timeout_s)
+    else:
+        scores, answered = _score_in_worker(list(responses), truths, timeout_s)
+    no_answer_rate = answered.count(False) / max(len(answered), 1)
+    return Scores(scores, metrics={"no_answer_rate": no_answer_rate})

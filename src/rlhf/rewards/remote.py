@@ -1,0 +1,100 @@
+"""`remote`: a reward computed by an HTTP service (a code sandbox, a judge model, a checker in any language).
+
+Wire format, one POST per batch to ``args.url`` with ``Content-Type: application/json``::
+
+    request:  {"rows": [{"prompt": str, "response": str, "ground_truth": <the dataset's value or null>}, ...]}
+    reply:    {"scores": [float, ...]}      # HTTP 200, one finite number per row, in the rows' order
+
+Failures to reach the service (refused, unreachable, timed out after ``timeout_s``, HTTP 5xx or 429) are
+retried ``max_retries`` times, waiting ``backoff_s``, then twice that, and so on; then the run stops with an
+error naming the URL and the last failure. Another HTTP error or a malformed reply stops it at once: retrying
+would not fix it.
+
+`remote` is not a verifier (it does not feed `objective/verifiable_correct_rate`): scores may use any scale.
+To count a remote check as correctness, register a wrapper of your own:
+``@register("reward", "my_check") @verifier def my_check(**kw): return remote(**kw)``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import time
+import urllib.error
+import urllib.request
+
+from rlhf.errors import require
+from rlhf.registry import register
+
+_EXAMPLE = "{name: remote, args: {url: 'http://127.0.0.1:8000/score'}}"  # quoted in the missing-url error
+_RETRIED_HTTP_CODES = frozenset({429, 500, 502, 503, 504})  # busy or restarting: worth another try
+
+
+class RemoteRewardError(RuntimeError):
+    """The scoring service could not be reached, or answered something other than one score per row."""
+
+
+def _post(url: str, body: bytes, timeout_s: float) -> bytes:
+    """The body of the reply to one JSON POST of ``body``; raises on a transport failure or an HTTP error."""
+    headers = {"Content-Type": "application/json"}
+    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+        return reply.read()
+
+
+def _post_with_retries(url: str, body: bytes, timeout_s: float, max_retries: int, backoff_s: float) -> bytes:
+    """`_post`, retried ``max_retries`` times on transient failures with exponential backoff."""
+    failure: Exception | None = None
+    for attempt in range(max_retries + 1):
+        if attempt:
+            time.sleep(backoff_s * 2 ** (attempt - 1))
+        try:
+            return _post(url, body, timeout_s)
+        except urllib.error.HTTPError as err:
+            if err.code not in _RETRIED_HTTP_CODES:
+                detail = err.read()[:300].decode("utf-8", "replace")
+                message = f"reward function remote: {url} answered HTTP {err.code}: {detail!r}"
+                raise RemoteRewardError(message) from err
+            failure = err
+        except (OSError, http.client.HTTPException) as err:  # refused, unreachable, timed out, dropped
+            failure = err
+    raise RemoteRewardError(
+        f"reward function remote: POST {url} failed {max_retries + 1} times; last failure: {failure!r}. "
+        "Check that the scoring service is up at that address, or raise args.timeout_s / args.max_retries"
+    ) from failure
+
+
+def _read_scores(reply: bytes, rows: int, url: str) -> list[float]:
+    """The ``scores`` of a reply, checked: valid JSON, one finite number per row."""
+    try:
+        scores = json.loads(reply)["scores"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise RemoteRewardError(
+            f'reward function remote: {url} replied {reply[:200]!r}, not JSON of the form {{"scores": [...]}}'
+        ) from err
+    if not isinstance(scores, list) or len(scores) != rows:
+        count = len(scores) if isinstance(scores, list) else type(scores).__name__
+        raise RemoteRewardError(f"reward function remote: {url} returned {count} scores for {rows} rows")
+    for i, score in enumerate(scores):
+        if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+            message = f"reward function remote: {url} returned score {score!r} for row {i}, not a number"
+            raise RemoteRewardError(message)
+    return [float(score) for score in scores]
+
+
+@register("reward", "remote")
+def remote(
+    prompts, responses, ground_truths, url: str = "", timeout_s: float = 30.0, max_retries: int = 2,
+    backoff_s: float = 1.0, **_,
+) -> list[float]:
+    """The scores an HTTP service returns for the batch (wire format in the module docstring)."""
+    require(bool(url), f"reward function remote needs args.url, e.g. reward.functions=[{_EXAMPLE}]")
+    require(timeout_s > 0, f"reward function remote: args.timeout_s={timeout_s} must be > 0 seconds")
+    require(max_retries >= 0, f"reward function remote: args.max_retries={max_retries} must be >= 0")
+    require(backoff_s >= 0, f"reward function remote: args.backoff_s={backoff_s} must be >= 0 seconds")
+    truths = ground_truths if ground_truths is not None else [None] * len(responses)
+    rows = [{"prompt": p, "response": r, "ground_truth": g} for p, r, g in zip(prompts, responses, truths)]
+    body = json.dumps({"rows": rows}, default=str).encode()  # a ground truth JSON cannot hold goes as str()
+    reply = _post_with_retries(url, body, timeout_s, max_retries, backoff_s)
+    return _read_scores(reply, len(rows), url)
