@@ -14,17 +14,20 @@ import os
 import random
 import re
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 
 from rlhf.errors import ConfigError
 
 log = logging.getLogger("rlhf")
 
 STATE_FILE = "trainer_state.json"
+STATE_KEYS = ("step", "run", "prompts", "rewards", "rng")  # what `load` reads from it
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -45,15 +48,74 @@ def resume_path(cfg, root: Path) -> Path | None:
     if cfg.resume is None:
         return None
     if cfg.resume == "auto":
-        found = complete_checkpoints(root)
-        if not found:
-            log.info("resume=auto: no complete checkpoint in %s, starting fresh", root)
-            return None
-        return found[-1]
+        return newest_loadable(root)
     path = Path(cfg.resume)
     if not (path / STATE_FILE).is_file():
         raise ConfigError(f"resume={cfg.resume}: not a complete checkpoint folder (no {STATE_FILE}); use resume=auto or a step_* folder")
+    problem = checkpoint_problem(path)
+    if problem:
+        raise ConfigError(
+            f"resume={cfg.resume}: the checkpoint is corrupt: {problem}; resume from another step_* folder, "
+            f"or resume=auto (the newest checkpoint that loads)"
+        )
     return path
+
+
+def newest_loadable(root: Path) -> Path | None:
+    """The newest checkpoint under ``root`` whose files read back (broken newer ones are named and skipped)."""
+    found = complete_checkpoints(root)
+    if not found:
+        log.info("resume=auto: no complete checkpoint in %s, starting fresh", root)
+        return None
+    broken = []
+    for path in reversed(found):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        log.warning("resume=auto: skipping the corrupt checkpoint %s: %s", path, problem)
+        broken.append(problem)
+    raise ConfigError(
+        f"resume=auto: no checkpoint in {root} loads ({'; '.join(broken)}); move the broken folders away, "
+        f"or start fresh with resume=null"
+    )
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why checkpoint ``path`` would not load, naming the file, or None; reads headers only, never the tensors."""
+    problems = [_state_problem(path / STATE_FILE)]
+    if not (path / "rng.pt").is_file():
+        problems.append(f"{path / 'rng.pt'} is missing")
+    problems += [_safetensors_problem(file) for file in sorted(path.rglob("*.safetensors"))]
+    problems += [_torch_file_problem(file) for file in sorted(path.rglob("*.pt"))]
+    return next((problem for problem in problems if problem), None)
+
+
+def _state_problem(file: Path) -> str | None:
+    """Why ``trainer_state.json`` is unusable (truncated, not JSON, keys missing), or None."""
+    try:
+        state = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        return f"{file} is unreadable or truncated ({err})"
+    missing = [k for k in STATE_KEYS if not isinstance(state, dict) or k not in state]
+    return f"{file} lacks {', '.join(missing)}" if missing else None
+
+
+def _safetensors_problem(file: Path) -> str | None:
+    """Why a weights file is unusable: safe_open checks its header and that the file covers every tensor."""
+    try:
+        with safe_open(str(file), framework="pt"):
+            return None
+    except (OSError, SafetensorError) as err:
+        return f"{file} is truncated or not a safetensors file ({err})"
+
+
+def _torch_file_problem(file: Path) -> str | None:
+    """Why a torch.save file is unusable: its zip directory, written last, is missing when the file was cut short."""
+    try:
+        with zipfile.ZipFile(file):
+            return None
+    except (OSError, zipfile.BadZipFile) as err:
+        return f"{file} is truncated or not a torch file ({err})"
 
 
 def _rng_state() -> dict[str, Any]:
@@ -71,7 +133,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -79,15 +141,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_tree(path: Path) -> None:
+def fsync_tree(path: Path) -> None:
     """Flush every file and folder under ``path`` to disk before it is renamed into place."""
     for item in sorted(path.rglob("*"), key=lambda p: len(p.parts), reverse=True):
         if item.is_file():
             with open(item, "rb") as f:
                 os.fsync(f.fileno())
         else:
-            _fsync_dir(item)
-    _fsync_dir(path)
+            fsync_dir(item)
+    fsync_dir(path)
 
 
 def save(c, root: Path, step: int, run_state: dict[str, Any], keep_last: int, stream_states: dict | None = None) -> Path:
@@ -122,7 +184,7 @@ def save(c, root: Path, step: int, run_state: dict[str, Any], keep_last: int, st
     }
     with open(tmp / STATE_FILE, "w", encoding="utf-8") as f:  # written last: its presence marks completeness
         json.dump(state, f)
-    _fsync_tree(tmp)
+    fsync_tree(tmp)
     if final.exists():  # re-saving a step: the old copy moves aside first and is deleted only after the swap
         old = root / f".tmp-replaced-{final.name}-{os.getpid()}"
         os.replace(final, old)
@@ -130,7 +192,7 @@ def save(c, root: Path, step: int, run_state: dict[str, Any], keep_last: int, st
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     log.info("checkpoint saved: %s", final)
     for newer in [p for p in complete_checkpoints(root) if int(p.name[5:]) > step]:
         # a run resumed from an older checkpoint has abandoned these; keeping them would make resume=auto jump ahead

@@ -5,6 +5,9 @@ Examples:
     python -m rlhf.train algorithm=rloo train.lr=3e-4
     python -m rlhf.train --multirun train.lr=1e-4,3e-4 seed=1,2
     python -m rlhf.train --cfg job          # print the composed config
+
+Exit codes (`rlhf.exits`): 0 finished, 2 config error or run folder in use, 3 non-finite loss, 4 a worker failed,
+5 interrupted by SIGINT/SIGTERM with a checkpoint saved, 6 an error raised during the run (user code or a bug).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import hydra
@@ -19,10 +23,11 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from transformers.utils import logging as transformers_logging
 
-from rlhf import checkpoint, registry
+from rlhf import checkpoint, exits, registry
 from rlhf.build import build_components
 from rlhf.config import ConfigError, register_schema, validate
 from rlhf.distributed.remote import WorkerError
+from rlhf.runlock import folder_lock
 from rlhf.schedules.common import NonFiniteError, NonFiniteGuard, RunState, StopSignals
 from rlhf.seeding import seed_everything
 from rlhf.tracking.progress import wants_bar
@@ -38,6 +43,22 @@ def train(cfg: DictConfig, out: Path):
     sizes = validate(cfg)
     schedule = registry.resolve("schedule", cfg.schedule.name, key="schedule.name")
     root = checkpoint.checkpoint_root(cfg, out)
+    with run_folder_locks(out, root):
+        return train_locked(cfg, out, sizes, schedule, root)
+
+
+@contextmanager
+def run_folder_locks(out: Path, root: Path):
+    """Hold the run folder (and a `checkpoint.dir` outside it) for this run alone; see `rlhf.runlock`."""
+    with ExitStack() as stack:
+        stack.enter_context(folder_lock(out, "run folder (hydra.run.dir)"))
+        if not root.resolve().is_relative_to(out.resolve()):
+            stack.enter_context(folder_lock(root, "checkpoint.dir"))
+        yield
+
+
+def train_locked(cfg: DictConfig, out: Path, sizes, schedule, root: Path):
+    """`train` once the run's folders are locked."""
     resume_from = checkpoint.resume_path(cfg, root)
     log.info("output folder: %s", out)
     log.info("derived sizes: %s", ", ".join(f"{k}={v}" for k, v in sizes.as_dict().items()))
@@ -92,13 +113,17 @@ def main(cfg: DictConfig) -> float | None:
         state = train(cfg, Path(HydraConfig.get().runtime.output_dir))
     except ConfigError as err:
         log.error("config error: %s", err)
-        raise SystemExit(2) from None
+        raise SystemExit(exits.CONFIG_ERROR) from None
     except NonFiniteError as err:
         log.error("training stopped: %s", err)
-        raise SystemExit(3) from None
+        raise SystemExit(exits.NON_FINITE) from None
     except WorkerError as err:
         log.error("a worker failed: %s", err)
-        raise SystemExit(4) from None
+        raise SystemExit(exits.WORKER_FAILED) from None
+    except Exception as err:  # user code (reward function, environment) or a bug: a paragraph, not a traceback
+        raise SystemExit(exits.report_run_error(err, "fix it, then continue with resume=auto")) from None
+    if state.preempted:  # saved and resumable, but not finished: a scheduler must not take it for done
+        raise SystemExit(exits.INTERRUPTED_SAVED)
     # returned for Hydra sweepers that optimise a value
     return state.last_eval.get("eval/sampled_correct_rate")
 

@@ -20,12 +20,14 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from torch.utils.tensorboard import SummaryWriter
 
-from rlhf import registry
+from rlhf import exits, registry
 from rlhf.config import ConfigError, register_schema
 from rlhf.data.preferences import encode_pairs
+from rlhf.hf_folder import save_hf_folder
 from rlhf.models.loading import load_tokenizer, pick_device
 from rlhf.models.optim import clip_gradients, lr_lambda
 from rlhf.models.value import load_value_model, sequence_scores
+from rlhf.runlock import folder_lock
 from rlhf.seeding import seed_everything
 
 log = logging.getLogger("rlhf")
@@ -116,20 +118,30 @@ def train(cfg: DictConfig, out: Path) -> dict[str, float]:
             metrics = {k: v for k, v in step_metrics.items() if k.startswith("eval/")} or metrics
     if writer is not None:
         writer.close()
-    save_dir = Path(cfg.save_dir) if cfg.save_dir else out / "reward_model"
-    model.save_pretrained(save_dir)
-    tokenizer.save_pretrained(save_dir)
+    save_dir = reward_model_dir(cfg, out)
+    save_hf_folder(save_dir, model, tokenizer)
     log.info("eval accuracy %.3f; reward model saved to %s (use: reward=model reward.path=%s)", metrics["eval/accuracy"], save_dir, save_dir)
     return metrics
 
 
+def reward_model_dir(cfg: DictConfig, out: Path) -> Path:
+    """Where the trained reward model goes: `save_dir`, or `<run folder>/reward_model`."""
+    return Path(cfg.save_dir) if cfg.save_dir else out / "reward_model"
+
+
 @hydra.main(config_path="pkg://rlhf.conf", config_name="train_reward", version_base="1.3")
 def main(cfg: DictConfig) -> float:
+    """Exit codes as `rlhf.train` (`rlhf.exits`): 2 config error or a folder in use, 6 an error while training."""
+    out = Path(HydraConfig.get().runtime.output_dir)
     try:
-        return train(cfg, Path(HydraConfig.get().runtime.output_dir))["eval/accuracy"]
+        with folder_lock(out, "run folder (hydra.run.dir)"):
+            with folder_lock(reward_model_dir(cfg, out), "save_dir", beside=True):
+                return train(cfg, out)["eval/accuracy"]
     except ConfigError as err:
         log.error("config error: %s", err)
-        raise SystemExit(2) from None
+        raise SystemExit(exits.CONFIG_ERROR) from None
+    except Exception as err:  # a user preference builder, a full disk, or a bug: a paragraph, not a traceback
+        raise SystemExit(exits.report_run_error(err)) from None
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from rlhf.data.arith import ALPHABET, arith_problems
+from rlhf.hf_folder import save_hf_folder
 from rlhf.models.tiny import build_char_tokenizer, build_tiny_llama
 
 DEFAULT_OUTPUT = Path(__file__).parent / "assets" / "tiny_arith"
@@ -107,9 +108,7 @@ def train(
         optimizer.zero_grad()
         if step % 100 == 0 or step == steps:
             print(f"warm start step {step}/{steps}: loss {loss.item():.4f}", flush=True)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
+    save_hf_folder(output_dir, model, tokenizer)
     print(f"saved to {output_dir}")
 
 

@@ -17,6 +17,7 @@ from rlhf.config.env_checks import check_env
 from rlhf.config.generation_checks import check_generation
 from rlhf.config.ownership import check_ownership
 from rlhf.config.schema import AlgorithmConfig, RewardConfig
+from rlhf.config.unknown_keys import check_unknown_keys
 from rlhf.data.answers import GROUND_TRUTH_FORMATS
 from rlhf.data.reasoning_gym import check_reasoning_gym
 from rlhf.distributed.layout import validate_cluster
@@ -116,6 +117,7 @@ def _sizes(cfg: DictConfig, samples: int, units: int, mini: int, accum: int) -> 
 
 def validate(cfg: DictConfig) -> DerivedSizes:
     """Every check that needs no model: choices, ranges, batch arithmetic. Returns the derived sizes."""
+    check_unknown_keys(cfg)  # first: a `+typo=...` key would otherwise be silently ignored
     algo, gen, train = cfg.algorithm, cfg.generator, cfg.train
     algorithm = build_algorithm(algo, gen.max_new_tokens)
     min_samples = algorithm.min_samples_per_prompt

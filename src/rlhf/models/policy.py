@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from rlhf.hf_folder import save_hf_folder
 from rlhf.models.dtypes import DTYPES
 from rlhf.models.loading import load_causal_lm
 from rlhf.models.logprobs import in_chunks, window_logprobs
@@ -50,8 +51,7 @@ class TorchPolicy(TrainableModel):
         """The policy as a plain Hugging Face folder (safetensors, config, tokenizer); every rank calls it."""
         weights = self.full_state_dict()
         if self.strategy.rank == 0:
-            self.model.save_pretrained(path, state_dict=weights, safe_serialization=True)
-            tokenizer.save_pretrained(path)
+            save_hf_folder(path, self.model, tokenizer, state_dict=weights, safe_serialization=True)
 
     def state_dict(self) -> dict[str, torch.Tensor] | None:
         """The full model weights, as the generator loads them (rank 0; None on other ranks)."""

@@ -6,14 +6,18 @@ A schedule supplies only ``step_fn(step) -> (metrics, scored)``; what happens be
 from __future__ import annotations
 
 import logging
+import random
 import time
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from rlhf import checkpoint, dynamic_sampling, stages
 from rlhf.data.prompts import epochs_done
+from rlhf.distributed.remote import WorkerError
 from rlhf.schedules.common import RunState
 
 log = logging.getLogger("rlhf")
@@ -54,6 +58,13 @@ def run_steps(
     the reward statistics' states as of the end of ``step`` ({"prompts", "rewards"}), for checkpoints and the epoch
     count; and ``guard``, a lock that evaluation holds so its seeded sampling never interleaves with theirs.
     Stops early, after saving a checkpoint, when ``stop.requested`` is set (SIGTERM/SIGINT).
+
+    A step that raises ends the run, but first the last complete step is saved (`save_on_failure`) when the trained
+    models are known to be as it left them: the error came before step k's update began (generation, scoring: a
+    user reward function or environment), so step k-1 is saved with the prompt stream, reward statistics,
+    algorithm state and RNGs put back as step k found them; or it came after step k returned (logging,
+    evaluation), so step k is saved as a regular checkpoint would have. An error during the update (the optimiser
+    may have stepped for part of the batch), in a checkpoint save itself, or from a Ray worker saves nothing.
     """
     train = cfg.train
     guard = guard if guard is not None else nullcontext()
@@ -61,24 +72,25 @@ def run_steps(
         with guard:
             state.first_eval = run_eval(c, cfg, tracker, 0)
     for step in range(state.step + 1, train.num_steps + 1):
-        metrics, scored = step_fn(step)
+        before = StepStart.record(c)
+        state.update_began = False  # set by `learn`
+        try:
+            metrics, scored = step_fn(step)
+        except Exception as err:
+            if state.update_began:
+                log.error("step %d failed during its update: the models are mid-update, so nothing more is saved", step)
+            else:
+                before.rewind(c)
+                streams = stream_states(step - 1) if stream_states is not None else before.streams
+                save_on_failure(c, cfg, tracker.checkpoint_root, state, step - 1, streams, err)
+            raise
         state.step = step
         states = stream_states(step) if stream_states is not None else None
-        metrics |= {
-            "episode": step * sizes.samples_per_step,
-            "epoch": epochs_done(states["prompts"]) if states is not None else c.prompts.epochs_done,
-            "lr": c.policy.lr,
-            "train/skipped_steps": state.guard.total,
-            "time/total": tracker.elapsed(),
-        }
-        tracker.log(step, metrics)
-        tracker.console(step, train.num_steps, metrics)  # the bar every step, a line every logging.log_every
-        if cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
-            n = cfg.logging.num_sample_texts
-            tracker.samples(step, scored.prompts[:n], scored.responses[:n], scored.scores[:n].tolist())
-        if (sizes.eval_every and step % sizes.eval_every == 0) or step == train.num_steps:
-            with guard:
-                state.last_eval = run_eval(c, cfg, tracker, step)
+        try:
+            record_step(c, cfg, sizes, tracker, state, metrics, scored, states, guard)
+        except Exception as err:
+            save_on_failure(c, cfg, tracker.checkpoint_root, state, step, states, err)
+            raise
         every = cfg.checkpoint.every
         if stop.requested or (every and step % every == 0) or (every and step == train.num_steps):
             checkpoint.save(c, tracker.checkpoint_root, step, state.to_dict(), cfg.checkpoint.keep_last, states)
@@ -89,11 +101,95 @@ def run_steps(
     return state
 
 
+def record_step(c, cfg, sizes, tracker, state: RunState, metrics: dict, scored: stages.Scored, states, guard) -> None:
+    """Log step ``state.step``'s metrics and sample texts, and evaluate when the schedule says so."""
+    step, train = state.step, cfg.train
+    metrics |= {
+        "episode": step * sizes.samples_per_step,
+        "epoch": epochs_done(states["prompts"]) if states is not None else c.prompts.epochs_done,
+        "lr": c.policy.lr,
+        "train/skipped_steps": state.guard.total,
+        "time/total": tracker.elapsed(),
+    }
+    tracker.log(step, metrics)
+    tracker.console(step, train.num_steps, metrics)  # the bar every step, a line every logging.log_every
+    if cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
+        n = cfg.logging.num_sample_texts
+        tracker.samples(step, scored.prompts[:n], scored.responses[:n], scored.scores[:n].tolist())
+    if (sizes.eval_every and step % sizes.eval_every == 0) or step == train.num_steps:
+        with guard:
+            state.last_eval = run_eval(c, cfg, tracker, step)
+
+
+@dataclass
+class StepStart:
+    """What a step changes before its update begins, as the previous step left it: the prompt stream and reward
+    statistics ({"prompts", "rewards"}), the algorithm's state (an adaptive KL coefficient) and every RNG."""
+
+    streams: dict
+    algorithm: dict | None
+    rng: dict
+
+    @classmethod
+    def record(cls, c) -> "StepStart":
+        return cls(
+            streams={"prompts": c.prompts.state_dict(), "rewards": c.rewards.state_dict()},
+            algorithm=c.algorithm.state_dict() if hasattr(c.algorithm, "state_dict") else None,
+            rng={
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+                "shuffle": c.shuffle.get_state(),
+                "python": random.getstate(),
+                "numpy": np.random.get_state(),
+            },
+        )
+
+    def rewind(self, c) -> None:
+        """Put back the algorithm's state and the RNGs (the prompt and reward states pass to the save instead)."""
+        if self.algorithm is not None:
+            c.algorithm.load_state_dict(self.algorithm)
+        torch.set_rng_state(self.rng["torch"])
+        if self.rng["cuda"]:
+            torch.cuda.set_rng_state_all(self.rng["cuda"])
+        c.shuffle.set_state(self.rng["shuffle"])
+        random.setstate(self.rng["python"])
+        np.random.set_state(self.rng["numpy"])
+
+
+def save_on_failure(c, cfg, root, state: RunState, step: int, streams: dict | None, err: Exception) -> None:
+    """After ``err`` ended the run, save step ``step`` (the models as it left them) and say where.
+
+    Never raises: a failed emergency save is logged and the original error goes on."""
+    if isinstance(err, WorkerError):
+        log.error("no checkpoint saved on failure: after a worker failure the trained models may not be intact")
+        return
+    if step == 0:
+        log.error("no checkpoint saved on failure: the run failed in its first step, before any step completed")
+        return
+    saved = [p for p in checkpoint.complete_checkpoints(root) if p.name == f"step_{step:08d}"]
+    if saved:
+        log.error("the last complete step %d is saved in %s; fix the error, then continue with resume=auto", step, saved[0])
+        return
+    try:
+        path = checkpoint.save(c, root, step, state.to_dict(), cfg.checkpoint.keep_last, streams)
+    except Exception as save_err:
+        log.error(
+            "the checkpoint of the last complete step %d could not be saved either: %s: %s",
+            step, type(save_err).__name__, save_err,
+        )
+        return
+    log.error(
+        "the run failed (%s: %s); saved the last complete step %d to %s; fix the error, then continue with resume=auto",
+        type(err).__name__, err, step, path,
+    )
+
+
 def learn(c, cfg, scored: stages.Scored, state: RunState, times: dict[str, float]) -> dict[str, float]:
     """Score-to-update half of a step: logprobs, values and the algorithm's batch, then the optimiser steps."""
     train = cfg.train
     with timed(times, "logprobs"):
         batch, metrics = stages.prepare(c, scored, cfg.generator.temperature, train.micro_batch_size)
+    state.update_began = True  # from here the models may differ from the last complete step (see `run_steps`)
     with timed(times, "training"):
         metrics |= stages.update_policy(c, batch, train, cfg.generator.temperature, state.guard)
     return metrics

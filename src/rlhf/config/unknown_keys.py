@@ -1,0 +1,91 @@
+"""Refuse config keys the schema does not declare.
+
+Hydra's `+key=value` adds a key even to a structured config, so `+train.num_stepz=5` would compose, be read by
+nothing, and train 100 steps. Free-form fields (`dict[str, Any]`, e.g. `reward.functions[i].args`) take any key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from typing import Any, Iterator
+
+from omegaconf import DictConfig, OmegaConf
+
+from rlhf.config.schema import RunConfig
+from rlhf.errors import ConfigError
+
+
+def check_unknown_keys(cfg: DictConfig, schema: type = RunConfig) -> None:
+    """Raise ConfigError naming every key of ``cfg`` that ``schema`` (a dataclass) does not declare."""
+    tree = OmegaConf.to_container(cfg, resolve=False)  # plain containers: no interpolation or `???` is evaluated
+    unknown = list(_unknown_paths(tree, schema, ""))
+    if unknown:
+        known = list(_schema_paths(schema, ""))
+        raise ConfigError("; ".join(_describe(path, known) for path in unknown))
+
+
+def _unknown_paths(node: Any, schema: Any, prefix: str) -> Iterator[str]:
+    """Dotted paths under ``node`` that ``schema`` (a type annotation) does not declare."""
+    schema = _without_optional(schema)
+    if dataclasses.is_dataclass(schema) and isinstance(node, dict):
+        fields = typing.get_type_hints(schema)
+        for key, value in node.items():
+            path = f"{prefix}.{key}" if prefix else str(key)
+            if key not in fields:
+                yield path
+            else:
+                yield from _unknown_paths(value, fields[key], path)
+    elif typing.get_origin(schema) is list and isinstance(node, list):
+        (item_type,) = typing.get_args(schema) or (Any,)
+        for i, item in enumerate(node):
+            yield from _unknown_paths(item, item_type, f"{prefix}[{i}]")
+    # anything else (dict[str, Any], scalars) is free-form or a leaf: nothing below it to check
+
+
+def _schema_paths(schema: Any, prefix: str) -> Iterator[str]:
+    """Every dotted key ``schema`` declares (list items as `[0]`), for suggestions."""
+    schema = _without_optional(schema)
+    if dataclasses.is_dataclass(schema):
+        for key, hint in typing.get_type_hints(schema).items():
+            path = f"{prefix}.{key}" if prefix else key
+            yield path
+            yield from _schema_paths(hint, path)
+    elif typing.get_origin(schema) is list:
+        (item_type,) = typing.get_args(schema) or (Any,)
+        yield from _schema_paths(item_type, f"{prefix}[0]")
+
+
+def _without_optional(hint: Any) -> Any:
+    """``X`` for ``Optional[X]``; other hints unchanged."""
+    if typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0] if len(args) == 1 else hint
+    return hint
+
+
+def _describe(path: str, known: list[str]) -> str:
+    """"<path> is not a config key (added with +?); did you mean <closest>?" (or where its siblings are listed)."""
+    text = f"{path} is not a config key (added with +?)"
+    suggestion = _closest(path, known)
+    return f"{text}; did you mean {suggestion}?" if suggestion else f"{text}; remove it (see `--cfg job` for the keys)"
+
+
+def _closest(path: str, known: list[str]) -> str | None:
+    """The schema key most like ``path``: a sibling with a similar name, else any key with a similar last name."""
+    parent, _, leaf = path.rpartition(".")
+    template = _as_template(parent)
+    siblings = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == template}
+    match = difflib.get_close_matches(leaf, list(siblings), n=1)
+    if match:
+        return f"{parent}.{match[0]}" if parent else match[0]
+    by_leaf = {k.rpartition(".")[2]: k for k in known if "[" not in k}
+    match = difflib.get_close_matches(leaf, list(by_leaf), n=1)
+    return by_leaf[match[0]] if match else None
+
+
+def _as_template(parent: str) -> str:
+    """``parent`` with every list index written `[0]`, as `_schema_paths` lists them."""
+    parts = parent.split("[")
+    return "[".join([parts[0]] + ["0" + p[p.index("]"):] for p in parts[1:]])

@@ -1,0 +1,60 @@
+"""Hugging Face folders (final_model, reward models, warm-start assets) written atomically.
+
+The folder is assembled in a hidden sibling and renamed into place, so a save that fails half-way (full disk,
+an exception in the serializer, a kill) never leaves a folder with `config.json` but no weights; an existing
+folder is replaced only once the new one is complete.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from rlhf.checkpoint import fsync_dir, fsync_tree  # the checkpoints' own flushes
+
+
+def save_hf_folder(path: Path, model, tokenizer, **save_kwargs) -> None:
+    """``model.save_pretrained`` and ``tokenizer.save_pretrained`` into ``path``, all or nothing."""
+    with atomic_folder(Path(path)) as tmp:
+        model.save_pretrained(tmp, **save_kwargs)
+        tokenizer.save_pretrained(tmp)
+
+
+@contextmanager
+def atomic_folder(path: Path) -> Iterator[Path]:
+    """Yield an empty temporary sibling of ``path`` to write into; it becomes ``path`` only if the block succeeds."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _recover_replaced(path)
+    for stale in path.parent.glob(f".tmp-{path.name}-*"):  # left by a save that was killed
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = path.parent / f".tmp-{path.name}-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        fsync_tree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _swap_into_place(tmp, path)
+
+
+def _swap_into_place(tmp: Path, path: Path) -> None:
+    """Rename ``tmp`` to ``path``; an existing ``path`` is moved aside first and deleted only after the swap."""
+    old = path.parent / f".old-{path.name}-{os.getpid()}"
+    if path.exists():
+        os.replace(path, old)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _recover_replaced(path: Path) -> None:
+    """Put back the previous ``path`` if a save was killed between moving it aside and renaming the new one in."""
+    olds = sorted(path.parent.glob(f".old-{path.name}-*"))
+    if olds and not path.exists():
+        os.replace(olds.pop(0), path)
+    for old in olds:  # a save killed while deleting the replaced copy
+        shutil.rmtree(old, ignore_errors=True)
