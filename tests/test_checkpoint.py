@@ -17,7 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rlhf import checkpoint
-from rlhf.checkpoint import STATE_FILE, complete_checkpoints, resume_path
+from rlhf.checkpoint import STATE_FILE, STATE_KEYS, complete_checkpoints, resume_path
 from rlhf.config.schema import AlgorithmConfig, CriticConfig, RewardConfig
 from rlhf.errors import ConfigError
 from rlhf.data.prompts import PromptExample, PromptStream
@@ -55,8 +55,9 @@ def make_step_dir(root: Path, name: str, complete: bool = True) -> Path:
     """A folder ``root/name``, marked complete (with trainer_state.json) unless told otherwise."""
     folder = root / name
     folder.mkdir(parents=True)
-    if complete:
-        (folder / STATE_FILE).write_text("{}")
+    if complete:  # as `checkpoint.save` leaves it: every key `load` reads, and a readable rng.pt
+        (folder / STATE_FILE).write_text(json.dumps({key: {} for key in STATE_KEYS}))
+        torch.save({}, folder / "rng.pt")
     return folder
 
 

@@ -20,6 +20,7 @@ from rlhf.algorithms import build_algorithm
 from rlhf.components import build_model, critic_init_path
 from rlhf.errors import ConfigError
 from rlhf.config.validate import DerivedSizes
+from rlhf.data.context import check_prompt_budget, model_context
 from rlhf.data.prompts import PromptExample, PromptStream
 from rlhf.distributed.cluster import start
 from rlhf.distributed.layout import used_roles
@@ -27,7 +28,9 @@ from rlhf.envs.base import seed_tasks
 from rlhf.envs.loop import EpisodeRunner
 from rlhf.envs.templates import check as check_template
 from rlhf.generators.hf import stop_token_id
-from rlhf.models.loading import check_vocab_match, load_tokenizer, looks_local, pick_device, resolve_model_path
+from rlhf.models.loading import (
+    check_model_tokenizer, check_vocab_match, check_weight_files, load_tokenizer, looks_local, pick_device, resolve_model_path,
+)
 from rlhf.rewards.combine import RewardSet
 from rlhf.rewards.model import RewardModelScorer
 
@@ -91,6 +94,8 @@ def check_model_sources(cfg) -> None:
             raise ConfigError(f"{key}={value} is not a model folder (no config.json there); give a hub name or a saved model folder")
         if looks_local(path) and not Path(path).expanduser().is_dir():
             raise ConfigError(f"{key}={value} is not a folder; give a hub name or a saved tokenizer folder")
+        if key != "model.tokenizer":
+            check_weight_files(value, key)  # a truncated weights file: named now, not as a loader traceback later
 
 
 def build_components(cfg, sizes: DerivedSizes) -> Components:
@@ -110,6 +115,7 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
     # 2. tokenizers and data (cheap); every other model must share the policy's vocabulary
     model = cfg.model
     tokenizer = load_tokenizer(model.tokenizer or model.name_or_path, model.revision, model.trust_remote_code)
+    check_model_tokenizer(model, tokenizer)
     for key, path, used in (
         ("reference.name_or_path", cfg.reference.name_or_path, algorithm.needs_reference),
         ("reward.path", cfg.reward.path, True),
@@ -136,6 +142,9 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
             f"carry none; set dataset.ground_truth_key=<column> or choose other reward.functions"
         )
     check_output_rows(cfg, tokenizer)
+    if runner is None or runner.maker.uses_dataset:  # a prompt plus its response must fit the model's context
+        context = model_context(model)
+        check_prompt_budget(cfg.dataset.max_prompt_length, cfg.generator.max_new_tokens, context, model.name_or_path)
     # 3. models
     if cfg.cluster.backend == "ray":
         models, backend = build_remote_models(cfg, sizes, algorithm, tokenizer)

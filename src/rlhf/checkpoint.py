@@ -1,9 +1,10 @@
 """Full training state on disk: atomic saves, pruning, finding the newest complete checkpoint, restoring.
 
 A checkpoint is a folder `step_<8 digits>` holding each model's weights (safetensors), optimiser and
-scheduler states (torch files read back with weights_only=True), RNG states, and `trainer_state.json`
-(written last). It is assembled in a hidden temporary folder and renamed into place, so a crash during a
-save never leaves a folder that looks complete.
+scheduler states (torch files read back with weights_only=True), RNG states, the resolved config its step ran
+with (`config.yaml`, when the run records one: see `recording`), and `trainer_state.json` (written last). It is
+assembled in a hidden temporary folder and renamed into place, so a crash during a save never leaves a folder
+that looks complete.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import random
 import re
 import shutil
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +24,15 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
-from rlhf.errors import ConfigError
+from rlhf.errors import FULL_DISK_ERRNOS, ConfigError, NoSpaceError
 
 log = logging.getLogger("rlhf")
 
 STATE_FILE = "trainer_state.json"
+CONFIG_FILE = "config.yaml"  # the resolved config the checkpoint's step ran with
 STATE_KEYS = ("step", "run", "prompts", "rewards", "rng")  # what `load` reads from it
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_RECORDS: dict[Path, tuple[str, int | None]] = {}  # checkpoint root -> (config text, estimated checkpoint bytes)
 
 
 def checkpoint_root(cfg, run_dir: Path) -> Path:
@@ -152,17 +156,77 @@ def fsync_tree(path: Path) -> None:
     fsync_dir(path)
 
 
+def megabytes(n: int) -> str:
+    """``n`` bytes in MiB, for messages: one decimal below 100 ("0.9"), whole above ("1524")."""
+    return f"{n / 2**20:.1f}" if n < 100 * 2**20 else f"{n / 2**20:.0f}"
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the filesystem that holds ``path`` (or, for a folder not yet made, its nearest parent)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes in the files under ``path`` (0 when it does not exist)."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) if Path(path).exists() else 0
+
+
+def no_space_error(folder: Path, what: str, needed: int | None) -> NoSpaceError:
+    """'No space left on <folder>: <what> needs about N MB, M MB free' (the need left out when unknown)."""
+    need = f"{what} needs about {megabytes(needed)} MB, " if needed else ""
+    return NoSpaceError(f"No space left on {folder}: {need}{megabytes(free_bytes(folder))} MB free")
+
+
+@contextmanager
+def recording(root: Path, config_text: str, estimated_bytes: int | None = None):
+    """While the block runs, every checkpoint saved under ``root`` records ``config_text`` as its `config.yaml`
+    (each step its own copy, so a resumed run never rewrites what an earlier step ran with); ``estimated_bytes``
+    (a checkpoint's size, estimated before any model loaded) sizes the message of a save that hits a full disk."""
+    key = Path(root).resolve()
+    _RECORDS[key] = (config_text, estimated_bytes)
+    try:
+        yield
+    finally:
+        _RECORDS.pop(key, None)
+
+
+def _checkpoint_bytes(root: Path) -> int | None:
+    """About how big a checkpoint under ``root`` is: the newest complete one's size, else the run's estimate."""
+    found = complete_checkpoints(root)
+    return tree_bytes(found[-1]) if found else _RECORDS.get(Path(root).resolve(), ("", None))[1]
+
+
 def save(c, root: Path, step: int, run_state: dict[str, Any], keep_last: int, stream_states: dict | None = None) -> Path:
     """Write the full state of step ``step`` atomically, then prune to the newest ``keep_last``.
 
     ``stream_states``: {"prompts", "rewards"} states to record instead of the live ones, when the schedule has
-    drawn and scored prompts it has not trained on yet (the async schedule)."""
+    drawn and scored prompts it has not trained on yet (the async schedule). A full disk raises NoSpaceError
+    naming the folder and the room a checkpoint needs; the partial copy is removed."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
     for stale in root.glob(".tmp-*"):  # left by a save that crashed (one trainer writes here at a time)
         shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    tmp.mkdir()
+    try:
+        tmp.mkdir()
+        _write_state(c, tmp, step, run_state, stream_states)
+        fsync_tree(tmp)
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)  # a partial copy would only hold on to the space it took
+        if isinstance(err, OSError) and err.errno in FULL_DISK_ERRNOS and not isinstance(err, NoSpaceError):
+            raise no_space_error(root, "a checkpoint", _checkpoint_bytes(root)) from err
+        raise
+    _swap_in(tmp, final, root)
+    log.info("checkpoint saved: %s", final)
+    _prune(root, step, keep_last)
+    return final
+
+
+def _write_state(c, tmp: Path, step: int, run_state: dict[str, Any], stream_states: dict | None) -> None:
+    """Every file of step ``step``'s checkpoint into the folder ``tmp``; `trainer_state.json` last."""
     c.policy.save_checkpoint(tmp / "policy")
     if c.critic is not None:
         c.critic.save_checkpoint(tmp / "critic")
@@ -174,6 +238,9 @@ def save(c, root: Path, step: int, run_state: dict[str, Any], keep_last: int, st
         },
         tmp / "rng.pt",
     )
+    record = _RECORDS.get(tmp.parent.resolve())
+    if record is not None:
+        (tmp / CONFIG_FILE).write_text(record[0], encoding="utf-8")
     state = {
         "step": step,
         "run": run_state,
@@ -184,7 +251,10 @@ def save(c, root: Path, step: int, run_state: dict[str, Any], keep_last: int, st
     }
     with open(tmp / STATE_FILE, "w", encoding="utf-8") as f:  # written last: its presence marks completeness
         json.dump(state, f)
-    fsync_tree(tmp)
+
+
+def _swap_in(tmp: Path, final: Path, root: Path) -> None:
+    """Rename the complete ``tmp`` to ``final``, replacing an earlier save of the same step only after the swap."""
     if final.exists():  # re-saving a step: the old copy moves aside first and is deleted only after the swap
         old = root / f".tmp-replaced-{final.name}-{os.getpid()}"
         os.replace(final, old)
@@ -193,7 +263,10 @@ def save(c, root: Path, step: int, run_state: dict[str, Any], keep_last: int, st
     else:
         os.replace(tmp, final)
     fsync_dir(root)
-    log.info("checkpoint saved: %s", final)
+
+
+def _prune(root: Path, step: int, keep_last: int) -> None:
+    """Drop checkpoints newer than ``step`` (an abandoned future), then all but the newest ``keep_last``."""
     for newer in [p for p in complete_checkpoints(root) if int(p.name[5:]) > step]:
         # a run resumed from an older checkpoint has abandoned these; keeping them would make resume=auto jump ahead
         log.warning("removing %s: it belongs to the run that was resumed from an earlier step", newer)
@@ -201,7 +274,6 @@ def save(c, root: Path, step: int, run_state: dict[str, Any], keep_last: int, st
     if keep_last > 0:
         for old in complete_checkpoints(root)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def load(c, path: Path) -> dict[str, Any]:

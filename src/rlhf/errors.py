@@ -1,5 +1,9 @@
 """The error every user-facing config problem raises (kept apart so any module can raise it without cycles)."""
 
+import errno
+
+FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # an OSError with one of these: the disk (or the user's quota) is full
+
 
 class ConfigError(ValueError):
     """A config that cannot run; the message names the key and the fix."""
@@ -9,3 +13,21 @@ def require(ok: bool, message: str) -> None:
     """Raise ConfigError(message) unless ``ok``."""
     if not ok:
         raise ConfigError(message)
+
+
+class NoSpaceError(OSError):
+    """A save failed on a full disk or quota; the message names the folder, the room it needs and the room free."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.ENOSPC, message)
+
+    def __str__(self) -> str:
+        return self.strerror
+
+    def __reduce__(self):  # OSError pickles (errno, strerror); a Ray worker's error must rebuild from the message alone
+        return type(self), (self.strerror,)
+
+
+class RewardValueError(ValueError):
+    """A reward function or reward model produced a score that is not a finite number of sane size; the message names
+    the source, the row and the value, so the run stops before that score reaches a statistic or a loss."""

@@ -2,7 +2,7 @@
 
 The folder is assembled in a hidden sibling and renamed into place, so a save that fails half-way (full disk,
 an exception in the serializer, a kill) never leaves a folder with `config.json` but no weights; an existing
-folder is replaced only once the new one is complete.
+folder is replaced only once the new one is complete. A full disk is named as such (NoSpaceError).
 """
 
 from __future__ import annotations
@@ -13,14 +13,28 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from rlhf.checkpoint import fsync_dir, fsync_tree  # the checkpoints' own flushes
+from rlhf.checkpoint import fsync_dir, fsync_tree, no_space_error  # the checkpoints' own flushes and messages
+from rlhf.errors import FULL_DISK_ERRNOS, NoSpaceError
 
 
 def save_hf_folder(path: Path, model, tokenizer, **save_kwargs) -> None:
-    """``model.save_pretrained`` and ``tokenizer.save_pretrained`` into ``path``, all or nothing."""
-    with atomic_folder(Path(path)) as tmp:
-        model.save_pretrained(tmp, **save_kwargs)
-        tokenizer.save_pretrained(tmp)
+    """``model.save_pretrained`` and ``tokenizer.save_pretrained`` into ``path``, all or nothing.
+
+    A full disk raises NoSpaceError: 'No space left on <path>: the export needs about N MB, M MB free'."""
+    try:
+        with atomic_folder(Path(path)) as tmp:
+            model.save_pretrained(tmp, **save_kwargs)
+            tokenizer.save_pretrained(tmp)
+    except OSError as err:
+        if err.errno not in FULL_DISK_ERRNOS or isinstance(err, NoSpaceError):
+            raise
+        raise no_space_error(Path(path), "the export", weights_bytes(model, save_kwargs.get("state_dict"))) from err
+
+
+def weights_bytes(model, state_dict: dict | None = None) -> int:
+    """Bytes of the weights an export writes: ``state_dict``'s tensors when given, else the model's parameters."""
+    tensors = state_dict.values() if state_dict is not None else model.parameters()
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @contextmanager

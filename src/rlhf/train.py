@@ -23,7 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from transformers.utils import logging as transformers_logging
 
-from rlhf import checkpoint, exits, registry
+from rlhf import checkpoint, exits, preflight, registry, sweep
 from rlhf.build import build_components
 from rlhf.config import ConfigError, register_schema, validate
 from rlhf.distributed.remote import WorkerError
@@ -39,11 +39,15 @@ register_schema()
 
 
 def train(cfg: DictConfig, out: Path):
-    """Validate, build, resume if asked, run the schedule in folder ``out``, export. Returns the final RunState."""
+    """Validate, build, resume if asked, run the schedule in folder ``out``, export. Returns the final RunState.
+
+    Before any model loads: every folder the run writes is writable with room for a checkpoint (`rlhf.preflight`)."""
     sizes = validate(cfg)
     schedule = registry.resolve("schedule", cfg.schedule.name, key="schedule.name")
     root = checkpoint.checkpoint_root(cfg, out)
-    with run_folder_locks(out, root):
+    checkpoint_size = preflight.checkpoint_bytes(cfg)
+    preflight.check_outputs(preflight.train_outputs(cfg, out, root, checkpoint_size))
+    with run_folder_locks(out, root), checkpoint.recording(root, preflight.config_text(cfg), checkpoint_size):
         return train_locked(cfg, out, sizes, schedule, root)
 
 
@@ -60,6 +64,8 @@ def run_folder_locks(out: Path, root: Path):
 def train_locked(cfg: DictConfig, out: Path, sizes, schedule, root: Path):
     """`train` once the run's folders are locked."""
     resume_from = checkpoint.resume_path(cfg, root)
+    if resume_from is not None:
+        preflight.check_resume(cfg, resume_from)
     log.info("output folder: %s", out)
     log.info("derived sizes: %s", ", ".join(f"{k}={v}" for k, v in sizes.as_dict().items()))
     seed_everything(cfg.seed)
@@ -107,23 +113,26 @@ def summarize(state) -> None:
 
 @hydra.main(config_path="pkg://rlhf.conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
+    """Train; exit with the outcome's code (`rlhf.exits`), or in a `--multirun` record it for the sweep's summary."""
     if not wants_bar(cfg.logging.progress_bar, sys.stderr):
         transformers_logging.disable_progress_bar()  # its loading bars would put control characters into CI logs
     try:
         state = train(cfg, Path(HydraConfig.get().runtime.output_dir))
     except ConfigError as err:
         log.error("config error: %s", err)
-        raise SystemExit(exits.CONFIG_ERROR) from None
+        return sweep.end_job(exits.CONFIG_ERROR, f"config error: {err}")
     except NonFiniteError as err:
         log.error("training stopped: %s", err)
-        raise SystemExit(exits.NON_FINITE) from None
+        return sweep.end_job(exits.NON_FINITE, f"training stopped: {err}")
     except WorkerError as err:
         log.error("a worker failed: %s", err)
-        raise SystemExit(exits.WORKER_FAILED) from None
+        return sweep.end_job(exits.WORKER_FAILED, f"a worker failed: {err}")
     except Exception as err:  # user code (reward function, environment) or a bug: a paragraph, not a traceback
-        raise SystemExit(exits.report_run_error(err, "fix it, then continue with resume=auto")) from None
+        code = exits.report_run_error(err, "fix it, then continue with resume=auto")
+        return sweep.end_job(code, f"{type(err).__name__}: {err}")
     if state.preempted:  # saved and resumable, but not finished: a scheduler must not take it for done
-        raise SystemExit(exits.INTERRUPTED_SAVED)
+        return sweep.end_job(exits.INTERRUPTED_SAVED, f"interrupted at step {state.step}, checkpoint saved")
+    sweep.end_job(exits.FINISHED, "finished")
     # returned for Hydra sweepers that optimise a value
     return state.last_eval.get("eval/sampled_correct_rate")
 

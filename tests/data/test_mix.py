@@ -296,8 +296,9 @@ def test_unknown_file_type_errors(tokenizer):
 
 def test_missing_local_path_errors_without_the_hub(tokenizer):
     """A path that looks local but does not exist fails before any hub lookup."""
-    with pytest.raises(ValueError, match=r"^dataset\.train\[0\]\.path=\./missing\.jsonl: no such file or folder$"):
+    with pytest.raises(ValueError, match=r"^dataset\.train\[0\]\.path=\./missing\.jsonl: no such file or folder, relative to ") as err:
         mixed_dataset(mix_cfg([src("./missing.jsonl")]), tokenizer, 1)
+    assert f"relative to {Path.cwd()} (the launch folder)" in str(err.value)
 
 
 # --- eval prompts -------------------------------------------------------------------------------------

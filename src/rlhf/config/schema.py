@@ -178,6 +178,7 @@ class CheckpointConfig:
     keep_last: int = 2  # newest checkpoints kept; 0 keeps all
     dir: Optional[str] = None  # checkpoint folder; null = <run folder>/checkpoints
     save_final_model: bool = True  # export the final policy as a Hugging Face folder <run folder>/final_model
+    allow_config_change: bool = False  # resume even when seed, batch sizes or algorithm.* differ from the checkpoint's config (no exact resume)
 
 
 @dataclass
@@ -207,6 +208,7 @@ class ClusterConfig:
     object_store_memory: Optional[int] = None  # ray, private cluster: object-store bytes; null = Ray's default (30% of RAM)
     timeout_s: float = 600.0  # ray: seconds a remote call or a collective may take once workers are set up, before the run fails naming the role
     setup_timeout_s: float = 900.0  # ray: seconds each worker may take to start, join its process group and load its model (separate from timeout_s)
+    heartbeat_timeout_s: float = 60.0  # ray: seconds a busy worker may leave the driver's pings unanswered (a frozen process) before the run fails naming it; 0 = off
     placement_timeout_s: float = 60.0  # ray: seconds to wait for the placement groups to be scheduled
     roles: RolesConfig = field(default_factory=RolesConfig)  # ray: nodes and devices of each role
     colocate: list[list[str]] = field(default_factory=list)  # ray: roles sharing the same devices, e.g. [[actor, ref], [critic, reward]]

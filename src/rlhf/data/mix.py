@@ -4,8 +4,9 @@ Each source is a split of a dataset; `amount` takes a fraction of it (<= 1) or a
 chosen by a seeded shuffle. Rows become prompts through `dataset.sft_messages_key` (a conversation whose
 final assistant turn is dropped) or `dataset.prompt_key` (a string, as one user message), plus
 `dataset.prompt_suffix`, rendered with `dataset.chat_template`; `dataset.ground_truth_format` extracts the
-answer from the ground-truth column. Bad rows and over-long prompts are counted per source and reported;
-tokenised results are cached on disk under a key that covers everything that shaped them.
+answer from the ground-truth column. Bad rows (malformed JSON Lines lines among them) and over-long prompts
+are counted per source and reported; tokenised results are cached on disk (rlhf.data.cache) under a key that
+covers everything that shaped them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,6 +22,8 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from rlhf.data.answers import GROUND_TRUTH_FORMATS, with_suffix
+from rlhf.data.cache import cache_folder, read_cache, write_cache
+from rlhf.data.files import LOCAL_FORMATS, FileRows, looks_local, missing_path_error, read_files
 from rlhf.data.prompts import PromptExample, PromptSplits
 from rlhf.data.templates import resolve_template
 from rlhf.registry import register
@@ -29,7 +31,6 @@ from rlhf.registry import register
 log = logging.getLogger("rlhf")
 
 CACHE_VERSION = 2
-LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
 class BadRow(ValueError):
@@ -46,8 +47,8 @@ class SourceReport:
 
     source: str
     split: str
-    rows: int = 0  # rows taken from the split (after amount and sanity_check)
-    bad_rows: int = 0  # rows dropped for a missing column, wrong type or empty prompt
+    rows: int = 0  # rows taken from the split (after amount and sanity_check), plus malformed lines skipped
+    bad_rows: int = 0  # rows dropped for a missing column, wrong type or empty prompt, or a malformed line
     too_long: int = 0  # rows dropped by max_prompt_length
     kept: int = 0
     bad_examples: list[str] = field(default_factory=list)  # the first few reasons, for the log
@@ -68,29 +69,31 @@ def split_files(folder: Path, split: str) -> list[Path]:
     return files
 
 
-def load_rows(src, seed: int, sanity_check: int | None, key: str) -> list[tuple[int, dict[str, Any]]]:
-    """(row index in the split, row) for the rows of one source after `amount` (seeded) and `sanity_check`."""
-    from datasets import load_dataset  # 1.5 s to import (pandas, pyarrow): only runs that read a dataset pay it
-
+def read_source(src, key: str, strict: bool) -> FileRows | Any:
+    """A source's split: its local files' rows (FileRows), or a `datasets` split (hub name, hub-layout folder)."""
     local = Path(src.path).expanduser()
     if local.is_file():
-        fmt = LOCAL_FORMATS.get(local.suffix)
-        if fmt is None:
+        if local.suffix not in LOCAL_FORMATS:
             raise ValueError(f"{key}.path={src.path}: unknown file type {local.suffix!r}; use .jsonl, .json or .parquet")
         if src.split != "train":
             raise ValueError(f"{key}.split={src.split}: a single local file only has the split `train`")
-        data = load_dataset(fmt, data_files=str(local), split="train")
-    elif local.is_dir():
-        files = split_files(local, src.split)
-        if files:
-            fmt = LOCAL_FORMATS[files[0].suffix]
-            data = load_dataset(fmt, data_files={src.split: [str(f) for f in files]}, split=src.split)
-        else:
-            data = load_dataset(str(local), split=src.split)
-    elif src.path.startswith(("/", "./", "../", "~")):
-        raise ValueError(f"{key}.path={src.path}: no such file or folder")
-    else:
-        data = load_dataset(src.path, src.subset, split=src.split, revision=src.revision)
+        return read_files([local], key, strict)
+    if local.is_dir() and (files := split_files(local, src.split)):
+        return read_files(files, key, strict)
+    if not local.is_dir() and looks_local(src.path):
+        raise missing_path_error(key, src.path)
+    from datasets import load_dataset  # 1.5 s to import (pandas, pyarrow): only hub datasets pay it
+
+    if local.is_dir():
+        return load_dataset(str(local), split=src.split)
+    return load_dataset(src.path, src.subset, split=src.split, revision=src.revision)
+
+
+def load_rows(src, seed: int, sanity_check: int | None, key: str, strict: bool = False):
+    """(row index in the split, row) for one source after `amount` (seeded) and `sanity_check`; the lines skipped."""
+    data, skipped = read_source(src, key, strict), []
+    if isinstance(data, FileRows):
+        data, skipped = data.rows, data.skipped
     n = len(data)
     if src.amount <= 1:
         take = round(n * src.amount)
@@ -107,7 +110,7 @@ def load_rows(src, seed: int, sanity_check: int | None, key: str) -> list[tuple[
     order = sorted(order[:take])  # the chosen rows, in file order
     if sanity_check is not None:
         order = order[:sanity_check]
-    return [(i, data[i]) for i in order]
+    return [(i, data[i]) for i in order], skipped
 
 
 def row_messages(row: dict[str, Any], cfg) -> list[dict[str, str]]:
@@ -160,9 +163,10 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"]
 
 
-def to_examples(rows, src, cfg, tokenizer, template: str) -> tuple[list[PromptExample], SourceReport]:
-    """Prompts from one source's rows, with the report of what was dropped and why."""
-    report = SourceReport(source_label(src), src.split, rows=len(rows))
+def to_examples(rows, src, cfg, tokenizer, template: str, skipped=()) -> tuple[list[PromptExample], SourceReport]:
+    """Prompts from one source's rows, with the report of what was dropped and why (``skipped``: malformed lines)."""
+    report = SourceReport(source_label(src), src.split, rows=len(rows) + len(skipped), bad_rows=len(skipped))
+    report.bad_examples = list(skipped[:3])
     examples = []
     for index, row in rows:
         try:
@@ -221,36 +225,16 @@ def cache_key(cfg, seed: int, template: str, tokenizer, sources: dict[str, list]
     return hashlib.sha256(json.dumps(shaping, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def cache_folder(cfg) -> Path:
-    if cfg.cache_dir:
-        return Path(cfg.cache_dir).expanduser()
-    return Path(os.environ.get("RLHF_CACHE", Path.home() / ".cache" / "rlhf")) / "datasets"
-
-
-def _dump(splits: PromptSplits) -> dict:
-    def rows(examples):
-        return [[e.text, list(e.token_ids), e.ground_truth] for e in examples]
-
-    return {"train": rows(splits.train), "eval": rows(splits.eval), "report": splits.report}
-
-
-def _load(data: dict) -> PromptSplits:
-    def examples(rows):
-        return [PromptExample(text, tuple(ids), gt) for text, ids, gt in rows]
-
-    return PromptSplits(train=examples(data["train"]), eval=examples(data["eval"]), report=data["report"] | {"cache": "hit"})
-
-
-def build_splits(cfg, tokenizer, seed: int, sources: dict[str, list]) -> PromptSplits:
-    """Load, mix, render, tokenise and filter every source (no cache)."""
+def build_splits(cfg, tokenizer, seed: int, sources: dict[str, list], path_key: bool = False) -> PromptSplits:
+    """Load, mix, render, tokenise and filter every source (no cache); ``path_key``: the one source is `dataset.path`."""
     template = resolve_template(cfg.chat_template, tokenizer)
     out: dict[str, list[PromptExample]] = {"train": [], "eval": []}
     reports = []
     for split, srcs in sources.items():
         for i, src in enumerate(srcs):
-            key = f"dataset.{split}[{i}]"
-            rows = load_rows(src, seed, cfg.sanity_check, key)
-            examples, report = to_examples(rows, src, cfg, tokenizer, template)
+            key = "dataset" if path_key and split == "train" else f"dataset.{split}[{i}]"
+            rows, skipped = load_rows(src, seed, cfg.sanity_check, key, cfg.strict)
+            examples, report = to_examples(rows, src, cfg, tokenizer, template, skipped)
             out[split] += examples
             reports.append({"role": split, **asdict(report)})
     if not out["train"]:
@@ -292,16 +276,10 @@ def mixed_dataset(cfg, tokenizer, seed: int = 1) -> PromptSplits:
     template = resolve_template(cfg.chat_template, tokenizer)
     key = cache_key(cfg, seed, template, tokenizer, sources)
     path = cache_folder(cfg) / f"{key}.json"
-    if path.is_file():
-        splits = _load(json.loads(path.read_text()))
-        log.info("dataset cache hit: %s", path)
-    else:
-        splits = build_splits(cfg, tokenizer, seed, sources)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(_dump(splits)))
-        os.replace(tmp, path)
-        log.info("dataset cached: %s", path)
+    splits = read_cache(path)
+    if splits is None:
+        splits = build_splits(cfg, tokenizer, seed, sources, path_key=not cfg.train)
+        write_cache(path, splits)
     log_report(splits.report)
     return splits
 

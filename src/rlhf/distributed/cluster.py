@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from rlhf.errors import ConfigError
 from rlhf.distributed.layout import PlacementSpec, bundle_resources, check_fits, placement_specs, used_roles
-from rlhf.distributed.remote import ActorGroup, RemoteGenerator, RemoteReplicas, RemoteTrainer
+from rlhf.distributed.remote import HEARTBEAT_GROUP, ActorGroup, RemoteGenerator, RemoteReplicas, RemoteTrainer
 from rlhf.distributed.workers import RoleWorker
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ def spawn(role: str, spec: PlacementSpec, pg, cfg, total_optimizer_steps: int) -
     cluster = cfg.cluster
     share = 1.0 / len(spec.roles)
     bundle = bundle_resources(cluster)
-    worker = ray.remote(RoleWorker)
+    worker = ray.remote(concurrency_groups={HEARTBEAT_GROUP: 1})(RoleWorker)  # heartbeats: a thread of their own
     actors = [
         worker.options(
             num_cpus=bundle["CPU"] * share, num_gpus=bundle.get("GPU", 0.0) * share,
@@ -100,7 +100,7 @@ def spawn(role: str, spec: PlacementSpec, pg, cfg, total_optimizer_steps: int) -
         ).remote(role, rank, spec.ranks, cfg, total_optimizer_steps)
         for rank in range(spec.ranks)
     ]
-    group = ActorGroup(role, actors, cluster.timeout_s)
+    group = ActorGroup(role, actors, cluster.timeout_s, cluster.heartbeat_timeout_s)
     first = group.wait({0: actors[0].ping.remote()}, "start-up", cluster.setup_timeout_s)[0]
     return group, {rank: actor.setup.remote(first["ip"], first["port"]) for rank, actor in enumerate(actors)}
 

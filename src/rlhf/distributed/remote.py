@@ -1,8 +1,10 @@
 """Driver-side handles of the Ray workers: each role looks to the schedules like its local component.
 
 Every remote call waits at most `cluster.timeout_s` (worker start-up and model load: `cluster.setup_timeout_s`).
-A rank that raises, dies or does not answer fails the run at once with a `WorkerError` naming the role, the rank
-and the error; the other ranks are not waited for.
+While it waits, the driver pings the ranks it waits on every few seconds; the ping runs in a thread of its own in
+the worker (the `heartbeat` concurrency group), so a busy rank answers and a frozen one (stopped, swapping) does not.
+A rank that raises, dies, does not answer, or leaves its pings unanswered for `cluster.heartbeat_timeout_s` fails
+the run at once with a `WorkerError` naming the role, the rank and the error; the other ranks are not waited for.
 """
 
 from __future__ import annotations
@@ -28,11 +30,47 @@ def even_slices(n: int, parts: int) -> list[slice]:
     return [slice(start, start + size) for start, size in zip(starts, sizes)]
 
 
+HEARTBEAT_GROUP = "heartbeat"  # the workers' concurrency group (one thread) in which `RoleWorker.heartbeat` runs
+MAX_PING_INTERVAL_S = 5.0  # the driver pings at least this often while it waits (more often for short timeouts)
+
+
+class Heartbeat:
+    """The pings of one wait: ``silent_rank`` pings the ranks still working and names one whose ping has gone
+    unanswered for ``timeout_s``. Only ranks in ``group.started`` (they have answered once) are judged: a rank still
+    starting is the call's own timeout's business."""
+
+    def __init__(self, group: ActorGroup, timeout_s: float) -> None:
+        self.group, self.timeout_s = group, timeout_s
+        self.interval_s = min(MAX_PING_INTERVAL_S, timeout_s / 3) if timeout_s > 0 else MAX_PING_INTERVAL_S
+        self.pings: dict[int, tuple] = {}  # rank -> (its unanswered ping's ObjectRef, when it was sent)
+
+    def silent_rank(self, ranks) -> int | None:
+        """Ping each of ``ranks`` that has no ping outstanding; the first rank silent for ``timeout_s``, or None."""
+        import ray
+
+        if self.timeout_s <= 0:
+            return None
+        now = time.monotonic()
+        for rank in ranks:
+            if rank in self.pings:
+                ref, sent = self.pings[rank]
+                if not ray.wait([ref], timeout=0)[0]:
+                    if rank in self.group.started and now - sent >= self.timeout_s:
+                        return rank
+                    continue
+                self.group.started.add(rank)
+            ping = self.group.actors[rank].heartbeat.options(concurrency_group=HEARTBEAT_GROUP).remote()
+            self.pings[rank] = (ping, now)
+        return None
+
+
 class ActorGroup:
     """The Ray actors of one role, rank i at index i."""
 
-    def __init__(self, role: str, actors: list, timeout_s: float) -> None:
+    def __init__(self, role: str, actors: list, timeout_s: float, heartbeat_timeout_s: float = 0.0) -> None:
         self.role, self.actors, self.timeout_s = role, actors, timeout_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s  # `cluster.heartbeat_timeout_s`; 0 = no heartbeat
+        self.started: set[int] = set()  # ranks that have answered a call or a ping: their silence means a freeze
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -41,29 +79,44 @@ class ActorGroup:
         """{rank: result} of ``refs`` ({rank: ObjectRef}); raises WorkerError on the first failure or the timeout.
         ``timeout_s`` overrides the group's `cluster.timeout_s` (start-up and set-up pass `cluster.setup_timeout_s`)."""
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
         pending = {ref: rank for rank, ref in refs.items()}
         results = {}
         limit, key = (self.timeout_s, "cluster.timeout_s") if timeout_s is None else (timeout_s, "cluster.setup_timeout_s")
         deadline = time.monotonic() + limit
+        heartbeat = Heartbeat(self, self.heartbeat_timeout_s)
         while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
+            left = deadline - time.monotonic()
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, min(left, heartbeat.interval_s)))
+            if not ready and time.monotonic() >= deadline:
                 raise WorkerError(
                     f"{self.role} rank(s) {sorted(pending.values())} did not finish {what} within {limit:g} s ({key})"
                 )
+            if not ready and (silent := heartbeat.silent_rank(sorted(pending.values()))) is not None:
+                raise WorkerError(
+                    f"{self.role} rank {silent}: no heartbeat for {self.heartbeat_timeout_s:g} s during {what} "
+                    "(cluster.heartbeat_timeout_s): its process is frozen (stopped, swapping or stuck), not just busy"
+                )
             for ref in ready:
                 rank = pending.pop(ref)
-                try:
-                    results[rank] = ray.get(ref)
-                except RayTaskError as err:
-                    raise WorkerError(f"{self.role} rank {rank} failed in {what}: {type(err.cause).__name__}: {err.cause}\n{err}") from None
-                except RayActorError as err:
-                    raise WorkerError(f"{self.role} rank {rank} died during {what} (its process exited or was killed): {err}") from None
-                except GetTimeoutError:
-                    raise WorkerError(f"{self.role} rank {rank} timed out in {what}") from None
+                results[rank] = self.result(ref, rank, what)
         return results
+
+    def result(self, ref, rank: int, what: str):
+        """``ref``'s value (rank ``rank``'s answer to ``what``), or a WorkerError saying how the rank failed."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        try:
+            value = ray.get(ref)
+        except RayTaskError as err:
+            raise WorkerError(f"{self.role} rank {rank} failed in {what}: {type(err.cause).__name__}: {err.cause}\n{err}") from None
+        except RayActorError as err:
+            raise WorkerError(f"{self.role} rank {rank} died during {what} (its process exited or was killed): {err}") from None
+        except GetTimeoutError:
+            raise WorkerError(f"{self.role} rank {rank} timed out in {what}") from None
+        self.started.add(rank)
+        return value
 
     def call(self, method: str, per_rank: dict[int, tuple], what: str | None = None, put: bool = False) -> dict:
         """``component.method(*args)`` on each rank in ``per_rank`` ({rank: args}); {rank: result}."""

@@ -48,6 +48,11 @@ class RoleWorker:
             "placement_group": context.get_placement_group_id(), "resources": context.get_assigned_resources(),
         }
 
+    def heartbeat(self) -> int:
+        """Answer the driver's ping (it runs in the `heartbeat` concurrency group, a thread of its own, so a long call
+        does not hold it up; a frozen process does). Returns the pid."""
+        return os.getpid()
+
     def setup(self, master_addr: str, master_port: int) -> None:
         """Join the role's process group (training roles) and build the component."""
         cfg = self.cfg

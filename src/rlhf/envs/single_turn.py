@@ -16,7 +16,7 @@ from rlhf.data.prompts import PromptExample
 from rlhf.envs.base import EnvError
 from rlhf.errors import ConfigError
 from rlhf.registry import register
-from rlhf.rewards.combine import RewardSet
+from rlhf.rewards.combine import RewardSet, checked_scores
 
 
 class SingleTurnEpisode:
@@ -37,7 +37,7 @@ class SingleTurnEpisode:
             values = fn(prompts=[self.task.text], responses=[action], ground_truths=[self.task.ground_truth], **args)
             if len(values) != 1:
                 raise EnvError(f"reward function {name!r} returned {len(values)} scores for 1 response")
-            scores[name] = float(values[0])
+            scores[name] = float(checked_scores(f"reward function {name!r}", values, 1)[0])  # a number, finite
             total += weight * scores[name]
             if getattr(fn, "is_verifier", False):
                 verified.append(scores[name] > 0)

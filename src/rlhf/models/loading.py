@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from rlhf.checkpoint import _safetensors_problem
 from rlhf.errors import ConfigError
 from rlhf.models.dtypes import DTYPES
 
@@ -38,6 +39,26 @@ def resolve_model_path(name_or_path: str) -> str:
             f"or point model.name_or_path at a model folder"
         )
     return str(folder)
+
+
+def weights_problem(folder: Path) -> str | None:
+    """Why a model folder's `*.safetensors` files are unusable (truncated, not safetensors), or None; reads headers."""
+    return next(filter(None, (_safetensors_problem(file) for file in sorted(folder.glob("*.safetensors")))), None)
+
+
+def check_weight_files(name_or_path: str, key: str | None = None) -> None:
+    """ConfigError naming ``key`` and the damaged file when a local model folder's weights are truncated or corrupt;
+    hub names and missing folders are left to `from_pretrained`."""
+    folder = Path(resolve_model_path(name_or_path)).expanduser()
+    if not (looks_local(str(folder)) and folder.is_dir()):
+        return
+    problem = weights_problem(folder)
+    if problem is not None:
+        where = f"{key}={name_or_path}" if key else f"model folder {name_or_path}"
+        raise ConfigError(
+            f"{where}: {problem}. The model's weights are damaged (an interrupted download, copy or save); download or "
+            f"copy the model folder again, or point {key or 'the run'} at another model folder"
+        )
 
 
 def load_tokenizer(name_or_path: str, revision: str | None = None, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
@@ -75,8 +96,11 @@ def load_causal_lm(
     revision: str | None = None,
     trust_remote_code: bool = False,
     device: torch.device | str = "cpu",
+    key: str | None = None,
 ) -> torch.nn.Module:
-    """A causal LM with dropout off in its config and its modules, on ``device``."""
+    """A causal LM with dropout off in its config and its modules, on ``device``; ``key`` (e.g. `model.name_or_path`)
+    is the config key errors about damaged weight files name."""
+    check_weight_files(name_or_path, key)
     path = resolve_model_path(name_or_path)
     config = zero_dropout_config(AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code))
     model = AutoModelForCausalLM.from_pretrained(
@@ -99,6 +123,38 @@ def check_vocab_match(
         f"vocabulary mismatch: {other_name} ({len(other_vocab)} tokens) does not match {reference_name} "
         f"({len(ref_vocab)} tokens): {only_ref} only in {reference_name}, {only_other} only in {other_name}, "
         f"{moved} with different ids. Token ids are shared between them, so use models with the same tokenizer."
+    )
+
+
+def same_source(first: str, second: str) -> bool:
+    """Whether two model references name the same folder (`./m` and `m/` do) or the same hub name."""
+    first, second = resolve_model_path(first), resolve_model_path(second)
+    if looks_local(first) and looks_local(second):
+        return Path(first).expanduser().resolve() == Path(second).expanduser().resolve()
+    return first == second
+
+
+def check_model_tokenizer(model, tokenizer: PreTrainedTokenizerBase) -> None:
+    """When `model.tokenizer` names another tokenizer than the one saved with the model: a warning naming both, or
+    ConfigError when their vocabularies differ in any string's id (same size or not), since the model's rows would
+    then mean other tokens. A model saved without a tokenizer has nothing to compare against."""
+    if not model.tokenizer or same_source(model.tokenizer, model.name_or_path):
+        return
+    try:
+        own = load_tokenizer(model.name_or_path, model.revision, model.trust_remote_code)
+    except (OSError, ValueError, TypeError):  # no tokenizer files with the model (the usual reason to set model.tokenizer)
+        return
+    try:
+        check_vocab_match(own, tokenizer, f"the tokenizer saved with model.name_or_path={model.name_or_path}",
+                          f"model.tokenizer={model.tokenizer}")
+    except ValueError as err:
+        raise ConfigError(
+            f"model.tokenizer={model.tokenizer}: {err} Set model.tokenizer=null to use the model's own tokenizer, or "
+            f"give one with the same vocabulary"
+        ) from None
+    log.warning(
+        "model.tokenizer=%s is not the tokenizer saved with model.name_or_path=%s; their vocabularies match, so "
+        "training uses %s (its special tokens and chat template)", model.tokenizer, model.name_or_path, model.tokenizer
     )
 
 

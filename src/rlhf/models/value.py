@@ -17,7 +17,7 @@ from transformers.utils import logging as hf_logging
 from rlhf.functional import last_token_index
 from rlhf.trajectory import Trajectories
 from rlhf.models.dtypes import DTYPES
-from rlhf.models.loading import disable_dropout, resolve_model_path, zero_dropout_config
+from rlhf.models.loading import check_weight_files, disable_dropout, resolve_model_path, zero_dropout_config
 
 HEAD_NAMES = ("score", "classifier", "v_head")
 
@@ -47,9 +47,12 @@ def load_value_model(
     trust_remote_code: bool = False,
     device: torch.device | str = "cpu",
     new_head_ok: bool = True,
+    key: str | None = None,
 ) -> torch.nn.Module:
     """A sequence-classification model with one output, dropout off; a head absent from the checkpoint is
-    initialised with std 1/sqrt(hidden + 1), or is an error when ``new_head_ok`` is false (a reward model)."""
+    initialised with std 1/sqrt(hidden + 1), or is an error when ``new_head_ok`` is false (a reward model).
+    ``key`` (e.g. `reward.path`) is the config key errors about damaged weight files name."""
+    check_weight_files(name_or_path, key)
     path = resolve_model_path(name_or_path)
     config = zero_dropout_config(AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code))
     config.num_labels = 1

@@ -3,11 +3,53 @@ penalty."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rlhf import registry
+from rlhf.errors import RewardValueError
 from rlhf.functional import overlong_penalty
 from rlhf.trajectory import Trajectories
+
+# A score beyond this size is a bug, not a signal: squared in a variance it nears float32's overflow (3.4e38) long
+# before 1e38, and no reward in this project's tasks comes within orders of magnitude of it.
+MAX_ABS_SCORE = 1e6
+
+
+def as_score(value) -> float | None:
+    """``value`` as a float when it is a real number (bool, int, float, a numpy or 0-d torch number), else None."""
+    if value is None or isinstance(value, (str, bytes)):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def checked_scores(source: str, scores, rows: int) -> torch.Tensor:
+    """``scores`` (one per row) as a float32 tensor, or RewardValueError naming ``source``, the row and the value
+    when one is not a number, not finite, or larger than MAX_ABS_SCORE. Shape: (rows,)."""
+    if isinstance(scores, torch.Tensor):
+        scores = scores.detach().cpu().reshape(-1).tolist()
+    values = [as_score(value) for value in scores]
+    if len(values) != rows:
+        raise ValueError(f"{source} returned {len(values)} scores for {rows} responses")
+    for row, (value, number) in enumerate(zip(scores, values)):
+        if number is None or not math.isfinite(number) or abs(number) > MAX_ABS_SCORE:
+            what = "not a number" if number is None else "not finite" if not math.isfinite(number) else "too large"
+            raise RewardValueError(
+                f"{source} scored row {row} {value!r} ({type(value).__name__}): {what}; every score must be a finite "
+                f"number with |score| <= {MAX_ABS_SCORE:g}, so the step stopped before training on it. Fix the "
+                f"scoring (return a float per response, e.g. 0.0 where there is nothing to score)"
+            )
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def function_label(name: str, fn) -> str:
+    """How an error names a reward function: its config name and where it is defined."""
+    where = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+    return f"reward function {name!r}" + (f" ({where})" if where != name else "")
 
 
 class RewardSet:
@@ -30,6 +72,13 @@ class RewardSet:
     def verifiers(self) -> list[str]:
         """Names of the functions that check correctness against a ground truth."""
         return [name for name, _, _, fn in self.functions if getattr(fn, "is_verifier", False)]
+
+    def source_names(self) -> str:
+        """The scores summed into a reward, for error messages: `reward.functions` names and the reward model."""
+        names = [f"{name} (weight {weight:g})" for name, weight, _, _ in self.functions]
+        if self.model is not None:
+            names.append(f"the reward model (weight {self.cfg.model_weight:g})")
+        return "reward " + ", ".join(names)
 
     def state_dict(self) -> dict:
         """The reward model's running score statistics (normalisation must continue where it stopped)."""
@@ -54,9 +103,7 @@ class RewardSet:
         metrics: dict[str, float] = {}
         for name, weight, args, fn in self.functions:
             scores = fn(prompts=prompts, responses=responses, ground_truths=ground_truths, **args)
-            values = torch.tensor(scores, dtype=torch.float32)
-            if values.shape != total.shape:
-                raise ValueError(f"reward function {name!r} returned {values.numel()} scores for {len(responses)} responses")
+            values = checked_scores(function_label(name, fn), scores, len(responses))
             total += weight * values
             metrics[f"reward/{name}"] = values.mean().item()
             # a function returning `rules.Scores` reports more: reward/<name>_<metric>
@@ -73,6 +120,7 @@ class RewardSet:
             shaping = self.overlong_shaping(batch)
             total += shaping
             metrics["reward/overlong_penalty"] = shaping.mean().item()
+        checked_scores(f"the weighted sum of {self.source_names()}", total, len(responses))
         if self.cfg.non_stop_penalty:
             total = torch.where(stopped, total, torch.full_like(total, self.cfg.penalty_reward_value))
         if has_verifier:  # a truncated response is never counted correct, whatever its text

@@ -6,6 +6,7 @@ import torch
 
 from rlhf.models.logprobs import in_chunks
 from rlhf.models.value import load_value_model, sequence_scores
+from rlhf.rewards.combine import checked_scores
 from rlhf.trajectory import Trajectories
 
 
@@ -46,7 +47,8 @@ class RewardModelScorer:
         self.chunk = chunk
         self.remote_scores = remote_scores
         if remote_scores is None:
-            self.model = load_value_model(cfg.path, dtype, None, False, device, new_head_ok=False).eval()
+            model = load_value_model(cfg.path, dtype, None, False, device, new_head_ok=False, key="reward.path")
+            self.model = model.eval()
             self.model.requires_grad_(False)
         self.moments = RunningMoments()
 
@@ -59,6 +61,8 @@ class RewardModelScorer:
     def score(self, batch: Trajectories, update_stats: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
         """(scores (B,) after normalisation and clipping, metrics); evaluation passes ``update_stats=False``."""
         raw = self.raw_scores(batch).cpu()
+        # checked before the running moments see it: they are checkpointed, and one NaN would stay in them for good
+        checked_scores(f"the reward model reward.path={self.cfg.path}", raw, raw.shape[0])
         scores = raw
         if self.cfg.normalize:
             if update_stats:

@@ -1,0 +1,141 @@
+"""Reading local prompt files (JSON Lines, JSON, Parquet) with errors that name the key, the file, the line and the fix.
+
+JSON and JSON Lines are parsed here line by line (not by `datasets`), so a malformed line is reported by its
+number, or counted and skipped with `dataset.strict=false`, instead of failing as a library traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlhf.errors import ConfigError
+
+LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+LOCAL_PREFIXES = ("/", "./", "../", "~")
+
+
+@dataclass
+class FileRows:
+    """The rows read from a source's files, and the malformed lines skipped (``strict=false`` only)."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)  # a `datasets` split (indexable the same way) for Parquet
+    skipped: list[str] = field(default_factory=list)  # "<file> line <n>: <why>", one per malformed line
+
+
+def looks_local(path: str) -> bool:
+    """Whether a dataset path is meant as a local file or folder rather than a hub name like `openai/gsm8k`."""
+    return path.startswith(LOCAL_PREFIXES) or Path(path).suffix in LOCAL_FORMATS
+
+
+def missing_path_error(key: str, path: str) -> ConfigError:
+    """The error for a local-looking path that does not exist (never a hub lookup)."""
+    return ConfigError(
+        f"{key}.path={path}: no such file or folder, relative to {os.getcwd()} (the launch folder); give an existing "
+        f".jsonl, .json or .parquet file or a folder of them, or a hub dataset name such as openai/gsm8k"
+    )
+
+
+def _line_error(key: str, file: Path, number: int, why: str) -> ConfigError:
+    return ConfigError(
+        f"{key}.path: {file} line {number}: {why}; fix or delete that line (every line must be one JSON object), "
+        f"or set dataset.strict=false to count and skip malformed lines"
+    )
+
+
+def _not_text_error(key: str, file: Path, number: int, why: str) -> ConfigError:
+    return ConfigError(
+        f"{key}.path: {file} is not a JSON Lines file (line {number}: {why}); give a UTF-8 text file with one JSON "
+        f"object per line, or a .parquet file"
+    )
+
+
+def _parse_line(raw: bytes) -> dict[str, Any]:
+    """One JSON Lines line as a row; ValueError says why it is not one."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"not UTF-8 text (byte {err.start})") from None
+    if "\x00" in text:
+        raise ValueError("binary data (a NUL byte)")
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"not valid JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"a JSON {type(row).__name__}, not an object")
+    return row
+
+
+def _json_array_rows(data: bytes, key: str, file: Path) -> list[dict[str, Any]]:
+    """The rows of a .json file holding one JSON array of objects; ConfigError naming the line where it breaks."""
+    try:
+        whole = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise _not_text_error(key, file, data[: err.start].count(b"\n") + 1, "not UTF-8 text") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(
+            f"{key}.path: {file} line {err.lineno}: not valid JSON ({err.msg} at column {err.colno}); a .json file "
+            f"that starts with `[` must be one JSON array of objects (or use JSON Lines, one object per line)"
+        ) from None
+    if not all(isinstance(row, dict) for row in whole):
+        raise ConfigError(f"{key}.path: {file} is a JSON array whose items are not all objects; give one object per row")
+    return whole
+
+
+def read_json_rows(file: Path, key: str, strict: bool) -> FileRows:
+    """Rows of a JSON Lines file (or a .json array); malformed lines raise ConfigError, or are skipped if not strict."""
+    data = file.read_bytes()
+    if not data.strip():
+        raise ConfigError(f"{key}.path: {file} is empty; give a JSON Lines file with one JSON object per line")
+    if file.suffix == ".json" and data.lstrip().startswith(b"["):
+        return FileRows(rows=_json_array_rows(data, key, file))
+    out, first_bad = FileRows(), 0
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        try:
+            out.rows.append(_parse_line(raw))
+        except ValueError as err:
+            if not (out.rows or out.skipped) and ("UTF-8" in str(err) or "binary" in str(err)):
+                raise _not_text_error(key, file, number, str(err)) from None  # whatever dataset.strict says
+            if strict:
+                raise _line_error(key, file, number, str(err)) from None
+            first_bad = first_bad or number
+            out.skipped.append(f"{file} line {number}: {err}")
+    if not out.rows:
+        raise _not_text_error(key, file, first_bad, "no line is a JSON object")
+    return out
+
+
+def read_parquet(file: Path, key: str):
+    """A Parquet file as a `datasets` split; a file pyarrow cannot read raises ConfigError naming it."""
+    from datasets import load_dataset  # 1.5 s to import: only runs that read a Parquet file pay it
+    from datasets.exceptions import DatasetGenerationError
+
+    try:
+        return load_dataset("parquet", data_files=str(file), split="train")
+    except (ValueError, OSError, DatasetGenerationError) as err:  # pyarrow's ArrowInvalid is a ValueError
+        reason = str(err.__cause__ or err).strip().splitlines()
+        raise ConfigError(
+            f"{key}.path: {file} is not a readable Parquet file ({reason[0] if reason else type(err).__name__}); "
+            f"rewrite it (e.g. with pyarrow.parquet.write_table) or give a .jsonl file"
+        ) from None
+
+
+def read_files(files: list[Path], key: str, strict: bool) -> FileRows:
+    """The rows of ``files`` (one split's shards, in order, all of one format), concatenated."""
+    if files[0].suffix == ".parquet":
+        from datasets import concatenate_datasets
+
+        parts = [read_parquet(file, key) for file in files]
+        return FileRows(rows=parts[0] if len(parts) == 1 else concatenate_datasets(parts))
+    out = FileRows()
+    for file in files:
+        part = read_json_rows(file, key, strict)
+        out.rows += part.rows
+        out.skipped += part.skipped
+    return out

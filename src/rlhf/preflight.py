@@ -1,0 +1,212 @@
+"""Checks made before any model loads, so a run fails in seconds rather than after hours of training.
+
+Every folder the run will write (run folder, `checkpoint.dir`, the exported model, `train_reward`'s `save_dir`)
+must be writable and have room for what it receives: a checkpoint is estimated from the models' parameter counts
+(read from their configs on the meta device, no weights) times the weights and AdamW's two moments. Too little
+room warns; far too little refuses. A resumed run compares its config with the one its checkpoint recorded: the
+changes are listed, and those that break exact resume are refused unless `checkpoint.allow_config_change`.
+"""
+
+from __future__ import annotations
+
+import errno
+import fnmatch
+import functools
+import json
+import logging
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from omegaconf import OmegaConf
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from rlhf.algorithms import build_algorithm
+from rlhf.checkpoint import CONFIG_FILE, STATE_FILE, free_bytes, megabytes
+from rlhf.errors import ConfigError
+from rlhf.models.dtypes import DTYPES
+from rlhf.models.loading import resolve_model_path
+
+log = logging.getLogger("rlhf")
+
+REFUSE_BELOW = 0.25  # free space under this share of the estimate refuses the run; under the whole estimate, a warning
+STATE_COPIES = 3  # a trained parameter's checkpoint: its weight and AdamW's two moments, each in the model's dtype
+# keys whose change makes a resumed run diverge from the run it continues
+EXACT_RESUME_KEYS = ("seed", "train.*batch*", "train.prompts_per_step", "algorithm.*")
+NOT_COMPARED = ("resume",)  # keys expected to differ between a run and its resumption
+ABSENT = "<absent>"
+
+
+@dataclass(frozen=True)
+class Output:
+    """A folder the run writes: the key that names it, where a test file goes, and the bytes it must take in."""
+
+    key: str  # the config key that chooses the folder, for messages
+    path: Path  # the folder itself
+    probe: Path  # where writing is tried: the folder, or the parent an atomic export is assembled in
+    what: str = ""  # what it receives, for messages ("a checkpoint")
+    needed: int | None = None  # bytes it must hold; None when unknown or small
+
+
+def check_outputs(outputs: list[Output]) -> None:
+    """Each output's folder is writable and has room for what it receives (ConfigError otherwise)."""
+    for output in outputs:
+        check_writable(output.key, output.probe, output.path)
+        if output.needed:
+            check_space(output)
+
+
+def check_writable(key: str, folder: Path, shown: Path | None = None) -> None:
+    """Create ``folder`` (if missing) and a temporary file in it, then remove both; ConfigError naming ``key`` and
+    ``shown`` (the folder the key names, when the run writes into its parent first)."""
+    folder = Path(folder)
+    made = []  # folders this check creates, deepest first, removed again so it leaves no trace
+    for path in (folder, *folder.parents):
+        if path.exists():
+            break
+        made.append(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".rlhf-write-test-"):
+            pass
+    except OSError as err:
+        reason = f"{err.filename} is a file, not a folder" if err.errno == errno.EEXIST else err.strerror or err
+        raise ConfigError(
+            f"{key}={shown or folder} is not writable: {reason}; choose a folder this user can write to"
+        ) from None
+    finally:
+        for path in made:
+            try:
+                path.rmdir()
+            except OSError:
+                pass
+
+
+def check_space(output: Output) -> None:
+    """Warn when ``output.path`` has less room than ``output.needed``; ConfigError when far less (`REFUSE_BELOW`)."""
+    free = free_bytes(output.path)
+    if free >= output.needed:
+        return
+    text = (
+        f"{output.key}={output.path}: no space for {output.what}: needs about {megabytes(output.needed)} MB, "
+        f"{megabytes(free)} MB free"
+    )
+    if free < output.needed * REFUSE_BELOW:
+        raise ConfigError(f"{text}; free some space there or point {output.key} at another disk")
+    log.warning("%s; the run may fail when it saves", text)
+
+
+@functools.lru_cache(maxsize=8)
+def parameter_count(name_or_path: str, revision: str | None = None, trust_remote_code: bool = False) -> int | None:
+    """Parameters of the model ``name_or_path`` from its config alone (built on the meta device: no memory, no
+    weights read); None when its config cannot be read here (a hub name offline: `from_pretrained` reports it)."""
+    try:
+        config = AutoConfig.from_pretrained(
+            resolve_model_path(name_or_path), revision=revision, trust_remote_code=trust_remote_code
+        )
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception as err:  # noqa: BLE001 -- a size estimate must never be what stops a run
+        log.info("no checkpoint size estimate for %s (%s); free space is not checked", name_or_path, err)
+        return None
+    return sum(p.numel() for p in model.parameters())
+
+
+def dtype_bytes(dtype: str) -> int:
+    return torch.empty((), dtype=DTYPES[dtype]).element_size()
+
+
+def checkpoint_bytes(cfg) -> int | None:
+    """About how many bytes one checkpoint of `rlhf.train` takes: policy (and critic) weights and AdamW moments."""
+    model = cfg.model
+    policy = parameter_count(model.name_or_path, model.revision, model.trust_remote_code)
+    if policy is None:
+        return None
+    trained = policy
+    if build_algorithm(cfg.algorithm, cfg.generator.max_new_tokens).needs_critic:
+        critic_source = cfg.critic.name_or_path or cfg.reward.path or model.name_or_path
+        critic = parameter_count(critic_source, None, model.trust_remote_code)
+        trained += critic if critic is not None else policy
+    return trained * STATE_COPIES * dtype_bytes(model.dtype)
+
+
+def train_outputs(cfg, out: Path, root: Path, checkpoint_size: int | None) -> list[Output]:
+    """The folders `rlhf.train` writes: the run folder, `checkpoint.dir`, and `<run folder>/final_model`."""
+    outputs = [
+        Output("hydra.run.dir", out, out),
+        Output("checkpoint.dir", root, root, "a checkpoint", checkpoint_size),
+    ]
+    if cfg.checkpoint.save_final_model:
+        export = checkpoint_size and checkpoint_size // STATE_COPIES  # the policy's weights (with a critic: over)
+        outputs.append(Output("checkpoint.save_final_model", out / "final_model", out, "the exported model", export))
+    return outputs
+
+
+def reward_outputs(cfg, out: Path, save_dir: Path) -> list[Output]:
+    """The folders `rlhf.train_reward` writes: the run folder and `save_dir` (float32 weights)."""
+    params = parameter_count(cfg.model.name_or_path, cfg.model.revision, cfg.model.trust_remote_code)
+    needed = params * dtype_bytes("float32") if params is not None else None
+    reward_model = Output("save_dir", save_dir, save_dir.parent, "the reward model", needed)
+    return [Output("hydra.run.dir", out, out), reward_model]
+
+
+def resolved(cfg) -> dict:
+    """The config as plain data, interpolations resolved: what a checkpoint records and resume compares."""
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def config_text(cfg) -> str:
+    """The resolved config as YAML, for a checkpoint's `config.yaml`."""
+    return yaml.safe_dump(resolved(cfg), sort_keys=False)
+
+
+def flatten(node, prefix: str = "") -> dict:
+    """{"train.lr": 1e-3, ...}: nested mappings as dotted keys (lists stay whole values)."""
+    if isinstance(node, dict) and node:
+        return {key: value for name, child in node.items() for key, value in flatten(child, f"{prefix}{name}.").items()}
+    return {prefix[:-1]: node}
+
+
+def config_changes(recorded: dict, current: dict) -> dict[str, tuple]:
+    """{dotted key: (recorded value, current value)} for every key that differs (`ABSENT` where one lacks it)."""
+    old, new = flatten(recorded), flatten(current)
+    keys = sorted((old.keys() | new.keys()) - set(NOT_COMPARED))
+    return {k: (old.get(k, ABSENT), new.get(k, ABSENT)) for k in keys if old.get(k, ABSENT) != new.get(k, ABSENT)}
+
+
+def breaks_exact_resume(key: str) -> bool:
+    return any(fnmatch.fnmatchcase(key, pattern) for pattern in EXACT_RESUME_KEYS)
+
+
+def check_resume(cfg, path: Path) -> None:
+    """A resume from checkpoint ``path`` continues its training: `train.num_steps` reaches its step, and the keys
+    that exact resume needs (`EXACT_RESUME_KEYS`) match its `config.yaml` unless `checkpoint.allow_config_change`.
+    Every changed key is logged."""
+    step = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))["step"]
+    if cfg.train.num_steps < step:
+        raise ConfigError(
+            f"train.num_steps={cfg.train.num_steps} is below step {step} of the checkpoint {path} this run resumes "
+            f"from; set train.num_steps >= {step}, or resume from an earlier step_* folder"
+        )
+    recorded = path / CONFIG_FILE
+    if not recorded.is_file():
+        log.warning("resume: %s records no config (an older checkpoint); changed keys are not checked", path)
+        return
+    changes = config_changes(yaml.safe_load(recorded.read_text(encoding="utf-8")), resolved(cfg))
+    if not changes:
+        return
+    listed = "; ".join(f"{key}: {old} -> {new}" for key, (old, new) in changes.items())
+    log.warning("resume: %d keys differ from the config step %d ran with (%s): %s",
+                len(changes), step, recorded, listed)
+    breaking = [f"{key}: {changes[key][0]} -> {changes[key][1]}" for key in changes if breaks_exact_resume(key)]
+    if not breaking:
+        return
+    if not cfg.checkpoint.allow_config_change:
+        raise ConfigError(
+            f"resume from {path}: {'; '.join(breaking)} changed since step {step}; the resumed run would not continue "
+            f"the same training (exact resume needs the same seed, batch sizes and algorithm). Put them back, or set "
+            f"checkpoint.allow_config_change=true to go on with the new values"
+        )
+    log.warning("resume: checkpoint.allow_config_change=true: continuing with %s", "; ".join(breaking))

@@ -1,0 +1,319 @@
+"""Bad dataset files never end a run with a library traceback, and a broken cache never blocks the next run.
+
+A corrupt cache entry is deleted and rebuilt (naming the file); an empty, binary or malformed JSON Lines / Parquet
+file is a ConfigError naming the key, the file, the line and the fix (with dataset.strict=false a malformed line is
+counted and skipped like any bad row); a local-looking path that does not exist never reaches the hub; and
+dataset.max_prompt_length must leave room for generator.max_new_tokens in the model's context.
+Every test runs in its own folder, with `datasets`' cache there and the hub switched off.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import datasets
+import pytest
+from omegaconf import OmegaConf
+
+from rlhf.build import build_components
+from rlhf.config import ConfigError, compose_config, validate
+from rlhf.config.schema import DatasetConfig, DataSourceConfig
+from rlhf.data import cache as dataset_cache
+from rlhf.data.context import check_prompt_budget, model_context
+from rlhf.data.mix import mixed_dataset
+
+
+@pytest.fixture(autouse=True)
+def _local_only(tmp_path, monkeypatch):
+    """Run in the test's folder, keep `datasets`' own cache there, and switch the hub off."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+
+
+def write_jsonl(path: str, lines: list[str]) -> str:
+    """Write ``lines`` (already JSON, or deliberately not) one per line; returns the path."""
+    Path(path).write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def good_lines(n: int) -> list[str]:
+    """``n`` JSON Lines rows `{"prompt": "a+1="}`."""
+    return [json.dumps({"prompt": f"{a}+1="}) for a in range(n)]
+
+
+def path_cfg(path: str, **overrides):
+    """A typed `mix` config reading `dataset.path` (cache in ./cache)."""
+    values = dict(chat_template="simple_concat_with_space", max_prompt_length=64, cache_dir="cache") | overrides
+    return OmegaConf.structured(DatasetConfig(name="mix", path=path, **values))
+
+
+def one_paragraph(err: pytest.ExceptionInfo) -> str:
+    """The error's message, checked to be one paragraph (no traceback, no second line)."""
+    message = str(err.value)
+    assert "\n" not in message and "Traceback" not in message
+    return message
+
+
+# --- 1. the tokenised-prompt cache ----------------------------------------------------------------------
+
+
+def cache_file() -> Path:
+    """The one cache entry in ./cache."""
+    [path] = Path("cache").glob("*.json")
+    return path
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        pytest.param(lambda text: text[: len(text) // 2], id="truncated"),
+        pytest.param(lambda text: "", id="empty"),
+        pytest.param(lambda text: "[]", id="a-list"),
+        pytest.param(lambda text: json.dumps({"train": "x", "eval": [], "report": {"sources": []}}), id="wrong-rows"),
+        pytest.param(lambda text: json.dumps(json.loads(text) | {"train": [["0+1=", ["a"], None]]}), id="wrong-ids"),
+        pytest.param(lambda text: json.dumps({k: v for k, v in json.loads(text).items() if k != "report"}), id="no-report"),
+    ],
+)
+def test_corrupt_cache_entry_is_deleted_and_rebuilt(tokenizer, caplog, damage):
+    """A truncated or wrongly shaped cache file is named in a warning, deleted and rebuilt; the rebuild is then a hit."""
+    write_jsonl("p.jsonl", good_lines(3))
+    first = mixed_dataset(path_cfg("p.jsonl"), tokenizer, 1)
+    path = cache_file()
+    path.write_text(damage(path.read_text()))
+    with caplog.at_level(logging.INFO, logger="rlhf"):
+        rebuilt = mixed_dataset(path_cfg("p.jsonl"), tokenizer, 1)
+    warning = next(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert f"dataset cache {path} is corrupt" in warning and "deleting it and rebuilding" in warning
+    assert rebuilt.report["cache"] == "miss" and rebuilt.train == first.train
+    again = mixed_dataset(path_cfg("p.jsonl"), tokenizer, 1)
+    assert again.report["cache"] == "hit" and again.train == first.train
+
+
+def test_binary_cache_entry_is_rebuilt(tokenizer, caplog):
+    """A cache file of non-UTF-8 bytes is rebuilt like any corrupt one."""
+    write_jsonl("p.jsonl", good_lines(2))
+    mixed_dataset(path_cfg("p.jsonl"), tokenizer, 1)
+    cache_file().write_bytes(b"\xff\xfe\x00garbage")
+    with caplog.at_level(logging.WARNING, logger="rlhf"):
+        assert mixed_dataset(path_cfg("p.jsonl"), tokenizer, 1).report["cache"] == "miss"
+    assert "is corrupt" in caplog.text and json.loads(cache_file().read_text())["train"]
+
+
+def test_cache_write_is_atomic(tokenizer, monkeypatch, caplog):
+    """A write that fails before the rename leaves no cache entry and no temp file; the run keeps its prompts."""
+    write_jsonl("p.jsonl", good_lines(2))
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(dataset_cache.os, "replace", full_disk)
+    with caplog.at_level(logging.WARNING, logger="rlhf"):
+        splits = mixed_dataset(path_cfg("p.jsonl"), tokenizer, 1)
+    assert [e.text for e in splits.train] == ["0+1=", "1+1="]
+    assert list(Path("cache").iterdir()) == []
+    assert "not written (" in caplog.text and "No space left on device" in caplog.text
+
+
+# --- 2. empty, binary and malformed files ---------------------------------------------------------------
+
+
+def test_empty_jsonl_names_the_file(tokenizer):
+    Path("p.jsonl").write_text("\n  \n")
+    with pytest.raises(ConfigError) as err:
+        mixed_dataset(path_cfg("p.jsonl"), tokenizer, 1)
+    assert one_paragraph(err) == (
+        "dataset.path: p.jsonl is empty; give a JSON Lines file with one JSON object per line"
+    )
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        pytest.param(gzip.compress(b'{"prompt": "1+1="}\n' * 50), "line 1: not UTF-8 text (byte 1)", id="gzipped"),
+        pytest.param(b"\x00\x01\x02\x03data\n" * 10, "line 1: binary data (a NUL byte)", id="nul-bytes"),
+    ],
+)
+def test_binary_jsonl_names_the_file_and_line(tokenizer, strict, content, why):
+    """A binary file is an error whatever dataset.strict says: it is not a file of lines to skip."""
+    Path("p.jsonl").write_bytes(content)
+    with pytest.raises(ConfigError) as err:
+        mixed_dataset(path_cfg("p.jsonl", strict=strict), tokenizer, 1)
+    assert one_paragraph(err) == (
+        f"dataset.path: p.jsonl is not a JSON Lines file ({why}); give a UTF-8 text file with one JSON object per "
+        "line, or a .parquet file"
+    )
+
+
+def test_a_file_with_no_object_names_its_first_line(tokenizer):
+    """strict=false, every line text but none an object: the file itself is the error."""
+    write_jsonl("p.jsonl", ["", "[1]", "2"])
+    with pytest.raises(ConfigError, match=r"^dataset\.path: p\.jsonl is not a JSON Lines file \(line 2: no line is a JSON"):
+        mixed_dataset(path_cfg("p.jsonl"), tokenizer, 1)
+
+
+def test_a_non_utf8_line_among_good_ones_is_skipped(tokenizer):
+    """strict=false: one line of stray bytes after good lines is a bad row like any other."""
+    Path("p.jsonl").write_bytes("\n".join(good_lines(2)).encode() + b"\n\xff\xfe oops\n")
+    splits = mixed_dataset(path_cfg("p.jsonl"), tokenizer, 1)
+    assert splits.report["sources"][0]["bad_examples"] == ["p.jsonl line 3: not UTF-8 text (byte 0)"]
+
+
+def test_malformed_line_strict_names_the_file_and_line(tokenizer):
+    """strict=true: the first malformed line stops the run, named by file and 1-based line number, with the fix."""
+    lines = good_lines(4)
+    lines[2] = '{"prompt": "2+1=", '  # cut short
+    write_jsonl("p.jsonl", lines)
+    with pytest.raises(ConfigError) as err:
+        mixed_dataset(path_cfg("p.jsonl", strict=True), tokenizer, 1)
+    message = one_paragraph(err)
+    assert message.startswith("dataset.path: p.jsonl line 3: not valid JSON (")
+    assert message.endswith("or set dataset.strict=false to count and skip malformed lines")
+
+
+@pytest.mark.parametrize(
+    ("bad_line", "why"),
+    [
+        ('{"prompt": "x"', "not valid JSON"),
+        ("[1, 2]", "a JSON list, not an object"),
+        ('"just a string"', "a JSON str, not an object"),
+    ],
+)
+def test_malformed_lines_are_counted_and_skipped(tokenizer, caplog, bad_line, why):
+    """strict=false: a malformed line is a bad row, counted in the report and logged with its line number."""
+    lines = good_lines(3)
+    lines.insert(1, bad_line)
+    write_jsonl("p.jsonl", lines)
+    with caplog.at_level(logging.INFO, logger="rlhf"):
+        splits = mixed_dataset(path_cfg("p.jsonl"), tokenizer, 1)
+    assert [e.text for e in splits.train] == ["0+1=", "1+1=", "2+1="]
+    [report] = splits.report["sources"]
+    assert (report["rows"], report["bad_rows"], report["kept"]) == (4, 1, 3)
+    assert report["bad_examples"][0].startswith(f"p.jsonl line 2: {why}")
+    assert "p.jsonl[train]: 4 rows, 1 bad" in caplog.text and "p.jsonl line 2: " in caplog.text
+
+
+def test_malformed_line_in_a_train_source_names_that_key(tokenizer):
+    """A source listed in dataset.train is named by its own key."""
+    write_jsonl("a.jsonl", good_lines(2))
+    write_jsonl("b.jsonl", [*good_lines(2), "{oops"])
+    cfg = path_cfg(None, train=[DataSourceConfig(path="a.jsonl"), DataSourceConfig(path="b.jsonl")], strict=True)
+    with pytest.raises(ConfigError, match=r"^dataset\.train\[1\]\.path: b\.jsonl line 3: not valid JSON"):
+        mixed_dataset(cfg, tokenizer, 1)
+
+
+def test_json_array_file_still_reads(tokenizer):
+    """A .json file holding one array of objects reads as rows (as `datasets` read it)."""
+    Path("p.json").write_text(json.dumps([{"prompt": "1+1="}, {"prompt": "2+1="}]))
+    assert [e.text for e in mixed_dataset(path_cfg("p.json"), tokenizer, 1).train] == ["1+1=", "2+1="]
+
+
+def test_truncated_json_array_names_the_line(tokenizer):
+    """A .json array cut short is named by file and line, whatever dataset.strict says (it is one value)."""
+    Path("p.json").write_text('[\n{"prompt": "1+1="},\n{"prompt": "2+')
+    with pytest.raises(ConfigError) as err:
+        mixed_dataset(path_cfg("p.json"), tokenizer, 1)
+    assert one_paragraph(err).startswith("dataset.path: p.json line 3: not valid JSON (Unterminated string")
+
+
+@pytest.mark.parametrize("content", [b"", b'{"prompt": "1+1="}\n', b"PAR1\x00\x01truncated"])
+def test_unreadable_parquet_names_the_file(tokenizer, content):
+    """An empty, non-Parquet or truncated .parquet file is a ConfigError naming it, not pyarrow's traceback."""
+    Path("p.parquet").write_bytes(content)
+    with pytest.raises(ConfigError) as err:
+        mixed_dataset(path_cfg("p.parquet"), tokenizer, 1)
+    message = one_paragraph(err)
+    assert message.startswith("dataset.path: p.parquet is not a readable Parquet file (")
+    assert message.endswith("rewrite it (e.g. with pyarrow.parquet.write_table) or give a .jsonl file")
+
+
+# --- 3. local-looking paths that do not exist -------------------------------------------------------------
+
+
+@pytest.fixture
+def no_hub(monkeypatch):
+    """`datasets.load_dataset` records its calls and fails, as an offline hub lookup would."""
+    calls = []
+
+    def load_dataset(*args, **kwargs):
+        calls.append(args)
+        raise ConnectionError("the hub was asked")
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "path", ["prompts.jsonl", "data/train.parquet", "p.json", "./data", "../elsewhere", "~/no/such", "/no/such"]
+)
+def test_missing_local_path_never_asks_the_hub(tokenizer, no_hub, path):
+    with pytest.raises(ConfigError) as err:
+        mixed_dataset(path_cfg(path), tokenizer, 1)
+    assert one_paragraph(err).startswith(f"dataset.path={path}: no such file or folder, relative to {os.getcwd()} ")
+    assert no_hub == []
+
+
+def test_hub_names_still_go_to_the_hub(tokenizer, no_hub):
+    with pytest.raises(ConnectionError, match="the hub was asked"):
+        mixed_dataset(path_cfg(None, train=[DataSourceConfig(path="openai/gsm8k", subset="main")]), tokenizer, 1)
+    assert no_hub == [("openai/gsm8k", "main")]
+
+
+# --- 4. prompts and the model's context ------------------------------------------------------------------
+
+
+def test_context_is_read_from_the_model_config_alone(tmp_path, long_model_dir):
+    """model_context reads max_position_embeddings from config.json: a folder without weights still answers."""
+    folder = tmp_path / "config_only"
+    folder.mkdir()
+    shutil.copy(Path(long_model_dir) / "config.json", folder / "config.json")
+    model = OmegaConf.create({"name_or_path": str(folder), "revision": None, "trust_remote_code": False})
+    assert model_context(model) == 300
+    assert model_context(compose_config([]).model) == 64  # builtin:tiny_arith
+
+
+def test_prompt_limit_beyond_the_context_names_both_keys():
+    """The jsonl preset's 512-token limit cannot fit the 64-position tiny model with a 4-token response."""
+    cfg = compose_config(["dataset=jsonl", "dataset.path=p.jsonl"])
+    context = model_context(cfg.model)
+    with pytest.raises(ConfigError) as err:
+        check_prompt_budget(cfg.dataset.max_prompt_length, cfg.generator.max_new_tokens, context, cfg.model.name_or_path)
+    assert one_paragraph(err) == (
+        "dataset.max_prompt_length=512 + generator.max_new_tokens=4 = 516 tokens exceeds the 64-token context of "
+        "model.name_or_path=builtin:tiny_arith (max_position_embeddings); set dataset.max_prompt_length<=60 "
+        "(longer prompts are then dropped and counted) or lower generator.max_new_tokens"
+    )
+
+
+def test_prompt_limit_that_fits_exactly_passes():
+    check_prompt_budget(60, 4, 64, "m")
+    with pytest.raises(ConfigError, match=r"dataset\.max_prompt_length=61 \+ generator\.max_new_tokens=4 = 65 tokens"):
+        check_prompt_budget(61, 4, 64, "m")
+    check_prompt_budget(10**6, 4, None, "m")  # a config without a context length is not checked
+
+
+def test_response_budget_filling_the_context_is_an_error():
+    with pytest.raises(ConfigError, match=r"^generator\.max_new_tokens=64 leaves no room for a prompt in model\.name_or_"):
+        check_prompt_budget(1, 64, 64, "m")
+
+
+def test_run_with_too_long_a_prompt_limit_stops_before_models_load(monkeypatch):
+    """Through build_components: the limit is refused after the (cheap) data load and before any weights load."""
+    write_jsonl("p.jsonl", [json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1)}) for a in range(4)])
+    cfg = compose_config([
+        "dataset=jsonl", "dataset.path=p.jsonl", "dataset.ground_truth_key=answer", "dataset.cache_dir=cache",
+        "dataset.chat_template=simple_concat_with_space", "dataset.max_prompt_length=61",
+    ])
+
+    def no_models(*args, **kwargs):
+        raise AssertionError("models were built")
+
+    monkeypatch.setattr("rlhf.build.build_local_models", no_models)
+    with pytest.raises(ConfigError, match=r"^dataset\.max_prompt_length=61 \+ generator\.max_new_tokens=4 = 65 tokens"):
+        build_components(cfg, validate(cfg))

@@ -1,0 +1,158 @@
+"""A run never starts where it cannot save, and a full disk is named as such: before any model loads, the run
+folder, `checkpoint.dir` and the export folder are tried for writing and for room for a checkpoint (estimated from
+the model config); a save that hits ENOSPC raises NoSpaceError naming the folder, the room needed and the room free."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import shutil
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+
+from rlhf import checkpoint, preflight
+from rlhf.config import ConfigError, compose_config
+from rlhf.errors import NoSpaceError
+from rlhf.hf_folder import save_hf_folder
+from rlhf.models.loading import load_causal_lm, load_tokenizer
+from rlhf.train import train
+
+SMALL = [
+    "train.prompts_per_step=4", "algorithm.num_samples_per_prompt=2", "eval.num_samples=0", "eval.greedy=false",
+    "logging.tensorboard=false",
+]
+Usage = namedtuple("Usage", "total used free")
+
+
+class NoModelLoaded(Exception):
+    """Raised in place of building the models: the checks under test passed."""
+
+
+@pytest.fixture
+def no_models(monkeypatch):
+    def refuse(*_):
+        raise NoModelLoaded
+
+    monkeypatch.setattr("rlhf.train.build_components", refuse)
+
+
+def free_space(monkeypatch, free: int) -> None:
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10 * free + 1, 0, free))
+
+
+def test_the_estimate_covers_a_real_checkpoint(tmp_path):
+    """Weights plus AdamW's two moments per parameter: within 20% of what a saved checkpoint takes."""
+    cfg = compose_config([*SMALL, "train.num_steps=1", "checkpoint.every=1", "checkpoint.save_final_model=false"])
+    train(cfg, tmp_path)
+    saved = checkpoint.tree_bytes(checkpoint.complete_checkpoints(tmp_path / "checkpoints")[-1])
+    assert 0.8 * saved <= preflight.checkpoint_bytes(cfg) <= 1.2 * saved
+
+
+def test_far_too_little_space_refuses_before_any_model_loads(tmp_path, monkeypatch, no_models):
+    cfg = compose_config([*SMALL, "train.num_steps=1"])
+    needed = preflight.checkpoint_bytes(cfg)
+    free_space(monkeypatch, needed // 10)
+    with pytest.raises(ConfigError, match=r"no space for a checkpoint: needs about [\d.]+ MB, [\d.]+ MB free") as err:
+        train(cfg, tmp_path / "run")
+    assert str(err.value).startswith(f"checkpoint.dir={tmp_path / 'run' / 'checkpoints'}: ")
+    assert not (tmp_path / "run").exists(), "the checks left folders behind"
+
+
+def test_a_little_too_little_space_warns_and_goes_on(tmp_path, monkeypatch, no_models, caplog):
+    cfg = compose_config([*SMALL, "train.num_steps=1"])
+    free_space(monkeypatch, preflight.checkpoint_bytes(cfg) // 2)
+    with caplog.at_level(logging.WARNING, logger="rlhf"), pytest.raises(NoModelLoaded):
+        train(cfg, tmp_path / "run")
+    warnings = [r.getMessage() for r in caplog.records if "no space for a checkpoint" in r.getMessage()]
+    assert len(warnings) == 1 and "the run may fail when it saves" in warnings[0]
+
+
+@pytest.mark.parametrize("key", ["checkpoint.dir", "hydra.run.dir"])
+def test_an_unwritable_folder_is_refused_naming_the_key(tmp_path, no_models, key):
+    """A folder under a regular file cannot be made, even by root (for whom chmod would not block writes)."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    folder = blocker / "sub"
+    run_dir, extra = (folder, []) if key == "hydra.run.dir" else (tmp_path / "run", [f"checkpoint.dir={folder}"])
+    with pytest.raises(ConfigError, match=f"{key}={folder} is not writable: Not a directory"):
+        train(compose_config([*SMALL, "train.num_steps=1", *extra]), run_dir)
+
+
+def test_a_full_disk_during_a_checkpoint_names_it_and_keeps_the_previous_one(tmp_path, monkeypatch):
+    write = checkpoint._write_state
+
+    def fill_disk_at_step_2(c, tmp, step, *args):
+        write(c, tmp, step, *args)
+        if step == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "_write_state", fill_disk_at_step_2)
+    cfg = compose_config([*SMALL, "train.num_steps=3", "checkpoint.every=1", "checkpoint.keep_last=0"])
+    root = tmp_path / "checkpoints"
+    message = rf"^No space left on {root}: a checkpoint needs about [\d.]+ MB, [\d.]+ MB free$"
+    with pytest.raises(NoSpaceError, match=message):
+        train(cfg, tmp_path)
+    assert [p.name for p in checkpoint.complete_checkpoints(root)] == ["step_00000001"]
+    assert not list(root.glob(".tmp-*")), "the partial copy still holds on to its space"
+
+
+def test_a_full_disk_during_an_hf_export_names_it(tmp_path):
+    model, tokenizer = load_causal_lm("builtin:tiny_arith"), load_tokenizer("builtin:tiny_arith")
+
+    class FullDisk:
+        def save_pretrained(self, folder, **_):
+            (Path(folder) / "model.safetensors").write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def parameters(self):
+            return model.parameters()
+
+    with pytest.raises(NoSpaceError, match=rf"^No space left on {tmp_path / 'out'}: the export needs about 0.3 MB"):
+        save_hf_folder(tmp_path / "out", FullDisk(), tokenizer)
+    assert list(tmp_path.iterdir()) == []
+
+
+FAILING_REWARD = '''
+def fails_at_step_2(prompts, responses, ground_truths, **_):
+    global calls
+    calls = globals().get("calls", 0) + 1
+    if calls == 2:
+        raise ValueError("the scoring service is down")
+    return [0.5] * len(responses)
+'''
+
+
+def test_a_full_disk_in_the_save_on_failure_is_logged_once_and_the_first_error_goes_on(tmp_path, monkeypatch, caplog):
+    (tmp_path / "full_disk_rewards.py").write_text(FAILING_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(__import__("sys").modules, "full_disk_rewards", raising=False)
+
+    def full_disk(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "_write_state", full_disk)
+    cfg = compose_config([*SMALL, "train.num_steps=3", "reward.functions=[{name: full_disk_rewards.fails_at_step_2}]"])
+    with caplog.at_level(logging.ERROR, logger="rlhf"), pytest.raises(ValueError, match="scoring service is down"):
+        train(cfg, tmp_path / "run")
+    named = [r.getMessage() for r in caplog.records if "No space left on" in r.getMessage()]
+    assert len(named) == 1 and "could not be saved either: NoSpaceError: No space left on" in named[0]
+    assert "a checkpoint needs about" in named[0]
+
+
+def test_train_reward_refuses_an_unwritable_save_dir_with_exit_2_before_training(tmp_path, monkeypatch, capsys):
+    import sys
+
+    import rlhf.train_reward
+    from rlhf import exits
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setattr(rlhf.train_reward, "train", lambda cfg, out: pytest.fail("trained into an unwritable save_dir"))
+    argv = ["rlhf.train_reward", f"hydra.run.dir={tmp_path / 'run'}", f"save_dir={blocker / 'rm'}"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exited:
+        rlhf.train_reward.main()
+    assert exited.value.code == exits.CONFIG_ERROR
+    assert f"save_dir={blocker / 'rm'} is not writable: {blocker} is a file, not a folder" in capsys.readouterr().out  # Hydra's log

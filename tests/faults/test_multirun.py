@@ -1,0 +1,88 @@
+"""`--multirun`: a job's config error does not stop the sweep; the other jobs finish, and a summary at the end names
+each job's outcome; the sweep exits with the failed job's code (`rlhf.sweep`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.types import RunMode
+from omegaconf import OmegaConf
+
+from rlhf import exits, sweep
+
+TINY = ["train.num_steps=1", "eval.num_samples=1", "eval.greedy=false", "logging.tensorboard=false"]
+
+
+@pytest.mark.slow
+def test_a_bad_job_fails_alone_and_the_summary_names_it(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlhf.train", "--multirun", "train.lr=1e-3,-1,5e-4", *TINY, f"hydra.sweep.dir={sweep_dir}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == exits.CONFIG_ERROR, console[-3000:]
+    assert (sweep_dir / "0" / "final_model").is_dir() and (sweep_dir / "2" / "final_model").is_dir(), "the good jobs ran"
+    assert not (sweep_dir / "1" / "final_model").exists()
+
+    summary = (sweep_dir / "summary.txt").read_text().splitlines()
+    assert summary[0] == "sweep summary: 2 of 3 job(s) finished"
+    assert summary[1].startswith("#0 train.lr=0.001 ") and summary[1].endswith(": finished")
+    assert summary[2].startswith("#1 train.lr=-1 ")
+    assert summary[2].endswith(": exit 2: config error: train.lr=-1.0 must be > 0")
+    assert summary[3].startswith("#2 train.lr=0.0005 ") and summary[3].endswith(": finished")
+    assert "#1 train.lr=-1" in console and "config error: train.lr=-1.0 must be > 0" in console, "printed too"
+
+    jobs = json.loads((sweep_dir / "summary.json").read_text())
+    assert [(job["job"], job["code"]) for job in jobs] == [(0, 0), (1, exits.CONFIG_ERROR), (2, 0)]
+    assert "train.lr=-1" in jobs[1]["overrides"]
+
+
+def job_config(sweep_dir, job: int):
+    """The parts of a job's Hydra config that `SweepSummary` reads."""
+    (sweep_dir / str(job)).mkdir(parents=True)
+    hydra = {"mode": RunMode.MULTIRUN, "job": {"num": job}, "runtime": {"output_dir": str(sweep_dir / str(job))},
+             "sweep": {"dir": str(sweep_dir)}}
+    return OmegaConf.create({"hydra": hydra})
+
+
+def end(callback, sweep_dir, job: int, overrides: list[str], code: int, reason: str, monkeypatch) -> None:
+    """Job ``job`` ends with ``code`` as `main` ends it in a multirun, then Hydra calls `on_job_end`."""
+    monkeypatch.setattr(sweep, "in_multirun", lambda: True)
+    assert sweep.end_job(code, reason) is None, "in a multirun the job returns"
+    callback.on_job_end(job_config(sweep_dir, job), JobReturn(overrides=overrides, status=JobStatus.COMPLETED))
+
+
+def test_an_interrupted_job_stops_the_sweep_after_writing_the_summary(tmp_path, monkeypatch):
+    callback = sweep.SweepSummary()
+    end(callback, tmp_path, 0, ["seed=1"], exits.FINISHED, "finished", monkeypatch)
+    with pytest.raises(SystemExit) as exited:
+        end(callback, tmp_path, 1, ["seed=2"], exits.INTERRUPTED_SAVED, "interrupted at step 3, checkpoint saved", monkeypatch)
+    assert exited.value.code == exits.INTERRUPTED_SAVED
+    assert (tmp_path / "summary.txt").read_text().splitlines() == [
+        "sweep summary: 1 of 2 job(s) finished; stopped after job #1 was interrupted",
+        "#0 seed=1: finished",
+        "#1 seed=2: exit 5: interrupted at step 3, checkpoint saved",
+    ]
+
+
+def test_the_sweep_exits_with_the_first_failed_jobs_code_and_a_reason_of_one_line(tmp_path, monkeypatch):
+    callback = sweep.SweepSummary()
+    end(callback, tmp_path, 0, ["seed=1"], exits.NON_FINITE, "training stopped: 3 steps\nin a row", monkeypatch)
+    end(callback, tmp_path, 1, ["seed=2"], exits.WORKER_FAILED, "a worker failed: actor rank 1 died", monkeypatch)
+    with pytest.raises(SystemExit) as exited:
+        callback.on_multirun_end(job_config(tmp_path, 2))
+    assert exited.value.code == exits.NON_FINITE
+    assert "#0 seed=1: exit 3: training stopped: 3 steps\n" in (tmp_path / "summary.txt").read_text()
+
+
+def test_a_single_run_still_exits_with_its_code():
+    with pytest.raises(SystemExit) as exited:
+        sweep.end_job(exits.CONFIG_ERROR, "config error: train.lr=-1.0 must be > 0")
+    assert exited.value.code == exits.CONFIG_ERROR
+    assert sweep.end_job(exits.FINISHED, "finished") is None

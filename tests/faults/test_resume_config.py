@@ -1,0 +1,95 @@
+"""Resuming with a changed config: each checkpoint records the config its step ran with; a resume lists every
+changed key, refuses changes that break exact resume (seed, batch sizes, algorithm.*) unless
+`checkpoint.allow_config_change=true`, and refuses a `train.num_steps` below the checkpoint's step."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlhf.checkpoint import CONFIG_FILE, complete_checkpoints
+from rlhf.config import ConfigError, compose_config
+from rlhf.train import train
+
+SMALL = [
+    "train.prompts_per_step=4", "algorithm.num_samples_per_prompt=2", "eval.num_samples=0", "eval.greedy=false",
+    "logging.tensorboard=false", "checkpoint.every=2", "checkpoint.keep_last=0",
+]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A run folder with a checkpoint at step 2 (built once; tests work on copies)."""
+    out = tmp_path_factory.mktemp("trained")
+    train(compose_config([*SMALL, "train.num_steps=2", "checkpoint.save_final_model=false"]), out)
+    return out
+
+
+@pytest.fixture
+def run_dir(trained, tmp_path) -> Path:
+    shutil.copytree(trained / "checkpoints", tmp_path / "checkpoints")
+    return tmp_path
+
+
+def recorded(run_dir: Path, step: int) -> dict:
+    return yaml.safe_load((run_dir / "checkpoints" / f"step_{step:08d}" / CONFIG_FILE).read_text())
+
+
+def test_a_checkpoint_records_the_resolved_config_its_step_ran_with(trained):
+    config = recorded(trained, 2)
+    assert config["seed"] == 1 and config["train"]["prompts_per_step"] == 4 and config["train"]["num_steps"] == 2
+    assert config["algorithm"]["num_samples_per_prompt"] == 2 and config["checkpoint"]["allow_config_change"] is False
+
+
+@pytest.mark.parametrize(
+    "change", ["seed=2", "train.prompts_per_step=2", "train.micro_batch_size=8", "algorithm.clip_eps_high=0.3"]
+)
+def test_a_change_that_breaks_exact_resume_is_refused_naming_the_key(run_dir, change, monkeypatch):
+    monkeypatch.setattr("rlhf.train.build_components", lambda *a: pytest.fail("a model loaded before the refusal"))
+    key, value = change.split("=")
+    with pytest.raises(ConfigError, match="checkpoint.allow_config_change=true") as err:
+        train(compose_config([*SMALL, "train.num_steps=4", "resume=auto", change]), run_dir)
+    assert f"{key}: " in str(err.value) and f"-> {value}" in str(err.value)
+    assert "since step 2" in str(err.value)
+
+
+def test_allow_config_change_resumes_with_the_new_values_and_keeps_the_old_record(run_dir, caplog):
+    change = "algorithm.clip_eps_high=0.3"
+    cfg = compose_config([*SMALL, "train.num_steps=4", "resume=auto", change, "checkpoint.allow_config_change=true"])
+    with caplog.at_level(logging.WARNING, logger="rlhf"):
+        state = train(cfg, run_dir)
+    assert state.step == 4
+    assert "continuing with algorithm.clip_eps_high: 0.2 -> 0.3" in caplog.text
+    assert recorded(run_dir, 2)["algorithm"]["clip_eps_high"] == 0.2, "the config step 2 ran with was rewritten"
+    assert recorded(run_dir, 4)["algorithm"]["clip_eps_high"] == 0.3
+
+
+def test_other_changes_are_listed_and_the_run_resumes(run_dir, caplog):
+    cfg = compose_config([*SMALL, "train.num_steps=4", "resume=auto", "logging.sample_every=3"])
+    with caplog.at_level(logging.WARNING, logger="rlhf"):
+        state = train(cfg, run_dir)
+    assert state.step == 4
+    listed = next(r.getMessage() for r in caplog.records if "keys differ" in r.getMessage())
+    assert "logging.sample_every: 10 -> 3" in listed and "train.num_steps: 2 -> 4" in listed
+    assert "resume:" not in listed.split("):", 1)[1], "the resume key itself is not a change"
+    assert [p.name for p in complete_checkpoints(run_dir / "checkpoints")] == ["step_00000002", "step_00000004"]
+    assert recorded(run_dir, 2)["logging"]["sample_every"] == 10
+    assert recorded(run_dir, 4)["logging"]["sample_every"] == 3
+
+
+def test_num_steps_below_the_checkpoint_step_is_a_config_error_not_an_export(run_dir):
+    with pytest.raises(ConfigError, match=r"train.num_steps=1 is below step 2 of the checkpoint"):
+        train(compose_config([*SMALL, "train.num_steps=1", "resume=auto"]), run_dir)
+    assert not (run_dir / "final_model").exists()
+
+
+def test_a_checkpoint_without_a_recorded_config_resumes_with_a_warning(run_dir, caplog):
+    (run_dir / "checkpoints" / "step_00000002" / CONFIG_FILE).unlink()
+    with caplog.at_level(logging.WARNING, logger="rlhf"):
+        state = train(compose_config([*SMALL, "train.num_steps=3", "resume=auto", "train.micro_batch_size=8"]), run_dir)
+    assert state.step == 3
+    assert "records no config" in caplog.text
