@@ -8,7 +8,10 @@ and composed algorithms (commit c15e7c1); the re-plumbing reproduced it bitwise.
 run on the action window only (`logits_to_keep`): a matrix product over fewer rows rounds differently on CPU, so
 KL and entropy moved by at most 1.4e-6 while every sampled token, and so every score, stayed the same. That bound
 is asserted here against the old record, and `curves.json` (recorded after that change) must be reproduced
-bitwise by every later change of the plumbing. Re-record only for a deliberate change of the numerics:
+bitwise by every later change of the plumbing, on the CPU it was recorded on. Another CPU (AVX-512 rather than
+AVX2 kernels, another oneDNN path) rounds differently: the sampled tokens, and so the scores, stayed the same on
+every preset, while KL, entropy and losses moved by at most 4e-6 in 20 steps. So the scores are compared exactly
+and the other metrics within ROUNDING, far below what any change of the plumbing or the maths moves. Re-record only for a deliberate change of the numerics:
 `python tests/golden/test_golden_curves.py <algorithm>`, list it in `MOVED` with the reason, and say why in the
 commit; a moved algorithm is compared with the old record on its first step only (the same initial policy samples
 the same first batch).
@@ -34,6 +37,7 @@ MOVED = {
     "grpo": "a group whose samples all scored the same gets advantage exactly 0; before, a float32 mean an ulp off "
     "(scores such as 0.1) made it up to ~0.1, same-signed, which Adam turned into full-size steps",
 }
+ROUNDING = 1e-5  # how far a float metric may drift on another CPU's kernels (4e-6 seen); scores must match exactly
 KEYS = ("loss/policy_avg", "loss/value_avg", "objective/loss", "objective/scores", "objective/kl", "objective/entropy")
 
 
@@ -54,16 +58,22 @@ def run_curve(algorithm: str, out: Path) -> dict[str, list[float]]:
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_curve_is_reproduced_bitwise(algorithm, tmp_path):
     curve = run_curve(algorithm, tmp_path)
-    assert curve == json.loads(CURVES.read_text())[algorithm]
+    assert_same_run(curve, json.loads(CURVES.read_text())[algorithm])
     before = json.loads(BEFORE_REPLUMBING.read_text()).get(algorithm)
     if before is None:  # a preset added after the re-plumbing (#21's recipes): only its own record applies
         return
     if algorithm in MOVED:
         assert curve["objective/scores"][0] == before["objective/scores"][0]  # the same first batch
         return
-    assert curve["objective/scores"] == before["objective/scores"]  # the same tokens were sampled at every step
-    for key, values in before.items():
-        assert max(abs(a - b) for a, b in zip(curve[key], values)) <= 2e-6, key
+    assert_same_run(curve, before)
+
+
+def assert_same_run(curve: dict[str, list[float]], record: dict[str, list[float]]) -> None:
+    """The same tokens were sampled at every step (scores equal), and every other metric is within ROUNDING."""
+    assert curve.keys() == record.keys()
+    assert curve["objective/scores"] == record["objective/scores"], "other tokens were sampled"
+    for key, values in record.items():
+        assert len(curve[key]) == len(values) and max(abs(a - b) for a, b in zip(curve[key], values)) <= ROUNDING, key
 
 
 if __name__ == "__main__":
