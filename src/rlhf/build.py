@@ -135,6 +135,12 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     log.info("dataset %s: %d train prompts, %d eval prompts", cfg.dataset.name, len(splits.train), len(splits.eval))
+    if not splits.train:
+        raise ConfigError(
+            f"dataset={cfg.dataset.name}: no training prompts are left ({len(splits.eval)} went to evaluation; the log "
+            f"above counts the rows dropped as bad or too long); add rows, or lower dataset.eval_holdout / "
+            f"dataset.eval_size"
+        )
     missing_truth = sum(ex.ground_truth is None for ex in splits.train + splits.eval)
     if rewards.verifiers and missing_truth and (runner is None or runner.maker.uses_dataset):
         raise ConfigError(

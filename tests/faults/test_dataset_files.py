@@ -317,3 +317,15 @@ def test_run_with_too_long_a_prompt_limit_stops_before_models_load(monkeypatch):
     monkeypatch.setattr("rlhf.build.build_local_models", no_models)
     with pytest.raises(ConfigError, match=r"^dataset\.max_prompt_length=61 \+ generator\.max_new_tokens=4 = 65 tokens"):
         build_components(cfg, validate(cfg))
+
+
+def test_a_file_whose_rows_all_go_to_evaluation_is_a_config_error(monkeypatch):
+    """One good row and one malformed (skipped): the 5% hold-out takes the one row, so no training prompt is left."""
+    write_jsonl("p.jsonl", [json.dumps({"prompt": "1+1=", "answer": "2"}), '{"prompt": broken'])
+    cfg = compose_config([
+        "dataset=jsonl", "dataset.path=p.jsonl", "dataset.ground_truth_key=answer", "dataset.cache_dir=cache",
+        "dataset.chat_template=simple_concat_with_space", "dataset.max_prompt_length=60",
+    ])
+    monkeypatch.setattr("rlhf.build.build_local_models", lambda *a, **k: pytest.fail("models were built"))
+    with pytest.raises(ConfigError, match=r"no training prompts are left \(1 went to evaluation.*dataset\.eval_holdout"):
+        build_components(cfg, validate(cfg))
