@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import fnmatch
-import functools
 import json
 import logging
 import tempfile
@@ -21,13 +20,13 @@ from pathlib import Path
 import torch
 import yaml
 from omegaconf import OmegaConf
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlhf.algorithms import build_algorithm
 from rlhf.checkpoint import CONFIG_FILE, STATE_FILE, free_bytes, megabytes
 from rlhf.errors import ConfigError
 from rlhf.models.dtypes import DTYPES
-from rlhf.models.loading import resolve_model_path
+from rlhf.plan import architecture
+from rlhf.plan.architecture import ModelSource
 
 log = logging.getLogger("rlhf")
 
@@ -98,20 +97,14 @@ def check_space(output: Output) -> None:
     log.warning("%s; the run may fail when it saves", text)
 
 
-@functools.lru_cache(maxsize=8)
 def parameter_count(name_or_path: str, revision: str | None = None, trust_remote_code: bool = False) -> int | None:
-    """Parameters of the model ``name_or_path`` from its config alone (built on the meta device: no memory, no
-    weights read); None when its config cannot be read here (a hub name offline: `from_pretrained` reports it)."""
+    """Parameters of the model ``name_or_path`` from its config alone (`rlhf.plan.architecture`: the meta device, no
+    weights read); None when its config cannot be read here (a hub name offline: `rlhf.hub` reports it)."""
     try:
-        config = AutoConfig.from_pretrained(
-            resolve_model_path(name_or_path), revision=revision, trust_remote_code=trust_remote_code
-        )
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        return architecture.parameter_count(ModelSource("model", name_or_path, revision, trust_remote_code))
     except Exception as err:  # noqa: BLE001 -- a size estimate must never be what stops a run
         log.info("no checkpoint size estimate for %s (%s); free space is not checked", name_or_path, err)
         return None
-    return sum(p.numel() for p in model.parameters())
 
 
 def dtype_bytes(dtype: str) -> int:

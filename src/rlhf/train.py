@@ -23,7 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from transformers.utils import logging as transformers_logging
 
-from rlhf import checkpoint, exits, preflight, registry, sweep
+from rlhf import checkpoint, exits, hub, plan, preflight, registry, sweep
 from rlhf.build import build_components
 from rlhf.config import ConfigError, register_schema, validate
 from rlhf.distributed.remote import WorkerError
@@ -41,8 +41,11 @@ register_schema()
 def train(cfg: DictConfig, out: Path):
     """Validate, build, resume if asked, run the schedule in folder ``out``, export. Returns the final RunState.
 
-    Before any model loads: every folder the run writes is writable with room for a checkpoint (`rlhf.preflight`)."""
+    Before any model loads: every model and dataset can be found (`rlhf.hub`), the run fits its devices'
+    memory (`rlhf.plan`), and every folder it writes is writable with room for a checkpoint (`rlhf.preflight`)."""
     sizes = validate(cfg)
+    hub.check_sources(cfg)
+    plan.check(cfg)
     schedule = registry.resolve("schedule", cfg.schedule.name, key="schedule.name")
     root = checkpoint.checkpoint_root(cfg, out)
     checkpoint_size = preflight.checkpoint_bytes(cfg)

@@ -20,7 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from torch.utils.tensorboard import SummaryWriter
 
-from rlhf import exits, preflight, registry
+from rlhf import exits, hub, preflight, registry
 from rlhf.config import ConfigError, register_schema
 from rlhf.data.preferences import encode_pairs
 from rlhf.hf_folder import save_hf_folder
@@ -133,7 +133,9 @@ def reward_model_dir(cfg: DictConfig, out: Path) -> Path:
 def main(cfg: DictConfig) -> float:
     """Exit codes as `rlhf.train` (`rlhf.exits`): 2 config error or a folder in use, 6 an error while training."""
     out = Path(HydraConfig.get().runtime.output_dir)
-    try:  # before any model loads: the folders written are writable and have room for the model (`rlhf.preflight`)
+    try:  # before any model loads: hub names are reachable (`rlhf.hub`), the folders written are writable and have
+        # room for the model (`rlhf.preflight`)
+        hub.check_sources(cfg)
         preflight.check_outputs(preflight.reward_outputs(cfg, out, reward_model_dir(cfg, out)))
         with folder_lock(out, "run folder (hydra.run.dir)"):
             with folder_lock(reward_model_dir(cfg, out), "save_dir", beside=True):

@@ -132,7 +132,7 @@ def check_ownership(cfg, algorithm) -> None:
         other = {f.name for f in fields(RewardConfig)} - set(model_keys)
         _refuse("reward", cfg.reward, RewardConfig, other, "reward.path=null: no reward model", lambda k: "a reward model (reward.path)")
     if cfg.cluster.backend == "local":
-        local = {"name", "backend", "device"}
+        local = {"name", "backend", "device", "device_memory_gb"}
         _refuse("cluster", cfg.cluster, ClusterConfig, local, "cluster.backend=local", lambda k: "cluster.backend=ray")
     else:
         ray_keys = {f.name for f in fields(ClusterConfig)} - set(LOCAL_ONLY)

@@ -212,6 +212,9 @@ class ClusterConfig:
     placement_timeout_s: float = 60.0  # ray: seconds to wait for the placement groups to be scheduled
     roles: RolesConfig = field(default_factory=RolesConfig)  # ray: nodes and devices of each role
     colocate: list[list[str]] = field(default_factory=list)  # ray: roles sharing the same devices, e.g. [[actor, ref], [critic, reward]]
+    device_memory_gb: Optional[float] = None  # memory of one device in GiB for the memory plan; null = detected (the CUDA card, or this machine's RAM for CPU runs)
+    num_nodes: Optional[int] = None  # ray: nodes the cluster has, for the plan's device count check; null = not checked before Ray starts
+    devices_per_node: Optional[int] = None  # ray: devices (GPUs) per node, for the plan's device count check; null = not checked before Ray starts
 
 
 @dataclass
@@ -261,6 +264,12 @@ class LoggingConfig:
 
 
 @dataclass
+class PlanConfig:
+    enforce: bool = True  # refuse to start a run the memory plan says cannot fit (exit 2); false warns and starts anyway
+    headroom: float = 0.1  # share of each device's memory the plan keeps free (allocator fragmentation, libraries, other users)
+
+
+@dataclass
 class RunConfig:
     seed: int = 1  # seeds python, numpy and torch
     resume: Optional[str] = None  # null = fresh; auto = newest complete checkpoint in checkpoint.dir (fresh if none); or a checkpoint folder
@@ -279,6 +288,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)  # periodic evaluation
     logging: LoggingConfig = field(default_factory=LoggingConfig)  # console and TensorBoard
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # saving and pruning training state
+    plan: PlanConfig = field(default_factory=PlanConfig)  # the memory plan checked before any model loads (python -m rlhf.plan prints it)
 
 
 @dataclass

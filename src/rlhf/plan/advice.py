@@ -1,0 +1,117 @@
+"""When a plan does not fit: the cheapest config changes that make it fit, each with its figure.
+
+Every candidate is a list of overrides, tried by planning a copy of the config with them (the run's config is
+never changed). Candidates are ordered by what they cost: memory for free first (gradient checkpointing costs a
+third more compute, a hybrid schedule little), then smaller batches, then sharding and offloading.
+"""
+
+from __future__ import annotations
+
+from omegaconf import OmegaConf
+
+from rlhf.plan.memory import gib
+from rlhf.plan.planner import Plan, make_plan
+
+
+def with_overrides(cfg, overrides: list[str]):
+    """A new config: ``cfg`` with ``overrides`` ("key=value") applied; ``cfg`` itself is untouched."""
+    return OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+
+
+def candidates(cfg, plan: Plan) -> list[list[list[str]]]:
+    """Changes worth trying for this config, cheapest first, in families of alternatives (a family's changes set
+    the same keys, preferred first): e.g. [[micro_batch_size=16], [micro_batch_size=8]]."""
+    found: list[list[list[str]]] = []
+    roles = {role for group in plan.groups for role in group.roles}
+    if not cfg.policy.gradient_checkpointing:
+        found.append([["policy.gradient_checkpointing=true"]])
+    if "critic" in roles and not cfg.critic.gradient_checkpointing:
+        found.append([["critic.gradient_checkpointing=true"]])
+    generator_shares = any("generator" in g.roles and len(g.roles) > 1 for g in plan.groups)
+    if generator_shares and cfg.schedule.name == "sync":
+        sleep = ["generator.enable_sleep=true"] if cfg.generator.name == "vllm" else []
+        found.append([["schedule.name=hybrid", *sleep]])
+    if cfg.generator.name == "vllm" and cfg.generator.kv_cache_memory_bytes is None and generator_shares:
+        shares = [share for share in (0.3, 0.2) if share < cfg.generator.gpu_memory_utilization]
+        found.append([[f"generator.gpu_memory_utilization={share}"] for share in shares])
+    if cfg.generator.name == "hf":
+        found.append([[f"generator.batch_size={size}"] for size in halvings(min(cfg.generator.batch_size, plan_rows(plan)))])
+    found.append([[f"train.micro_batch_size={size}"] for size in halvings(cfg.train.micro_batch_size)])
+    if cfg.model.dtype == "float32" and plan.kind == "cuda":
+        found.append([["model.dtype=bfloat16"]])
+    if cfg.cluster.backend == "ray":
+        found += strategy_candidates(cfg, "policy")
+        if "critic" in roles:
+            found += strategy_candidates(cfg, "critic")
+    return [family for family in found if family]
+
+
+def halvings(size: int) -> list[int]:
+    """size/2, size/4, ... down to 1: smaller batches, largest (fastest) first."""
+    found = []
+    while size > 1:
+        size //= 2
+        found.append(size)
+    return found
+
+
+def plan_rows(plan: Plan) -> int:
+    """Rows the generator holds at once in ``plan`` (hf: what generator.batch_size can cap)."""
+    return plan.workload.generate_rows
+
+
+def strategy_candidates(cfg, trained: str) -> list[list[list[str]]]:
+    """Sharding and offloading of a trained role's state (``trained``: policy or critic; Ray backend)."""
+    found = []
+    strategy = cfg[trained].strategy
+    key = f"{trained}.strategy"
+    unsharded = strategy.name in ("auto", "single", "ddp")
+    if unsharded or (strategy.name == "deepspeed" and strategy.zero_stage < 3):
+        found.append([[f"{key}.name=deepspeed", f"{key}.zero_stage=3"], [f"{key}.name=fsdp2"]])
+    if not strategy.offload_optimizer:
+        offload = f"{key}.offload_optimizer=true"
+        found.append([[f"{key}.name=fsdp2", offload]] if unsharded else [[offload]])
+    return found
+
+
+def advise(cfg, plan: Plan) -> list[str]:
+    """Lines naming each change that makes ``plan`` fit alone, with the fullest device before -> after; when none
+    does alone, the cheapest combination that does (greedy: one change per family, in family order)."""
+    before = plan.needed(plan.worst)
+    families = candidates(cfg, plan)
+    lines = []
+    for family in families:
+        for overrides in family:
+            after = make_plan(with_overrides(cfg, overrides))
+            if after.fits:
+                lines.append(f"{' '.join(overrides)}: {describe(plan, before, after)}")
+    if lines:
+        return lines
+    chosen: dict[str, str] = {}
+    best = plan
+    for family in families:
+        trials = [(make_plan(with_overrides(cfg, as_list(combine(chosen, o)))), o) for o in family]
+        after, overrides = min(trials, key=lambda trial: trial[0].needed(trial[0].worst))
+        if after.needed(after.worst) < best.needed(best.worst):
+            chosen, best = combine(chosen, overrides), after
+        if best.fits:
+            return [f"together, {' '.join(as_list(chosen))}: {describe(plan, before, best)}"]
+    return []
+
+
+def combine(chosen: dict[str, str], overrides: list[str]) -> dict[str, str]:
+    """``chosen`` with ``overrides`` on top; a new strategy name drops the old strategy's settings."""
+    new = dict(item.split("=", 1) for item in overrides)
+    for trained in ("policy", "critic"):
+        if f"{trained}.strategy.name" in new:
+            chosen = {key: value for key, value in chosen.items() if not key.startswith(f"{trained}.strategy.")}
+    return {**chosen, **new}
+
+
+def as_list(overrides: dict[str, str]) -> list[str]:
+    return [f"{key}={value}" for key, value in overrides.items()]
+
+
+def describe(plan: Plan, before: int, after: Plan) -> str:
+    """'actor + ref 61.2 -> 38.0 GiB/device' for the fullest device group."""
+    return f"{' + '.join(plan.worst.roles)} {gib(before)} -> {gib(after.needed(after.worst))} GiB/device"

@@ -1,0 +1,164 @@
+"""What the plan knows of a model, from its `config.json` alone: parameter counts and activation bytes.
+
+Nothing is downloaded but the config and no weight is allocated. Parameters are counted on a model built on the
+meta device. Activations are traced: the model runs forward on fake tensors (shapes without storage) under
+`torch.autograd.graph.saved_tensors_hooks`, which sees every tensor autograd keeps for the backward pass. The
+trace runs with one and with two layers and is extrapolated linearly to the model's depth.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, PretrainedConfig
+
+from rlhf.errors import ConfigError
+from rlhf.functional import entropy_from_logits, logprobs_from_logits
+from rlhf.models.loading import looks_local, resolve_model_path
+from rlhf.models.value import token_scores
+
+NEEDED_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size")  # what the plan reads from a config.json
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from, and the config key that names it (for messages)."""
+
+    key: str  # e.g. model.name_or_path
+    name: str  # hub name, local folder or builtin:<name>
+    revision: str | None = None  # hub revision
+    trust_remote_code: bool = False  # model code from the hub
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Bytes autograd keeps for one micro batch's backward pass, split as the plan needs them."""
+
+    per_layer: int  # kept by one decoder layer (what gradient checkpointing drops)
+    layer_input: int  # one layer's input (what gradient checkpointing keeps per layer)
+    outside_layers: int  # embeddings, final norm, output layer and the loss's log-softmax
+    largest: int  # the largest single kept tensor (its gradient is the backward's largest temporary)
+
+    def total(self, layers: int, checkpointing: bool) -> int:
+        """Kept bytes for a model of ``layers`` layers; with checkpointing one layer is recomputed at a time."""
+        if checkpointing:
+            return layers * self.layer_input + self.per_layer + self.outside_layers
+        return layers * self.per_layer + self.outside_layers
+
+
+def read_config(source: ModelSource) -> PretrainedConfig:
+    """The model's config, checked to hold the fields the plan needs; ConfigError naming ``source.key``."""
+    path = resolve_model_path(source.name)
+    try:
+        config = AutoConfig.from_pretrained(path, revision=source.revision, trust_remote_code=source.trust_remote_code)
+    except (OSError, ValueError, KeyError) as err:
+        raise ConfigError(f"{source.key}={source.name}: its config.json cannot be read ({err})") from None
+    text = getattr(config, "text_config", None) or config
+    raw = _raw_fields(path)
+    aliases = {value: key for key, value in getattr(type(text), "attribute_map", {}).items()}
+    for field in NEEDED_FIELDS:
+        names = {field, aliases.get(field, field)}
+        if (raw is not None and not names & raw) or getattr(text, field, None) is None:
+            raise ConfigError(
+                f"{source.key}={source.name}: config.json has no {' / '.join(sorted(names))}, which the memory plan "
+                f"needs; the file is incomplete (download the model's config.json again)"
+            )
+    return config
+
+
+def _raw_fields(path: str) -> set[str] | None:
+    """The top-level (and text_config) keys of a local config.json, or None for a hub model (read by transformers)."""
+    file = Path(path).expanduser() / "config.json"
+    if not (looks_local(path) and file.is_file()):
+        return None
+    raw = json.loads(file.read_text(encoding="utf-8"))
+    return set(raw) | set(raw.get("text_config") or {})
+
+
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The language model's part of a config (multimodal configs nest it as `text_config`)."""
+    return getattr(config, "text_config", None) or config
+
+
+@functools.lru_cache(maxsize=32)
+def parameter_count(source: ModelSource, head: str = "lm") -> int:
+    """Parameters of the model with an output layer (``head="lm"``) or a scalar head (``"value"``: critics and
+    reward models, built with `AutoModelForSequenceClassification` like `rlhf.models.value`)."""
+    with torch.device("meta"):
+        model = _build(read_config(source), head, source.trust_remote_code)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _build(config: PretrainedConfig, head: str, trust_remote_code: bool) -> torch.nn.Module:
+    if head == "value":
+        config = copy.deepcopy(config)
+        config.num_labels = 1
+        return AutoModelForSequenceClassification.from_config(config, trust_remote_code=trust_remote_code)
+    return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def with_layers(config: PretrainedConfig, layers: int) -> PretrainedConfig:
+    """A copy of ``config`` with ``layers`` decoder layers (per-layer lists cut to match)."""
+    small = copy.deepcopy(config)
+    text = text_config(small)
+    text.num_hidden_layers = layers
+    for name in ("layer_types", "mlp_only_layers"):
+        value = getattr(text, name, None)
+        if isinstance(value, list) and len(value) > layers:
+            setattr(text, name, value[:layers])
+    return small
+
+
+@functools.lru_cache(maxsize=64)
+def activations(
+    source: ModelSource, micro_batch: int, seq_len: int, window: int, bf16_autocast: bool, head: str = "lm"
+) -> Activations:
+    """Activation bytes of one training forward: ``micro_batch`` rows of ``seq_len`` tokens, the output layer and
+    log-softmax (and entropy) on the last ``window`` positions (`rlhf.models.logprobs`), float32 weights with
+    bfloat16 autocast or without. ``head="value"``: a critic's scalar head on every position instead."""
+    config = read_config(source)
+    one = _trace(with_layers(config, 1), micro_batch, seq_len, window, bf16_autocast, head, source.trust_remote_code)
+    two = _trace(with_layers(config, 2), micro_batch, seq_len, window, bf16_autocast, head, source.trust_remote_code)
+    per_layer = max(two["total"] - one["total"], 0)
+    hidden = text_config(config).hidden_size
+    layer_input = micro_batch * seq_len * hidden * 4  # the float32 residual stream entering a layer
+    return Activations(
+        per_layer=per_layer, layer_input=layer_input, outside_layers=max(one["total"] - per_layer, 0),
+        largest=max(one["largest"], two["largest"]),
+    )
+
+
+def _trace(config, micro_batch: int, seq_len: int, window: int, bf16_autocast: bool, head: str, trust: bool) -> dict:
+    """{"total": bytes autograd keeps, "largest": the largest kept tensor} for one forward on fake tensors."""
+    kept: dict[int, int] = {}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = _build(config, head, trust).train()
+        params = {id(p) for p in model.parameters()}
+
+        def keep(tensor: torch.Tensor) -> torch.Tensor:
+            base = tensor if tensor._base is None else tensor._base
+            if id(tensor) not in params and id(base) not in params:  # weights are counted once, as weights
+                kept[id(base)] = base.numel() * base.element_size()
+            return tensor
+
+        ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
+        mask = torch.ones(micro_batch, seq_len, dtype=torch.long)
+        positions = torch.arange(seq_len).expand(micro_batch, seq_len)
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16_autocast else contextlib.nullcontext()
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor), autocast:
+            if head == "value":
+                token_scores(model, ids, mask, positions)
+            else:
+                logits = model(
+                    input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=window
+                ).logits
+                logprobs_from_logits(logits, ids[:, -window:])
+                entropy_from_logits(logits)
+    return {"total": sum(kept.values()), "largest": max(kept.values(), default=0)}

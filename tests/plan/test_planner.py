@@ -1,0 +1,132 @@
+"""The memory plan of whole configs: placement, capacity, verdict, advice, and the check `rlhf.train` runs."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from published_configs import LLAMA_3_1_8B, write_config
+from rlhf import plan as plan_check
+from rlhf.config import compose_config, validate
+from rlhf.errors import ConfigError
+from rlhf.plan import make_plan
+from rlhf.plan.advice import advise, with_overrides
+from rlhf.plan.memory import GENERATE, PHASES
+from rlhf.train import train
+
+
+@pytest.fixture(scope="module")
+def llama8b(tmp_path_factory):
+    return str(write_config(tmp_path_factory.mktemp("llama") / "llama-3.1-8b", LLAMA_3_1_8B))
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    """A 4-layer Llama with a 1024-row output layer (config and weights; the plan reads only the config)."""
+    config = LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=320, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
+    folder = tmp_path_factory.mktemp("small") / "llama"
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return str(folder)
+
+
+def tulu(llama8b, *extra):
+    return compose_config(["experiment=ppo_tulu3_8b_ultrafeedback", f"model.name_or_path={llama8b}",
+                           f"reward.path={llama8b}", "cluster.device_memory_gb=80", *extra])
+
+
+def test_the_default_run_fits_this_machine_and_counts_every_role():
+    cfg = compose_config([])
+    plan = make_plan(cfg)
+    assert plan.fits is True and plan.kind == "cpu" and plan.capacity.shared
+    (group,) = plan.groups
+    expected = {"actor", "ref", "generator"} if cfg.algorithm.beta > 0 else {"actor", "generator"}
+    assert set(group.roles) == expected
+    assert {i.role for i in group.items} >= {"actor", "generator", "runtime"}
+
+
+def test_the_8gpu_split_preset_places_generation_on_its_own_device(llama8b):
+    plan = make_plan(tulu(llama8b))
+    shapes = {group.roles: group.count for group in plan.groups}
+    assert shapes == {("actor", "ref", "critic", "reward"): 7, ("generator",): 1}
+    train_device = next(g for g in plan.groups if "actor" in g.roles)
+    weights = {i.role: i.bytes for i in train_device.items if i.what == "weights"}
+    assert weights["ref"] == 8_030_261_248 * 2  # bf16 replica of the reference on every training GPU
+    assert weights["actor"] == 8_030_261_248 * 2 // 7  # ZeRO-3: bf16 weights sharded over 7 ranks
+
+
+def test_async_keeps_the_generator_busy_in_every_phase_and_hybrid_frees_it_while_training(small_model):
+    base = [f"model.name_or_path={small_model}", "dataset.max_prompt_length=32"]
+    for schedule, phases in (("async", PHASES), ("hybrid", (GENERATE,))):
+        plan = make_plan(compose_config([*base, f"schedule={schedule}"]))
+        weights = next(i for i in plan.groups[0].items if i.role == "generator" and i.what == "weights")
+        assert weights.phases == phases, schedule
+
+
+def test_a_run_that_cannot_fit_is_refused_before_any_weights_load_with_the_table_and_the_fix(small_model, tmp_path, monkeypatch):
+    """Capacity between the plan with and without gradient checkpointing: the advice names it, and it is true."""
+    base = [f"model.name_or_path={small_model}", "train.micro_batch_size=64", "generator.max_new_tokens=64",
+            "dataset.max_prompt_length=32"]
+    without = make_plan(compose_config(base))
+    with_gc = make_plan(compose_config([*base, "policy.gradient_checkpointing=true"]))
+    need_without, need_with = without.needed(without.worst), with_gc.needed(with_gc.worst)
+    assert need_with < need_without
+    capacity_gib = (need_with + need_without) / 2 / 0.9 / 2**30
+    cfg = compose_config([*base, f"cluster.device_memory_gb={capacity_gib}"])
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model loaded before the plan refused the run")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_loading)
+    with pytest.raises(ConfigError) as refused:
+        train(cfg, tmp_path / "run")
+    text = str(refused.value)
+    assert "does not fit" in text and "plan.enforce=false" in text and "activations" in text
+    line = next(line for line in text.splitlines() if "policy.gradient_checkpointing=true" in line)
+    assert "->" in line and "GiB/device" in line
+    assert make_plan(with_overrides(cfg, ["policy.gradient_checkpointing=true"])).fits
+
+
+def test_enforce_false_warns_and_lets_the_run_start(small_model, caplog):
+    cfg = compose_config([f"model.name_or_path={small_model}", "cluster.device_memory_gb=0.01", "plan.enforce=false"])
+    with caplog.at_level(logging.WARNING, logger="rlhf"):
+        plan = plan_check.check(cfg)
+    assert plan.fits is False
+    assert "plan.enforce=false" in caplog.text and "does NOT fit" in caplog.text
+
+
+def test_every_change_the_advice_names_makes_the_8b_preset_fit(llama8b):
+    cfg = tulu(llama8b, "policy.gradient_checkpointing=false", "critic.gradient_checkpointing=false",
+               "policy.strategy.offload_optimizer=false", "critic.strategy.offload_optimizer=false")
+    plan = make_plan(cfg)
+    assert plan.fits is False
+    lines = advise(cfg, plan)
+    assert lines
+    for line in lines:
+        overrides = line.split(":")[0].removeprefix("together, ").split()
+        assert make_plan(with_overrides(cfg, overrides)).fits, line
+
+
+def test_a_preset_with_fewer_devices_than_its_roles_names_the_keys(llama8b):
+    with pytest.raises(ConfigError, match=r"cluster\.num_nodes=1 x cluster\.devices_per_node=4 gives 4"):
+        make_plan(tulu(llama8b, "cluster.devices_per_node=4"))
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    ("plan.headroom=1.5", "plan.headroom"),
+    ("cluster.device_memory_gb=0", "cluster.device_memory_gb"),
+    ("model.dtype=float8", "model.dtype"),
+])
+def test_bad_plan_keys_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        cfg = compose_config([override])
+        validate(cfg)
+        make_plan(cfg)
+
+
+def test_an_unknown_capacity_gives_no_verdict_rather_than_a_guess(llama8b):
+    plan = make_plan(compose_config(["experiment=ppo_tulu3_8b_ultrafeedback", f"model.name_or_path={llama8b}",
+                                     f"reward.path={llama8b}"]))
+    assert plan.capacity.bytes is None and plan.fits is None  # ray GPUs, none here, no cluster.device_memory_gb
