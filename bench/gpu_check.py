@@ -1,6 +1,7 @@
 """The GPU path, checked in one script: learning on the built-in task, GRPO throughput and training MFU on a
-Qwen2.5-0.5B-shaped model (bf16 autocast, fp32 master weights), hybrid sleep/wake memory, and the DDP / FSDP2
-strategies at world size 1 (a process group started in this process).
+Qwen2.5-0.5B-shaped model (bf16 autocast, fp32 master weights) with the memory plan's estimate beside the measured
+peak, hybrid sleep/wake memory, and the DDP / FSDP2 strategies at world size 1 (a process group started in this
+process).
 
     python bench/gpu_check.py                       # full scale on CUDA (all sections)
     python bench/gpu_check.py --tiny --device cpu   # the same code at tiny scale: what CI runs
@@ -30,12 +31,14 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from rlhf import stages
 from rlhf.algorithms import build_algorithm
 from rlhf.config.schema import AlgorithmConfig, GeneratorConfig, ModelConfig, PolicyConfig, ReferenceConfig, StrategyConfig
+from rlhf.config import compose_config
 from rlhf.config.schema import TrainConfig
 from rlhf.generators.base import SamplingParams
 from rlhf.generators.hf import HFGenerator
 from rlhf.models.policy import TorchPolicy
 from rlhf.models.reference import FrozenReference
 from rlhf.models.tiny import build_char_tokenizer
+from rlhf.plan import make_plan, memory
 from rlhf.schedules.common import NonFiniteGuard
 
 SECTIONS = ("peak", "learn", "throughput", "hybrid", "strategies")
@@ -185,8 +188,27 @@ def grpo_steps(device, folder, shape, model_cfg, algo_cfg, gen_cfg, checkpointin
         "training_tflops": round(flops / times["training"] / 1e12, 4),
         "training_mfu": round(flops / times["training"] / peak, 4),
         "max_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+        "planned_gib": round(planned_bytes(folder, model_cfg.dtype, device, checkpointing, micro, sizes, gen_cfg) / 2**30, 4),
     }
+    if result["max_memory_gib"]:
+        result["planned_over_measured"] = round(result["planned_gib"] / result["max_memory_gib"], 3)
     return result
+
+
+def planned_bytes(folder, dtype: str, device, checkpointing: bool, micro: int, sizes, gen_cfg) -> int:
+    """What `rlhf.plan` expects the same work to take on the device, without the runtime (max_memory_allocated
+    counts neither the CUDA context nor the process's libraries)."""
+    prompt_len, new_tokens, prompts, samples = sizes
+    cfg = compose_config([
+        f"model.name_or_path={folder}", f"model.dtype={dtype}", f"cluster.device={device.type}",
+        f"policy.gradient_checkpointing={str(checkpointing).lower()}", f"train.micro_batch_size={micro}",
+        f"train.prompts_per_step={prompts}", f"algorithm.num_samples_per_prompt={samples}", "algorithm.beta=0.04",
+        f"dataset.max_prompt_length={prompt_len}", f"generator.max_new_tokens={new_tokens}",
+        f"generator.batch_size={gen_cfg.batch_size}",
+    ])
+    plan = make_plan(cfg)
+    (group,) = plan.groups
+    return memory.peak([i for i in group.items if i.role != "runtime"])[0]
 
 
 def allocated(device: torch.device) -> float | None:

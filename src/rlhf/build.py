@@ -33,6 +33,7 @@ from rlhf.models.loading import (
 )
 from rlhf.rewards.combine import RewardSet
 from rlhf.rewards.model import RewardModelScorer
+from rlhf.weight_sync import verified
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +160,7 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
         models, backend = build_local_models(cfg, sizes, algorithm, tokenizer, device), None
     if models["reward"] is not None:
         rewards.model = models["reward"]
-    policy, generator = models["policy"], models["generator"]
+    policy, generator = models["policy"], verified(models["generator"], cfg.checks.weight_sync)
     generator.update_weights(policy.state_dict())
     return Components(
         device=device,

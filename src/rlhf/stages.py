@@ -149,8 +149,11 @@ def sample_train_gap(gen_logp: torch.Tensor, train_logp: torch.Tensor, mask: tor
     Shapes: (B, T) each. v1 = mean(gen - train), v2 = mean((gen - train)^2) / 2, over action tokens.
     """
     diff = gen_logp - train_logp
+    gap = masked_mean(diff.abs(), mask).item()
     return {
-        "val/generator_logprob_diff": masked_mean(diff.abs(), mask).item(),
+        "val/generator_logprob_diff": gap,
+        "checks/logprob_gap_mean": gap,  # the parity figures of `checks.*`: mean and largest |gen - train| per token
+        "checks/logprob_gap_max": (diff.abs() * mask).max().item() if mask.any() else 0.0,
         "train/kl_sample_train_v1": masked_mean(diff, mask).item(),
         "train/kl_sample_train_v2": 0.5 * masked_mean(diff.square(), mask).item(),
     }

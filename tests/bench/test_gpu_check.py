@@ -23,6 +23,7 @@ def test_gpu_check_runs_at_tiny_scale_on_cpu(tmp_path):
         assert run["s_per_step"] > 0 and 0 <= run["sampled_end"] <= 1, run
     for row in figures["throughput"]:
         assert row["training_tokens_per_s"] > 0 and 0 < row["training_mfu"] < 1, row
+        assert row["planned_gib"] > 0, row  # the planner's figure (compared with max_memory_allocated on CUDA)
     assert figures["hybrid"]["freed_bytes_reported"] > 0
     for row in figures["strategies"]:
         assert row["loss"] == row["loss_single"] and row["max_weight_diff_vs_single"] == 0.0, row

@@ -49,11 +49,12 @@ def small_llama(tmp_path, layers: int = 4):
     return folder, config
 
 
-def test_extrapolating_from_one_and_two_layers_equals_tracing_every_layer(tmp_path):
+def test_extrapolating_from_one_row_and_two_layers_matches_tracing_everything(tmp_path):
     folder, config = small_llama(tmp_path, layers=4)
+    """One row of one and of two layers, traced and scaled to 3 rows and 4 layers: within 1% of tracing them all."""
     act = activations(ModelSource("model.name_or_path", str(folder)), 3, 20, 9, False)
     full = _trace(config, 3, 20, 9, False, "lm", False)["total"]
-    assert act.total(4, checkpointing=False) == full
+    assert act.total(4, checkpointing=False) == pytest.approx(full, rel=0.01)
 
 
 def test_the_trace_counts_what_real_autograd_keeps(tmp_path):

@@ -264,6 +264,11 @@ class LoggingConfig:
 
 
 @dataclass
+class ChecksConfig:
+    weight_sync: str = "every"  # verify the generator holds what each weight push sent: every push, first, or off
+
+
+@dataclass
 class PlanConfig:
     enforce: bool = True  # refuse to start a run the memory plan says cannot fit (exit 2); false warns and starts anyway
     headroom: float = 0.1  # share of each device's memory the plan keeps free (allocator fragmentation, libraries, other users)
@@ -288,6 +293,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)  # periodic evaluation
     logging: LoggingConfig = field(default_factory=LoggingConfig)  # console and TensorBoard
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # saving and pruning training state
+    checks: ChecksConfig = field(default_factory=ChecksConfig)  # self-checks of the running run (weight sync)
     plan: PlanConfig = field(default_factory=PlanConfig)  # the memory plan checked before any model loads (python -m rlhf.plan prints it)
 
 

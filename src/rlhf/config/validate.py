@@ -24,6 +24,7 @@ from rlhf.distributed.layout import validate_cluster
 from rlhf.functional.losses import LOSS_AGGREGATIONS
 from rlhf.models.dtypes import DTYPES
 from rlhf.tracking.checks import check_logging
+from rlhf.weight_sync import MODES as WEIGHT_SYNC_MODES
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_CONTROLLERS = ("fixed", "adaptive")
@@ -141,6 +142,10 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         f"algorithm.loss_agg={algo.loss_agg!r}; choose one of {', '.join(LOSS_AGGREGATIONS)}",
     )
     _require(algo.beta >= 0, f"algorithm.beta={algo.beta} must be >= 0")
+    _require(
+        cfg.checks.weight_sync in WEIGHT_SYNC_MODES,
+        f"checks.weight_sync={cfg.checks.weight_sync!r}; choose one of {', '.join(WEIGHT_SYNC_MODES)}",
+    )
     _require(
         not algorithm.pairwise or algo.beta > 0,
         f"algorithm.policy_loss={algo.policy_loss} uses algorithm.beta as the DPO temperature; set it > 0 (e.g. 0.1)",

@@ -10,6 +10,7 @@ from rlhf.generators.base import SamplingParams, parameter_bytes, release_parame
 from rlhf.models.loading import load_causal_lm
 from rlhf.registry import register
 from rlhf.trajectory import Trajectories, concat, from_completions
+from rlhf.weight_sync import fingerprint
 
 
 def stop_token_id(tokenizer, stop_token: str) -> int:
@@ -112,6 +113,17 @@ class HFGenerator:
     @property
     def asleep(self) -> bool:
         return self._shapes is not None
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype its weights are held in (what a pushed float32 tensor is rounded to)."""
+        return next(self.model.parameters()).dtype
+
+    def weight_fingerprint(self) -> dict[str, float]:
+        """`rlhf.weight_sync.fingerprint` of the weights it holds now."""
+        if self.asleep:
+            raise RuntimeError("the generator is asleep: it holds no weights to fingerprint")
+        return fingerprint(self.model.state_dict())
 
     def resident_bytes(self) -> int:
         """Bytes of weights this generator holds now (0 while asleep)."""

@@ -116,36 +116,60 @@ def with_layers(config: PretrainedConfig, layers: int) -> PretrainedConfig:
     return small
 
 
-@functools.lru_cache(maxsize=64)
 def activations(
     source: ModelSource, micro_batch: int, seq_len: int, window: int, bf16_autocast: bool, head: str = "lm"
 ) -> Activations:
     """Activation bytes of one training forward: ``micro_batch`` rows of ``seq_len`` tokens, the output layer and
     log-softmax (and entropy) on the last ``window`` positions (`rlhf.models.logprobs`), float32 weights with
-    bfloat16 autocast or without. ``head="value"``: a critic's scalar head on every position instead."""
-    config = read_config(source)
-    one = _trace(with_layers(config, 1), micro_batch, seq_len, window, bf16_autocast, head, source.trust_remote_code)
-    two = _trace(with_layers(config, 2), micro_batch, seq_len, window, bf16_autocast, head, source.trust_remote_code)
-    per_layer = max(two["total"] - one["total"], 0)
-    hidden = text_config(config).hidden_size
-    layer_input = micro_batch * seq_len * hidden * 4  # the float32 residual stream entering a layer
+    bfloat16 autocast or without. ``head="value"``: a critic's scalar head on every position instead.
+
+    Every kept tensor is proportional to the rows (the weights' bf16 copies aside), so one row is traced and scaled."""
+    row = _one_row(source, seq_len, window, bf16_autocast, head)
+    weight_casts = row.weight_casts
     return Activations(
-        per_layer=per_layer, layer_input=layer_input, outside_layers=max(one["total"] - per_layer, 0),
-        largest=max(one["largest"], two["largest"]),
+        per_layer=micro_batch * (row.per_layer - weight_casts.per_layer) + weight_casts.per_layer,
+        layer_input=micro_batch * row.layer_input,
+        outside_layers=micro_batch * (row.outside_layers - weight_casts.outside_layers) + weight_casts.outside_layers,
+        largest=micro_batch * row.largest,
+    )
+
+
+@dataclass(frozen=True)
+class _Row(Activations):
+    weight_casts: Activations = None  # the part that does not grow with rows: autocast's bf16 copies of the weights
+
+
+@functools.lru_cache(maxsize=64)
+def _one_row(source: ModelSource, seq_len: int, window: int, bf16_autocast: bool, head: str) -> _Row:
+    """`Activations` of a single row, with its row-independent part (bf16 weight copies) apart."""
+    config = read_config(source)
+    one = _trace(with_layers(config, 1), 1, seq_len, window, bf16_autocast, head, source.trust_remote_code)
+    two = _trace(with_layers(config, 2), 1, seq_len, window, bf16_autocast, head, source.trust_remote_code)
+    per_layer = max(two["total"] - one["total"], 0)
+    cast_layer = max(two["weights"] - one["weights"], 0)
+    hidden = text_config(config).hidden_size
+    return _Row(
+        per_layer=per_layer, layer_input=seq_len * hidden * 4,  # the float32 residual stream entering a layer
+        outside_layers=max(one["total"] - per_layer, 0), largest=max(one["largest"], two["largest"]),
+        weight_casts=Activations(cast_layer, 0, max(one["weights"] - cast_layer, 0), 0),
     )
 
 
 def _trace(config, micro_batch: int, seq_len: int, window: int, bf16_autocast: bool, head: str, trust: bool) -> dict:
     """{"total": bytes autograd keeps, "largest": the largest kept tensor} for one forward on fake tensors."""
     kept: dict[int, int] = {}
+    casts: set[int] = set()  # kept tensors shaped like a weight: autocast's copies of it, which rows do not scale
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = _build(config, head, trust).train()
         params = {id(p) for p in model.parameters()}
+        weight_shapes = {tuple(p.shape) for p in model.parameters()} | {tuple(p.shape[::-1]) for p in model.parameters()}
 
         def keep(tensor: torch.Tensor) -> torch.Tensor:
             base = tensor if tensor._base is None else tensor._base
             if id(tensor) not in params and id(base) not in params:  # weights are counted once, as weights
                 kept[id(base)] = base.numel() * base.element_size()
+                if bf16_autocast and tuple(base.shape) in weight_shapes and base.dtype == torch.bfloat16:
+                    casts.add(id(base))
             return tensor
 
         ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
@@ -161,4 +185,5 @@ def _trace(config, micro_batch: int, seq_len: int, window: int, bf16_autocast: b
                 ).logits
                 logprobs_from_logits(logits, ids[:, -window:])
                 entropy_from_logits(logits)
-    return {"total": sum(kept.values()), "largest": max(kept.values(), default=0)}
+    return {"total": sum(kept.values()), "largest": max((v for k, v in kept.items() if k not in casts), default=0),
+            "weights": sum(kept[k] for k in casts)}

@@ -120,7 +120,8 @@ def frozen_items(role: str, source: ModelSource, head: str, work: Workload) -> l
 def _scoring(source: ModelSource, head: str, work: Workload) -> int:
     """Temporaries of a no-grad forward over ``work.score_rows`` rows."""
     vocab = text_config(read_config(source)).vocab_size if head == "lm" else 0
-    act = activations(source, work.score_rows, work.seq_len, 1, work.autocast, "value")
+    window = work.window if head == "lm" else 1  # the training trace's key: one trace serves both
+    act = activations(source, work.score_rows, work.seq_len, window, work.autocast, head)
     return memory.scoring_bytes(work.score_rows, work.window, vocab, act.per_layer)
 
 

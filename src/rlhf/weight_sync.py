@@ -1,0 +1,118 @@
+"""Verified weight sync: after a push of policy weights, the generator proves it holds what the trainer pushed.
+
+Both sides reduce every tensor to a fingerprint: a weighted sum, in float64, of a fixed pseudo-random sample of its
+elements (the same sample on both sides: it depends only on the tensor's size). The trainer's side is computed on
+its tensors cast to the generator's dtype first, so a bfloat16 generator matches exactly. A mismatch stops the run
+naming the push (the step after which it happened) and the first tensor that differs (`checks.weight_sync`: every
+push, the first only, or off).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+log = logging.getLogger("rlhf")
+
+SAMPLE = 1024  # elements sampled per tensor: enough that a stale or missed tensor differs with certainty
+MODES = ("every", "first", "off")
+# test-only fault injection (never a config key): {"stale_push": k} skips push k; {"missed": name} keeps pushing the
+# weights of push 1 for tensor `name` from then on
+FAULTS: dict = {}
+
+
+class WeightSyncError(RuntimeError):
+    """The generator holds weights other than the ones the trainer pushed."""
+
+
+@functools.lru_cache(maxsize=256)
+def sample_of(numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices (k,), float64 weights (k,)) of the elements a tensor of ``numel`` elements is fingerprinted on."""
+    generator = torch.Generator().manual_seed(numel)
+    k = min(numel, SAMPLE)
+    indices = torch.randperm(numel, generator=generator)[:k] if numel <= SAMPLE else torch.randint(
+        0, numel, (k,), generator=generator)
+    return indices, torch.rand(k, generator=generator, dtype=torch.float64) + 0.5
+
+
+def tensor_fingerprint(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> float:
+    """sum(w * x[i]) over the sampled elements of ``tensor`` (cast to ``dtype`` first), in float64."""
+    flat = tensor.detach().reshape(-1)
+    indices, weights = sample_of(flat.numel())
+    values = flat[indices.to(flat.device)]
+    if dtype is not None:
+        values = values.to(dtype)
+    return float(values.double().cpu() @ weights)
+
+
+def fingerprint(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, float]:
+    """{name: fingerprint} of every floating-point tensor of a state dict (cast to ``dtype`` first)."""
+    return {name: tensor_fingerprint(t, dtype) for name, t in state.items() if t.is_floating_point()}
+
+
+def first_difference(pushed: dict[str, float], held: dict[str, float]) -> str | None:
+    """The first tensor, in push order, whose fingerprints differ or that one side lacks; None when all agree."""
+    for name, value in pushed.items():
+        other = held.get(name)
+        if other is None or abs(value - other) > 1e-9 * (1.0 + abs(value)):
+            return name
+    return None
+
+
+class VerifiedGenerator:
+    """A generator whose every weight push (`checks.weight_sync=every`, or the first) is checked against what it
+    then holds; everything else passes through to the generator it wraps."""
+
+    def __init__(self, inner, mode: str) -> None:
+        self.inner, self.mode, self.pushes = inner, mode, 0
+        self._kept: dict[str, torch.Tensor] = {}  # FAULTS["missed"]: the tensor frozen at push 1
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], **kwargs) -> None:
+        push, self.pushes = self.pushes, self.pushes + 1
+        pushed = self._faulty(push, state_dict)
+        if FAULTS.get("stale_push") != push:
+            self.inner.update_weights(pushed, **kwargs)
+        if self.mode == "every" or (self.mode == "first" and push == 0):
+            self.verify(push, state_dict)
+
+    def verify(self, push: int, state_dict: dict[str, torch.Tensor]) -> None:
+        """WeightSyncError unless the generator holds ``state_dict`` (as its dtype rounds it)."""
+        after = "the initial push (before step 1)" if push == 0 else f"the push after step {push}"
+        if getattr(self.inner, "asleep", False):
+            raise WeightSyncError(
+                f"weight sync check failed at {after}: the generator is still asleep, holding no weights; the push "
+                f"never woke it (schedule=hybrid). checks.weight_sync=off skips this check"
+            )
+        held = self.inner.weight_fingerprint()
+        expected = fingerprint(state_dict, self.inner.weight_dtype)
+        name = first_difference(expected, held)
+        if name is not None:
+            raise WeightSyncError(
+                f"weight sync check failed at {after}: the generator holds a different `{name}` than the trainer "
+                f"pushed (fingerprint {held.get(name)} != {expected[name]}); rollouts would be sampled from weights "
+                f"the trainer never pushed. Check the generator's weight loading (a skipped or renamed parameter, a "
+                f"push that never arrived); checks.weight_sync=off skips this check"
+            )
+
+    def _faulty(self, push: int, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        name = FAULTS.get("missed")
+        if name is None or push == 0:
+            return state_dict
+        self._kept.setdefault(name, state_dict[name].detach().clone())
+        return {**state_dict, name: self._kept[name]}
+
+
+def verified(generator, mode: str):
+    """``generator`` wrapped for `checks.weight_sync` (unchanged when off or when it cannot fingerprint)."""
+    if mode == "off":
+        return generator
+    if not hasattr(generator, "weight_fingerprint"):
+        log.warning("checks.weight_sync=%s: %s cannot report its weights yet; weight pushes are not verified",
+                    mode, type(generator).__name__)
+        return generator
+    return VerifiedGenerator(generator, mode)
