@@ -77,7 +77,7 @@ def check_output_rows(cfg, tokenizer) -> None:
 
 
 def check_model_sources(cfg) -> None:
-    """Local model folders exist and built-in names are shipped; hub names are left to `from_pretrained`."""
+    """Local model folders exist and built-in names are shipped; hub names were checked by `rlhf.hub`."""
     for key, value in (
         ("model.name_or_path", cfg.model.name_or_path),
         ("model.tokenizer", cfg.model.tokenizer),

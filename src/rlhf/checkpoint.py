@@ -89,7 +89,7 @@ def checkpoint_problem(path: Path) -> str | None:
     problems = [_state_problem(path / STATE_FILE)]
     if not (path / "rng.pt").is_file():
         problems.append(f"{path / 'rng.pt'} is missing")
-    problems += [_safetensors_problem(file) for file in sorted(path.rglob("*.safetensors"))]
+    problems += [safetensors_problem(file) for file in sorted(path.rglob("*.safetensors"))]
     problems += [_torch_file_problem(file) for file in sorted(path.rglob("*.pt"))]
     return next((problem for problem in problems if problem), None)
 
@@ -104,7 +104,7 @@ def _state_problem(file: Path) -> str | None:
     return f"{file} lacks {', '.join(missing)}" if missing else None
 
 
-def _safetensors_problem(file: Path) -> str | None:
+def safetensors_problem(file: Path) -> str | None:
     """Why a weights file is unusable: safe_open checks its header and that the file covers every tensor."""
     try:
         with safe_open(str(file), framework="pt"):

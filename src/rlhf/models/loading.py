@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from rlhf.checkpoint import _safetensors_problem
+from rlhf.checkpoint import safetensors_problem
 from rlhf.errors import ConfigError
 from rlhf.models.dtypes import DTYPES
 
@@ -43,7 +43,7 @@ def resolve_model_path(name_or_path: str) -> str:
 
 def weights_problem(folder: Path) -> str | None:
     """Why a model folder's `*.safetensors` files are unusable (truncated, not safetensors), or None; reads headers."""
-    return next(filter(None, (_safetensors_problem(file) for file in sorted(folder.glob("*.safetensors")))), None)
+    return next(filter(None, (safetensors_problem(file) for file in sorted(folder.glob("*.safetensors")))), None)
 
 
 def check_weight_files(name_or_path: str, key: str | None = None) -> None:
