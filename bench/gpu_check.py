@@ -153,7 +153,7 @@ def grpo_steps(device, folder, shape, model_cfg, algo_cfg, gen_cfg, checkpointin
     generator = HFGenerator(gen_cfg, model_cfg, tokenizer, device)
     generator.update_weights(policy.state_dict())
     algorithm = build_algorithm(algo_cfg, new_tokens)
-    c = SimpleNamespace(policy=policy, reference=reference, critic=None, algorithm=algorithm, device=device,
+    c = SimpleNamespace(policy=policy, reference=reference, critic=None, algorithm=algorithm, device=device, gap_watch=None,
                         shuffle=torch.Generator().manual_seed(0))
     vocab = shape["vocab_size"]
     times: dict[str, float] = {}

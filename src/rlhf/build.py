@@ -31,6 +31,7 @@ from rlhf.generators.hf import stop_token_id
 from rlhf.models.loading import (
     check_model_tokenizer, check_vocab_match, check_weight_files, load_tokenizer, looks_local, pick_device, resolve_model_path,
 )
+from rlhf.parity import GapWatch
 from rlhf.rewards.combine import RewardSet
 from rlhf.rewards.model import RewardModelScorer
 from rlhf.weight_sync import verified
@@ -56,6 +57,7 @@ class Components:
     data_report: dict | None = None  # what dataset loading kept and dropped, per source
     backend: Any | None = None  # the Ray backend's actors and placement groups (cluster.backend=ray)
     env: EpisodeRunner | None = None  # plays multi-turn episodes (env.name set); None = single-turn prompts
+    gap_watch: GapWatch | None = None  # watches each step's generator-trainer logprob gap for jumps (rlhf.parity)
 
     def close(self) -> None:
         """Release remote workers and placement groups (a no-op for the local backend)."""
@@ -177,6 +179,7 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
         data_report=splits.report,
         backend=backend,
         env=runner,
+        gap_watch=GapWatch.from_config(cfg),
     )
 
 

@@ -122,10 +122,30 @@ def _torch_file_problem(file: Path) -> str | None:
         return f"{file} is truncated or not a torch file ({err})"
 
 
-def _rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
+def rng_states() -> dict[str, Any]:
+    """Every global RNG's state: {"torch", "cuda", "python", "numpy"} (`set_rng_states` puts them back)."""
     return {
-        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+
+
+def set_rng_states(rng: dict[str, Any]) -> None:
+    """Put back the global RNGs as `rng_states` recorded them."""
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"]:
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+
+
+def _json_rng(rng: dict[str, Any]) -> dict[str, Any]:
+    """Python's and NumPy's states of `rng_states` ``rng`` as JSON values."""
+    (version, internal, gauss), np_state = rng["python"], rng["numpy"]
+    return {
+        "python": [version, list(internal), gauss],
         "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
     }
 
@@ -202,9 +222,10 @@ def _checkpoint_bytes(root: Path) -> int | None:
 def save(c, root: Path, step: int, run_state: dict[str, Any], keep_last: int, stream_states: dict | None = None) -> Path:
     """Write the full state of step ``step`` atomically, then prune to the newest ``keep_last``.
 
-    ``stream_states``: {"prompts", "rewards"} states to record instead of the live ones, when the schedule has
-    drawn and scored prompts it has not trained on yet (the async schedule). A full disk raises NoSpaceError
-    naming the folder and the room a checkpoint needs; the partial copy is removed."""
+    ``stream_states``: {"prompts", "rewards"} states, and optionally "rng" (`rng_states`), to record instead of the
+    live ones, when the schedule has drawn, sampled and scored prompts it has not trained on yet (the async
+    schedule). A full disk raises NoSpaceError naming the folder and the room a checkpoint needs; the partial copy
+    is removed."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
     for stale in root.glob(".tmp-*"):  # left by a save that crashed (one trainer writes here at a time)
@@ -230,14 +251,9 @@ def _write_state(c, tmp: Path, step: int, run_state: dict[str, Any], stream_stat
     c.policy.save_checkpoint(tmp / "policy")
     if c.critic is not None:
         c.critic.save_checkpoint(tmp / "critic")
-    torch.save(
-        {
-            "torch_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "shuffle_rng": c.shuffle.get_state(),
-        },
-        tmp / "rng.pt",
-    )
+    rng = (stream_states or {}).get("rng") or rng_states()
+    torch_rngs = {"torch_rng": rng["torch"], "cuda_rng": rng["cuda"], "shuffle_rng": c.shuffle.get_state()}
+    torch.save(torch_rngs, tmp / "rng.pt")
     record = _RECORDS.get(tmp.parent.resolve())
     if record is not None:
         (tmp / CONFIG_FILE).write_text(record[0], encoding="utf-8")
@@ -247,7 +263,7 @@ def _write_state(c, tmp: Path, step: int, run_state: dict[str, Any], stream_stat
         "prompts": stream_states["prompts"] if stream_states else c.prompts.state_dict(),
         "algorithm": c.algorithm.state_dict() if hasattr(c.algorithm, "state_dict") else {},
         "rewards": stream_states["rewards"] if stream_states else c.rewards.state_dict(),
-        "rng": _rng_state(),
+        "rng": _json_rng(rng),
     }
     with open(tmp / STATE_FILE, "w", encoding="utf-8") as f:  # written last: its presence marks completeness
         json.dump(state, f)

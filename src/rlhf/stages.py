@@ -17,6 +17,7 @@ from rlhf.data.prompts import PromptExample
 from rlhf.envs.loop import drop_failed_groups
 from rlhf.envs.rows import episode_metrics, episode_rows, transcript
 from rlhf.functional import masked_mean, masked_sum
+from rlhf.functional.kl import logprob_gap
 from rlhf.generators.base import SamplingParams
 from rlhf.trajectory import Trajectories
 
@@ -135,6 +136,8 @@ def prepare(c, scored: Scored, temperature: float, micro_batch_size: int) -> tup
         batch = replace(batch, old_logp=old_logp)
         metrics["objective/entropy"] = masked_sum(entropy, mask, dim=1).mean().item()
         metrics |= sample_train_gap(batch.gen_logp, old_logp, mask)
+        if c.gap_watch is not None:
+            c.gap_watch.observe(metrics["checks/logprob_gap_mean"])
     if c.reference is not None:
         batch = replace(batch, ref_logp=c.reference.rollout_logprobs(batch, temperature, micro_batch_size))
     if c.critic is not None:
@@ -144,16 +147,18 @@ def prepare(c, scored: Scored, temperature: float, micro_batch_size: int) -> tup
 
 
 def sample_train_gap(gen_logp: torch.Tensor, train_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """How far the generator's logprobs are from the trainer's on the same tokens (seed 004's names).
+    """How far the generator's logprobs are from the trainer's on the same tokens (seed 004's names, and the
+    parity figures of `rlhf.parity`: mean and largest |gen - train| per token, k3 KL).
 
     Shapes: (B, T) each. v1 = mean(gen - train), v2 = mean((gen - train)^2) / 2, over action tokens.
     """
     diff = gen_logp - train_logp
-    gap = masked_mean(diff.abs(), mask).item()
+    gap = logprob_gap(gen_logp, train_logp, mask)
     return {
-        "val/generator_logprob_diff": gap,
-        "checks/logprob_gap_mean": gap,  # the parity figures of `checks.*`: mean and largest |gen - train| per token
-        "checks/logprob_gap_max": (diff.abs() * mask).max().item() if mask.any() else 0.0,
+        "val/generator_logprob_diff": gap["mean"],
+        "checks/logprob_gap_mean": gap["mean"],
+        "checks/logprob_gap_max": gap["max"],
+        "checks/logprob_gap_k3": gap["k3"],
         "train/kl_sample_train_v1": masked_mean(diff, mask).item(),
         "train/kl_sample_train_v2": 0.5 * masked_mean(diff.square(), mask).item(),
     }

@@ -23,7 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from transformers.utils import logging as transformers_logging
 
-from rlhf import checkpoint, exits, hub, plan, preflight, registry, sweep
+from rlhf import checkpoint, exits, hub, parity, plan, preflight, registry, rehearsal, sweep
 from rlhf.build import build_components
 from rlhf.config import ConfigError, register_schema, validate
 from rlhf.distributed.remote import WorkerError
@@ -88,6 +88,7 @@ def run_schedule(cfg, out: Path, sizes, schedule, components, root: Path, resume
     if resume_from is not None:
         state = RunState.from_dict(checkpoint.load(components, resume_from), cfg.train.max_skipped_steps_in_row)
         components.generator.update_weights(components.policy.state_dict())
+    parity.gate(components, cfg)  # before the first step: the generator samples what the trainer scores
     tracker = Tracker(
         out, cfg.logging.tensorboard, resume_step=state.step if resume_from else None, checkpoint_root=root,
         settings=cfg.logging,
@@ -119,6 +120,8 @@ def main(cfg: DictConfig) -> float | None:
     """Train; exit with the outcome's code (`rlhf.exits`), or in a `--multirun` record it for the sweep's summary."""
     if not wants_bar(cfg.logging.progress_bar, sys.stderr):
         transformers_logging.disable_progress_bar()  # its loading bars would put control characters into CI logs
+    if cfg.preflight:
+        return preflight_only(cfg, Path(HydraConfig.get().runtime.output_dir))
     try:
         state = train(cfg, Path(HydraConfig.get().runtime.output_dir))
     except ConfigError as err:
@@ -138,6 +141,17 @@ def main(cfg: DictConfig) -> float | None:
     sweep.end_job(exits.FINISHED, "finished")
     # returned for Hydra sweepers that optimise a value
     return state.last_eval.get("eval/sampled_correct_rate")
+
+
+def preflight_only(cfg: DictConfig, out: Path) -> None:
+    """`preflight=true`: rehearse one step on a tiny batch (`rlhf.rehearsal`), print the report, exit 0 when every
+    stage passed, else with the code the run would have exited with."""
+    results = rehearsal.rehearse(cfg, out)
+    log.info("preflight report:\n%s", rehearsal.render(results))
+    failed = next((r for r in results if r.status == "error"), None)
+    if failed is None:
+        return sweep.end_job(exits.FINISHED, "preflight passed")
+    return sweep.end_job(failed.exit_code, f"preflight failed at {failed.name}")
 
 
 if __name__ == "__main__":

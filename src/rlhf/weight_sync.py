@@ -1,10 +1,16 @@
 """Verified weight sync: after a push of policy weights, the generator proves it holds what the trainer pushed.
 
 Both sides reduce every tensor to a fingerprint: a weighted sum, in float64, of a fixed pseudo-random sample of its
-elements (the same sample on both sides: it depends only on the tensor's size). The trainer's side is computed on
-its tensors cast to the generator's dtype first, so a bfloat16 generator matches exactly. A mismatch stops the run
-naming the push (the step after which it happened) and the first tensor that differs (`checks.weight_sync`: every
-push, the first only, or off).
+elements (the same sample on both sides: it depends only on the tensor's size). The generator reports what it holds
+(`weight_fingerprints`, one per engine) and what it should hold after the push (`expected_fingerprint`); a mismatch
+stops the run naming the push (the step after which it happened), the engine and the first tensor that differs
+(`checks.weight_sync`: every push, the first only, or off).
+
+- The hf generator holds the trainer's own tensors: it fingerprints its weights, and the trainer's side is cast to
+  its dtype first, so a bfloat16 generator matches exactly.
+- A vLLM engine fuses tensors (q/k/v, gate/up) and, on CPU, repacks them into kernel formats that cannot be read
+  back: each engine worker fingerprints the tensors it received and handed to its loader, so a push that never
+  arrived, or arrived without a tensor or with an old one, is caught where it lands.
 """
 
 from __future__ import annotations
@@ -39,26 +45,43 @@ def sample_of(numel: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def tensor_fingerprint(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> float:
     """sum(w * x[i]) over the sampled elements of ``tensor`` (cast to ``dtype`` first), in float64."""
-    flat = tensor.detach().reshape(-1)
-    indices, weights = sample_of(flat.numel())
-    values = flat[indices.to(flat.device)]
-    if dtype is not None:
-        values = values.to(dtype)
-    return float(values.double().cpu() @ weights)
+    return fingerprint({"tensor": tensor}, dtype)["tensor"]
+
+
+@functools.lru_cache(maxsize=16)
+def layout_of(numels: tuple[int, ...]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """For tensors of these sizes: each one's sampled indices, then every sample's tensor number (k_total,) and
+    weight (k_total,) float64, concatenated in order."""
+    samples = [sample_of(numel) for numel in numels]
+    counts = torch.tensor([len(indices) for indices, _ in samples])
+    segments = torch.repeat_interleave(torch.arange(len(numels)), counts)
+    return [indices for indices, _ in samples], segments, torch.cat([weights for _, weights in samples])
 
 
 def fingerprint(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, float]:
-    """{name: fingerprint} of every floating-point tensor of a state dict (cast to ``dtype`` first)."""
-    return {name: tensor_fingerprint(t, dtype) for name, t in state.items() if t.is_floating_point()}
+    """{name: `tensor_fingerprint`} of every floating-point tensor of a state dict (cast to ``dtype`` first).
+
+    One gather per tensor, then a handful of operations over all samples at once: per-operation overhead, not
+    arithmetic, is what a small model's push costs here."""
+    tensors = {name: t.detach().reshape(-1) for name, t in state.items() if t.is_floating_point()}
+    if not tensors:
+        return {}
+    indices, segments, weights = layout_of(tuple(t.numel() for t in tensors.values()))
+    gathered = [torch.index_select(t, 0, i.to(t.device)) for t, i in zip(tensors.values(), indices)]
+    values = torch.cat(gathered)  # mixed dtypes promote exactly (e.g. bfloat16 into float32)
+    if dtype is not None:
+        values = values.to(dtype)
+    sums = torch.zeros(len(tensors), dtype=torch.float64).index_add_(0, segments, values.double().cpu() * weights)
+    return dict(zip(tensors, sums.tolist()))
 
 
 def first_difference(pushed: dict[str, float], held: dict[str, float]) -> str | None:
-    """The first tensor, in push order, whose fingerprints differ or that one side lacks; None when all agree."""
+    """The first tensor whose fingerprints differ or that one side lacks (in push order, then the tensors only the
+    generator holds); None when all agree."""
     for name, value in pushed.items():
-        other = held.get(name)
-        if other is None or abs(value - other) > 1e-9 * (1.0 + abs(value)):
+        if name not in held or abs(value - held[name]) > 1e-9 * (1.0 + abs(value)):
             return name
-    return None
+    return next((name for name in held if name not in pushed), None)
 
 
 class VerifiedGenerator:
@@ -88,15 +111,19 @@ class VerifiedGenerator:
                 f"weight sync check failed at {after}: the generator is still asleep, holding no weights; the push "
                 f"never woke it (schedule=hybrid). checks.weight_sync=off skips this check"
             )
-        held = self.inner.weight_fingerprint()
-        expected = fingerprint(state_dict, self.inner.weight_dtype)
-        name = first_difference(expected, held)
-        if name is not None:
+        expected = self.inner.expected_fingerprint(state_dict)
+        engines = self.inner.weight_fingerprints()
+        for engine, held in enumerate(engines):
+            name = first_difference(expected, held)
+            if name is None:
+                continue
+            which = f" (engine worker {engine} of {len(engines)})" if len(engines) > 1 else ""
             raise WeightSyncError(
-                f"weight sync check failed at {after}: the generator holds a different `{name}` than the trainer "
-                f"pushed (fingerprint {held.get(name)} != {expected[name]}); rollouts would be sampled from weights "
-                f"the trainer never pushed. Check the generator's weight loading (a skipped or renamed parameter, a "
-                f"push that never arrived); checks.weight_sync=off skips this check"
+                f"weight sync check failed at {after}: the generator{which} holds a different `{name}` than the "
+                f"trainer pushed (fingerprint {held.get(name, 'missing')} != {expected.get(name, 'never pushed')}); "
+                f"rollouts would be sampled from weights the trainer never pushed. Check the generator's weight "
+                f"loading (a skipped or renamed parameter, a push that never arrived); checks.weight_sync=off skips "
+                f"this check"
             )
 
     def _faulty(self, push: int, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -111,8 +138,8 @@ def verified(generator, mode: str):
     """``generator`` wrapped for `checks.weight_sync` (unchanged when off or when it cannot fingerprint)."""
     if mode == "off":
         return generator
-    if not hasattr(generator, "weight_fingerprint"):
-        log.warning("checks.weight_sync=%s: %s cannot report its weights yet; weight pushes are not verified",
+    if not hasattr(generator, "weight_fingerprints"):
+        log.warning("checks.weight_sync=%s: %s cannot report its weights; weight pushes are not verified",
                     mode, type(generator).__name__)
         return generator
     return VerifiedGenerator(generator, mode)

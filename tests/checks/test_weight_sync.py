@@ -45,21 +45,28 @@ def faults(monkeypatch):
     return injected
 
 
+HF = ["generator=hf"]
+VLLM = pytest.param(["generator=vllm", "generator.kv_cache_memory_bytes=33554432", "generator.enable_sleep=true",
+                     "generator.enforce_eager=true"], marks=pytest.mark.slow, id="vllm")
+
+
+@pytest.mark.parametrize("generator", [pytest.param(HF, id="hf"), VLLM])
 @pytest.mark.parametrize(("schedule", "says"), [
     ("sync", r"holds a different `model\."), ("async", r"holds a different `model\."),
     ("hybrid", "still asleep"),  # the skipped push never woke the sleeping generator
 ])
-def test_a_stale_push_stops_the_run_naming_the_step(schedule, says, faults, tmp_path):
+def test_a_stale_push_stops_the_run_naming_the_step(generator, schedule, says, faults, tmp_path):
     faults["stale_push"] = 2
     with pytest.raises(WeightSyncError, match=rf"push after step 2: the generator .*{says}"):
-        train(compose_config([f"schedule={schedule}", *SHORT]), tmp_path / "run")
+        train(compose_config([*generator, f"schedule={schedule}", *SHORT]), tmp_path / "run")
 
 
-@pytest.mark.parametrize("schedule", ["sync", "async"])
-def test_a_missed_parameter_stops_the_run_naming_it(schedule, faults, tmp_path):
+@pytest.mark.parametrize("generator", [pytest.param(HF, id="hf"), VLLM])
+@pytest.mark.parametrize("schedule", ["sync", "async", "hybrid"])
+def test_a_missed_parameter_stops_the_run_naming_it(generator, schedule, faults, tmp_path):
     faults["missed"] = MISSED
     with pytest.raises(WeightSyncError, match=rf"push after step 2: the generator holds a different `{MISSED}`"):
-        train(compose_config([f"schedule={schedule}", *SHORT]), tmp_path / "run")
+        train(compose_config([*generator, f"schedule={schedule}", *SHORT]), tmp_path / "run")
 
 
 @pytest.mark.parametrize("mode", ["first", "off"])

@@ -11,7 +11,7 @@ import ray
 import torch
 from conftest import compose, max_weight_diff
 
-from rlhf import checkpoint, stages
+from rlhf import checkpoint, stages, weight_sync
 from rlhf.algorithms import build_algorithm
 from rlhf.build import build_components
 from rlhf.errors import ConfigError
@@ -22,6 +22,7 @@ from rlhf.generators.hf import HFGenerator
 from rlhf.models.loading import load_tokenizer
 from rlhf.schedules.common import RunState
 from rlhf.schedules.sync import train_step
+from rlhf.weight_sync import WeightSyncError
 
 pytestmark = pytest.mark.slow
 
@@ -131,6 +132,21 @@ def test_episodes_play_on_ray_with_two_generator_ranks_on_the_trainers_weights(r
             assert metrics["env/num_episodes"] == 32 and metrics["env/failed_episodes"] == 0
             assert metrics["val/generator_logprob_diff"] < 1e-4
         assert 1.0 <= metrics["env/num_turns_per_episode"] <= 2.0 and any("[user]" in r for r in scored.responses)
+    finally:
+        c.close()
+
+
+def test_a_stale_push_to_ray_generators_stops_the_run(ray_cluster, monkeypatch):
+    """checks.weight_sync on Ray: both engine ranks report what they hold, rank 0 computes what they should hold from
+    the pushed Ray reference, and a push that never reached them stops the run naming the step."""
+    monkeypatch.setattr(weight_sync, "FAULTS", {"stale_push": 2})
+    cfg, c = sync_components("cluster.roles.generator.devices_per_node=2")
+    try:
+        state = RunState()
+        train_step(c, cfg, state)
+        assert len(c.generator.weight_fingerprints()) == 2  # verified on both ranks after step 1
+        with pytest.raises(WeightSyncError, match=r"push after step 2: the generator \(engine worker 0 of 2\) holds a different"):
+            train_step(c, cfg, state)
     finally:
         c.close()
 

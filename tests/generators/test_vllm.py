@@ -160,6 +160,20 @@ def test_sleep_frees_the_weights_and_wake_up_loads_new_ones(engine, hf, encode, 
     assert torch.equal(engine.generate(prompts, GREEDY).window_ids, hf.generate(prompts, GREEDY).window_ids)
 
 
+def test_the_engine_reports_what_its_worker_received(engine, original_weights):
+    """`checks.weight_sync` on vLLM: the worker fingerprints the tensors it received and loaded; they match what was
+    pushed, and a tensor pushed stale (an old value) shows under its own name."""
+    from rlhf.weight_sync import first_difference
+
+    pushed = perturbed(original_weights, scale=0.01)
+    engine.update_weights(pushed)
+    held = engine.weight_fingerprints()
+    assert len(held) == 1 and first_difference(engine.expected_fingerprint(pushed), held[0]) is None
+    missed = {**pushed, "model.layers.1.mlp.up_proj.weight": original_weights["model.layers.1.mlp.up_proj.weight"]}
+    engine.update_weights(missed)
+    assert first_difference(engine.expected_fingerprint(pushed), engine.weight_fingerprints()[0]) == "model.layers.1.mlp.up_proj.weight"
+
+
 class AskAgain:
     """A two-turn task for the loop: reward 1 for a `3`, else the question again."""
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlhf import checkpoint
 from rlhf.checkpoint import STATE_FILE
 from rlhf.config.compose import compose_config
 from rlhf.generators.hf import HFGenerator
@@ -191,7 +192,6 @@ def eval_metrics(records: list[dict], step: int) -> dict:
 def test_evaluation_is_not_disturbed_by_the_producer(tmp_path, monkeypatch):
     """A mid-run evaluation samples from its own seeded stream while the producer wants to sample the next batches
     (evaluation slowed so that it does): its metrics equal a standalone evaluation of the same step's checkpoint."""
-    from rlhf import checkpoint
     from rlhf.build import build_components
     from rlhf.config import validate
     from rlhf.schedules.loop import run_eval
@@ -259,6 +259,22 @@ def test_resumed_async_run_continues_from_the_checkpoint(tmp_path, monkeypatch):
     assert [r["step"] for r in trained] == [4, 5, 6]
     assert trained[0]["async/staleness_max"] == 0 and trained[0]["async/policy_version"] == 3
     assert not producer_threads()
+
+
+def test_resume_without_staleness_reproduces_the_uninterrupted_run(tmp_path, monkeypatch):
+    """max_staleness=0: the producer samples batch 3 from the global RNGs while step 2's checkpoint is saved (a slow
+    save makes sure); the checkpoint keeps the RNGs as batch 3 found them, so resumed steps 3 and 4 equal the
+    uninterrupted run's bit for bit."""
+    slow_down(monkeypatch, checkpoint, "_write_state", 0.5)
+    overrides = ["train.num_steps=4", "schedule.max_staleness=0", "eval.greedy=false", "eval.num_samples=0"]
+    uninterrupted = {r["step"]: r for r in run(tmp_path, *overrides, "checkpoint.every=2", "checkpoint.keep_last=0")}
+    out = tmp_path / "resumed"
+    train(compose_config(["schedule=async", *FAST, *overrides, f"resume={tmp_path / 'run' / 'checkpoints' / 'step_00000002'}"]), out)
+    resumed = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "episode" in r}
+    assert sorted(resumed) == [3, 4]
+    for step in (3, 4):
+        for key in ("objective/scores", "objective/entropy", "loss/policy_avg", "policy/grad_norm"):
+            assert resumed[step][key] == uninterrupted[step][key], (step, key)
 
 
 def test_remax_under_async_baselines_each_batch_on_the_version_that_sampled_it(tmp_path, monkeypatch):

@@ -266,6 +266,10 @@ class LoggingConfig:
 @dataclass
 class ChecksConfig:
     weight_sync: str = "every"  # verify the generator holds what each weight push sent: every push, first, or off
+    parity_prompts: int = 4  # prompts the generator samples (one response each) for the log-prob probe before step 1; 0 skips it
+    max_logprob_gap: Optional[float] = None  # mean |Δ log p| above which the probe refuses the run; null: 0.01 float32, 0.1 bfloat16/float16
+    gap_jump_factor: float = 10.0  # warn when a step's checks/logprob_gap_mean exceeds this many times its running level
+    stop_on_gap: bool = False  # stop the run (not just warn) when checks/logprob_gap_mean jumps
 
 
 @dataclass
@@ -278,6 +282,7 @@ class PlanConfig:
 class RunConfig:
     seed: int = 1  # seeds python, numpy and torch
     resume: Optional[str] = None  # null = fresh; auto = newest complete checkpoint in checkpoint.dir (fresh if none); or a checkpoint folder
+    preflight: bool = False  # rehearse one step on a tiny batch (every stage, a checkpoint round trip), print a report, exit
     model: ModelConfig = field(default_factory=ModelConfig)  # the policy's starting model
     dataset: DatasetConfig = field(default_factory=DatasetConfig)  # where prompts come from
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # advantage estimator, policy loss, KL, entropy

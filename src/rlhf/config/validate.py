@@ -116,6 +116,24 @@ def _sizes(cfg: DictConfig, samples: int, units: int, mini: int, accum: int) -> 
     )
 
 
+def check_self_checks(checks) -> None:
+    """`checks.*`: a known weight-sync mode and thresholds in range."""
+    _require(
+        checks.weight_sync in WEIGHT_SYNC_MODES,
+        f"checks.weight_sync={checks.weight_sync!r}; choose one of {', '.join(WEIGHT_SYNC_MODES)}",
+    )
+    _require(checks.parity_prompts >= 0, f"checks.parity_prompts={checks.parity_prompts} must be >= 0 (0 skips the gate)")
+    _require(
+        checks.max_logprob_gap is None or checks.max_logprob_gap > 0,
+        f"checks.max_logprob_gap={checks.max_logprob_gap} must be > 0, or null for the default of model.dtype",
+    )
+    _require(
+        checks.gap_jump_factor > 1,
+        f"checks.gap_jump_factor={checks.gap_jump_factor} must be > 1 (a step's gap is compared with this many times "
+        f"the running level)",
+    )
+
+
 def validate(cfg: DictConfig) -> DerivedSizes:
     """Every check that needs no model: choices, ranges, batch arithmetic. Returns the derived sizes."""
     check_unknown_keys(cfg)  # first: a `+typo=...` key would otherwise be silently ignored
@@ -142,10 +160,7 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         f"algorithm.loss_agg={algo.loss_agg!r}; choose one of {', '.join(LOSS_AGGREGATIONS)}",
     )
     _require(algo.beta >= 0, f"algorithm.beta={algo.beta} must be >= 0")
-    _require(
-        cfg.checks.weight_sync in WEIGHT_SYNC_MODES,
-        f"checks.weight_sync={cfg.checks.weight_sync!r}; choose one of {', '.join(WEIGHT_SYNC_MODES)}",
-    )
+    check_self_checks(cfg.checks)
     _require(
         not algorithm.pairwise or algo.beta > 0,
         f"algorithm.policy_loss={algo.policy_loss} uses algorithm.beta as the DPO temperature; set it > 0 (e.g. 0.1)",

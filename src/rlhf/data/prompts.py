@@ -43,6 +43,7 @@ class PromptStream:
         self.epoch = 0
         self.position = 0
         self._order = self._permutation(0)
+        self._ids: dict[str, int] | None = None  # prompt text -> index in ``examples``, built on first use
 
     def _permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
@@ -72,6 +73,15 @@ class PromptStream:
             )
         self.epoch, self.position = state["epoch"], state["position"]
         self._order = self._permutation(self.epoch)
+
+    def ids_of(self, texts: list[str]) -> list[int | None]:
+        """Each prompt text's index in the training split (its first occurrence), None for a text not in it (an
+        environment's own task)."""
+        if self._ids is None:
+            self._ids = {}
+            for index, example in enumerate(self.examples):
+                self._ids.setdefault(example.text, index)
+        return [self._ids.get(text) for text in texts]
 
     @property
     def epochs_done(self) -> float:

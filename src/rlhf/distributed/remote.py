@@ -225,3 +225,17 @@ class RemoteGenerator:
     def freed_bytes(self) -> int:
         """What the engines' last sleep released, summed."""
         return sum(self.group.call_all("freed_bytes"))
+
+    @property
+    def asleep(self) -> bool:
+        """Whether any engine is asleep (holding no weights)."""
+        return any(self.group.call_all("asleep"))
+
+    def weight_fingerprints(self) -> list[dict[str, float]]:
+        """Every engine's fingerprints of what it holds (`rlhf.weight_sync`), rank by rank."""
+        return [held for rank in self.group.call_all("weight_fingerprints") for held in rank]
+
+    def expected_fingerprint(self, state) -> dict[str, float]:
+        """What the engines should hold after ``state`` (a weights dict or a Ray reference to one): computed by rank
+        0, where the weights land, so the driver never fetches them."""
+        return self.group.call("expected_fingerprint", {0: (state,)})[0]

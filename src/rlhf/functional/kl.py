@@ -1,8 +1,11 @@
-"""Per-token estimators of KL(policy || reference) from sampled tokens (Schulman's k1, k3)."""
+"""Per-token estimators of KL(policy || reference) from sampled tokens (Schulman's k1, k3), and the gap between two
+models' logprobs on the same tokens."""
 
 from __future__ import annotations
 
 import torch
+
+from rlhf.functional.masked import masked_mean
 
 
 def kl_per_token(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -20,6 +23,19 @@ def kl_per_token(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> 
     if estimator == "k3":
         return torch.expm1(-log_ratio) + log_ratio
     raise ValueError(f"unknown KL estimator {estimator!r}; choose k1, k2 or k3")
+
+
+def logprob_gap(gen_logp: torch.Tensor, train_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Mean and max |gen - train| and the mean k3 KL(generator || trainer) over action tokens.
+
+    Shapes: (B, T) each; ``mask`` 1.0 on action tokens. The tokens were sampled by the generator, so k3 estimates the
+    KL of the generator's distribution from the trainer's."""
+    diff = (gen_logp - train_logp).abs()
+    return {
+        "mean": masked_mean(diff, mask).item(),
+        "max": (diff * mask).max().item() if mask.any() else 0.0,
+        "k3": masked_mean(kl_per_token(gen_logp, train_logp, "k3"), mask).item(),
+    }
 
 
 class FixedKLController:

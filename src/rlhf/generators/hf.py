@@ -114,16 +114,15 @@ class HFGenerator:
     def asleep(self) -> bool:
         return self._shapes is not None
 
-    @property
-    def weight_dtype(self) -> torch.dtype:
-        """The dtype its weights are held in (what a pushed float32 tensor is rounded to)."""
-        return next(self.model.parameters()).dtype
-
-    def weight_fingerprint(self) -> dict[str, float]:
-        """`rlhf.weight_sync.fingerprint` of the weights it holds now."""
+    def weight_fingerprints(self) -> list[dict[str, float]]:
+        """[`rlhf.weight_sync.fingerprint` of the weights it holds now]: one engine."""
         if self.asleep:
             raise RuntimeError("the generator is asleep: it holds no weights to fingerprint")
-        return fingerprint(self.model.state_dict())
+        return [fingerprint(self.model.state_dict())]
+
+    def expected_fingerprint(self, state_dict: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The fingerprint it holds after loading ``state_dict``: each tensor rounded to its weights' dtype."""
+        return fingerprint(state_dict, next(self.model.parameters()).dtype)
 
     def resident_bytes(self) -> int:
         """Bytes of weights this generator holds now (0 while asleep)."""

@@ -18,6 +18,7 @@ from rlhf.generators.hf import left_pad, stop_token_id
 from rlhf.models.loading import resolve_model_path
 from rlhf.registry import register
 from rlhf.trajectory import Trajectories, from_completions
+from rlhf.weight_sync import fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,16 @@ def _weight_bytes(worker) -> int:
     return parameter_bytes(worker.model_runner.get_model())
 
 
+def _reload(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """In each engine worker: load ``weights`` in place, keeping the fingerprint of what arrived (`rlhf.weight_sync`)."""
+    worker.rlhf_received = fingerprint(dict(weights))
+    worker.model_runner.reload_weights(weights_iterator=weights)
+
+
+def _received(worker) -> dict[str, float]:
+    return worker.rlhf_received
+
+
 def memory_in_use(device: torch.device) -> int | None:
     """Bytes in use on ``device`` as the driver reports them (every process on it); None where nothing reports."""
     if device.type != "cuda":
@@ -158,7 +169,7 @@ class VLLMGenerator:
         self._load(state_dict)
 
     def _load(self, state_dict: dict[str, torch.Tensor]) -> None:
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state_dict.items())})
+        self.llm.collective_rpc(_reload, args=(list(state_dict.items()),))
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM kept its prefix cache after a weight update: later samples would reuse stale KV")
 
@@ -187,6 +198,14 @@ class VLLMGenerator:
             self.llm.collective_rpc(_restore_weights)
             self._load(state_dict)
         self.asleep = False
+
+    def weight_fingerprints(self) -> list[dict[str, float]]:
+        """[fingerprint of the weights each worker (one per tensor-parallel rank) last received and loaded]."""
+        return self.llm.collective_rpc(_received)
+
+    def expected_fingerprint(self, state_dict: dict[str, torch.Tensor]) -> dict[str, float]:
+        """What the worker records after receiving ``state_dict``: the fingerprint of the tensors as pushed."""
+        return fingerprint(state_dict)
 
     def resident_bytes(self) -> int:
         """On CUDA, the bytes in use on the device (the driver's figure); elsewhere the bytes of the engine's weights."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf import dynamic_sampling, stages
+from rlhf import checkpoint, dynamic_sampling, stages
 from rlhf.generators.base import SamplingParams
 from rlhf.registry import register
 from rlhf.schedules.common import RunState
@@ -96,8 +96,8 @@ class Produced:
 class RolloutProducer:
     """Draws prompts, generates and scores batches ``first..last`` in a thread, at most `max_staleness` versions ahead.
 
-    Records the prompt stream's position and the reward statistics before each draw, so a checkpoint can rewind
-    past batches drawn (and scored) ahead of training.
+    Records the prompt stream's position, the reward statistics and the global RNGs before each draw, so a
+    checkpoint can rewind past batches drawn, sampled and scored ahead of training.
     """
 
     def __init__(self, c, cfg, generator: VersionedGenerator, first: int, last: int) -> None:
@@ -107,7 +107,7 @@ class RolloutProducer:
         self.ready: queue.Queue[Produced] = queue.Queue()
         self.stopping = threading.Event()
         self.error: BaseException | None = None
-        self.positions: dict[int, dict] = {}  # batch index -> {"prompts", "rewards"} states before it was drawn
+        self.positions: dict[int, dict] = {}  # batch index -> {"prompts", "rewards", "rng"} states before it was drawn
         self.positions_lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
 
@@ -148,7 +148,9 @@ class RolloutProducer:
             return self.c.prompts.next_batch(size)
 
     def _states(self) -> dict:
-        return {"prompts": self.c.prompts.state_dict(), "rewards": self.c.rewards.state_dict()}
+        # the RNGs too: the producer samples from the global generators while the trainer may be saving them
+        prompts, rewards = self.c.prompts.state_dict(), self.c.rewards.state_dict()
+        return {"prompts": prompts, "rewards": rewards, "rng": checkpoint.rng_states()}
 
     def take(self, index: int) -> Produced:
         """The batch for training step ``index``; re-raises the producer's error if it failed.
@@ -175,9 +177,9 @@ class RolloutProducer:
         return produced
 
     def states_after(self, step: int) -> dict:
-        """The prompt stream's and reward statistics' states as if nothing after batch ``step`` had been drawn or
-        scored (for a checkpoint or the epoch count after ``step``). Batches up to ``step`` are all scored by now,
-        and the producer records a batch's states before touching either, so the lock makes this consistent."""
+        """The prompt stream's, reward statistics' and RNGs' states as if nothing after batch ``step`` had been drawn,
+        sampled or scored (for a checkpoint or the epoch count after ``step``). Batches up to ``step`` are all scored
+        by now, and the producer records a batch's states before touching any, so the lock makes this consistent."""
         with self.positions_lock:
             return self.positions.get(step + 1) or self._states()
 

@@ -6,13 +6,11 @@ A schedule supplies only ``step_fn(step) -> (metrics, scored)``; what happens be
 from __future__ import annotations
 
 import logging
-import random
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 import torch
 
 from rlhf import checkpoint, dynamic_sampling, stages
@@ -54,9 +52,10 @@ def run_steps(
 ) -> RunState:
     """Train from ``state.step`` to `train.num_steps` with ``step_fn``, evaluating and checkpointing on schedule.
 
-    Schedules that draw and score prompts ahead of training pass ``stream_states(step)``: the prompt stream's and
-    the reward statistics' states as of the end of ``step`` ({"prompts", "rewards"}), for checkpoints and the epoch
-    count; and ``guard``, a lock that evaluation holds so its seeded sampling never interleaves with theirs.
+    Schedules that draw, sample and score prompts ahead of training pass ``stream_states(step)``: the prompt
+    stream's and the reward statistics' states, and the global RNGs', as of the end of ``step`` ({"prompts",
+    "rewards", "rng"}), for checkpoints and the epoch count; and ``guard``, a lock that evaluation holds so its
+    seeded sampling never interleaves with theirs.
     Stops early, after saving a checkpoint, when ``stop.requested`` is set (SIGTERM/SIGINT).
 
     A step that raises ends the run, but first the last complete step is saved (`save_on_failure`) when the trained
@@ -112,6 +111,7 @@ def record_step(c, cfg, sizes, tracker, state: RunState, metrics: dict, scored: 
         "time/total": tracker.elapsed(),
     }
     tracker.log(step, metrics)
+    tracker.prompts(step, c.prompts.ids_of(trained_prompts(scored)))
     tracker.console(step, train.num_steps, metrics)  # the bar every step, a line every logging.log_every
     if cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
         n = cfg.logging.num_sample_texts
@@ -119,6 +119,11 @@ def record_step(c, cfg, sizes, tracker, state: RunState, metrics: dict, scored: 
     if (sizes.eval_every and step % sizes.eval_every == 0) or step == train.num_steps:
         with guard:
             state.last_eval = run_eval(c, cfg, tracker, step)
+
+
+def trained_prompts(scored: stages.Scored) -> list[str]:
+    """The prompt of each group ``scored`` trains on, in batch order (one per prompt, not per sample)."""
+    return [scored.prompts[rows[0]] for rows in dynamic_sampling.group_rows(scored.batch.group_id)]
 
 
 @dataclass
@@ -135,25 +140,15 @@ class StepStart:
         return cls(
             streams={"prompts": c.prompts.state_dict(), "rewards": c.rewards.state_dict()},
             algorithm=c.algorithm.state_dict() if hasattr(c.algorithm, "state_dict") else None,
-            rng={
-                "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-                "shuffle": c.shuffle.get_state(),
-                "python": random.getstate(),
-                "numpy": np.random.get_state(),
-            },
+            rng=checkpoint.rng_states() | {"shuffle": c.shuffle.get_state()},
         )
 
     def rewind(self, c) -> None:
         """Put back the algorithm's state and the RNGs (the prompt and reward states pass to the save instead)."""
         if self.algorithm is not None:
             c.algorithm.load_state_dict(self.algorithm)
-        torch.set_rng_state(self.rng["torch"])
-        if self.rng["cuda"]:
-            torch.cuda.set_rng_state_all(self.rng["cuda"])
+        checkpoint.set_rng_states(self.rng)
         c.shuffle.set_state(self.rng["shuffle"])
-        random.setstate(self.rng["python"])
-        np.random.set_state(self.rng["numpy"])
 
 
 def save_on_failure(c, cfg, root, state: RunState, step: int, streams: dict | None, err: Exception) -> None:

@@ -29,6 +29,8 @@ CONSOLE_FIELDS = (
     ("time/step", "s/step", "{:.2f}"),
 )
 
+PROMPTS_FILE = "prompts.jsonl"  # {"step", "prompts": [index in the training split, ...]}: what each step trained
+
 
 def _truncate_after(path: Path, step: int) -> None:
     """Keep the JSON Lines records of steps <= ``step`` (and drop a line a kill cut short)."""
@@ -69,7 +71,7 @@ class Tracker:
         output_dir.mkdir(parents=True, exist_ok=True)
         jsonl = output_dir / "metrics.jsonl"
         if resume_step is not None:
-            for path in (jsonl, output_dir / "eval_generations.jsonl"):
+            for path in (jsonl, output_dir / "eval_generations.jsonl", output_dir / PROMPTS_FILE):
                 _truncate_after(path, resume_step)
         self.log_every = settings.log_every if settings is not None else 1
         # decided before wandb starts, as wandb wraps the console streams
@@ -82,6 +84,7 @@ class Tracker:
             purge = resume_step + 1 if resume_step is not None else None
             self.writer = SummaryWriter(log_dir=str(output_dir / "tensorboard"), purge_step=purge)
         self.jsonl = open(jsonl, "a", encoding="utf-8")
+        self.prompts_file = None  # PROMPTS_FILE, opened by the first step that trains
         self.start = time.perf_counter()
 
     def config(self, composed_yaml: str, derived: dict[str, int]) -> None:
@@ -101,6 +104,13 @@ class Tracker:
         self.jsonl.flush()
         if self.wandb is not None:
             self.wandb.log(step, metrics)
+
+    def prompts(self, step: int, ids: list[int | None]) -> None:
+        """The prompts step ``step`` trained, in order, as indices into the training split: a line of PROMPTS_FILE."""
+        if self.prompts_file is None:
+            self.prompts_file = open(self.output_dir / PROMPTS_FILE, "a", encoding="utf-8")
+        self.prompts_file.write(json.dumps({"step": step, "prompts": ids}) + "\n")
+        self.prompts_file.flush()
 
     def console(self, step: int, num_steps: int, metrics: dict[str, float]) -> None:
         """Called every step: moves the bar (if any); a plain line every `logging.log_every` steps and at the last."""
@@ -138,6 +148,8 @@ class Tracker:
                 self.writer.flush()
                 self.writer.close()
             self.jsonl.close()
+            if self.prompts_file is not None:
+                self.prompts_file.close()
         finally:
             if self.wandb is not None:
                 self.wandb.close(failed)
