@@ -25,28 +25,15 @@ import time
 from pathlib import Path
 
 import torch
-from cli_runs import train_records
-from transformers import LlamaConfig, LlamaForCausalLM
+from cli_runs import save_random_llama, train_records
 
-from rlhf.models.loading import load_causal_lm, load_tokenizer
+from rlhf.models.loading import load_causal_lm
 from rlhf.weight_sync import fingerprint
 
 WORK = ["eval.every=0", "eval.max_prompts=4", "logging.tensorboard=false", "checkpoint.save_final_model=false"]
 OFF = ["checks.weight_sync=off", "checks.parity_prompts=0"]
 PROBE_LINE = re.compile(r"log-prob parity .*, (\d+\.\d+) s\)")  # rlhf.parity.gate's line
 DEFAULT_RUN_STEPS = 200  # train.num_steps of the default run, for the probe's share
-
-
-def build_llama_3m(folder: Path) -> Path:
-    """A random ~3.2M-parameter Llama (4 layers, hidden 256, vocabulary 2048) with the built-in tokenizer."""
-    config = LlamaConfig(
-        vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1,
-        eos_token_id=2,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
-    load_tokenizer("builtin:tiny_arith").save_pretrained(folder)
-    return folder
 
 
 def verify_seconds(model_path: str, repeats: int = 20) -> float:
@@ -87,7 +74,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        llama = build_llama_3m(folder / "llama_3m")
+        llama = save_random_llama(folder / "llama_3m", hidden=256, layers=4, intermediate=512, vocab=2048, heads=4)
         models = {
             "built-in tiny (default run)": ("builtin:tiny_arith", []),
             "Llama 3.2M": (str(llama), [f"model.name_or_path={llama}", "generator.max_new_tokens=32", "dataset.max_prompt_length=16"]),

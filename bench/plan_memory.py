@@ -21,9 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from transformers import LlamaConfig, LlamaForCausalLM
-
-from rlhf.models.loading import load_tokenizer
+from cli_runs import save_random_llama
 
 # the same GRPO work for every model: long enough responses that activations and logits are a real share
 WORK = [
@@ -32,18 +30,6 @@ WORK = [
     "logging.tensorboard=false", "checkpoint.save_final_model=false", "dataset.max_prompt_length=16",
 ]
 PLAN_LINE = re.compile(r"memory plan: \S+ GiB \((\d+) MiB\)")
-
-
-def build_llama_30m(folder: Path) -> Path:
-    """A random ~31.5M-parameter Llama (8 layers, hidden 512) with the built-in tokenizer, saved in ``folder``."""
-    config = LlamaConfig(
-        vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-        num_key_value_heads=8, max_position_embeddings=256, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1,
-        eos_token_id=2,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
-    load_tokenizer("builtin:tiny_arith").save_pretrained(folder)
-    return folder
 
 
 def measure(overrides: list[str], folder: Path) -> tuple[int, int]:
@@ -78,7 +64,7 @@ def main() -> None:
                                check=True)
             return
         name = names[0]
-        path = models[name] or str(build_llama_30m(Path(tmp) / "llama30m"))
+        path = models[name] or str(save_random_llama(Path(tmp) / "llama30m", hidden=512, layers=8, intermediate=1536, vocab=8192, heads=8))
         overrides = [f"model.name_or_path={path}", f"train.num_steps={args.steps}", *WORK, *args.overrides]
         planned, peak = measure(overrides, Path(tmp) / "run")
         print(f"{name:10s} planned {planned / 2**20:8.0f} MiB   measured peak RSS {peak / 2**20:8.0f} MiB   "
