@@ -9,13 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlhf.components import critic_init_path
+from rlhf.generators.vllm import CPU_KV_CACHE_BYTES
 from rlhf.models.dtypes import DTYPES
 from rlhf.plan import memory
 from rlhf.plan.architecture import ModelSource, activations, parameter_count, read_config, text_config
 from rlhf.plan.memory import FLOAT32, GENERATE, SCORE, TRAIN, Item, Sharding
 
 VLLM_SHARE = "vllm engine (gpu_memory_utilization)"  # what a vLLM engine claims of a GPU: weights, KV cache, its runtime
-CPU_KV_CACHE_BYTES = 1 << 30  # vLLM's KV cache on CPU when generator.kv_cache_memory_bytes is null (rlhf.generators.vllm)
 # gradients alive at once in the backward of the largest kept tensor (the output layer's logits: the gradients of
 # the log-softmax, of the entropy, their sum and the logits' own): about 4x its bytes, measured on a 30M Llama
 BACKWARD_COPIES = 4
