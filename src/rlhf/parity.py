@@ -43,13 +43,18 @@ def max_gap(cfg) -> float:
     return DEFAULT_MAX_GAP[cfg.model.dtype]
 
 
+def short_sampling(gen_cfg):
+    """The run's sampling settings with at most PROBE_TOKENS new tokens (the probe's, and preflight's)."""
+    return replace(stages.sampling_params(gen_cfg), max_new_tokens=min(PROBE_TOKENS, gen_cfg.max_new_tokens))
+
+
 def probe(c, cfg) -> dict[str, float]:
     """Sample the probe batch with the run's generator and score it with its policy; `logprob_gap`'s figures.
 
     The prompts are the first evaluation prompts (else the first training prompts: the prompt stream is not drawn
     from), and every torch RNG is put back afterwards, so the run samples what it would have without the probe."""
     examples = (c.eval_examples or c.prompts.examples)[: cfg.checks.parity_prompts]
-    sampling = replace(stages.sampling_params(cfg.generator), max_new_tokens=min(PROBE_TOKENS, cfg.generator.max_new_tokens))
+    sampling = short_sampling(cfg.generator)
     devices = [c.device.index or 0] if c.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         if c.env is None:  # plain prompts need no scoring

@@ -1,7 +1,7 @@
 """`python -m rlhf.train preflight=true ...`: rehearse the run's first step on a tiny batch, then report and exit.
 
 Every stage of a real step runs, with the run's own models, strategies and schedule settings, on 2 prompts (the
-configured samples each) and at most `REHEARSAL_TOKENS` new tokens: the checks made before any model loads, loading,
+configured samples each) and at most as many new tokens as the parity probe (`rlhf.parity.short_sampling`): the checks made before any model loads, loading,
 the weight push (verified, `rlhf.weight_sync`), the log-prob parity probe (`rlhf.parity`), generation and scoring,
 logprobs/reference/values, the update, a hybrid engine's sleep and wake, the push of the updated weights,
 evaluation, a checkpoint saved and reloaded (in a temporary folder beside the run's checkpoints) and the export.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,7 +31,6 @@ from rlhf.weight_sync import first_difference, fingerprint
 log = logging.getLogger("rlhf")
 
 REHEARSAL_PROMPTS = 2  # prompts in the rehearsed step (each with algorithm.num_samples_per_prompt samples)
-REHEARSAL_TOKENS = 16  # new tokens per response at most
 
 
 @dataclass
@@ -82,9 +81,7 @@ class Rehearsal:
         self.cfg, self.out = cfg, out
         self.root = checkpoint.checkpoint_root(cfg, out)
         self.c = self.sizes = self.scored = self.batch = None
-        self.sampling = replace(
-            stages.sampling_params(cfg.generator), max_new_tokens=min(REHEARSAL_TOKENS, cfg.generator.max_new_tokens)
-        )
+        self.sampling = parity.short_sampling(cfg.generator)
 
     def stages(self) -> list[tuple[str, object]]:
         """(name, method) of every stage, in order."""
@@ -139,7 +136,7 @@ class Rehearsal:
         return f"{len(self.scored.batch)} responses, mean score {self.scored.scores.mean().item():.3g}"
 
     def prepare(self) -> str:
-        self.batch, metrics = stages.prepare(self.c, self.scored, self.cfg.generator.temperature, self.cfg.train.micro_batch_size)
+        self.batch, _ = stages.prepare(self.c, self.scored, self.cfg.generator.temperature, self.cfg.train.micro_batch_size)
         return f"{len(self.batch)} rows"
 
     def update(self) -> str:
@@ -169,13 +166,12 @@ class Rehearsal:
 
     def checkpoint(self) -> str:
         """Save into a temporary folder beside the run's checkpoints (the disk they will use), reload, compare."""
-        before = local_weights(self.c.policy)
+        before = local_weights(self.c)
         with tempfile.TemporaryDirectory(prefix=".preflight-", dir=existing_parent(self.root)) as folder:
-            streams = {"prompts": self.c.prompts.state_dict(), "rewards": self.c.rewards.state_dict()}
-            path = checkpoint.save(self.c, Path(folder), 1, RunState(step=1).to_dict(), 1, streams)
+            path = checkpoint.save(self.c, Path(folder), 1, RunState(step=1).to_dict(), 1)
             size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
             checkpoint.load(self.c, path)
-        after = local_weights(self.c.policy)
+        after = local_weights(self.c)
         if before is not None and (name := first_difference(before, after)) is not None:
             raise RuntimeError(f"the reloaded checkpoint's `{name}` differs from the saved policy's")
         return f"{size / 2**20:.0f} MiB written and read back" + (", weights equal" if before is not None else "")
@@ -190,10 +186,10 @@ class Rehearsal:
             self.c.close()
 
 
-def local_weights(policy) -> dict[str, float] | None:
-    """The fingerprint of the policy's weights when they are in this process (None for Ray workers')."""
-    state = policy.state_dict()
-    return fingerprint(state) if isinstance(state, dict) else None
+def local_weights(c) -> dict[str, float] | None:
+    """The fingerprint of the policy's weights when they are in this process; None on the Ray backend (gathering
+    them to the driver would cost a copy of the model)."""
+    return fingerprint(c.policy.state_dict()) if c.backend is None else None
 
 
 def existing_parent(path: Path) -> Path:
