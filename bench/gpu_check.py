@@ -28,6 +28,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from cli_runs import matmul_peak, train_flops
 from rlhf import stages
 from rlhf.algorithms import build_algorithm
 from rlhf.config.schema import AlgorithmConfig, GeneratorConfig, ModelConfig, PolicyConfig, ReferenceConfig, StrategyConfig
@@ -64,12 +65,9 @@ def timed(device: torch.device, fn):
 
 def peak_matmul_flops(device: torch.device, tiny: bool) -> float:
     """Measured FLOP/s of a square matrix product: bf16 8192^3 on CUDA, float32 256^3 on CPU (tiny)."""
-    n, dtype = (256, torch.float32) if tiny or device.type != "cuda" else (8192, torch.bfloat16)
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    _, seconds = timed(device, lambda: [a @ b for _ in range(10)])
-    return 2 * n**3 * 10 / seconds
+    if tiny or device.type != "cuda":
+        return matmul_peak(device, (256,), torch.float32)
+    return matmul_peak(device, (8192,), torch.bfloat16)
 
 
 def save_model(folder: Path, shape: dict) -> str:
@@ -105,18 +103,6 @@ def learn(device: torch.device, tiny: bool, work: Path) -> list[dict]:
     short = ["train.num_steps=10", "eval.every=0", "eval.num_samples=1", "eval.max_prompts=20"] if tiny else []
     runs = [[]] if tiny else [[], ["experiment=ppo_arith_tiny"]]
     return [run_cli([f"cluster.device={device}", *extra, *short], work / f"learn{i}") for i, extra in enumerate(runs)]
-
-
-def train_flops(config, rows: int, seq_len: int, window: int) -> float:
-    """Model FLOPs of one training pass (forward + backward) over ``rows`` rows of ``seq_len`` tokens whose last
-    ``window`` are scored: 6 N per token for the transformer's matmul weights (the embedding lookup excluded),
-    6 d V per window token for the output layer (it runs on the window only), and 12 L d S per token for attention
-    scores and values (PaLM's convention, no causal halving)."""
-    d, layers, heads, kv = config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads
-    head_dim = d // heads
-    per_layer = d * d * 2 + 2 * d * kv * head_dim + 3 * d * config.intermediate_size  # q, o, k, v, gate/up/down
-    per_token = 6 * layers * per_layer + 12 * layers * d * seq_len
-    return rows * (seq_len * per_token + window * 6 * d * config.vocab_size)
 
 
 def throughput(device: torch.device, tiny: bool, work: Path, peak: float, micro_batches: list[int], profile: bool = False) -> list[dict]:
@@ -179,7 +165,7 @@ def grpo_steps(device, folder, shape, model_cfg, algo_cfg, gen_cfg, checkpointin
                 times[key] = times.get(key, 0.0) + value / 2
     rows, seq = len(repeated), prompt_len + new_tokens
     trained_tokens = rows * seq
-    flops = train_flops(policy.model.config, rows, seq, new_tokens)
+    flops = train_flops(policy.model.config, rows * seq, rows * new_tokens, rows * seq * seq)
     result = {
         "gradient_checkpointing": checkpointing, "rows": rows, "tokens_per_row": seq, "micro_batch_rows": micro,
         **{f"s_{k}": round(v, 3) for k, v in times.items()},

@@ -101,7 +101,7 @@ def test_prepare_and_update_train_only_the_actions(policy_cfg, model_cfg, train_
                         shuffle=torch.Generator().manual_seed(0))
     batch, texts = multiturn(tokenizer)
     scored = stages.Scored(replace(batch, scores=torch.tensor([1.0, 0.0])), ["1+2="] * 2, texts, {})
-    trained, metrics = stages.prepare(c, scored, temperature=1.0, micro_batch_size=1)
+    trained, metrics = stages.prepare(c, scored, temperature=1.0, micro=1)
     observations = trained.loss_mask == 0
     assert (trained.advantages[observations] == 0).all()
     assert (trained.advantages[0][~observations[0]] > 0).all() and (trained.advantages[1][~observations[1]] < 0).all()

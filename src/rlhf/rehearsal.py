@@ -24,6 +24,7 @@ from rlhf import checkpoint, exits, hub, parity, plan, preflight, stages
 from rlhf.build import build_components
 from rlhf.config import ConfigError, validate
 from rlhf.distributed.remote import WorkerError
+from rlhf.micro_batches import Budget
 from rlhf.schedules.common import NonFiniteGuard, RunState
 from rlhf.seeding import seed_everything
 from rlhf.weight_sync import first_difference, fingerprint
@@ -136,7 +137,9 @@ class Rehearsal:
         return f"{len(self.scored.batch)} responses, mean score {self.scored.scores.mean().item():.3g}"
 
     def prepare(self) -> str:
-        self.batch, _ = stages.prepare(self.c, self.scored, self.cfg.generator.temperature, self.cfg.train.micro_batch_size)
+        train = self.cfg.train
+        from_training = stages.old_logprobs_from_training(self.c, train)
+        self.batch, _ = stages.prepare(self.c, self.scored, self.cfg.generator.temperature, Budget.of(train), from_training)
         return f"{len(self.batch)} rows"
 
     def update(self) -> str:

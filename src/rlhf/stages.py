@@ -19,7 +19,8 @@ from rlhf.envs.rows import episode_metrics, episode_rows, transcript
 from rlhf.functional import masked_mean, masked_sum
 from rlhf.functional.kl import logprob_gap
 from rlhf.generators.base import SamplingParams
-from rlhf.trajectory import Trajectories
+from rlhf.micro_batches import Budget, padded_tokens, place
+from rlhf.trajectory import Forward, Trajectories
 
 
 @dataclass
@@ -121,29 +122,56 @@ def score(c, repeated: list[PromptExample], batch: Trajectories, training: bool 
     return Scored(replace(batch, scores=scores).to("cpu"), prompts, responses, metrics)
 
 
-def prepare(c, scored: Scored, temperature: float, micro_batch_size: int) -> tuple[Trajectories, dict[str, float]]:
-    """Pre-update policy logprobs, reference logprobs and critic values, then the algorithm's training batch."""
+def prepare(
+    c, scored: Scored, temperature: float, micro: int | Budget, old_from_training: bool = False
+) -> tuple[Trajectories, dict[str, float]]:
+    """Pre-update policy logprobs, reference logprobs and critic values, then the algorithm's training batch; forwards
+    in micro batches of ``micro`` rows (or a `Budget`). ``old_from_training`` (see `old_logprobs_from_training`)
+    skips the pre-update policy pass: `update_policy` takes those logprobs from its own forward."""
     batch = scored.batch.to(c.device)
-    mask = batch.loss_mask
     metrics = {
         "objective/scores": batch.scores.mean().item(),
         "val/sequence_lengths": batch.action_lengths.mean().item(),
         "val/num_stop_token_ids": batch.stopped.sum().item(),
         "val/stop_rate": batch.stopped.float().mean().item(),
     }
-    if c.algorithm.needs_old_logprobs:
-        old_logp, entropy = c.policy.rollout_logprobs(batch, temperature, micro_batch_size, with_entropy=True)
+    if c.algorithm.needs_old_logprobs and not old_from_training:
+        old_logp, entropy = c.policy.rollout_logprobs(batch, temperature, micro, with_entropy=True)
         batch = replace(batch, old_logp=old_logp)
-        metrics["objective/entropy"] = masked_sum(entropy, mask, dim=1).mean().item()
-        metrics |= sample_train_gap(batch.gen_logp, old_logp, mask)
-        if c.gap_watch is not None:
-            c.gap_watch.observe(metrics["checks/logprob_gap_mean"])
+        metrics |= old_logprob_metrics(c, batch, entropy)
     if c.reference is not None:
-        batch = replace(batch, ref_logp=c.reference.rollout_logprobs(batch, temperature, micro_batch_size))
+        batch = replace(batch, ref_logp=c.reference.rollout_logprobs(batch, temperature, micro))
     if c.critic is not None:
-        batch = replace(batch, values=c.critic.rollout_values(batch, micro_batch_size))
+        batch = replace(batch, values=c.critic.rollout_values(batch, micro))
     batch, algorithm_metrics = c.algorithm.build_batch(batch)
     return batch, metrics | algorithm_metrics
+
+
+def old_logprobs_from_training(c, train_cfg) -> bool:
+    """Whether the pre-update logprobs can come from the training forward itself (detached) instead of a pass of
+    their own: the step makes one optimiser step (`train.num_epochs` = `train.num_mini_batches` = 1), so the
+    training forward runs on exactly the pre-update weights, and the algorithm builds its batch without them
+    (`PolicyGradient.batch_reads_old_logprobs`). `algorithm.reuse_training_logprobs=false` turns it off."""
+    algorithm = c.algorithm
+    return (
+        not algorithm.pairwise
+        and algorithm.needs_old_logprobs
+        and bool(algorithm.cfg.reuse_training_logprobs)
+        and not algorithm.batch_reads_old_logprobs
+        and train_cfg.num_epochs == 1
+        and train_cfg.num_mini_batches == 1
+    )
+
+
+def old_logprob_metrics(c, batch: Trajectories, entropy: torch.Tensor) -> dict[str, float]:
+    """What the pre-update logprobs tell (``batch.old_logp``, with their entropy (B, T)): `objective/entropy` and the
+    generator-trainer gap, which `c.gap_watch` observes."""
+    mask = batch.loss_mask
+    metrics = {"objective/entropy": masked_sum(entropy, mask, dim=1).mean().item()}
+    metrics |= sample_train_gap(batch.gen_logp, batch.old_logp, mask)
+    if c.gap_watch is not None:
+        c.gap_watch.observe(metrics["checks/logprob_gap_mean"])
+    return metrics
 
 
 def sample_train_gap(gen_logp: torch.Tensor, train_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
@@ -172,33 +200,47 @@ def trained_models(c) -> list[tuple[str, object]]:
 def update_policy(c, batch: Trajectories, train_cfg, temperature: float, guard) -> dict[str, float]:
     """`train.num_epochs` passes over the batch in shuffled mini batches, accumulating micro batches.
 
-    Micro-batch sizes count samples; for pairwise algorithms (DPO) a mini batch holds whole pairs. A non-finite
-    loss in any trained model drops every model's gradients for that mini batch; a non-finite gradient norm skips
-    that model's update. Either way ``guard`` counts the mini batch and stops the run after too many in a row.
-    Returns the algorithm's metrics averaged over mini batches, and gradient norms.
+    Micro batches hold at most `train.micro_batch_size` samples and `train.max_tokens_per_micro_batch` tokens
+    (`rlhf.micro_batches`); for pairwise algorithms (DPO) they hold whole pairs. A non-finite loss in any trained
+    model drops every model's gradients for that mini batch; a non-finite gradient norm skips that model's update.
+    Either way ``guard`` counts the mini batch and stops the run after too many in a row. When ``batch.old_logp`` is
+    None (`prepare` with ``old_from_training``), the policy's forward supplies them and the metrics they feed.
+    Returns the algorithm's metrics averaged over mini batches, gradient norms, and `perf/total_num_tokens` (real
+    tokens of the batch) and `perf/padding_fraction` (the share of padding in what the training forwards computed).
     """
     units = batch.num_units
     mini_units = max(1, units // train_cfg.num_mini_batches)  # an environment batch may have lost failed groups
     micro_units = min(mini_units, max(1, train_cfg.micro_batch_size // batch.rows_per_unit))
+    micro = Budget(micro_units * batch.rows_per_unit, train_cfg.max_tokens_per_micro_batch)
     trained = trained_models(c)
     loss_fns = {"policy": "policy_loss", "critic": "value_loss"}  # the algorithm's loss for each trained model
-    with_entropy = c.algorithm.needs_entropy
+    from_training = batch.old_logp is None and c.algorithm.needs_old_logprobs
+    with_entropy = c.algorithm.needs_entropy or from_training
     sums: dict[str, float] = {}
+    late: dict[str, float] = {}
     count = 0
+    computed = real = 0  # tokens the training forwards run on and the real ones among them, as one process cuts them
     for _ in range(train_cfg.num_epochs):
         for mini_ids in torch.randperm(units, generator=c.shuffle).split(mini_units):
             mini = batch.select_units(mini_ids)
+            mini_computed, mini_real = padded_tokens(mini, micro)
+            computed, real = computed + mini_computed, real + mini_real
             denominator = c.algorithm.denominator(mini)
             results = [
-                model.accumulate(getattr(c.algorithm, loss_fns[name]), mini, denominator, micro_units, temperature, with_entropy)
+                model.accumulate(
+                    getattr(c.algorithm, loss_fns[name]), mini, denominator, micro, temperature, with_entropy,
+                    from_training and name == "policy",
+                )
                 for name, model in trained
             ]
-            if not all(finite for finite, _ in results):
+            if not all(finite for finite, _, _ in results):
                 for _, model in trained:
                     model.zero_grad()
                 guard.record(True, "loss")
                 continue
-            step = {key: value for _, metrics in results for key, value in metrics.items()}
+            if from_training:
+                late = logprobs_from_training(c, batch, batch.rows_of(mini_ids), results[0][2])
+            step = {key: value for _, metrics, _ in results for key, value in metrics.items()}
             for name, model in trained:
                 step[f"{name}/grad_norm"] = model.optimizer_step()
             finite = all(math.isfinite(step[f"{name}/grad_norm"]) for name, _ in trained)
@@ -207,7 +249,19 @@ def update_policy(c, batch: Trajectories, train_cfg, temperature: float, guard) 
                 for key, value in step.items():
                     sums[key] = sums.get(key, 0.0) + value
                 count += 1
-    return {key: value / count for key, value in sums.items()} if count else {}
+    if not count:
+        return late
+    perf = {"perf/total_num_tokens": float(batch.attention_mask.sum()), "perf/padding_fraction": 1.0 - real / max(computed, 1)}
+    return {key: value / count for key, value in sums.items()} | late | perf
+
+
+def logprobs_from_training(c, batch: Trajectories, rows: torch.Tensor, forward: Forward) -> dict[str, float]:
+    """The metrics of the pre-update logprobs, from the training forward's (``forward``: detached, rows ``rows`` of
+    ``batch`` in that order), exactly as `prepare` computes them from a pass of their own."""
+    width = batch.loss_mask.shape[1]
+    old_logp, entropy = (place([t.to(batch.loss_mask.device)], [rows], width) for t in (forward.logp, forward.entropy))
+    filled = replace(batch, old_logp=old_logp)
+    return old_logprob_metrics(c, filled, entropy) | c.algorithm.old_logprob_metrics(filled)
 
 
 def evaluate(c, examples: list[PromptExample], gen_cfg, eval_cfg) -> tuple[dict[str, float], dict[str, Scored]]:

@@ -36,7 +36,7 @@ class Trajectories:
     returns: torch.Tensor | None = None  # (B, T) value targets (algorithms with a critic)
     scores: torch.Tensor | None = None  # (B,) the reward of each row after the non-stop penalty
     turn_rewards: torch.Tensor | None = None  # (B, T) multi-turn: each turn's reward at its last action token; None = `scores` at the last
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # algorithm-specific row-aligned tensors (B, ...)
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # algorithm-specific row-aligned tensors: (B,) per row, (B, T) per window token
     rows_per_unit: int = 1  # rows trained as one unit (2 for a chosen/rejected pair); batches split whole units
 
     def __len__(self) -> int:
@@ -80,10 +80,34 @@ class Trajectories:
             index = index.to(self.input_ids.device)
         return self._map(lambda t: t[index])
 
+    def rows_of(self, units: torch.Tensor) -> torch.Tensor:
+        """Row indices of the given units (``rows_per_unit`` consecutive rows each), in order. Shape: (U,) -> (U * R,)."""
+        return (units.unsqueeze(1) * self.rows_per_unit + torch.arange(self.rows_per_unit)).reshape(-1)
+
     def select_units(self, units: torch.Tensor) -> "Trajectories":
-        """The rows of the given units (``rows_per_unit`` consecutive rows each), in order."""
-        rows = (units.unsqueeze(1) * self.rows_per_unit + torch.arange(self.rows_per_unit)).reshape(-1)
-        return self.select(rows)
+        """The rows of the given units, in order."""
+        return self.select(self.rows_of(units))
+
+    def trimmed(self) -> "Trajectories":
+        """The same rows without the columns that are padding in every row: context columns before the first real
+        token (left padding) and window columns after the last real one (right padding). Positions count real tokens,
+        so a forward over the trimmed rows computes exactly what it computes over the full ones; window outputs
+        keep their first T' columns (the rest were masked).
+        """
+        real = self.attention_mask.bool()
+        if not len(self) or real.all():
+            return self
+        start, width = self.window_start, self.loss_mask.shape[1]
+        used = real.any(dim=0).nonzero().squeeze(1)
+        first = min(int(used[0]), start - 1) if start > 0 else 0  # keep the column that predicts the first window token
+        keep = max(1, int(used[-1]) + 1 - start)  # window columns up to the last real token
+        if first == 0 and keep == width:
+            return self
+
+        inputs = {name: getattr(self, name)[:, first : start + keep] for name in ("input_ids", "attention_mask")}
+        per_token = {name: getattr(self, name)[:, :keep] for name in PER_TOKEN if getattr(self, name) is not None}
+        extras = {k: v[:, :keep] if v.dim() > 1 and v.shape[1] == width else v for k, v in self.extras.items()}
+        return replace(self, **inputs, **per_token, extras=extras)
 
     def chunks(self, size: int) -> list["Trajectories"]:
         """Consecutive row slices of at most ``size`` rows (micro batches for a forward pass)."""

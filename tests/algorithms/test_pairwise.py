@@ -13,7 +13,7 @@ from rlhf.trajectory import Forward, Trajectories
 
 G = 9.0  # garbage in masked positions
 DPO = dict(name="online_dpo", advantage="best_vs_worst", policy_loss="dpo", num_samples_per_prompt=2, beta=0.5,
-           kl_estimator="k1")
+           kl_estimator="k1", reuse_training_logprobs=False)  # as the online_dpo preset
 
 
 def make_dpo(**overrides) -> PairwisePreference:
@@ -72,7 +72,8 @@ def build(algo, old_logp=OLD_LOGP, scores=SCORES):
 
 
 def test_online_dpo_is_registered_and_flags():
-    """`best_vs_worst` + `dpo` compose a PairwisePreference: a reference, no critic, pre-update logprobs by default."""
+    """`best_vs_worst` + `dpo` compose a PairwisePreference: a reference, no critic, pre-update logprobs as the
+    online_dpo preset sets (reuse_training_logprobs=false)."""
     assert registry.resolve("advantage", "best_vs_worst") is advantage_parts.best_vs_worst
     algo = make_dpo()
     assert isinstance(algo, PairwisePreference)

@@ -129,6 +129,10 @@ def test_unknown_group_option_is_an_error_that_lists_the_options():
         (["algorithm.max_resample_rounds=5"], r"algorithm.max_resample_rounds=5 is read only with algorithm.filter_groups=true"),
         (["dataset=reasoning_gym", "dataset.tasks=[bogus]"], r"dataset.tasks: unknown reasoning-gym task\(s\) \['bogus'\]; valid tasks: .*chain_sum"),
         (["dataset=gsm8k", "dataset.ground_truth_format=latex"], r"dataset.ground_truth_format='latex'; choose one of raw, gsm8k, boxed"),
+        (["train.max_tokens_per_micro_batch=19"], r"train.max_tokens_per_micro_batch=19 is smaller than the longest row this run can produce \(20 tokens: "
+         r"dataset.max_prompt_length \+ generator.max_new_tokens\); raise it to at least 20"),
+        (["env=arith_retry", "train.max_tokens_per_micro_batch=31"], r"\(32 tokens: env.max_tokens\)"),
+        (["train.max_tokens_per_micro_batch=0"], r"train.max_tokens_per_micro_batch=0 must be >= 1"),
     ],
 )
 def test_infeasible_config_fails_with_key_and_numbers(overrides, message):

@@ -17,7 +17,6 @@ from rlhf.config import ConfigError, compose_config, validate
         (["algorithm.policy_loss=gspo", "algorithm.dual_clip_c=3"], r"algorithm.dual_clip_c=3.0 .* read by algorithm.policy_loss=ppo_clip"),
         (["algorithm.target_kl=3"], r"algorithm.target_kl=3.0 .* read by algorithm.kl_ctl=adaptive"),
         (["algorithm=online_dpo", "algorithm.entropy_coef=0.01"], r"algorithm.entropy_coef=0.01 .* per-token \(policy-gradient\) algorithm"),
-        (["algorithm.reuse_training_logprobs=true"], r"algorithm.reuse_training_logprobs=True .* a pairwise algorithm"),
         (["generator.enable_sleep=true"], r"generator.enable_sleep=True is not read by this run's choice \(generator.name=hf\); "
          r"it is read by generator.name=vllm"),
         (["generator=vllm", "generator.batch_size=8"], r"generator.batch_size=8 .* read by generator.name=hf"),
@@ -43,6 +42,7 @@ def test_a_key_no_chosen_component_reads_is_refused(overrides, message):
         ["algorithm.advantage=rebn", "algorithm.gamma=0.9"],
         ["algorithm.kl_ctl=adaptive", "algorithm.target_kl=3"],
         ["algorithm=online_dpo", "algorithm.policy_loss=ipo", "algorithm.reuse_training_logprobs=true"],
+        ["algorithm.reuse_training_logprobs=false"],
         ["generator=vllm", "generator.enable_sleep=true", "schedule=hybrid"],
         ["schedule=async", "schedule.max_staleness=2"],
     ],

@@ -12,11 +12,13 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from conftest import compose, max_weight_diff
 
 from rlhf import stages
 from rlhf.build import build_components
 from rlhf.config.validate import validate
+from rlhf.micro_batches import Budget, plan
 
 STRATEGIES = [
     ("ddp", 1), ("ddp", 2), ("fsdp2", 1), ("fsdp2", 2),
@@ -40,7 +42,7 @@ def reference_step():
     scored = stages.generate_and_score(c, examples, 4, stages.sampling_params(cfg.generator))
     batch, _ = stages.prepare(c, scored, cfg.generator.temperature, cfg.train.micro_batch_size)
     denominator = c.algorithm.denominator(batch)
-    finite, metrics = c.policy.accumulate(c.algorithm.policy_loss, batch, denominator, 8, cfg.generator.temperature)
+    finite, metrics, _ = c.policy.accumulate(c.algorithm.policy_loss, batch, denominator, 8, cfg.generator.temperature)
     assert finite
     norm = c.policy.optimizer_step()
     weights = {k: v.detach().clone() for k, v in c.policy.state_dict().items()}
@@ -53,7 +55,7 @@ def test_one_rl_step_agrees_with_single_process(started, reference_step, name, r
     batch, algorithm, denominator, metrics, norm, weights = reference_step
     cfg = compose("train.lr=1e-2", "train.adam_eps=1e-4", "algorithm.beta=0.05", "algorithm.kl_in_reward=false", *strategy_overrides(name, ranks))
     trainer = started.trainer(cfg, ranks)
-    finite, remote_metrics = trainer.accumulate(algorithm.policy_loss, batch, denominator, 8, 1.0)
+    finite, remote_metrics, _ = trainer.accumulate(algorithm.policy_loss, batch, denominator, 8, 1.0)
     assert finite
     assert remote_metrics["loss/policy_avg"] == pytest.approx(metrics["loss/policy_avg"], abs=1e-6)
     assert remote_metrics["loss/kl_avg"] == pytest.approx(metrics["loss/kl_avg"], abs=1e-6)
@@ -65,6 +67,34 @@ def test_one_rl_step_agrees_with_single_process(started, reference_step, name, r
     assert max_weight_diff(remote_weights, weights) < 1e-5
     # the step moved the weights by far more than that tolerance
     assert trainer.lr == pytest.approx(1e-2)
+
+
+@pytest.mark.slow
+def test_a_token_budget_gives_every_rank_as_many_micro_batches(started, reference_step):
+    """FSDP2 at world size 2 with micro batches by a token budget under which the two ranks' own plans differ in
+    length: the counts are made to agree (else the sharded forwards would wait on each other forever), and the step
+    is the same one."""
+    batch, algorithm, denominator, metrics, norm, weights = reference_step
+    cfg = compose("train.lr=1e-2", "train.adam_eps=1e-4", "algorithm.beta=0.05", "algorithm.kl_in_reward=false", *strategy_overrides("fsdp2", 2))
+    trainer = started.trainer(cfg, 2)
+    uneven = batch.select(torch.arange(len(batch) - 1))  # 31 rows: 16 on one rank, 15 on the other
+    shares = [uneven.select(torch.arange(*span)) for span in ((0, 16), (16, 31))]
+    budget = next(
+        (Budget(8, tokens) for tokens in range(int(batch.attention_mask.sum(dim=1).max()), 200)
+         if len(plan(shares[0], Budget(8, tokens))) != len(plan(shares[1], Budget(8, tokens)))),
+        None,
+    )
+    assert budget is not None, "some budget should give the two ranks plans of different lengths"
+    finite, remote_metrics, _ = trainer.accumulate(algorithm.policy_loss, batch, denominator, budget, 1.0)
+    assert finite
+    assert remote_metrics["loss/policy_avg"] == pytest.approx(metrics["loss/policy_avg"], abs=1e-6)
+    assert trainer.optimizer_step() == pytest.approx(norm, rel=1e-4)
+    import ray
+
+    assert max_weight_diff(ray.get(trainer.state_dict()), weights) < 1e-5
+    finite, _, _ = trainer.accumulate(algorithm.policy_loss, uneven, denominator, budget, 1.0)
+    assert finite  # 16 and 15 rows, each rank's plan of its own length: no collective left waiting
+    trainer.zero_grad()
 
 
 @pytest.mark.slow

@@ -227,3 +227,25 @@ def test_sleep_frees_the_weights_and_wake_up_brings_new_ones(make_generator, tin
     assert_same_rollout(generator.generate(prompts, GREEDY), donor.generate(prompts, GREEDY), atol=1e-6)
     with pytest.raises(RuntimeError, match="without sleep"):
         generator.wake_up(donor.model.state_dict())
+
+
+def test_generation_ends_as_soon_as_every_row_has_stopped(make_generator, tiny_model_dir, encode, tokenizer):
+    """The model runs once per generated column and no more: when every row has emitted its stop token, generation
+    ends instead of running to max_new_tokens."""
+    sampling = SamplingParams(max_new_tokens=48, temperature=3.0)
+    generator = make_generator(tiny_model_dir)
+    calls = []
+    hook = generator.model.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        for seed in range(20):  # the first seed whose samples all stop early (hot sampling reaches EOS quickly)
+            torch.manual_seed(seed)
+            calls.clear()
+            rollout = generator.generate(encode(PROMPTS[:3]), sampling)
+            if rollout.stopped.all():
+                break
+    finally:
+        hook.remove()
+    assert rollout.stopped.all(), "some seed should stop every row within 48 tokens"
+    width = rollout.window_ids.shape[1]
+    assert width == int(rollout.action_lengths.max()) < sampling.max_new_tokens
+    assert len(calls) == width

@@ -55,14 +55,18 @@ class PolicyGradient:
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.kl_ctl.value = state["kl_coef"]
 
+    @property
+    def batch_reads_old_logprobs(self) -> bool:
+        """Whether `build_batch` needs the pre-update logprobs (a KL penalty in the reward, a rollout correction), so
+        they cannot come from the training forward afterwards (`rlhf.stages.old_logprobs_from_training`)."""
+        return (self.cfg.kl_in_reward and self.needs_reference) or self.correction is not None
+
     def build_batch(self, batch: Trajectories) -> tuple[Trajectories, dict[str, float]]:
-        """Advantages (and returns) for a scored batch with old/ref logprobs (and values); the step's metrics."""
+        """Advantages (and returns) for a scored batch with ref logprobs (and values) and, unless the training
+        forward supplies them later, old logprobs; the step's metrics."""
         self.kl_coef = self.kl_ctl.value  # the coefficient of this step, in the reward and in the loss alike
         mask = batch.loss_mask
-        kl = None
-        if batch.ref_logp is not None:
-            kl = kl_per_token(batch.old_logp, batch.ref_logp, self.cfg.kl_estimator)
-            kl = torch.where(mask.bool(), kl, torch.zeros_like(kl))
+        kl = self.rollout_kl(batch)
         inputs = AdvantageInputs(
             batch.scores, mask, group_size(batch.group_id), kl, self.kl_coef, self.cfg.kl_in_reward, batch.values,
             batch.turn_rewards, batch.extras.get("baseline_scores"),
@@ -72,10 +76,8 @@ class PolicyGradient:
             "objective/rlhf_reward": inputs.sequence_rewards().mean().item(),
             "objective/non_score_reward": inputs.non_score_rewards().mean().item(),
         }
-        if kl is not None:
-            metrics["objective/kl"] = masked_sum(kl, mask, dim=1).mean().item()
-            metrics["objective/kl_coef"] = self.kl_coef
-            self.kl_ctl.update(metrics["objective/kl"], len(batch))  # moves the coefficient for the next step
+        if batch.old_logp is not None:
+            metrics |= self.old_logprob_metrics(batch)
         if returns is not None:
             metrics["val/values"] = masked_mean(batch.values, mask).item()
             metrics["val/returns"] = masked_mean(returns, mask).item()
@@ -85,6 +87,24 @@ class PolicyGradient:
             extras["is_weights"] = weights
             metrics |= correction_metrics(weights, flagged, batch.old_logp, batch.gen_logp, mask)
         return replace(batch, advantages=advantages, returns=returns, extras=extras), metrics
+
+    def rollout_kl(self, batch: Trajectories) -> torch.Tensor | None:
+        """KL of the pre-update policy to the reference per action token (0 elsewhere); None without a reference or
+        before the old logprobs are known. Shape: (B, T)."""
+        if batch.ref_logp is None or batch.old_logp is None:
+            return None
+        kl = kl_per_token(batch.old_logp, batch.ref_logp, self.cfg.kl_estimator)
+        return torch.where(batch.loss_mask.bool(), kl, torch.zeros_like(kl))
+
+    def old_logprob_metrics(self, batch: Trajectories) -> dict[str, float]:
+        """`objective/kl` and the coefficient, from a batch with old and ref logprobs (none without a reference); the
+        adaptive controller moves for the next step."""
+        kl = self.rollout_kl(batch)
+        if kl is None:
+            return {}
+        metrics = {"objective/kl": masked_sum(kl, batch.loss_mask, dim=1).mean().item(), "objective/kl_coef": self.kl_coef}
+        self.kl_ctl.update(metrics["objective/kl"], len(batch))  # moves the coefficient for the next step
+        return metrics
 
     def denominator(self, mini: Trajectories) -> torch.Tensor:
         """What a mini batch's loss is divided by, so micro-batch losses add up to the mini-batch loss."""

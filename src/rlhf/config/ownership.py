@@ -23,7 +23,7 @@ from rlhf.errors import ConfigError
 from rlhf.generators.base import SAMPLING_KEYS
 
 POLICY_GRADIENT_KEYS = ("rollout_correction", "loss_agg", "loss_agg_norm", "beta", "kl_estimator", "kl_in_reward", "kl_ctl", "entropy_coef",
-                        "filter_groups", "max_resample_rounds")
+                        "filter_groups", "max_resample_rounds", "reuse_training_logprobs")
 PAIRWISE_KEYS = ("beta", "kl_estimator", "reuse_training_logprobs")
 ADAPTIVE_KL_KEYS = ("target_kl", "kl_horizon")
 ALWAYS = ("name", "advantage", "policy_loss", "num_samples_per_prompt")

@@ -82,7 +82,7 @@ class AlgorithmConfig:
     lam: float = 0.95  # gae: GAE lambda
     vf_coef: float = 0.1  # gae: weight of the critic's value loss
     cliprange_value: Optional[float] = 0.2  # gae: value clip range around the old values; null = unclipped
-    reuse_training_logprobs: bool = False  # pairwise: skip the pre-update forward; KL/entropy come from the training forward
+    reuse_training_logprobs: bool = True  # skip the pre-update forward where the training forward gives the same logprobs (one optimiser step per step; pairwise: always)
     filter_groups: bool = False  # dynamic sampling (DAPO): drop groups whose scores all tie, draw more prompts to fill the step
     max_resample_rounds: int = 3  # filter_groups: extra prompt draws per step before training on the groups kept so far
 
@@ -94,7 +94,7 @@ class GeneratorConfig:
     temperature: float = 1.0  # sampling temperature (also used by the trainer's logprobs)
     top_p: float = 1.0  # nucleus sampling mass
     stop_token: str = "eos"  # `eos` for the tokenizer's EOS, or a literal token that ends a response
-    batch_size: int = 512  # hf: sequences per generate() call, to bound memory
+    batch_size: int = 512  # hf: sequences decoded together, to bound memory (more: calls of prompts of similar length)
     num_engines: int = 1  # vllm: engines; 1 on the local backend, the generator role's ranks on ray
     tensor_parallel_size: int = 1  # vllm: devices each engine shards the model over (local backend only, for now)
     gpu_memory_utilization: float = 0.5  # vllm on GPU: share of the device's memory the engine may fill (weights + KV cache)
@@ -162,6 +162,7 @@ class TrainConfig:
     num_epochs: int = 1  # optimisation passes over each step's samples (PPO epochs)
     num_mini_batches: int = 1  # optimiser steps per pass; samples per step must divide evenly
     micro_batch_size: int = 32  # samples per forward/backward; a mini batch must divide evenly
+    max_tokens_per_micro_batch: Optional[int] = None  # also cap a forward at this many tokens, padding counted (rows sorted by length); null = rows only
     lr: float = 1e-4  # peak learning rate
     lr_schedule: str = "constant"  # constant or linear (decay to 0 over the run)
     warmup_steps: int = 0  # optimiser steps of linear warm-up

@@ -134,6 +134,29 @@ def check_self_checks(checks) -> None:
     )
 
 
+def longest_row(cfg: DictConfig) -> int:
+    """The most tokens one trajectory can hold: an episode's `env.max_tokens`, else the longest prompt plus the
+    response budget."""
+    if cfg.env.name is not None:
+        return int(cfg.env.max_tokens)
+    return int(cfg.dataset.max_prompt_length) + int(cfg.generator.max_new_tokens)
+
+
+def check_token_budget(cfg: DictConfig, pairwise: bool) -> None:
+    """`train.max_tokens_per_micro_batch` holds the longest row the run can produce (pairwise: a pair of them)."""
+    budget = cfg.train.max_tokens_per_micro_batch
+    if budget is None:
+        return
+    longest = longest_row(cfg) * (2 if pairwise else 1)
+    source = "env.max_tokens" if cfg.env.name is not None else "dataset.max_prompt_length + generator.max_new_tokens"
+    _require(budget >= 1, f"train.max_tokens_per_micro_batch={budget} must be >= 1, or null to cut micro batches by rows alone")
+    _require(
+        budget >= longest,
+        f"train.max_tokens_per_micro_batch={budget} is smaller than the longest row this run can produce ({longest} "
+        f"tokens: {source}); raise it to at least {longest}, or null to cut micro batches by rows alone",
+    )
+
+
 def validate(cfg: DictConfig) -> DerivedSizes:
     """Every check that needs no model: choices, ranges, batch arithmetic. Returns the derived sizes."""
     check_unknown_keys(cfg)  # first: a `+typo=...` key would otherwise be silently ignored
@@ -161,6 +184,7 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     )
     _require(algo.beta >= 0, f"algorithm.beta={algo.beta} must be >= 0")
     check_self_checks(cfg.checks)
+    check_token_budget(cfg, algorithm.pairwise)
     _require(
         not algorithm.pairwise or algo.beta > 0,
         f"algorithm.policy_loss={algo.policy_loss} uses algorithm.beta as the DPO temperature; set it > 0 (e.g. 0.1)",

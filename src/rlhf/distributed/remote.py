@@ -10,13 +10,14 @@ the run at once with a `WorkerError` naming the role, the rank and the error; th
 from __future__ import annotations
 
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 
 from rlhf.generators.base import SamplingParams
 from rlhf.models.optim import is_share
-from rlhf.trajectory import Trajectories, concat
+from rlhf.trajectory import Forward, Trajectories, concat
 
 
 class WorkerError(RuntimeError):
@@ -165,18 +166,26 @@ class RemoteTrainer:
     def rollout_values(self, batch: Trajectories, chunk: int) -> torch.Tensor:
         return torch.cat(self._split_rows(batch, "rollout_values", chunk))
 
-    def accumulate(self, loss_fn, mini: Trajectories, denominator: torch.Tensor, micro_units: int, *forward_args):
-        """Each rank accumulates its share of the mini batch; loss shares add up over ranks, other metrics average."""
+    def accumulate(self, loss_fn, mini: Trajectories, denominator: torch.Tensor, micro, *forward_args):
+        """Each rank accumulates its share of the mini batch; loss shares add up over ranks, other metrics average;
+        recorded forwards (see `TrainableModel.accumulate`) are stacked in rank order, which is row order."""
         ranks = len(self.group)
         units = torch.arange(mini.num_units)
-        per_rank = {rank: (loss_fn, mini.select_units(units[sl]), denominator, micro_units, *forward_args)
+        per_rank = {rank: (loss_fn, mini.select_units(units[sl]), denominator, micro, *forward_args)
                     for rank, sl in enumerate(even_slices(mini.num_units, ranks))}
         results = self.group.call("accumulate", per_rank)
         if not all(results[rank][0] for rank in range(ranks)):
-            return False, {}
+            return False, {}, None
         keys = results[0][1].keys()
         metrics = {key: sum(results[rank][1][key] for rank in range(ranks)) for key in keys}
-        return True, {key: value if is_share(key) else value / ranks for key, value in metrics.items()}
+        recorded = None
+        if results[0][2] is not None:
+            recorded = Forward(**{
+                f.name: None if getattr(results[0][2], f.name) is None
+                else torch.cat([getattr(results[rank][2], f.name) for rank in range(ranks)])
+                for f in fields(Forward)
+            })
+        return True, {key: value if is_share(key) else value / ranks for key, value in metrics.items()}, recorded
 
     def state_dict(self):
         """A Ray object reference to the full weights (gathered from the shards by rank 0), for the generators."""

@@ -44,9 +44,25 @@ def all_ranks_true(flag: bool) -> bool:
     """True on every rank iff ``flag`` is true on every rank (a collective; just ``flag`` without a group)."""
     if world()[1] == 1:
         return flag
-    value = torch.tensor([1.0 if flag else 0.0])
+    value = torch.tensor([1.0 if flag else 0.0], device=collective_device())
     dist.all_reduce(value, op=dist.ReduceOp.MIN)
     return bool(value.item())
+
+
+def all_ranks_max(*values: int) -> tuple[int, ...]:
+    """The largest of each value over the ranks (one collective; the values themselves without a group)."""
+    if world()[1] == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.long, device=collective_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tuple(int(v) for v in tensor.tolist())
+
+
+def collective_device() -> torch.device:
+    """Where a small tensor for a collective must live: the rank's GPU under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def strip_prefix(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

@@ -1,12 +1,12 @@
-"""Generator on transformers' `generate`: left-padded batches, KV cache, sampling or greedy."""
+"""Generator on a transformers causal LM: left-padded batches, a KV-cached decode that drops finished rows
+(`rlhf.generators.decode`), sampling or greedy."""
 
 from __future__ import annotations
 
 import torch
-from transformers import GenerationConfig
 
-from rlhf.functional import logprobs_from_logits
 from rlhf.generators.base import SamplingParams, parameter_bytes, release_parameters, restore_parameters
+from rlhf.generators.decode import decode
 from rlhf.models.loading import load_causal_lm
 from rlhf.registry import register
 from rlhf.trajectory import Trajectories, concat, from_completions
@@ -51,22 +51,6 @@ def truncate_at_stop(tokens: torch.Tensor, stop_id: int, pad_id: int) -> tuple[t
     return torch.where(mask.bool(), tokens, torch.full_like(tokens, pad_id)), mask, stopped
 
 
-def generation_config(sampling: SamplingParams, stop_id: int, pad_id: int) -> GenerationConfig:
-    """Exactly the sampling we intend: a fresh config, so a hub model's own generation_config.json (repetition
-    penalties, minimum lengths, ...) can never make the rollouts differ from the policy being trained."""
-    options = dict(do_sample=False) if sampling.greedy else dict(
-        do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0
-    )
-    return GenerationConfig(
-        max_new_tokens=sampling.max_new_tokens,
-        eos_token_id=stop_id,
-        pad_token_id=pad_id,
-        output_logits=True,
-        return_dict_in_generate=True,
-        **options,
-    )
-
-
 @register("generator", "hf")
 class HFGenerator:
     """Samples with its own copy of the policy weights, refreshed by `update_weights` after each step."""
@@ -81,8 +65,6 @@ class HFGenerator:
             model_cfg.name_or_path, model_cfg.dtype, model_cfg.revision, model_cfg.trust_remote_code, device
         ).eval()
         self.model.requires_grad_(False)
-        # generate() merges the model's own generation_config.json into ours; start it blank so nothing leaks in
-        self.model.generation_config = GenerationConfig()
         self.stop_id = stop_token_id(tokenizer, cfg.stop_token)
         self.pad_id = int(tokenizer.pad_token_id)
 
@@ -132,26 +114,20 @@ class HFGenerator:
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Trajectories:
         if self.asleep:
             raise RuntimeError("the generator is asleep; wake_up() it with the new weights before generating")
-        chunks = [
-            self._generate_chunk(prompts[start : start + self.cfg.batch_size], sampling)
-            for start in range(0, len(prompts), self.cfg.batch_size)
-        ]
-        return concat(chunks, self.pad_id)
+        size = self.cfg.batch_size
+        if len(prompts) <= size:
+            return self._generate_chunk(prompts, sampling)
+        # several generate() calls: prompts of similar length share one (less left padding); rows come back in order
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        chunks = [self._generate_chunk([prompts[i] for i in order[start : start + size]], sampling) for start in range(0, len(prompts), size)]
+        return concat(chunks, self.pad_id).select(torch.argsort(torch.tensor(order)))
 
     def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingParams) -> Trajectories:
+        """One decode (`rlhf.generators.decode`): exactly the sampling asked for, whatever the model folder's own
+        generation_config.json says (no repetition penalty or minimum length can make rollouts differ from the
+        policy being trained)."""
         query_ids, query_mask = left_pad(prompts, self.pad_id)
         query_ids, query_mask = query_ids.to(self.device), query_mask.to(self.device)
-        out = self.model.generate(
-            input_ids=query_ids,
-            attention_mask=query_mask,
-            generation_config=generation_config(sampling, self.stop_id, self.pad_id),
-        )
-        raw = out.sequences[:, query_ids.shape[1] :]
+        raw, logprobs = decode(self.model, query_ids, query_mask, sampling, self.stop_id, self.pad_id)
         response_ids, response_mask, stopped = truncate_at_stop(raw, self.stop_id, self.pad_id)
-        temperature = 1.0 if sampling.greedy else sampling.temperature
-        # one (B, V) step at a time: stacking every step's log-softmax would cost B * Lr * V floats twice over
-        logprobs = torch.stack(
-            [logprobs_from_logits(step.float().unsqueeze(1) / temperature, raw[:, t : t + 1]).squeeze(1) for t, step in enumerate(out.logits)],
-            dim=1,
-        )
         return from_completions(query_ids, query_mask, response_ids, response_mask, logprobs * response_mask, stopped)

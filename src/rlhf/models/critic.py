@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from rlhf.models.dtypes import DTYPES
-from rlhf.models.logprobs import in_chunks
+from rlhf.micro_batches import Budget, window_outputs
 from rlhf.models.trainable import TrainableModel
 from rlhf.models.value import ValueModule, load_value_model, window_values
 from rlhf.registry import register
@@ -36,10 +36,15 @@ class TorchCritic(TrainableModel):
         with self.autocast():
             return window_values(self.module, batch)
 
-    def rollout_values(self, batch: Trajectories, chunk: int) -> torch.Tensor:
-        """`values` without gradients, ``chunk`` rows per forward. Shape: (B, T)."""
-        return in_chunks(self.values, batch, chunk)
+    def rollout_values(self, batch: Trajectories, chunk: int | Budget) -> torch.Tensor:
+        """`values` without gradients, micro batches of ``chunk`` rows (or a `Budget`). Shape: (B, T)."""
+        return window_outputs(self.values, batch, chunk, equal_count=True)
 
-    def micro_loss(self, loss_fn, micro: Trajectories, denominator: torch.Tensor, temperature: float, with_entropy: bool):
-        """``loss_fn(micro, Forward(values=...), denominator)``: (loss share, metrics), with gradients."""
-        return loss_fn(micro, Forward(values=self.values(micro)), denominator)
+    def micro_loss(
+        self, loss_fn, micro: Trajectories, denominator: torch.Tensor, temperature: float, with_entropy: bool, record: bool = False
+    ):
+        """``loss_fn(micro, Forward(values=...), denominator)``: (loss share, metrics, the values detached when
+        ``record``, else None), with gradients."""
+        values = self.values(micro)
+        loss, metrics = loss_fn(micro, Forward(values=values), denominator)
+        return loss, metrics, Forward(values=values.detach()) if record else None

@@ -35,12 +35,16 @@ def window_logits(model: torch.nn.Module, batch: Trajectories, temperature: floa
 
 
 def window_logprobs(
-    model: torch.nn.Module, batch: Trajectories, temperature: float, with_entropy: bool = False
+    model: torch.nn.Module, batch: Trajectories, temperature: float, with_entropy: bool = False, entropy_grad: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logprobs (B, T), entropy (B, T) or None) of each window token; 0 outside the loss mask."""
+    """(logprobs (B, T), entropy (B, T) or None) of each window token; 0 outside the loss mask. ``entropy_grad=False``
+    computes the entropy outside the autograd graph (a metric only: no (B, T, V) softmax kept for the backward)."""
     logits = window_logits(model, batch, temperature)
     logp = logprobs_from_logits(logits, batch.window_ids) * batch.loss_mask
-    entropy = entropy_from_logits(logits) * batch.loss_mask if with_entropy else None
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits) * batch.loss_mask
     return logp, entropy
 
 

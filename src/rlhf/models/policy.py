@@ -7,6 +7,7 @@ returns an object with the methods of `TorchPolicy` used by `rlhf.stages`.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -14,7 +15,8 @@ import torch
 from rlhf.hf_folder import save_hf_folder
 from rlhf.models.dtypes import DTYPES
 from rlhf.models.loading import load_causal_lm
-from rlhf.models.logprobs import in_chunks, window_logprobs
+from rlhf.micro_batches import Budget, window_outputs
+from rlhf.models.logprobs import window_logprobs
 from rlhf.models.optim import clip_and_step, lr_lambda, make_optimizer  # noqa: F401 (re-exported)
 from rlhf.models.trainable import TrainableModel
 from rlhf.registry import register
@@ -33,19 +35,31 @@ class TorchPolicy(TrainableModel):
             cfg.strategy,
         )
 
-    def logprobs(self, batch: Trajectories, temperature: float, with_entropy: bool = False):
+    def logprobs(self, batch: Trajectories, temperature: float, with_entropy: bool = False, entropy_grad: bool = True):
         """(logprobs (B, T), entropy or None) of the action window, with gradients enabled, in float32."""
         with self.autocast():
-            return window_logprobs(self.module, batch, temperature, with_entropy)
+            return window_logprobs(self.module, batch, temperature, with_entropy, entropy_grad)
 
-    def rollout_logprobs(self, batch: Trajectories, temperature: float, chunk: int, with_entropy: bool = False):
-        """`logprobs` without gradients, ``chunk`` rows per forward: (logprobs (B, T), entropy (B, T) or None)."""
-        return in_chunks(lambda part: self.logprobs(part, temperature, with_entropy), batch, chunk)
+    def rollout_logprobs(self, batch: Trajectories, temperature: float, chunk: int | Budget, with_entropy: bool = False):
+        """`logprobs` without gradients, micro batches of ``chunk`` rows (or a `Budget`): (logprobs (B, T), entropy
+        (B, T) or None)."""
+        return window_outputs(lambda part: self.logprobs(part, temperature, with_entropy), batch, chunk, equal_count=True)
 
-    def micro_loss(self, loss_fn, micro: Trajectories, denominator: torch.Tensor, temperature: float, with_entropy: bool):
-        """``loss_fn(micro, Forward(logp, entropy), denominator)``: (loss share, metrics), with gradients."""
-        logp, entropy = self.logprobs(micro, temperature, with_entropy)
-        return loss_fn(micro, Forward(logp=logp, entropy=entropy), denominator)
+    def micro_loss(
+        self, loss_fn, micro: Trajectories, denominator: torch.Tensor, temperature: float, with_entropy: bool, record: bool = False
+    ):
+        """``loss_fn(micro, Forward(logp, entropy), denominator)``: (loss share, metrics, record), with gradients.
+
+        ``record``: also return the forward's logprobs and entropy, detached (the entropy then computed outside the
+        graph unless the loss uses it). A micro batch without ``old_logp`` takes this forward's own, detached: one
+        optimiser step per batch, so they are the pre-update logprobs (`rlhf.stages.old_logprobs_from_training`).
+        """
+        logp, entropy = self.logprobs(micro, temperature, with_entropy or record, entropy_grad=with_entropy)
+        if micro.old_logp is None:
+            micro = replace(micro, old_logp=logp.detach())
+        loss, metrics = loss_fn(micro, Forward(logp=logp, entropy=entropy if with_entropy else None), denominator)
+        kept = Forward(logp=logp.detach(), entropy=entropy.detach()) if record else None
+        return loss, metrics, kept
 
     def export(self, path: Path, tokenizer) -> None:
         """The policy as a plain Hugging Face folder (safetensors, config, tokenizer); every rank calls it."""

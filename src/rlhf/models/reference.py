@@ -1,7 +1,7 @@
 """The reference policy: a frozen model that only scores responses, for the KL term.
 
 A factory registered as kind ``reference`` is called as ``factory(cfg=<reference config>, model_cfg=...,
-device=...)`` and returns an object with ``rollout_logprobs(batch, temperature, chunk) -> (B, T)``.
+device=...)`` and returns an object with ``rollout_logprobs(batch, temperature, chunk: rows or rlhf.micro_batches.Budget) -> (B, T)``.
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from rlhf.models.loading import load_causal_lm
-from rlhf.models.logprobs import in_chunks, window_logprobs
+from rlhf.micro_batches import Budget, window_outputs
+from rlhf.models.logprobs import window_logprobs
 from rlhf.registry import register
 from rlhf.trajectory import Trajectories
 
@@ -23,6 +24,6 @@ class FrozenReference:
         self.model = load_causal_lm(path, model_cfg.dtype, model_cfg.revision, model_cfg.trust_remote_code, device).eval()
         self.model.requires_grad_(False)
 
-    def rollout_logprobs(self, batch: Trajectories, temperature: float, chunk: int) -> torch.Tensor:
-        """Logprobs of the action window, ``chunk`` rows per forward, no gradients. Shape: (B, T)."""
-        return in_chunks(lambda part: window_logprobs(self.model, part, temperature)[0], batch, chunk)
+    def rollout_logprobs(self, batch: Trajectories, temperature: float, chunk: int | Budget) -> torch.Tensor:
+        """Logprobs of the action window, micro batches of ``chunk`` rows (or a `Budget`), no gradients. Shape: (B, T)."""
+        return window_outputs(lambda part: window_logprobs(self.model, part, temperature)[0], batch, chunk)

@@ -16,6 +16,7 @@ import torch
 from rlhf import checkpoint, dynamic_sampling, stages
 from rlhf.data.prompts import epochs_done
 from rlhf.distributed.remote import WorkerError
+from rlhf.micro_batches import Budget
 from rlhf.schedules.common import RunState
 
 log = logging.getLogger("rlhf")
@@ -183,7 +184,8 @@ def learn(c, cfg, scored: stages.Scored, state: RunState, times: dict[str, float
     """Score-to-update half of a step: logprobs, values and the algorithm's batch, then the optimiser steps."""
     train = cfg.train
     with timed(times, "logprobs"):
-        batch, metrics = stages.prepare(c, scored, cfg.generator.temperature, train.micro_batch_size)
+        from_training = stages.old_logprobs_from_training(c, train)
+        batch, metrics = stages.prepare(c, scored, cfg.generator.temperature, Budget.of(train), from_training)
     state.update_began = True  # from here the models may differ from the last complete step (see `run_steps`)
     with timed(times, "training"):
         metrics |= stages.update_policy(c, batch, train, cfg.generator.temperature, state.guard)

@@ -1,0 +1,147 @@
+"""How a batch is cut into micro batches for the forward passes of training and scoring.
+
+Units (rows, or chosen/rejected pairs) are sorted by length, longest first, and cut into micro batches of at most
+``Budget.rows`` rows and, when ``Budget.tokens`` is set, at most that many tokens counted with their padding (rows x
+the widest row). Each micro batch is then trimmed of the columns that are padding in all of its rows
+(`Trajectories.trimmed`), so rows of similar length share a micro batch and almost no compute goes to padding.
+Every loss is a sum of per-token terms over a global denominator, so how rows are grouped changes no gradient
+beyond float rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from rlhf.distributed.strategies import all_ranks_max
+from rlhf.trajectory import Forward, Trajectories
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The most one forward may hold: ``rows`` rows and (when set) ``tokens`` tokens, padding included."""
+
+    rows: int  # rows per micro batch (train.micro_batch_size)
+    tokens: int | None = None  # tokens per micro batch, padding counted (train.max_tokens_per_micro_batch); None: rows only
+
+    @classmethod
+    def of(cls, train_cfg) -> "Budget":
+        """The budget `train.*` sets for scoring passes (training passes also stay inside a mini batch)."""
+        return cls(train_cfg.micro_batch_size, train_cfg.max_tokens_per_micro_batch)
+
+
+def as_budget(size: int | Budget) -> Budget:
+    """A plain row count is a budget of rows only."""
+    return size if isinstance(size, Budget) else Budget(rows=int(size))
+
+
+def unit_spans(batch: Trajectories) -> tuple[torch.Tensor, torch.Tensor]:
+    """(context, window) columns each unit needs: real columns before the window (the longest of the unit's rows),
+    and window columns up to its last real token. Shapes: (U,), (U,)."""
+    start = batch.window_start
+    real = batch.attention_mask.bool()
+    context = real[:, :start].sum(dim=1)
+    columns = torch.arange(real.shape[1] - start, device=real.device)
+    window = torch.where(real[:, start:], columns + 1, torch.zeros_like(columns)).amax(dim=1)
+    per_unit = batch.rows_per_unit
+    return context.view(-1, per_unit).amax(dim=1).cpu(), window.view(-1, per_unit).amax(dim=1).cpu()
+
+
+def plan(batch: Trajectories, size: int | Budget, equal_count: bool = False) -> list[torch.Tensor]:
+    """Unit indices of each micro batch, longest units first. ``equal_count``: every rank of the training group gets
+    as many micro batches as the rank with the most (a collective), since sharded forwards and backwards must pair
+    up across ranks; the largest micro batches are halved until the counts agree (capped at the fewest units any
+    rank holds, where a rank then joins its smallest micro batches).
+
+    Raises ValueError when one unit alone is over ``Budget.tokens``, naming both numbers.
+    """
+    budget = as_budget(size)
+    context, window = unit_spans(batch)
+    per_unit = batch.rows_per_unit
+    longest = int((context + window).max()) if len(context) else 0
+    if budget.tokens is not None and longest * per_unit > budget.tokens:
+        raise ValueError(
+            f"train.max_tokens_per_micro_batch={budget.tokens} is smaller than the longest row of this batch "
+            f"({longest} tokens{f' x {per_unit} rows per unit' if per_unit > 1 else ''}); raise it to at least "
+            f"{longest * per_unit}, or set it to null to cut micro batches by train.micro_batch_size alone"
+        )
+    max_units = max(1, budget.rows // per_unit)
+    order = torch.argsort(context + window, descending=True, stable=True).tolist()
+    groups: list[list[int]] = []
+    widest_context = widest_window = 0
+    for unit in order:
+        grown_context = max(widest_context, int(context[unit]))
+        grown_window = max(widest_window, int(window[unit]))
+        rows = (len(groups[-1]) + 1) * per_unit if groups else 0
+        fits = groups and len(groups[-1]) < max_units and (
+            budget.tokens is None or rows * (grown_context + grown_window) <= budget.tokens
+        )
+        if fits:
+            groups[-1].append(unit)
+            widest_context, widest_window = grown_context, grown_window
+        else:
+            groups.append([unit])
+            widest_context, widest_window = int(context[unit]), int(window[unit])
+    if equal_count:
+        most, fewest_units = all_ranks_max(len(groups), -len(order))
+        groups = merge_to(split_to(groups, min(most, -fewest_units)), min(most, -fewest_units))
+    return [torch.tensor(sorted(g), dtype=torch.long) for g in groups]
+
+
+def split_to(groups: list[list[int]], count: int) -> list[list[int]]:
+    """``groups`` with the largest halved until there are ``count`` of them (never more groups than units)."""
+    groups = [list(g) for g in groups]
+    while len(groups) < count:
+        largest = max(range(len(groups)), key=lambda i: len(groups[i]))
+        if len(groups[largest]) < 2:
+            break
+        half = len(groups[largest]) // 2
+        groups[largest:largest + 1] = [groups[largest][:half], groups[largest][half:]]
+    return groups
+
+
+def merge_to(groups: list[list[int]], count: int) -> list[list[int]]:
+    """``groups`` with the two smallest neighbours joined until there are at most ``count`` (a rank holding fewer
+    units than another rank's micro batches: the counts must still agree, so a micro batch may pass the budget)."""
+    groups = [list(g) for g in groups]
+    while len(groups) > max(count, 1):
+        i = min(range(len(groups) - 1), key=lambda j: len(groups[j]) + len(groups[j + 1]))
+        groups[i : i + 2] = [groups[i] + groups[i + 1]]
+    return groups
+
+
+def padded_tokens(batch: Trajectories, size: int | Budget) -> tuple[int, int]:
+    """(tokens the forward passes of ``plan`` compute, of which real): the padding a budget leaves."""
+    computed = 0
+    for units in plan(batch, size):
+        micro = batch.select_units(units).trimmed()
+        computed += micro.input_ids.numel()
+    return computed, int(batch.attention_mask.sum())
+
+
+def place(outputs: list[torch.Tensor | None], rows: list[torch.Tensor], width: int) -> torch.Tensor | None:
+    """Micro-batch outputs back in batch row order: ``outputs[i]`` belongs to rows ``rows[i]`` (together a
+    permutation of the batch's rows); window tensors (R, T') are padded back to ``width`` columns with zeros."""
+    if outputs[0] is None:
+        return None
+    stacked = torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1])) if o.dim() > 1 else o for o in outputs])
+    order = torch.cat(rows).to(stacked.device)
+    return torch.empty_like(stacked).index_copy_(0, order, stacked)
+
+
+def in_row_order(parts: list[tuple[torch.Tensor, Forward]], width: int) -> Forward:
+    """One `Forward` of (B, ``width``) tensors from each micro batch's (rows, Forward)."""
+    rows = [r for r, _ in parts]
+    return Forward(**{f.name: place([getattr(out, f.name) for _, out in parts], rows, width) for f in fields(Forward)})
+
+
+@torch.no_grad()
+def window_outputs(fn, batch: Trajectories, size: int | Budget, equal_count: bool = False):
+    """``fn`` on each trimmed micro batch of ``plan`` without gradients; outputs back in ``batch``'s row order, window
+    tensors padded back to the batch's T columns. ``fn`` returns a tensor or a tuple of them (a None stays None)."""
+    parts = [(batch.rows_of(units), fn(batch.select_units(units).trimmed())) for units in plan(batch, size, equal_count)]
+    rows, width = [r for r, _ in parts], batch.loss_mask.shape[1]
+    if isinstance(parts[0][1], torch.Tensor):
+        return place([out for _, out in parts], rows, width)
+    return tuple(place(list(column), rows, width) for column in zip(*(out for _, out in parts)))

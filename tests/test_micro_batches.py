@@ -1,0 +1,227 @@
+"""Micro batches by rows and token budget (`rlhf.micro_batches`), trimmed padding, and old logprobs taken from the
+training forward: every one must give what the padded path gives (float32, 1e-5)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlhf.algorithms import build_algorithm
+from rlhf.config.schema import AlgorithmConfig
+from rlhf.micro_batches import Budget, padded_tokens, plan, split_to, window_outputs
+from rlhf.models.policy import TorchPolicy
+from rlhf.models.reference import FrozenReference
+from rlhf import stages
+from rlhf.schedules.common import NonFiniteGuard
+from rlhf.trajectory import Forward, Trajectories, from_completions
+
+CPU = torch.device("cpu")
+PROMPT_LENGTHS = [3, 6, 2, 5, 4, 6, 3, 2]
+RESPONSE_LENGTHS = [9, 1, 4, 7, 2, 9, 5, 3]
+
+
+def ragged_rows(vocab: int, prompts=PROMPT_LENGTHS, responses=RESPONSE_LENGTHS, seed: int = 0) -> Trajectories:
+    """Rows of the given prompt and response lengths (random tokens), left- and right-padded, groups of 2."""
+    g = torch.Generator().manual_seed(seed)
+    rows, lq, lr = len(prompts), max(prompts), max(responses)
+    query_ids = torch.zeros(rows, lq, dtype=torch.long)
+    query_mask = torch.zeros(rows, lq, dtype=torch.long)
+    response_ids = torch.zeros(rows, lr, dtype=torch.long)
+    response_mask = torch.zeros(rows, lr)
+    for i, (q, r) in enumerate(zip(prompts, responses)):
+        query_ids[i, lq - q :] = torch.randint(4, vocab, (q,), generator=g)
+        query_mask[i, lq - q :] = 1
+        response_ids[i, :r] = torch.randint(4, vocab, (r,), generator=g)
+        response_mask[i, :r] = 1
+    batch = from_completions(query_ids, query_mask, response_ids, response_mask, torch.zeros(rows, lr), torch.ones(rows, dtype=torch.bool))
+    return replace(batch, group_id=torch.arange(rows) // 2, scores=torch.arange(rows, dtype=torch.float) % 3)
+
+
+def algorithm(**overrides):
+    fields = asdict(AlgorithmConfig(name="grpo", advantage="grpo", num_samples_per_prompt=2))
+    fields.update(overrides)
+    return build_algorithm(SimpleNamespace(**fields), max_new_tokens=9)
+
+
+@pytest.fixture
+def policy(policy_cfg, model_cfg, train_cfg):
+    """A fresh seed-0 tiny policy (lr 1e-2)."""
+    return lambda **train: TorchPolicy(policy_cfg, model_cfg, train_cfg(lr=1e-2, **train), total_optimizer_steps=4, device=CPU)
+
+
+# --- planning ---------------------------------------------------------------------------------------
+
+
+def test_rows_only_cuts_longest_first_and_covers_every_row_once():
+    batch = ragged_rows(20)
+    parts = plan(batch, 3)
+    assert [len(p) for p in parts] == [3, 3, 2]
+    assert sorted(torch.cat(parts).tolist()) == list(range(8))
+    lengths = batch.attention_mask.sum(dim=1)
+    assert lengths[parts[0]].min() >= lengths[parts[-1]].max()  # longest rows first
+
+
+def test_a_token_budget_bounds_every_micro_batch_with_its_padding():
+    batch = ragged_rows(20)
+    for tokens in (15, 24, 40, 200):
+        parts = plan(batch, Budget(rows=8, tokens=tokens))
+        for units in parts:
+            micro = batch.select_units(units).trimmed()
+            assert micro.input_ids.numel() <= tokens or len(units) == 1
+        assert sorted(torch.cat(parts).tolist()) == list(range(8))
+    assert len(plan(batch, Budget(rows=8, tokens=200))) == 1
+    assert len(plan(batch, Budget(rows=8, tokens=15))) > len(plan(batch, Budget(rows=8, tokens=40))) > 1
+
+
+def test_a_budget_below_the_longest_row_names_both_numbers():
+    with pytest.raises(ValueError, match=r"max_tokens_per_micro_batch=14 is smaller than the longest row of this batch \(15 tokens\)"):
+        plan(ragged_rows(20), Budget(rows=8, tokens=14))
+
+
+def test_pairs_stay_whole_and_count_both_rows():
+    batch = replace(ragged_rows(20), rows_per_unit=2)
+    parts = plan(batch, Budget(rows=8, tokens=30))
+    assert sorted(torch.cat(parts).tolist()) == list(range(4))  # unit (pair) indices
+    with pytest.raises(ValueError, match=r"\(15 tokens x 2 rows per unit\); raise it to at least 30"):
+        plan(batch, Budget(rows=8, tokens=29))
+
+
+def test_split_to_halves_the_largest_until_the_counts_agree():
+    assert split_to([[0, 1, 2, 3], [4]], 3) == [[0, 1], [2, 3], [4]]
+    assert split_to([[0], [1]], 4) == [[0], [1]]  # never more micro batches than units
+
+
+def test_sorting_and_trimming_remove_most_padding():
+    batch = ragged_rows(20)
+    computed, real = padded_tokens(batch, Budget(rows=2))
+    assert real == sum(PROMPT_LENGTHS) + sum(RESPONSE_LENGTHS)
+    assert real <= computed < batch.input_ids.numel()
+    assert (computed - real) / computed < 0.5 * (batch.input_ids.numel() - real) / batch.input_ids.numel()
+
+
+# --- the same numbers as the padded path --------------------------------------------------------------
+
+
+def test_trimmed_rows_give_the_full_rows_logprobs(policy, tokenizer):
+    model = policy()
+    batch = ragged_rows(len(tokenizer))
+    full, entropy = model.rollout_logprobs(batch, 1.0, len(batch), with_entropy=True)  # one forward: rows sorted, no trim
+    with torch.no_grad():
+        padded, padded_entropy = model.logprobs(batch, 1.0, with_entropy=True)  # the untouched (B, L) forward
+    for budget in (Budget(rows=1), Budget(rows=3), Budget(rows=8, tokens=30)):
+        logp, ent = model.rollout_logprobs(batch, 1.0, budget, with_entropy=True)
+        torch.testing.assert_close(logp, padded, rtol=0, atol=1e-5)
+        torch.testing.assert_close(ent, padded_entropy, rtol=0, atol=1e-5)
+    torch.testing.assert_close(full, padded, rtol=0, atol=1e-5)
+    assert (padded[batch.loss_mask == 0] == 0).all()
+
+
+def test_window_outputs_restore_row_order():
+    batch = ragged_rows(20)
+    rows = window_outputs(lambda part: part.input_ids[:, -1].float() * 0 + part.loss_mask.sum(dim=1), batch, Budget(rows=3))
+    torch.testing.assert_close(rows, batch.loss_mask.sum(dim=1))
+
+
+def loss_and_grads(model, algo, batch, micro) -> tuple[float, dict[str, torch.Tensor]]:
+    """One accumulation of the policy loss over ``batch``; (summed loss, gradients), gradients then cleared."""
+    denominator = algo.denominator(batch)
+    finite, metrics, _ = model.accumulate(algo.policy_loss, batch, denominator, micro, 1.0)
+    assert finite
+    grads = {name: p.grad.clone() for name, p in model.model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    return metrics["loss/policy_avg"], grads
+
+
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_token_budget_loss_and_gradients_equal_the_padded_path(policy, tokenizer, loss_agg):
+    """The padded path: every row in one untrimmed forward. Micro batches by a token budget, sorted and trimmed, give
+    the same loss and gradients."""
+    model = policy()
+    algo = algorithm(loss_agg=loss_agg)
+    rollout = ragged_rows(len(tokenizer))
+    with torch.no_grad():
+        old, _ = model.logprobs(rollout, 1.0)
+    batch, _ = algo.build_batch(replace(rollout, old_logp=old + 0.05 * rollout.loss_mask))  # ratios != 1: clipping counts
+    denominator = algo.denominator(batch)
+    loss, _, _ = model.micro_loss(algo.policy_loss, batch, denominator, 1.0, False)
+    loss.backward()
+    padded = {name: p.grad.clone() for name, p in model.model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    for micro in (1, 3, Budget(rows=8, tokens=24)):
+        budget_loss, grads = loss_and_grads(model, algo, batch, micro)
+        assert budget_loss == pytest.approx(loss.item(), abs=1e-5)
+        for name, grad in padded.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5)
+
+
+# --- old logprobs from the training forward -------------------------------------------------------------
+
+
+def one_step(policy, reference, algo, batch, from_training: bool, train) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """`prepare` then `update_policy` on a fresh seed-0 policy; (prepare and update metrics, weights after)."""
+    model = policy(micro_batch_size=train.get("micro_batch_size", 8), max_tokens_per_micro_batch=train.get("tokens"))
+    c = SimpleNamespace(policy=model, reference=reference, critic=None, algorithm=algo, device=CPU, gap_watch=None,
+                        shuffle=torch.Generator().manual_seed(0))
+    scored = stages.Scored(batch, [""] * len(batch), [""] * len(batch), {})
+    budget = Budget(model.train_cfg.micro_batch_size, model.train_cfg.max_tokens_per_micro_batch)
+    prepared, metrics = stages.prepare(c, scored, 1.0, budget, from_training)
+    assert (prepared.old_logp is None) == from_training
+    metrics |= stages.update_policy(c, prepared, model.train_cfg, 1.0, NonFiniteGuard(1))
+    return metrics, {k: v.clone() for k, v in model.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("train", [{}, {"micro_batch_size": 3}, {"tokens": 24}], ids=["one-micro", "rows-3", "tokens-24"])
+def test_old_logprobs_from_the_training_forward_change_nothing(policy, reference_cfg, model_cfg, tokenizer, train):
+    """GRPO with a KL loss to a reference (beta 0.1) and an entropy bonus: one pass fewer, and the same loss, metrics
+    (entropy, KL, generator gap) and weights after the step."""
+    reference = FrozenReference(reference_cfg(), model_cfg, CPU)
+    batch = ragged_rows(len(tokenizer))
+    batch = replace(batch, gen_logp=-0.5 * batch.loss_mask)
+    separate, after_separate = one_step(policy, reference, algorithm(beta=0.1, entropy_coef=0.01), batch, False, train)
+    fused, after_fused = one_step(policy, reference, algorithm(beta=0.1, entropy_coef=0.01), batch, True, train)
+    assert set(fused) == set(separate)
+    for key in ("objective/entropy", "objective/kl", "checks/logprob_gap_mean", "train/kl_sample_train_v2", "loss/policy_avg",
+                "loss/kl_avg", "policy/grad_norm", "policy/approxkl_avg", "val/ratio"):
+        assert fused[key] == pytest.approx(separate[key], abs=1e-5), key
+    assert fused["val/ratio"] == pytest.approx(1.0, abs=1e-6)
+    for name, weight in after_separate.items():
+        torch.testing.assert_close(after_fused[name], weight, rtol=0, atol=1e-5)
+
+
+def test_old_logprobs_need_their_own_pass_where_the_batch_reads_them(train_cfg):
+    """A KL penalty in the reward, a rollout correction, or several optimiser steps per step keep the separate pass."""
+    one = train_cfg()
+
+    def fused(algo, train=one) -> bool:
+        return stages.old_logprobs_from_training(SimpleNamespace(algorithm=algo), train)
+
+    assert fused(algorithm()) and fused(algorithm(beta=0.1))
+    assert not fused(algorithm(beta=0.1, kl_in_reward=True))
+    assert not fused(algorithm(rollout_correction="token_tis"))
+    assert not fused(algorithm(reuse_training_logprobs=False))
+    assert not fused(algorithm(), train_cfg(num_mini_batches=2))
+    assert not fused(algorithm(), train_cfg(num_epochs=2))
+
+
+def test_the_training_forward_records_in_row_order(policy, tokenizer):
+    model = policy()
+    algo = algorithm()
+    rollout = ragged_rows(len(tokenizer))
+    with torch.no_grad():
+        old, entropy = model.logprobs(rollout, 1.0, with_entropy=True)
+    batch, _ = algo.build_batch(replace(rollout, old_logp=old))
+    _, _, recorded = model.accumulate(algo.policy_loss, batch, algo.denominator(batch), Budget(8, 24), 1.0, False, True)
+    assert isinstance(recorded, Forward)
+    torch.testing.assert_close(recorded.logp, old, rtol=0, atol=1e-5)
+    torch.testing.assert_close(recorded.entropy, entropy, rtol=0, atol=1e-5)
+    assert not recorded.logp.requires_grad
+
+
+def test_merge_to_joins_the_smallest_neighbours():
+    from rlhf.micro_batches import merge_to
+
+    assert merge_to([[0, 1, 2], [3], [4], [5, 6]], 2) == [[0, 1, 2], [3, 4, 5, 6]]
+    assert merge_to([[0], [1]], 3) == [[0], [1]]
