@@ -212,8 +212,11 @@ def test_nan_mini_batches_change_nothing_and_good_ones_train(policy_cfg, model_c
     assert len(s.good_metrics) == 2 and len(s.grad_norms) == 2
     expected = {k: sum(m[k] for m in s.good_metrics) / 2 for k in s.good_metrics[0]}
     expected["policy/grad_norm"] = sum(s.grad_norms) / 2
+    perf = {k: metrics.pop(k) for k in ("perf/total_num_tokens", "perf/padding_fraction")}
     assert metrics.keys() == expected.keys()
     assert metrics == pytest.approx(expected)
+    assert perf["perf/total_num_tokens"] == s.batch.attention_mask.sum().item()
+    assert perf["perf/padding_fraction"] == 0.0  # one-row micro batches, trimmed: no padding at all
 
 
 def test_nan_in_a_later_micro_batch_discards_the_earlier_gradients(policy_cfg, model_cfg, train_cfg, tokenizer):
