@@ -133,14 +133,16 @@ def place(outputs: list[torch.Tensor | None], rows: list[torch.Tensor], width: i
 def in_row_order(parts: list[tuple[torch.Tensor, Forward]], width: int) -> Forward:
     """One `Forward` of (B, ``width``) tensors from each micro batch's (rows, Forward)."""
     rows = [r for r, _ in parts]
-    return Forward(**{f.name: place([getattr(out, f.name) for _, out in parts], rows, width) for f in fields(Forward)})
+    columns = {f.name: [getattr(out, f.name) for _, out in parts] for f in fields(Forward)}
+    return Forward(**{name: place(outputs, rows, width) for name, outputs in columns.items()})
 
 
 @torch.no_grad()
 def window_outputs(fn, batch: Trajectories, size: int | Budget, equal_count: bool = False):
     """``fn`` on each trimmed micro batch of ``plan`` without gradients; outputs back in ``batch``'s row order, window
     tensors padded back to the batch's T columns. ``fn`` returns a tensor or a tuple of them (a None stays None)."""
-    parts = [(batch.rows_of(units), fn(batch.select_units(units).trimmed())) for units in plan(batch, size, equal_count)]
+    micro = plan(batch, size, equal_count)
+    parts = [(batch.rows_of(units), fn(batch.select_units(units).trimmed())) for units in micro]
     rows, width = [r for r, _ in parts], batch.loss_mask.shape[1]
     if isinstance(parts[0][1], torch.Tensor):
         return place([out for _, out in parts], rows, width)

@@ -251,7 +251,7 @@ def update_policy(c, batch: Trajectories, train_cfg, temperature: float, guard) 
                 count += 1
     if not count:
         return late
-    perf = {"perf/total_num_tokens": float(batch.attention_mask.sum()), "perf/padding_fraction": 1.0 - real / max(computed, 1)}
+    perf = {"perf/total_num_tokens": float(batch.attention_mask.sum()), "perf/padding_fraction": 1 - real / max(computed, 1)}
     return {key: value / count for key, value in sums.items()} | late | perf
 
 
@@ -259,7 +259,8 @@ def logprobs_from_training(c, batch: Trajectories, rows: torch.Tensor, forward: 
     """The metrics of the pre-update logprobs, from the training forward's (``forward``: detached, rows ``rows`` of
     ``batch`` in that order), exactly as `prepare` computes them from a pass of their own."""
     width = batch.loss_mask.shape[1]
-    old_logp, entropy = (place([t.to(batch.loss_mask.device)], [rows], width) for t in (forward.logp, forward.entropy))
+    device = batch.loss_mask.device
+    old_logp, entropy = (place([t.to(device)], [rows], width) for t in (forward.logp, forward.entropy))
     filled = replace(batch, old_logp=old_logp)
     return old_logprob_metrics(c, filled, entropy) | c.algorithm.old_logprob_metrics(filled)
 

@@ -27,7 +27,9 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
-def next_tokens(logits: torch.Tensor, live: torch.Tensor, rows: int, sampling: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+def next_tokens(
+    logits: torch.Tensor, live: torch.Tensor, rows: int, sampling: SamplingParams
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(token, its logprob) of each live row from its last position's logits: argmax when greedy (logprob at
     temperature 1), else a sample from the nucleus at the temperature (logprob under the temperature-scaled
     distribution, the one the trainer scores).
@@ -64,7 +66,9 @@ def decode(
     cache = DynamicCache(config=model.config)
     positions = (query_mask.cumsum(dim=1) - 1).clamp(min=0)
     keep = {"logits_to_keep": 1} if keeps_logits(model) else {}
-    out = model(input_ids=query_ids, attention_mask=query_mask, position_ids=positions, past_key_values=cache, use_cache=True, **keep)
+    out = model(
+        input_ids=query_ids, attention_mask=query_mask, position_ids=positions, past_key_values=cache, use_cache=True, **keep
+    )
     live = torch.arange(rows, device=device)  # batch rows still generating, in the order the cache holds them
     mask, last = query_mask, positions[:, -1]
     width = 0
@@ -81,5 +85,7 @@ def decode(
             live, mask, last, token = live[kept], mask[kept], last[kept], token[kept]
         mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
         last = last + 1
-        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=last[:, None], past_key_values=cache, use_cache=True)
+        out = model(
+            input_ids=token[:, None], attention_mask=mask, position_ids=last[:, None], past_key_values=cache, use_cache=True
+        )
     return tokens[:, :width], logprobs[:, :width]
