@@ -135,7 +135,7 @@ def loss_and_grads(model, algo, batch, micro) -> tuple[float, dict[str, torch.Te
     return metrics["loss/policy_avg"], grads
 
 
-@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"])
 def test_token_budget_loss_and_gradients_equal_the_padded_path(policy, tokenizer, loss_agg):
     """The padded path: every row in one untrimmed forward. Micro batches by a token budget, sorted and trimmed, give
     the same loss and gradients."""
@@ -153,8 +153,9 @@ def test_token_budget_loss_and_gradients_equal_the_padded_path(policy, tokenizer
     for micro in (1, 3, Budget(rows=8, tokens=24)):
         budget_loss, grads = loss_and_grads(model, algo, batch, micro)
         assert budget_loss == pytest.approx(loss.item(), abs=1e-5)
+        scale = max(1.0, max(g.abs().max().item() for g in padded.values()))  # sums per sequence give larger gradients
         for name, grad in padded.items():
-            torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5 * scale)
 
 
 # --- old logprobs from the training forward -------------------------------------------------------------
