@@ -215,7 +215,7 @@ def update_policy(c, batch: Trajectories, train_cfg, temperature: float, guard) 
     trained = trained_models(c)
     loss_fns = {"policy": "policy_loss", "critic": "value_loss"}  # the algorithm's loss for each trained model
     from_training = batch.old_logp is None and c.algorithm.needs_old_logprobs
-    with_entropy = c.algorithm.needs_entropy or from_training
+    with_entropy = c.algorithm.needs_entropy  # with from_training the policy records the entropy outside the graph
     sums: dict[str, float] = {}
     late: dict[str, float] = {}
     count = 0

@@ -117,7 +117,7 @@ class HFGenerator:
         size = self.cfg.batch_size
         if len(prompts) <= size:
             return self._generate_chunk(prompts, sampling)
-        # several generate() calls: prompts of similar length share one (less left padding); rows come back in order
+        # several decode calls: prompts of similar length share one (less left padding); rows come back in order
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         chunks = [self._generate_chunk([prompts[i] for i in order[start : start + size]], sampling) for start in range(0, len(prompts), size)]
         return concat(chunks, self.pad_id).select(torch.argsort(torch.tensor(order)))
