@@ -23,11 +23,12 @@ from rlhf.config.validate import DerivedSizes
 from rlhf.data.context import check_prompt_budget, model_context
 from rlhf.data.prompts import PromptExample, PromptStream
 from rlhf.distributed.cluster import start
-from rlhf.distributed.layout import used_roles
+from rlhf.distributed.layout import reference_is_base, used_roles
 from rlhf.envs.base import seed_tasks
 from rlhf.envs.loop import EpisodeRunner
 from rlhf.envs.templates import check as check_template
 from rlhf.generators.hf import stop_token_id
+from rlhf.models.lora import AdaptersOff, adapter_base, check_targets, is_adapter_folder
 from rlhf.models.loading import (
     check_model_tokenizer, check_vocab_match, check_weight_files, load_tokenizer, looks_local, pick_device, resolve_model_path,
 )
@@ -93,6 +94,13 @@ def check_model_sources(cfg) -> None:
             path = resolve_model_path(value)
         except FileNotFoundError as err:
             raise ConfigError(f"{key}: {err}") from None
+        if looks_local(path) and key != "model.tokenizer" and is_adapter_folder(Path(path).expanduser()):
+            base = adapter_base(Path(path).expanduser())
+            raise ConfigError(
+                f"{key}={value} holds a LoRA adapter (adapter_config.json) but no base model weights; point {key} at "
+                f"the base model{f' ({base})' if base else ''} and train new adapters with policy.lora.rank, or use "
+                f"the merged final_model folder an rlhf run exports beside its final_adapter"
+            )
         if looks_local(path) and not (Path(path).expanduser() / "config.json").is_file() and key != "model.tokenizer":
             raise ConfigError(f"{key}={value} is not a model folder (no config.json there); give a hub name or a saved model folder")
         if looks_local(path) and not Path(path).expanduser().is_dir():
@@ -151,6 +159,7 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
             f"carry none; set dataset.ground_truth_key=<column> or choose other reward.functions"
         )
     check_output_rows(cfg, tokenizer)
+    check_targets(cfg.policy.lora, model)
     if runner is None or runner.maker.uses_dataset:  # a prompt plus its response must fit the model's context
         context = model_context(model)
         check_prompt_budget(cfg.dataset.max_prompt_length, cfg.generator.max_new_tokens, context, model.name_or_path)
@@ -163,6 +172,8 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
     if models["reward"] is not None:
         rewards.model = models["reward"]
     policy, generator = models["policy"], verified(models["generator"], cfg.checks.weight_sync)
+    if callable(describe := getattr(policy, "describe", None)):
+        log.info("%s", describe())
     generator.update_weights(policy.state_dict())
     return Components(
         device=device,
@@ -197,7 +208,9 @@ def build_env(factory, cfg, tokenizer, rewards: RewardSet) -> EpisodeRunner:
 def build_local_models(cfg, sizes: DerivedSizes, algorithm, tokenizer, device) -> dict[str, Any]:
     """Every model this run uses, in this process, on ``device``."""
     built = {role: build_model(role, cfg, device, sizes.optimizer_steps, tokenizer) for role in used_roles(cfg, algorithm)}
-    if "ref" not in built:
+    if "ref" not in built and algorithm.needs_reference:
+        built["ref"] = AdaptersOff(built["actor"])
+    elif "ref" not in built:
         log.info("reference model not loaded: algorithm.beta=0 disables the KL term")
     if "critic" in built:
         log.info("critic initialised from %s", critic_init_path(cfg))
@@ -213,5 +226,6 @@ def build_remote_models(cfg, sizes: DerivedSizes, algorithm, tokenizer) -> tuple
     reward = None
     if handles["reward"] is not None:
         reward = RewardModelScorer(cfg.reward, cfg.model.dtype, torch.device("cpu"), cfg.train.micro_batch_size, handles["reward"].raw_scores)
-    models = {"policy": handles["actor"], "reference": handles["ref"], "critic": handles["critic"], "reward": reward, "generator": handles["generator"]}
+    reference = AdaptersOff(handles["actor"]) if algorithm.needs_reference and reference_is_base(cfg) else handles["ref"]
+    models = {"policy": handles["actor"], "reference": reference, "critic": handles["critic"], "reward": reward, "generator": handles["generator"]}
     return models, backend

@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 from rlhf.algorithms import build_algorithm
 from rlhf.checkpoint import CONFIG_FILE, STATE_FILE, free_bytes, megabytes
 from rlhf.errors import ConfigError
+from rlhf.models import lora
 from rlhf.models.dtypes import DTYPES
 from rlhf.plan import architecture
 from rlhf.plan.architecture import ModelSource
@@ -173,11 +174,34 @@ def breaks_exact_resume(key: str) -> bool:
     return any(fnmatch.fnmatchcase(key, pattern) for pattern in EXACT_RESUME_KEYS)
 
 
+def check_lora_resume(cfg, path: Path) -> None:
+    """The checkpoint's policy trained what this run trains: LoRA adapters of the same rank, or every weight."""
+    saved = path / "policy" / "model"
+    rank = cfg.policy.lora.rank
+    if lora.is_adapter_folder(saved):
+        saved_rank = json.loads((saved / "adapter_config.json").read_text(encoding="utf-8")).get("r")
+        if rank is None:
+            raise ConfigError(
+                f"resume from {path}: the checkpoint holds LoRA adapters (rank {saved_rank}) but this run trains every "
+                f"weight (policy.lora.rank=null); set policy.lora.rank={saved_rank} to resume it, or start a new run "
+                f"from its exported final_model"
+            )
+        if saved_rank != rank:
+            raise ConfigError(f"resume from {path}: the checkpoint's LoRA rank is {saved_rank}, policy.lora.rank={rank}; set policy.lora.rank={saved_rank}")
+    elif rank is not None and (saved / "config.json").is_file():
+        raise ConfigError(
+            f"resume from {path}: the checkpoint holds fully fine-tuned weights but this run trains LoRA adapters "
+            f"(policy.lora.rank={rank}); set policy.lora.rank=null to resume it, or start a LoRA run from its weights "
+            f"(model.name_or_path=<its policy/model folder>, resume=null)"
+        )
+
+
 def check_resume(cfg, path: Path) -> None:
     """A resume from checkpoint ``path`` continues its training: `train.num_steps` reaches its step, and the keys
     that exact resume needs (`EXACT_RESUME_KEYS`) match its `config.yaml` unless `checkpoint.allow_config_change`.
     Every changed key is logged."""
     step = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))["step"]
+    check_lora_resume(cfg, path)
     if cfg.train.num_steps < step:
         raise ConfigError(
             f"train.num_steps={cfg.train.num_steps} is below step {step} of the checkpoint {path} this run resumes "

@@ -192,6 +192,17 @@ def sample_train_gap(gen_logp: torch.Tensor, train_logp: torch.Tensor, mask: tor
     }
 
 
+def push_weights(c, version: int | None = None) -> dict[str, float]:
+    """Hand the policy's new weights to the generator: only the tensors a step changes (every weight under full
+    fine-tuning; a LoRA policy's adapted layers, merged). Returns `perf/weight_sync_mb`, the size of that push, when
+    the weights pass through this process (the Ray backend sends them through the object store instead)."""
+    weights = c.policy.state_dict(adapted_only=True)
+    c.generator.update_weights(weights, **({} if version is None else {"version": version}))
+    if not isinstance(weights, dict):
+        return {}
+    return {"perf/weight_sync_mb": sum(t.numel() * t.element_size() for t in weights.values()) / 2**20}
+
+
 def trained_models(c) -> list[tuple[str, object]]:
     """(name, model) of every model the run trains: the policy, and the critic when there is one."""
     return [("policy", c.policy)] + ([("critic", c.critic)] if c.critic is not None else [])

@@ -105,6 +105,8 @@ def run_schedule(cfg, out: Path, sizes, schedule, components, root: Path, resume
     if cfg.checkpoint.save_final_model:
         components.policy.export(out / "final_model", components.tokenizer)
         log.info("final policy saved as a Hugging Face folder: %s", out / "final_model")
+        if cfg.policy.lora.rank is not None:
+            log.info("LoRA adapters saved as a PEFT folder (PeftModel.from_pretrained(base, path)): %s", out / "final_adapter")
     return state
 
 

@@ -75,13 +75,13 @@ def fingerprint(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None
     return dict(zip(tensors, sums.tolist()))
 
 
-def first_difference(pushed: dict[str, float], held: dict[str, float]) -> str | None:
+def first_difference(pushed: dict[str, float], held: dict[str, float], partial: bool = False) -> str | None:
     """The first tensor whose fingerprints differ or that one side lacks (in push order, then the tensors only the
-    generator holds); None when all agree."""
+    generator holds, unless the push was ``partial``: some of the weights only); None when all agree."""
     for name, value in pushed.items():
         if name not in held or abs(value - held[name]) > 1e-9 * (1.0 + abs(value)):
             return name
-    return next((name for name in held if name not in pushed), None)
+    return None if partial else next((name for name in held if name not in pushed), None)
 
 
 class VerifiedGenerator:
@@ -90,6 +90,7 @@ class VerifiedGenerator:
 
     def __init__(self, inner, mode: str) -> None:
         self.inner, self.mode, self.pushes = inner, mode, 0
+        self.full_size = 0  # tensors in the first push (every weight); a later push of fewer is partial (LoRA layers)
         self._kept: dict[str, torch.Tensor] = {}  # FAULTS["missed"]: the tensor frozen at push 1
 
     def __getattr__(self, name: str):
@@ -113,8 +114,11 @@ class VerifiedGenerator:
             )
         expected = self.inner.expected_fingerprint(state_dict)
         engines = self.inner.weight_fingerprints()
+        if push == 0:
+            self.full_size = len(expected)
+        partial = len(expected) < self.full_size
         for engine, held in enumerate(engines):
-            name = first_difference(expected, held)
+            name = first_difference(expected, held, partial)
             if name is None:
                 continue
             which = f" (engine worker {engine} of {len(engines)})" if len(engines) > 1 else ""

@@ -134,10 +134,19 @@ class StrategyConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: Optional[int] = None  # LoRA rank: train low-rank adapters (peft) instead of every weight; null = full fine-tuning
+    alpha: float = 16.0  # LoRA scaling numerator: the adapter's update is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapters' input while training
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # module names (suffixes) that get adapters; all-linear = every attention and MLP linear layer
+
+
+@dataclass
 class PolicyConfig:
     name: str = "torch"  # training backend: torch (CPU or GPU, under `strategy`) or an import path
     gradient_checkpointing: bool = False  # trade compute for activation memory
     strategy: StrategyConfig = field(default_factory=StrategyConfig)  # how training is spread over the actor's devices
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters; the reference is then the base model with adapters off
 
 
 @dataclass

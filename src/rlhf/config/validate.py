@@ -23,6 +23,7 @@ from rlhf.data.reasoning_gym import check_reasoning_gym
 from rlhf.distributed.layout import validate_cluster
 from rlhf.functional.losses import LOSS_AGGREGATIONS
 from rlhf.models.dtypes import DTYPES
+from rlhf.models.lora import check_values as check_lora_values
 from rlhf.tracking.checks import check_logging
 from rlhf.weight_sync import MODES as WEIGHT_SYNC_MODES
 
@@ -184,6 +185,7 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     )
     _require(algo.beta >= 0, f"algorithm.beta={algo.beta} must be >= 0")
     check_self_checks(cfg.checks)
+    check_lora_values(cfg.policy.lora)
     check_token_budget(cfg, algorithm.pairwise)
     _require(
         not algorithm.pairwise or algo.beta > 0,

@@ -31,10 +31,17 @@ class PlacementSpec:
         return f"{'+'.join(self.roles)}: {self.num_nodes} node(s) x {self.devices_per_node} = {self.ranks}"
 
 
+def reference_is_base(cfg) -> bool:
+    """Whether the KL reference is the LoRA policy's own base model, adapters switched off (no `ref` role): a
+    `policy.lora.rank` is set and `reference.name_or_path` names no other model."""
+    return cfg.policy.lora.rank is not None and not cfg.reference.name_or_path
+
+
 def used_roles(cfg, algorithm) -> list[str]:
-    """The roles this run needs: actor and generator always; ref, critic and reward when the run uses them."""
+    """The roles this run needs: actor and generator always; ref, critic and reward when the run uses them (a LoRA
+    policy is its own reference: see `reference_is_base`)."""
     roles = ["actor"]
-    if algorithm.needs_reference:
+    if algorithm.needs_reference and not reference_is_base(cfg):
         roles.append("ref")
     if algorithm.needs_critic:
         roles.append("critic")

@@ -163,6 +163,10 @@ class RemoteTrainer:
         entropy = torch.cat([p[1] for p in parts]) if with_entropy else None
         return torch.cat([p[0] for p in parts]), entropy
 
+    def base_logprobs(self, batch: Trajectories, temperature: float, chunk: int) -> torch.Tensor:
+        """A LoRA policy's base-model logprobs (B, T), adapters off: the reference (`rlhf.models.lora.AdaptersOff`)."""
+        return torch.cat(self._split_rows(batch, "base_logprobs", temperature, chunk))
+
     def rollout_values(self, batch: Trajectories, chunk: int) -> torch.Tensor:
         return torch.cat(self._split_rows(batch, "rollout_values", chunk))
 
@@ -187,9 +191,10 @@ class RemoteTrainer:
             })
         return True, {key: value if is_share(key) else value / ranks for key, value in metrics.items()}, recorded
 
-    def state_dict(self):
-        """A Ray object reference to the full weights (gathered from the shards by rank 0), for the generators."""
-        results = self.group.call("state_dict", {rank: () for rank in range(len(self.group))}, put=True)
+    def state_dict(self, *args):
+        """A Ray object reference to the full weights (gathered from the shards by rank 0), for the generators;
+        ``args`` as `TorchPolicy.state_dict` takes them."""
+        results = self.group.call("state_dict", {rank: args for rank in range(len(self.group))}, put=True)
         return results[0][0]
 
     @property

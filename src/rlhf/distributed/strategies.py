@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from rlhf.models.lora import adapter_state, to_model_names
 from rlhf.models.optim import clip_gradients, load_trainable, make_optimizer, save_trainable, step_if_finite
 
 STRATEGIES = ("auto", "single", "ddp", "fsdp2", "deepspeed")
@@ -188,6 +189,11 @@ class FSDP2Strategy(SingleStrategy):
         weights = {}
         for shard in sorted((path / "model").glob("*.safetensors")):
             weights |= load_file(shard)
+        if hasattr(self.model, "peft_config"):  # LoRA: adapter tensors only, under peft's saved names
+            weights = to_model_names(weights)
+            expected = set(adapter_state(self.model.state_dict()))
+            if set(weights) != expected:
+                raise ValueError(f"checkpoint {path} does not match the model's LoRA adapters: {sorted(set(weights) ^ expected)[:3]}")
         if self._prefix:
             weights = {self._prefix + k: v for k, v in weights.items()}
         set_model_state_dict(self.module, weights, options=self._options(strict=False))
@@ -259,13 +265,15 @@ class DeepSpeedStrategy(SingleStrategy):
 
     def save(self, path: Path) -> None:
         """DeepSpeed's own sharded checkpoint (weights, optimiser, schedule); resuming needs the same world size."""
-        self.engine.save_checkpoint(str(path / "deepspeed"), tag="state")
+        frozen = hasattr(self.model, "peft_config")  # LoRA: the frozen base weights stay out of the checkpoint
+        self.engine.save_checkpoint(str(path / "deepspeed"), tag="state", exclude_frozen_parameters=frozen)
         weights = self.full_state_dict()
         if self.rank == 0:
             self.model.save_pretrained(path / "model", state_dict=weights, safe_serialization=True)
 
     def load(self, path: Path) -> None:
-        loaded, _ = self.engine.load_checkpoint(str(path / "deepspeed"), tag="state")
+        frozen = hasattr(self.model, "peft_config")  # LoRA: the checkpoint has the adapters only (see save)
+        loaded, _ = self.engine.load_checkpoint(str(path / "deepspeed"), tag="state", load_module_strict=not frozen)
         if loaded is None:
             raise ValueError(f"{path}: no DeepSpeed checkpoint there (saved by another strategy?)")
 

@@ -73,10 +73,13 @@ class HFGenerator:
 
     @torch.no_grad()
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load ``state_dict``: every weight, or some of them (a LoRA policy's adapted layers; the rest stay)."""
         if self._shapes is not None:
             self.wake_up(state_dict)
             return
-        self.model.load_state_dict(state_dict, strict=True)
+        unexpected = self.model.load_state_dict(state_dict, strict=False).unexpected_keys
+        if unexpected:
+            raise KeyError(f"the generator's model has no weights named {unexpected[:3]}: pushed from another model?")
 
     def sleep(self) -> None:
         """Free the weights until `wake_up` brings new ones."""
@@ -85,7 +88,7 @@ class HFGenerator:
 
     @torch.no_grad()
     def wake_up(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Reallocate the weights and load ``state_dict`` into them (the freed values are gone)."""
+        """Reallocate the weights and load ``state_dict``, every one of them, into them (the freed values are gone)."""
         if self._shapes is None:
             raise RuntimeError("wake_up() without sleep()")
         restore_parameters(self.model, self._shapes)

@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from rlhf.models.lora import adapter_state, to_model_names
+
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
     """Multiplier of the peak learning rate at each optimiser step: linear warm-up, then constant or linear decay."""
@@ -75,13 +77,27 @@ def load_trainable(path: Path, model: torch.nn.Module, optimizer, scheduler) -> 
     weights = {}
     for shard in sorted((path / "model").glob("*.safetensors")):
         weights |= load_file(shard, device=str(next(model.parameters()).device))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    tied = {name for name in missing if "lm_head" in name and getattr(model.config, "tie_word_embeddings", False)}
-    if set(missing) - tied or unexpected:
-        raise ValueError(f"checkpoint {path} does not match the model: missing {sorted(set(missing) - tied)}, unexpected {unexpected}")
+    if hasattr(model, "peft_config"):  # LoRA: the checkpoint holds the adapters only
+        load_adapters(model, weights, path)
+    else:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        tied = {name for name in missing if "lm_head" in name and getattr(model.config, "tie_word_embeddings", False)}
+        if set(missing) - tied or unexpected:
+            raise ValueError(f"checkpoint {path} does not match the model: missing {sorted(set(missing) - tied)}, unexpected {unexpected}")
     state = torch.load(path / "optim.pt", weights_only=True)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
+
+
+def load_adapters(model: torch.nn.Module, saved: dict[str, torch.Tensor], path: Path) -> None:
+    """Load a LoRA checkpoint's adapter tensors (peft's saved names) into a peft ``model``; every adapter tensor of
+    the model must be there, and nothing else."""
+    weights = to_model_names(saved)
+    own = adapter_state(model.state_dict())
+    missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match the model's LoRA adapters: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    model.load_state_dict(weights, strict=False)
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer, to: torch.device | dict) -> dict:

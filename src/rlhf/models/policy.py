@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from rlhf.hf_folder import save_hf_folder
+from rlhf.models import lora
 from rlhf.models.dtypes import DTYPES
 from rlhf.models.loading import load_causal_lm
 from rlhf.micro_batches import Budget, window_outputs
@@ -30,9 +31,27 @@ class TorchPolicy(TrainableModel):
     def __init__(self, cfg, model_cfg, train_cfg, total_optimizer_steps: int, device: torch.device) -> None:
         self.cfg, self.train_cfg = cfg, train_cfg
         model = load_causal_lm(model_cfg.name_or_path, "float32", model_cfg.revision, model_cfg.trust_remote_code, device)
+        self.lora = cfg.lora if lora.enabled(cfg.lora) else None
+        if self.lora is not None:
+            model = lora.add_adapters(model, self.lora)
         super().__init__(
             model, train_cfg, train_cfg.lr, total_optimizer_steps, cfg.gradient_checkpointing, DTYPES[model_cfg.dtype],
             cfg.strategy,
+        )
+
+    def describe(self) -> str:
+        """One log line: what trains (every weight, or LoRA adapters), and the optimiser state it needs."""
+        counts = lora.trainable_summary(self.model)
+        what = "every weight" if self.lora is None else f"LoRA adapters (rank {self.lora.rank}, alpha {self.lora.alpha:g})"
+        sync = "every weight" if self.lora is None else (
+            f"{counts['adapted'] * 4 / 2**20:.2f} of {(counts['total'] - counts['trainable']) * 4 / 2**20:.2f} MiB "
+            f"(the adapted layers merged, with the layers beside them)"
+        )
+        return (
+            f"policy trains {what}: {counts['trainable']:,} of {counts['total']:,} parameters "
+            f"({100.0 * counts['trainable'] / max(1, counts['total']):.2f}%), AdamW state "
+            f"{counts['optimizer_state_bytes'] / 2**20:.2f} MiB" + (" on this rank" if self.strategy.world_size > 1 else "")
+            + f"; weight sync per step: {sync}"
         )
 
     def logprobs(self, batch: Trajectories, temperature: float, with_entropy: bool = False, entropy_grad: bool = True):
@@ -44,6 +63,13 @@ class TorchPolicy(TrainableModel):
         """`logprobs` without gradients, micro batches of ``chunk`` rows (or a `Budget`): (logprobs (B, T), entropy
         (B, T) or None)."""
         return window_outputs(lambda part: self.logprobs(part, temperature, with_entropy), batch, chunk, equal_count=True)
+
+    def base_logprobs(self, batch: Trajectories, temperature: float, chunk: int | Budget) -> torch.Tensor:
+        """The base model's logprobs (B, T), adapters switched off, no gradients: the reference of a LoRA policy."""
+        if self.lora is None:
+            raise RuntimeError("base_logprobs needs policy.lora: without adapters the policy has no separate base model")
+        with self.model.disable_adapter():
+            return self.rollout_logprobs(batch, temperature, chunk)[0]
 
     def micro_loss(
         self, loss_fn, micro: Trajectories, denominator: torch.Tensor, temperature: float, with_entropy: bool, record: bool = False
@@ -62,11 +88,24 @@ class TorchPolicy(TrainableModel):
         return loss, metrics, kept
 
     def export(self, path: Path, tokenizer) -> None:
-        """The policy as a plain Hugging Face folder (safetensors, config, tokenizer); every rank calls it."""
+        """The policy as a plain Hugging Face folder (safetensors, config, tokenizer), adapters merged in; with LoRA
+        also the adapters alone as a PEFT folder, `final_adapter` beside ``path``. Every rank calls it."""
         weights = self.full_state_dict()
-        if self.strategy.rank == 0:
+        if self.strategy.rank != 0:
+            return
+        if self.lora is None:
             save_hf_folder(path, self.model, tokenizer, state_dict=weights, safe_serialization=True)
+            return
+        merged = lora.merged_weights(weights, lora.scaling(self.lora), adapted_only=False)
+        save_hf_folder(path, self.model.get_base_model(), tokenizer, state_dict=merged, safe_serialization=True)
+        save_hf_folder(path.parent / "final_adapter", self.model, tokenizer, state_dict=weights, safe_serialization=True)
 
-    def state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The full model weights, as the generator loads them (rank 0; None on other ranks)."""
-        return self.full_state_dict()
+    def state_dict(self, adapted_only: bool = False) -> dict[str, torch.Tensor] | None:
+        """The weights the generator loads (rank 0; None on other ranks), under the base model's names.
+
+        Full fine-tuning: every weight. LoRA: the weights with the adapters merged in; ``adapted_only`` keeps just
+        the adapted layers' (the only ones a step changes), for a generator that still holds the rest."""
+        weights = self.full_state_dict()
+        if self.lora is None or weights is None:
+            return weights
+        return lora.merged_weights(weights, lora.scaling(self.lora), adapted_only)

@@ -218,7 +218,7 @@ def async_step(c, cfg, state: RunState, producer: RolloutProducer, step: int) ->
         metrics = staleness_metrics(scored.versions, step - 1, cfg.schedule.max_staleness)
         metrics |= learn(c, cfg, scored, state, times)
         with timed(times, "weight_sync"):
-            c.generator.update_weights(c.policy.state_dict(), version=step)
+            metrics |= stages.push_weights(c, version=step)
     times["time/generation"] = produced.generation_s
     return metrics | scored.metrics | times, scored
 

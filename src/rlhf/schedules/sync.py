@@ -15,7 +15,7 @@ def train_step(c, cfg, state: RunState) -> tuple[dict[str, float], stages.Scored
         scored = generate(c, cfg, times)
         metrics = learn(c, cfg, scored, state, times)
         with timed(times, "weight_sync"):
-            c.generator.update_weights(c.policy.state_dict())
+            metrics |= stages.push_weights(c)
     return metrics | scored.metrics | times, scored
 
 
