@@ -28,7 +28,7 @@ from rlhf.envs.base import seed_tasks
 from rlhf.envs.loop import EpisodeRunner
 from rlhf.envs.templates import check as check_template
 from rlhf.generators.hf import stop_token_id
-from rlhf.models.lora import AdaptersOff, adapter_base, check_targets, is_adapter_folder
+from rlhf.models.lora import AdaptersOff, check_not_adapter, check_targets
 from rlhf.models.loading import (
     check_model_tokenizer, check_vocab_match, check_weight_files, load_tokenizer, looks_local, pick_device, resolve_model_path,
 )
@@ -94,13 +94,8 @@ def check_model_sources(cfg) -> None:
             path = resolve_model_path(value)
         except FileNotFoundError as err:
             raise ConfigError(f"{key}: {err}") from None
-        if looks_local(path) and key != "model.tokenizer" and is_adapter_folder(Path(path).expanduser()):
-            base = adapter_base(Path(path).expanduser())
-            raise ConfigError(
-                f"{key}={value} holds a LoRA adapter (adapter_config.json) but no base model weights; point {key} at "
-                f"the base model{f' ({base})' if base else ''} and train new adapters with policy.lora.rank, or use "
-                f"the merged final_model folder an rlhf run exports beside its final_adapter"
-            )
+        if looks_local(path) and key != "model.tokenizer":
+            check_not_adapter(key, value, path)
         if looks_local(path) and not (Path(path).expanduser() / "config.json").is_file() and key != "model.tokenizer":
             raise ConfigError(f"{key}={value} is not a model folder (no config.json there); give a hub name or a saved model folder")
         if looks_local(path) and not Path(path).expanduser().is_dir():

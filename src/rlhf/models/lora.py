@@ -70,6 +70,12 @@ def matches(name: str, target: str) -> bool:
     return name == target or name.endswith("." + target)
 
 
+def adapted_layers(model: torch.nn.Module, targets: list[str]) -> list[str]:
+    """The names of the linear layers `add_adapters` puts adapters on, for ``targets`` (`target_modules`)."""
+    names = linear_names(model)
+    return names if targets == [ALL_LINEAR] else [n for n in names if any(matches(n, t) for t in targets)]
+
+
 def unmatched_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
     """The entries of ``targets`` that name no linear layer of ``model`` (`all-linear` always matches one)."""
     names = linear_names(model)
@@ -164,12 +170,20 @@ def is_adapter_folder(folder: Path) -> bool:
     return (folder / "adapter_config.json").is_file()
 
 
-def adapter_base(folder: Path) -> str | None:
-    """The base model an adapter folder names (``base_model_name_or_path``), if any."""
+def check_not_adapter(key: str, value: str, path: str) -> None:
+    """ConfigError when the model folder ``path`` (given as ``key=value``) holds a PEFT adapter without base weights."""
+    folder = Path(path).expanduser()
+    if not is_adapter_folder(folder):
+        return
     try:
-        return json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
     except (OSError, ValueError):
-        return None
+        base = None
+    raise ConfigError(
+        f"{key}={value} holds a LoRA adapter (adapter_config.json) but no base model weights; point {key} at the base "
+        f"model{f' ({base})' if base else ''} and train new adapters with policy.lora.rank, or use the merged "
+        f"final_model folder an rlhf run exports beside its final_adapter"
+    )
 
 
 def trainable_summary(model: torch.nn.Module) -> dict[str, int]:

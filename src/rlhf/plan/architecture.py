@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 from rlhf.errors import ConfigError
 from rlhf.functional import entropy_from_logits, logprobs_from_logits
 from rlhf.models.loading import looks_local, resolve_model_path
+from rlhf.models.lora import adapted_layers, check_not_adapter
 from rlhf.models.value import token_scores
 
 NEEDED_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size")  # what the plan reads from a config.json
@@ -56,6 +57,8 @@ class Activations:
 def read_config(source: ModelSource) -> PretrainedConfig:
     """The model's config, checked to hold the fields the plan needs; ConfigError naming ``source.key``."""
     path = resolve_model_path(source.name)
+    if looks_local(path):
+        check_not_adapter(source.key, source.name, path)
     try:
         config = AutoConfig.from_pretrained(path, revision=source.revision, trust_remote_code=source.trust_remote_code)
     except (OSError, ValueError, KeyError) as err:
@@ -94,6 +97,15 @@ def parameter_count(source: ModelSource, head: str = "lm") -> int:
     with torch.device("meta"):
         model = _build(read_config(source), head, source.trust_remote_code)
     return sum(p.numel() for p in model.parameters())
+
+
+def adapter_parameter_count(source: ModelSource, lora_cfg) -> int:
+    """Parameters of the LoRA adapters `policy.lora` adds to the model: rank x (in + out) per adapted linear layer."""
+    with torch.device("meta"):
+        model = _build(read_config(source), "lm", source.trust_remote_code)
+    layers = dict(model.named_modules())
+    return sum(lora_cfg.rank * (layers[name].in_features + layers[name].out_features)
+               for name in adapted_layers(model, list(lora_cfg.target_modules)))
 
 
 def _build(config: PretrainedConfig, head: str, trust_remote_code: bool) -> torch.nn.Module:

@@ -39,25 +39,26 @@ class Sharding:
     offload_params: bool = False  # weights on the host between uses
 
 
-def trained_state(role: str, params: int, sharding: Sharding, bf16: bool) -> list[Item]:
-    """Weights, gradients and AdamW state of a trained role on one of its devices.
+def trained_state(role: str, params: int, sharding: Sharding, bf16: bool, trainable: int | None = None) -> list[Item]:
+    """Weights, gradients and AdamW state of a trained role on one of its devices; ``trainable`` parameters (default:
+    all ``params``; fewer for LoRA adapters) have gradients and optimiser state.
 
     Every strategy but DeepSpeed keeps float32 weights and gradients and runs bf16 under autocast; DDP also keeps a
     float32 gradient bucket per parameter. DeepSpeed keeps its weights and gradients in the compute dtype (bf16 or
     float32) and a float32 copy of its optimiser partition beside the moments; ZeRO shards the optimiser state (stage 1), gradients (2) and weights (3); FSDP2
     shards all three.
     """
-    n = sharding.ranks
-    weights, grads, optimizer = FLOAT32 * params, FLOAT32 * params, ADAM_MOMENTS * FLOAT32 * params
+    n, trained = sharding.ranks, params if trainable is None else trainable
+    weights, grads, optimizer = FLOAT32 * params, FLOAT32 * trained, ADAM_MOMENTS * FLOAT32 * trained
     extra = []
     if sharding.strategy == "ddp":
-        extra.append(Item(role, "gradient buckets", FLOAT32 * params))
+        extra.append(Item(role, "gradient buckets", FLOAT32 * trained))
     elif sharding.strategy == "fsdp2":
         weights, grads, optimizer = weights // n, grads // n, optimizer // n
     elif sharding.strategy == "deepspeed":
         if bf16:
-            weights, grads = 2 * params, 2 * params
-        optimizer = (ADAM_MOMENTS + 1) * FLOAT32 * params // n  # ZeRO keeps a float32 copy of its partition
+            weights, grads = 2 * params, 2 * trained
+        optimizer = (ADAM_MOMENTS + 1) * FLOAT32 * trained // n  # ZeRO keeps a float32 copy of its partition
         grads = grads // n if sharding.zero_stage >= 2 else grads
         weights = weights // n if sharding.zero_stage >= 3 else weights
     return [

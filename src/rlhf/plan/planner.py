@@ -111,7 +111,7 @@ def role_memory(cfg, used: list[str], ranks: dict[str, int], work: roles.Workloa
     found = roles.sources(cfg)
     items = {
         "actor": roles.trained_items("actor", found["actor"], "lm", cfg.policy.strategy,
-                                     cfg.policy.gradient_checkpointing, ranks["actor"], work),
+                                     cfg.policy.gradient_checkpointing, ranks["actor"], work, cfg.policy.lora),
         "generator": roles.generator_items(cfg, found["generator"], work, capacity),
     }
     if "ref" in used:

@@ -12,7 +12,8 @@ from rlhf.components import critic_init_path
 from rlhf.generators.vllm import CPU_KV_CACHE_BYTES
 from rlhf.models.dtypes import DTYPES
 from rlhf.plan import memory
-from rlhf.plan.architecture import ModelSource, activations, parameter_count, read_config, text_config
+from rlhf.models import lora
+from rlhf.plan.architecture import ModelSource, activations, adapter_parameter_count, parameter_count, read_config, text_config
 from rlhf.plan.memory import FLOAT32, GENERATE, SCORE, TRAIN, Item, Sharding
 
 VLLM_SHARE = "vllm engine (gpu_memory_utilization)"  # what a vLLM engine claims of a GPU: weights, KV cache, its runtime
@@ -89,11 +90,13 @@ def sharding(strategy, ranks: int) -> Sharding:
 
 
 def trained_items(role: str, source: ModelSource, head: str, strategy, gradient_checkpointing: bool, ranks: int,
-                  work: Workload) -> list[Item]:
-    """A trained role (actor or critic): its state, its training activations and its own scoring pass."""
+                  work: Workload, lora_cfg=None) -> list[Item]:
+    """A trained role (actor or critic): its state, its training activations and its own scoring pass; with
+    ``lora_cfg`` (`policy.lora`) only the adapters get gradients and optimiser state."""
     params = parameter_count(source, head)
     shard = sharding(strategy, ranks)
-    items = memory.trained_state(role, params, shard, work.autocast)
+    trainable = adapter_parameter_count(source, lora_cfg) if lora.enabled(lora_cfg) else params
+    items = memory.trained_state(role, params, shard, work.autocast, trainable)
     if work.schedule == "hybrid" and work.hybrid_offload and role == "actor":
         items = [_without(i, GENERATE) if i.what == "optimizer" else i for i in items]
     window = work.window if head == "lm" else 1
