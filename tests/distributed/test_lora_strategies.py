@@ -115,6 +115,8 @@ def test_lora_step_reference_and_checkpoint_agree(started, lora_step, tmp_path, 
     after_one = ray.get(trainer.state_dict())
     assert max_weight_diff(after_one, s["after_one"]) < TOLERANCE
     assert max_weight_diff(after_one, s["initial"]) > 100 * TOLERANCE  # the step moved the merged weights
+    pushed = ray.get(trainer.state_dict(True))  # what a step pushes: the adapted layers (and their siblings) only
+    assert set(pushed) < set(after_one) and max_weight_diff(pushed, {k: after_one[k] for k in pushed}) == 0
 
     # 2. the reference: the base weights with the adapters off (under fsdp2 and ZeRO-3 the base weights are sharded too)
     torch.testing.assert_close(trainer.base_logprobs(batch, 1.0, 8), s["base_logp"], rtol=0, atol=TOLERANCE)

@@ -130,3 +130,18 @@ def test_an_unknown_capacity_gives_no_verdict_rather_than_a_guess(llama8b):
     plan = make_plan(compose_config(["experiment=ppo_tulu3_8b_ultrafeedback", f"model.name_or_path={llama8b}",
                                      f"reward.path={llama8b}"]))
     assert plan.capacity.bytes is None and plan.fits is None  # ray GPUs, none here, no cluster.device_memory_gb
+
+
+def test_lora_drops_the_reference_and_the_full_gradients_and_counts_the_adapters_and_the_merged_push(llama8b):
+    """Llama-3.1-8B, rank 16 on every attention and MLP linear layer: 16 x (in + out) per layer, 32 layers."""
+    one_gpu = ["algorithm=grpo", "cluster=single_gpu", "reward.path=null", "policy.strategy.name=single"]
+    full, lora = make_plan(tulu(llama8b, *one_gpu)), make_plan(tulu(llama8b, *one_gpu, "policy.lora.rank=16"))
+    sizes = {"q": (4096, 4096), "k": (4096, 1024), "v": (4096, 1024), "o": (4096, 4096),
+             "gate": (4096, 14336), "up": (4096, 14336), "down": (14336, 4096)}
+    adapters = 32 * sum(16 * (i + o) for i, o in sizes.values())
+    bytes_of = lambda plan, what: {i.role: i.bytes for i in plan.groups[0].items if i.what == what}  # noqa: E731
+    assert "ref" in full.groups[0].roles and "ref" not in lora.groups[0].roles  # the base with adapters off
+    assert bytes_of(lora, "gradients")["actor"] == 4 * adapters and bytes_of(lora, "optimizer")["actor"] == 8 * adapters
+    assert bytes_of(lora, "weights")["actor"] == bytes_of(full, "weights")["actor"]
+    assert bytes_of(lora, "merged weights")["actor"] == 4 * 32 * sum(i * o for i, o in sizes.values())
+    assert lora.groups[0].peak[0] < full.groups[0].peak[0]

@@ -191,10 +191,10 @@ class RemoteTrainer:
             })
         return True, {key: value if is_share(key) else value / ranks for key, value in metrics.items()}, recorded
 
-    def state_dict(self, *args):
-        """A Ray object reference to the full weights (gathered from the shards by rank 0), for the generators;
-        ``args`` as `TorchPolicy.state_dict` takes them."""
-        results = self.group.call("state_dict", {rank: args for rank in range(len(self.group))}, put=True)
+    def state_dict(self, adapted_only: bool = False):
+        """A Ray object reference to the weights the generators load (gathered from the shards by rank 0; with
+        ``adapted_only``, a LoRA policy's adapted layers only: `TorchPolicy.state_dict`)."""
+        results = self.group.call("state_dict", {rank: (adapted_only,) for rank in range(len(self.group))}, put=True)
         return results[0][0]
 
     @property

@@ -99,13 +99,15 @@ def parameter_count(source: ModelSource, head: str = "lm") -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def adapter_parameter_count(source: ModelSource, lora_cfg) -> int:
-    """Parameters of the LoRA adapters `policy.lora` adds to the model: rank x (in + out) per adapted linear layer."""
+def lora_parameter_counts(source: ModelSource, lora_cfg) -> tuple[int, int]:
+    """(parameters of the LoRA adapters `policy.lora` adds: rank x (in + out) per adapted linear layer, parameters of
+    those layers' base weights: what each weight push merges into a new copy)."""
     with torch.device("meta"):
         model = _build(read_config(source), "lm", source.trust_remote_code)
     layers = dict(model.named_modules())
-    return sum(lora_cfg.rank * (layers[name].in_features + layers[name].out_features)
-               for name in adapted_layers(model, list(lora_cfg.target_modules)))
+    adapted = [layers[name] for name in adapted_layers(model, list(lora_cfg.target_modules))]
+    return (sum(lora_cfg.rank * (m.in_features + m.out_features) for m in adapted),
+            sum(m.in_features * m.out_features for m in adapted))
 
 
 def _build(config: PretrainedConfig, head: str, trust_remote_code: bool) -> torch.nn.Module:

@@ -11,7 +11,7 @@ COLUMNS = {  # column -> the Item.what values it sums
     "grads": ("gradients", "gradient buckets"),
     "optimizer": ("optimizer",),
     "activations": ("activations", "backward temporaries", "gathered weights"),
-    "generation": ("kv_cache", "logits", VLLM_SHARE),
+    "generation": ("kv_cache", "logits", VLLM_SHARE, "merged weights"),  # merged: a LoRA push, made before generating
     "scoring": ("scoring temporaries",),
     "other": ("CUDA context", "process (python, torch, libraries)"),
 }

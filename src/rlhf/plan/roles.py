@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from rlhf.components import critic_init_path
 from rlhf.generators.vllm import CPU_KV_CACHE_BYTES
 from rlhf.models.dtypes import DTYPES
-from rlhf.plan import memory
 from rlhf.models import lora
-from rlhf.plan.architecture import ModelSource, activations, adapter_parameter_count, parameter_count, read_config, text_config
+from rlhf.plan import memory
+from rlhf.plan.architecture import ModelSource, activations, lora_parameter_counts, parameter_count, read_config, text_config
 from rlhf.plan.memory import FLOAT32, GENERATE, SCORE, TRAIN, Item, Sharding
 
 VLLM_SHARE = "vllm engine (gpu_memory_utilization)"  # what a vLLM engine claims of a GPU: weights, KV cache, its runtime
@@ -95,8 +95,10 @@ def trained_items(role: str, source: ModelSource, head: str, strategy, gradient_
     ``lora_cfg`` (`policy.lora`) only the adapters get gradients and optimiser state."""
     params = parameter_count(source, head)
     shard = sharding(strategy, ranks)
-    trainable = adapter_parameter_count(source, lora_cfg) if lora.enabled(lora_cfg) else params
+    trainable, merged = lora_parameter_counts(source, lora_cfg) if lora.enabled(lora_cfg) else (params, 0)
     items = memory.trained_state(role, params, shard, work.autocast, trainable)
+    if merged:  # a LoRA push: the adapted layers merged into a new copy, held while the generator loads them
+        items.append(Item(role, "merged weights", FLOAT32 * merged, phases=(GENERATE,)))
     if work.schedule == "hybrid" and work.hybrid_offload and role == "actor":
         items = [_without(i, GENERATE) if i.what == "optimizer" else i for i in items]
     window = work.window if head == "lm" else 1
