@@ -4,17 +4,13 @@ adapters only, and the exports load with plain transformers and peft."""
 from __future__ import annotations
 
 import random
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from peft import PeftModel
 from test_cli import records, run_cli
-from test_resume import assert_same_curve, checkpoint_steps, metrics_by_step
+from test_resume import kill_at_a_checkpoint, resume_and_compare
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhf.models.loading import load_causal_lm
@@ -66,22 +62,10 @@ def test_kill_9_then_resume_reproduces_the_uninterrupted_lora_run(lora_run, tmp_
     run_dir = tmp_path / "run"
     args = [*LORA, f"train.num_steps={STEPS}", f"eval.every={STEPS}", "checkpoint.every=2", "checkpoint.keep_last=0",
             f"hydra.run.dir={run_dir}"]
-    kill_after = random.Random().choice([4, 6, 8])
-    proc = subprocess.Popen([sys.executable, "-m", "rlhf.train", *args], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not any(s >= kill_after for s in checkpoint_steps(run_dir)):
-        assert proc.poll() is None, "the run ended before it could be killed"
-        assert time.time() < deadline
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_at_a_checkpoint(args, run_dir, random.Random().choice([4, 6, 8]), STEPS)
     saved = sorted((run_dir / "checkpoints").glob("step_*"))[-1] / "policy" / "model"
     assert (saved / "adapter_model.safetensors").is_file() and not list(saved.glob("model*.safetensors"))
-    run_cli(*args, "resume=auto", cwd=tmp_path)
-    resumed, reference = metrics_by_step(run_dir), metrics_by_step(lora_run)
-    assert sorted(resumed) == list(range(1, STEPS + 1)), "every step logged once: nothing replayed, nothing skipped"
-    assert_same_curve(resumed, reference, range(1, STEPS + 1))
-
+    resume_and_compare(args, run_dir, lora_run, STEPS)
 
 def test_the_multiturn_preset_learns_with_lora(tmp_path):
     """`experiment=multiturn_tiny` with rank-8 adapters, shortened to 30 steps: success on the episodes rises clearly."""

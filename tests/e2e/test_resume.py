@@ -51,8 +51,15 @@ def test_kill_9_then_resume_reproduces_the_uninterrupted_run(reference_run, tmp_
     """SIGKILL at a random step, resume=auto in the same folder: steps after the checkpoint match bitwise (CPU)."""
     run_dir = tmp_path / "run"
     args = [f"train.num_steps={STEPS}", "eval.every=0", "seed=5", "checkpoint.every=2", "checkpoint.keep_last=0", f"hydra.run.dir={run_dir}"]
-    kill_after = random.Random().choice([4, 6, 8, 10])
-    proc = subprocess.Popen([sys.executable, "-m", "rlhf.train", *args], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    kill_at_a_checkpoint(args, run_dir, random.Random().choice([4, 6, 8, 10]))
+    resume_and_compare(args, run_dir, reference_run)
+
+
+def kill_at_a_checkpoint(args: list[str], run_dir: Path, kill_after: int, steps: int = STEPS) -> None:
+    """Start the CLI with ``args`` (its output in ``run_dir``) and SIGKILL it once a checkpoint of step >= ``kill_after``
+    is complete, before the run ends."""
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf.train", *args], cwd=run_dir.parent, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while not any(s >= kill_after for s in checkpoint_steps(run_dir)):
         assert proc.poll() is None, "the run ended before it could be killed"
@@ -61,12 +68,15 @@ def test_kill_9_then_resume_reproduces_the_uninterrupted_run(reference_run, tmp_
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    resumed_from = checkpoint_steps(run_dir)[-1]
-    assert resumed_from < STEPS
-    run_cli(*args, "resume=auto", cwd=tmp_path)
+    assert checkpoint_steps(run_dir)[-1] < steps
+
+
+def resume_and_compare(args: list[str], run_dir: Path, reference_run: Path, steps: int = STEPS) -> None:
+    """Resume the killed run (resume=auto): each of its ``steps`` is logged once and matches ``reference_run`` bitwise."""
+    run_cli(*args, "resume=auto", cwd=run_dir.parent)
     resumed, reference = metrics_by_step(run_dir), metrics_by_step(reference_run)
-    assert sorted(resumed) == list(range(1, STEPS + 1)), "every step logged once: nothing replayed, nothing skipped"
-    assert_same_curve(resumed, reference, range(1, STEPS + 1))
+    assert sorted(resumed) == list(range(1, steps + 1)), "every step logged once: nothing replayed, nothing skipped"
+    assert_same_curve(resumed, reference, range(1, steps + 1))
 
 
 def test_resume_at_an_epoch_boundary_trains_the_next_epoch(tmp_path):

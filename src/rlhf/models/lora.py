@@ -137,18 +137,18 @@ def merged_weights(state: dict[str, torch.Tensor], factor: float, adapted_only: 
     changes, plus the siblings because vLLM fuses q/k/v and gate/up into one tensor and must reload whole groups);
     else every base tensor (an export, or a generator that freed its weights). Adapter tensors are never returned.
     """
-    adapted = {name[: base.start()] for name in state if (base := _BASE.search(name))}
     pushed = changing(state)
     merged = {}
     for name, tensor in state.items():
         if ".lora_" in name:
             continue
         plain = name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else name
-        stem = name.rsplit(".", 1)[0].removesuffix(".base_layer")
-        if stem not in adapted or not name.endswith(".base_layer.weight"):
+        base = _BASE.search(name)
+        if base is None:  # not an adapted layer's weight: the base's own (a bias of an adapted layer included)
             if not adapted_only or name in pushed:
                 merged[plain.replace(".base_layer.", ".")] = tensor
             continue
+        stem = name[: base.start()]
         a, b = state[f"{stem}.lora_A.{ADAPTER}.weight"], state[f"{stem}.lora_B.{ADAPTER}.weight"]
         delta = factor * (b.float() @ a.float())
         merged[_BASE.sub(".weight", plain)] = (tensor.float() + delta.to(tensor.device)).to(tensor.dtype)
@@ -187,8 +187,7 @@ def check_not_adapter(key: str, value: str, path: str) -> None:
 
 
 def trainable_summary(model: torch.nn.Module) -> dict[str, int]:
-    """Parameter counts (this rank's shards when sharded): trainable, total, and pushed to the generator per step
-    under LoRA (`changing`); and the AdamW state the trainable ones need, two float32 moments each."""
+    """Parameter counts: trainable, total, and pushed to the generator per step under LoRA (`changing`); and the AdamW state the trainable ones need, two float32 moments each."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     params = dict(model.named_parameters())
