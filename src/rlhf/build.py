@@ -155,6 +155,8 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
         )
     check_output_rows(cfg, tokenizer)
     check_targets(cfg.policy.lora, model)
+    if algorithm.needs_critic:
+        check_targets(cfg.critic.lora, model, "critic.lora", critic_init_path(cfg))
     if runner is None or runner.maker.uses_dataset:  # a prompt plus its response must fit the model's context
         context = model_context(model)
         check_prompt_budget(cfg.dataset.max_prompt_length, cfg.generator.max_new_tokens, context, model.name_or_path)

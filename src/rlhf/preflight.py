@@ -175,23 +175,30 @@ def breaks_exact_resume(key: str) -> bool:
 
 
 def check_lora_resume(cfg, path: Path) -> None:
-    """The checkpoint's policy trained what this run trains: LoRA adapters of the same rank, or every weight."""
-    saved = path / "policy" / "model"
-    rank = cfg.policy.lora.rank
+    """The checkpoint's policy and critic trained what this run trains: LoRA adapters of the same rank, or every
+    weight."""
+    check_model_resume(path, "policy", cfg.policy.lora.rank)
+    if (path / "critic" / "model").is_dir():
+        check_model_resume(path, "critic", cfg.critic.lora.rank)
+
+
+def check_model_resume(path: Path, role: str, rank: int | None) -> None:
+    """`check_lora_resume` for one trained model (``role``: policy or critic, whose `<role>.lora.rank` is ``rank``)."""
+    saved = path / role / "model"
     if lora.is_adapter_folder(saved):
         saved_rank = json.loads((saved / "adapter_config.json").read_text(encoding="utf-8")).get("r")
         if rank is None:
             raise ConfigError(
-                f"resume from {path}: the checkpoint holds LoRA adapters (rank {saved_rank}) but this run trains every "
-                f"weight (policy.lora.rank=null); set policy.lora.rank={saved_rank} to resume it, or start a new run "
-                f"from its exported final_model"
+                f"resume from {path}: the checkpoint's {role} holds LoRA adapters (rank {saved_rank}) but this run trains "
+                f"every weight ({role}.lora.rank=null); set {role}.lora.rank={saved_rank} to resume it, or start a new "
+                f"run from its exported final_model"
             )
         if saved_rank != rank:
-            raise ConfigError(f"resume from {path}: the checkpoint's LoRA rank is {saved_rank}, policy.lora.rank={rank}; set policy.lora.rank={saved_rank}")
+            raise ConfigError(f"resume from {path}: the checkpoint's LoRA rank is {saved_rank}, {role}.lora.rank={rank}; set {role}.lora.rank={saved_rank}")
     elif rank is not None and (saved / "config.json").is_file():
         raise ConfigError(
             f"resume from {path}: the checkpoint holds fully fine-tuned weights but this run trains LoRA adapters "
-            f"(policy.lora.rank={rank}); set policy.lora.rank=null to resume it, or start a LoRA run from its weights "
+            f"({role}.lora.rank={rank}); set {role}.lora.rank=null to resume it, or start a LoRA run from its weights "
             f"(model.name_or_path=<its policy/model folder>, resume=null)"
         )
 

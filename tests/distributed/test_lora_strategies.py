@@ -144,3 +144,35 @@ def test_lora_step_reference_and_checkpoint_agree(started, lora_step, tmp_path, 
     assert resumed.accumulate(algorithm.policy_loss, batch, denominator, 8, 1.0)[0]
     resumed.optimizer_step()
     assert max_weight_diff(ray.get(resumed.state_dict()), after_two) < 1e-6
+
+
+@pytest.mark.slow
+def test_a_lora_critic_takes_the_same_value_step_under_ddp(started, tmp_path):
+    """PPO's critic with LoRA adapters on its backbone (its value head trained whole): one value-loss step at world size
+    2 under DDP equals the single process's, and its checkpoint holds the adapters and the head only."""
+    ppo = ["algorithm=ppo", *STEP, "critic.lora.rank=4", "critic.lora.alpha=32"]
+    cfg = compose("cluster=local", *ppo)
+    sizes = validate(cfg)
+    seed_everything(cfg.seed)
+    c = build_components(cfg, sizes)
+    examples = c.prompts.next_batch(cfg.train.prompts_per_step)
+    scored = stages.generate_and_score(c, examples, 4, stages.sampling_params(cfg.generator))
+    batch, _ = stages.prepare(c, scored, cfg.generator.temperature, cfg.train.micro_batch_size)
+    denominator = c.algorithm.denominator(batch)
+    finite, metrics, _ = c.critic.accumulate(c.algorithm.value_loss, batch, denominator, 8, 1.0)
+    assert finite
+    norm = c.critic.optimizer_step()
+    local = {k: v.detach().clone() for k, v in c.critic.full_state_dict().items()}
+
+    remote_cfg = compose(*ppo, "critic.strategy.name=ddp", "cluster.roles.critic.devices_per_node=2")
+    critic = started.trainer(remote_cfg, 2, role="critic")
+    finite, remote_metrics, _ = critic.accumulate(c.algorithm.value_loss, batch, denominator, 8, 1.0)
+    assert finite
+    assert remote_metrics["loss/value_avg"] == pytest.approx(metrics["loss/value_avg"], abs=1e-6)
+    assert critic.optimizer_step() == pytest.approx(norm, rel=1e-4)
+    assert max_weight_diff(critic.full_state_dict(), local) < TOLERANCE
+    trained = [k for k in local if ".lora_" in k or ".modules_to_save." in k]
+    assert any("modules_to_save" in k for k in trained)  # the value head trains
+    critic.save_checkpoint(tmp_path / "critic")
+    saved = load_file(tmp_path / "critic" / "model" / "adapter_model.safetensors")
+    assert len(saved) == len(trained) and all(".lora_" in k or "score" in k for k in saved)

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 from omegaconf import OmegaConf
+from safetensors.torch import load_file
 
 from rlhf import weight_sync
 from rlhf.config import ConfigError, compose_config, validate
@@ -167,3 +168,33 @@ def test_resuming_across_lora_and_full_fine_tuning_is_refused(first, then, messa
     train(compose_config([*first, *SHORT, "checkpoint.every=2"]), out)
     with pytest.raises(ConfigError, match=message):
         train(compose_config([*then, *SHORT, "checkpoint.every=2", "resume=auto"]), out)
+
+
+def test_a_lora_critic_trains_adapters_and_its_head_and_resumes_exactly(tmp_path):
+    """PPO with LoRA on the policy and the critic: only adapters (and the critic's value head) train; a run resumed from
+    its step-2 checkpoint repeats steps 3-4 of the uninterrupted run exactly."""
+    run = ["algorithm=ppo", "policy.lora.rank=4", "critic.lora.rank=4", "train.num_steps=4", "eval.every=0",
+           "logging.tensorboard=false", "checkpoint.save_final_model=false", "checkpoint.every=2", "checkpoint.keep_last=0"]
+    train(compose_config(run), tmp_path / "a")
+    step_2 = sorted((tmp_path / "a" / "checkpoints").glob("step_*"))[0]
+    critic_files = load_file(step_2 / "critic" / "model" / "adapter_model.safetensors")
+    assert critic_files and all(".lora_" in k or ".score." in k for k in critic_files)
+    assert any(".score." in k for k in critic_files)  # the value head is trained, so saved
+    train(compose_config([*run, f"resume={step_2}"]), tmp_path / "b")
+    a, b = (records(tmp_path / name) for name in ("a", "b"))
+    for step in (3, 4):
+        for key in ("loss/value_avg", "critic/grad_norm", "loss/policy_avg", "objective/scores"):
+            assert a[step][key] == b[step][key], (step, key)
+
+
+def test_a_lora_critic_under_a_sharded_strategy_is_refused():
+    with pytest.raises(ConfigError, match=r"critic\.lora with critic\.strategy\.name=fsdp2: a LoRA critic trains under single or ddp"):
+        validate(compose_config(["algorithm=ppo", "critic.lora.rank=4", "critic.strategy.name=fsdp2"]))
+    with pytest.raises(ConfigError, match=r"critic\.lora\.rank=0"):
+        validate(compose_config(["algorithm=ppo", "critic.lora.rank=0"]))
+
+
+def records(run_dir) -> dict[int, dict]:
+    """metrics.jsonl rows with training metrics, by step."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row for row in rows if "loss/value_avg" in row}

@@ -162,6 +162,7 @@ class CriticConfig:
     lr: Optional[float] = None  # critic learning rate; null = train.lr
     gradient_checkpointing: bool = False  # trade compute for activation memory
     strategy: StrategyConfig = field(default_factory=StrategyConfig)  # how training is spread over the critic's devices
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters on the critic's backbone (its value head trains whole); strategy single or ddp
 
 
 @dataclass

@@ -186,6 +186,12 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     _require(algo.beta >= 0, f"algorithm.beta={algo.beta} must be >= 0")
     check_self_checks(cfg.checks)
     check_lora_values(cfg.policy.lora)
+    check_lora_values(cfg.critic.lora, "critic.lora")
+    _require(
+        cfg.critic.lora.rank is None or cfg.critic.strategy.name in ("auto", "single", "ddp"),
+        f"critic.lora with critic.strategy.name={cfg.critic.strategy.name}: a LoRA critic trains under single or ddp "
+        f"for now; set critic.strategy.name=ddp, or critic.lora.rank=null",
+    )
     check_token_budget(cfg, algorithm.pairwise)
     _require(
         not algorithm.pairwise or algo.beta > 0,

@@ -13,7 +13,8 @@ import torch
 from rlhf.models.dtypes import DTYPES
 from rlhf.micro_batches import Budget, window_outputs
 from rlhf.models.trainable import TrainableModel
-from rlhf.models.value import ValueModule, load_value_model, window_values
+from rlhf.models import lora
+from rlhf.models.value import ValueModule, load_value_model, score_head, window_values
 from rlhf.registry import register
 from rlhf.trajectory import Forward, Trajectories
 
@@ -25,10 +26,14 @@ class TorchCritic(TrainableModel):
     def __init__(self, cfg, model_cfg, init_path: str, train_cfg, total_optimizer_steps: int, device: torch.device) -> None:
         self.cfg = cfg
         model = load_value_model(init_path, "float32", None, model_cfg.trust_remote_code, device)
+        scorer = model
+        if lora.enabled(cfg.lora):  # adapters on the backbone, the value head trained whole
+            model = lora.add_adapters(model, cfg.lora, head=score_head(model)[0])
+            scorer = model.get_base_model()  # the same modules, adapters inside
         lr = cfg.lr if cfg.lr is not None else train_cfg.lr
         super().__init__(
             model, train_cfg, lr, total_optimizer_steps, cfg.gradient_checkpointing, DTYPES[model_cfg.dtype],
-            cfg.strategy, module=ValueModule(model),
+            cfg.strategy, module=ValueModule(scorer),
         )
 
     def values(self, batch: Trajectories) -> torch.Tensor:

@@ -82,13 +82,14 @@ def unmatched_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
     return [t for t in targets if t != ALL_LINEAR and not any(matches(name, t) for name in names)]
 
 
-def check_targets(lora_cfg, model_cfg, key: str = "policy.lora") -> None:
-    """ConfigError when a target module matches no linear layer of the model; builds the model on the meta device
-    from its config (no weights load)."""
+def check_targets(lora_cfg, model_cfg, key: str = "policy.lora", name_or_path: str | None = None) -> None:
+    """ConfigError when a target module matches no linear layer of the model (``name_or_path``, default
+    `model.name_or_path`); builds the model on the meta device from its config (no weights load)."""
     if not enabled(lora_cfg):
         return
+    name_or_path = name_or_path or model_cfg.name_or_path
     config = AutoConfig.from_pretrained(
-        resolve_model_path(model_cfg.name_or_path), revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code
+        resolve_model_path(name_or_path), revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code
     )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=model_cfg.trust_remote_code)
@@ -96,20 +97,21 @@ def check_targets(lora_cfg, model_cfg, key: str = "policy.lora") -> None:
     if missing:
         suffixes = sorted({name.rsplit(".", 1)[-1] for name in linear_names(model)})
         raise ConfigError(
-            f"{key}.target_modules: {missing} match no linear layer of {model_cfg.name_or_path}; its linear layers end "
+            f"{key}.target_modules: {missing} match no linear layer of {name_or_path}; its linear layers end "
             f"in {suffixes} (or use [{ALL_LINEAR}])"
         )
 
 
-def add_adapters(model: torch.nn.Module, lora_cfg):
+def add_adapters(model: torch.nn.Module, lora_cfg, head: str | None = None):
     """``model`` wrapped as a peft model with fresh adapters (B = 0, so it computes exactly what ``model`` did);
-    only the adapters require gradients."""
+    only the adapters require gradients, and the module named ``head`` (a critic's value head), trained whole."""
     from peft import LoraConfig, get_peft_model
 
     targets = list(lora_cfg.target_modules)
     config = LoraConfig(
         r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
-        target_modules=ALL_LINEAR if targets == [ALL_LINEAR] else targets, bias="none", task_type="CAUSAL_LM",
+        target_modules=ALL_LINEAR if targets == [ALL_LINEAR] else targets, bias="none",
+        task_type="CAUSAL_LM" if head is None else None, modules_to_save=[head] if head else None,
     )
     return get_peft_model(model, config, adapter_name=ADAPTER)
 
@@ -156,8 +158,20 @@ def merged_weights(state: dict[str, torch.Tensor], factor: float, adapted_only: 
 
 
 def adapter_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The adapter tensors of a peft model's state dict (A and B of every adapted layer)."""
-    return {name: tensor for name, tensor in state.items() if ".lora_" in name}
+    """The trained tensors of a peft model's state dict: A and B of every adapted layer (and a critic's head)."""
+    return {name: tensor for name, tensor in state.items() if ".lora_" in name or ".modules_to_save." in name}
+
+
+def load_adapters(model: torch.nn.Module, saved: dict[str, torch.Tensor], path: Path) -> None:
+    """Load a LoRA checkpoint's tensors (as peft saves them) into a peft ``model``: every trained tensor of the model
+    (`adapter_state`) must be there, and nothing else."""
+    from peft import set_peft_model_state_dict
+
+    trained = set(adapter_state(model.state_dict()))
+    result = set_peft_model_state_dict(model, saved, adapter_name=ADAPTER)
+    missing, unexpected = sorted(trained & set(result.missing_keys)), sorted(result.unexpected_keys)
+    if missing or unexpected or not saved:
+        raise ValueError(f"checkpoint {path} does not match the model's LoRA adapters: missing {missing[:3]}, unexpected {unexpected[:3]}")
 
 
 def to_model_names(saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

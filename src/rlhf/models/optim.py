@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from rlhf.models.lora import adapter_state, to_model_names
+from rlhf.models.lora import load_adapters
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
@@ -87,17 +87,6 @@ def load_trainable(path: Path, model: torch.nn.Module, optimizer, scheduler) -> 
     state = torch.load(path / "optim.pt", weights_only=True)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-
-
-def load_adapters(model: torch.nn.Module, saved: dict[str, torch.Tensor], path: Path) -> None:
-    """Load a LoRA checkpoint's adapter tensors (peft's saved names) into a peft ``model``; every adapter tensor of
-    the model must be there, and nothing else."""
-    weights = to_model_names(saved)
-    own = adapter_state(model.state_dict())
-    missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
-    if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not match the model's LoRA adapters: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    model.load_state_dict(weights, strict=False)
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer, to: torch.device | dict) -> dict:

@@ -28,8 +28,8 @@ def score_head(model: torch.nn.Module) -> tuple[str, torch.nn.Linear]:
     """(attribute name, module) of the scalar head."""
     for name in HEAD_NAMES:
         head = getattr(model, name, None)
-        if isinstance(head, torch.nn.Linear):
-            return name, head
+        if isinstance(head, torch.nn.Linear) or isinstance(getattr(head, "original_module", None), torch.nn.Linear):
+            return name, head  # a peft LoRA critic trains its head whole: peft wraps it (modules_to_save)
     raise ValueError(f"{type(model).__name__} has no scalar head named one of {HEAD_NAMES}")
 
 

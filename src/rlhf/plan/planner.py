@@ -118,7 +118,7 @@ def role_memory(cfg, used: list[str], ranks: dict[str, int], work: roles.Workloa
         items["ref"] = roles.frozen_items("ref", found["ref"], "lm", work)
     if "critic" in used:
         items["critic"] = roles.trained_items("critic", found["critic"], "value", cfg.critic.strategy,
-                                              cfg.critic.gradient_checkpointing, ranks["critic"], work)
+                                              cfg.critic.gradient_checkpointing, ranks["critic"], work, cfg.critic.lora)
     if "reward" in used:
         items["reward"] = roles.frozen_items("reward", found["reward"], "value", work)
     return items

@@ -97,7 +97,7 @@ def trained_items(role: str, source: ModelSource, head: str, strategy, gradient_
     shard = sharding(strategy, ranks)
     trainable, merged = lora_parameter_counts(source, lora_cfg) if lora.enabled(lora_cfg) else (params, 0)
     items = memory.trained_state(role, params, shard, work.autocast, trainable)
-    if merged:  # a LoRA push: the adapted layers merged into a new copy, held while the generator loads them
+    if merged and role == "actor":  # a LoRA push: the adapted layers merged into a new copy, held while the generator loads them
         items.append(Item(role, "merged weights", FLOAT32 * merged, phases=(GENERATE,)))
     if work.schedule == "hybrid" and work.hybrid_offload and role == "actor":
         items = [_without(i, GENERATE) if i.what == "optimizer" else i for i in items]
