@@ -104,7 +104,10 @@ def check_model_sources(cfg) -> None:
             check_weight_files(value, key)  # a truncated weights file: named now, not as a loader traceback later
 
 
-def build_components(cfg, sizes: DerivedSizes) -> Components:
+def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
+    """Every component the run needs, models placed and loaded. ``push``: hand the policy's starting weights to the
+    generator (the verified first push); a resumed run leaves that to the checkpoint's weights, loaded after this, so
+    the generator never reloads weights it is about to replace."""
     device = pick_device(cfg.cluster.device) if cfg.cluster.backend == "local" else torch.device("cpu")  # ray: the driver only does the RL math
     check_model_sources(cfg)
     # 1. names: every registry lookup, so an unknown component fails before anything loads
@@ -171,7 +174,8 @@ def build_components(cfg, sizes: DerivedSizes) -> Components:
     policy, generator = models["policy"], verified(models["generator"], cfg.checks.weight_sync)
     if callable(describe := getattr(policy, "describe", None)):
         log.info("%s", describe())
-    generator.update_weights(policy.state_dict())
+    if push:
+        generator.update_weights(policy.state_dict())
     return Components(
         device=device,
         tokenizer=tokenizer,

@@ -15,6 +15,7 @@ from typing import Iterator
 
 from rlhf.checkpoint import fsync_dir, fsync_tree, no_space_error  # the checkpoints' own flushes and messages
 from rlhf.errors import FULL_DISK_ERRNOS, NoSpaceError
+from rlhf.models.dtypes import tensor_bytes
 
 
 def save_hf_folder(path: Path, model, tokenizer, **save_kwargs) -> None:
@@ -34,7 +35,7 @@ def save_hf_folder(path: Path, model, tokenizer, **save_kwargs) -> None:
 def weights_bytes(model, state_dict: dict | None = None) -> int:
     """Bytes of the weights an export writes: ``state_dict``'s tensors when given, else the model's parameters."""
     tensors = state_dict.values() if state_dict is not None else model.parameters()
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return tensor_bytes(tensors)
 
 
 @contextmanager

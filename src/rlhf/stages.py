@@ -20,6 +20,7 @@ from rlhf.functional import masked_mean, masked_sum
 from rlhf.functional.kl import logprob_gap
 from rlhf.generators.base import SamplingParams
 from rlhf.micro_batches import Budget, padded_tokens, place
+from rlhf.models.dtypes import tensor_bytes
 from rlhf.trajectory import Forward, Trajectories
 
 
@@ -200,7 +201,7 @@ def push_weights(c, version: int | None = None) -> dict[str, float]:
     c.generator.update_weights(weights, **({} if version is None else {"version": version}))
     if not isinstance(weights, dict):
         return {}
-    return {"perf/weight_sync_mb": sum(t.numel() * t.element_size() for t in weights.values()) / 2**20}
+    return {"perf/weight_sync_mb": tensor_bytes(weights.values()) / 2**20}
 
 
 def trained_models(c) -> list[tuple[str, object]]:

@@ -72,7 +72,7 @@ def train_locked(cfg: DictConfig, out: Path, sizes, schedule, root: Path):
     log.info("output folder: %s", out)
     log.info("derived sizes: %s", ", ".join(f"{k}={v}" for k, v in sizes.as_dict().items()))
     seed_everything(cfg.seed)
-    components = build_components(cfg, sizes)
+    components = build_components(cfg, sizes, push=resume_from is None)  # resuming: the checkpoint's weights are pushed
     try:
         state = run_schedule(cfg, out, sizes, schedule, components, root, resume_from)
     finally:
@@ -87,7 +87,7 @@ def run_schedule(cfg, out: Path, sizes, schedule, components, root: Path, resume
     state = RunState(guard=NonFiniteGuard(cfg.train.max_skipped_steps_in_row))
     if resume_from is not None:
         state = RunState.from_dict(checkpoint.load(components, resume_from), cfg.train.max_skipped_steps_in_row)
-        components.generator.update_weights(components.policy.state_dict())
+        components.generator.update_weights(components.policy.state_dict())  # the generator's first push
     parity.gate(components, cfg)  # before the first step: the generator samples what the trainer scores
     tracker = Tracker(
         out, cfg.logging.tensorboard, resume_step=state.step if resume_from else None, checkpoint_root=root,

@@ -32,7 +32,7 @@ class NoModelLoaded(Exception):
 
 @pytest.fixture
 def no_models(monkeypatch):
-    def refuse(*_):
+    def refuse(*_, **__):
         raise NoModelLoaded
 
     monkeypatch.setattr("rlhf.train.build_components", refuse)

@@ -49,7 +49,7 @@ def test_a_checkpoint_records_the_resolved_config_its_step_ran_with(trained):
     "change", ["seed=2", "train.prompts_per_step=2", "train.micro_batch_size=8", "algorithm.clip_eps_high=0.3"]
 )
 def test_a_change_that_breaks_exact_resume_is_refused_naming_the_key(run_dir, change, monkeypatch):
-    monkeypatch.setattr("rlhf.train.build_components", lambda *a: pytest.fail("a model loaded before the refusal"))
+    monkeypatch.setattr("rlhf.train.build_components", lambda *a, **k: pytest.fail("a model loaded before the refusal"))
     key, value = change.split("=")
     with pytest.raises(ConfigError, match="checkpoint.allow_config_change=true") as err:
         train(compose_config([*SMALL, "train.num_steps=4", "resume=auto", change]), run_dir)

@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from rlhf import checkpoint
 from rlhf.config import compose_config
+from rlhf.generators.hf import HFGenerator
 from rlhf.models.loading import resolve_model_path
 from rlhf.train import train
 
@@ -54,15 +55,23 @@ def weights(run_dir):
     return load_file(str(run_dir / "final_model" / "model.safetensors"))
 
 
-def test_a_reward_function_raising_at_step_3_saves_step_2_and_the_run_resumes_exactly(tmp_path, rewards_module):
+def test_a_reward_function_raising_at_step_3_saves_step_2_and_the_run_resumes_exactly(tmp_path, rewards_module, monkeypatch):
     run_dir = tmp_path / "run"
     with pytest.raises(ValueError, match="the scoring service is down"):
         train(config("flaky"), run_dir)
     assert [p.name for p in checkpoint.complete_checkpoints(run_dir / "checkpoints")] == ["step_00000002"]
     assert not (run_dir / "final_model").exists()
 
-    state = train(config("steady", "resume=auto"), run_dir)
+    pushes = []
+    load = HFGenerator.update_weights
+    with monkeypatch.context() as patch:
+        patch.setattr(HFGenerator, "update_weights", lambda self, state: (pushes.append({k: v.clone() for k, v in state.items()}), load(self, state))[1])
+        state = train(config("steady", "resume=auto"), run_dir)
     assert state.step == STEPS
+    # the generator loads the checkpoint's weights first, never the starting weights they replace; then one per step
+    assert len(pushes) == 1 + STEPS - 2
+    saved = load_file(str(run_dir / "checkpoints" / "step_00000002" / "policy" / "model" / "model.safetensors"))
+    assert all(torch.equal(pushes[0][name], saved[name]) for name in saved)
 
     reference = train(config("steady"), tmp_path / "reference")
     assert reference.step == STEPS

@@ -85,7 +85,7 @@ def test_an_error_finishes_the_wandb_run_as_failed(offline):
 def test_missing_wandb_is_a_config_error_before_any_model_loads(tmp_path, monkeypatch):
     real = checks.importlib.util.find_spec
     monkeypatch.setattr(checks.importlib.util, "find_spec", lambda name: None if name == "wandb" else real(name))
-    monkeypatch.setattr(rlhf.train, "build_components", lambda *args: pytest.fail("models loaded before the check"))
+    monkeypatch.setattr(rlhf.train, "build_components", lambda *args, **kwargs: pytest.fail("models loaded before the check"))
     message = r"logging.wandb=true needs the wandb package: pip install 'rlhf\[wandb\]'"
     with pytest.raises(ConfigError, match=message):
         train(compose_config(["logging.wandb=true"]), tmp_path)

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from rlhf.models.lora import adapter_state, to_model_names
+from rlhf.models.lora import adapter_state, has_adapters, to_model_names
 from rlhf.models.optim import clip_gradients, load_trainable, make_optimizer, save_trainable, step_if_finite
 
 STRATEGIES = ("auto", "single", "ddp", "fsdp2", "deepspeed")
@@ -136,6 +136,11 @@ class SingleStrategy:
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
+    @property
+    def adapters_only(self) -> bool:
+        """Whether the model trains LoRA adapters on frozen base weights: its checkpoints hold the adapters only."""
+        return has_adapters(self.model)
+
 
 class DDPStrategy(SingleStrategy):
     """torch DistributedDataParallel: a full replica per rank, gradients all-reduced in every backward."""
@@ -189,7 +194,7 @@ class FSDP2Strategy(SingleStrategy):
         weights = {}
         for shard in sorted((path / "model").glob("*.safetensors")):
             weights |= load_file(shard)
-        if hasattr(self.model, "peft_config"):  # LoRA: adapter tensors only, under peft's saved names
+        if self.adapters_only:  # adapter tensors only, under peft's saved names
             weights = to_model_names(weights)
             expected = set(adapter_state(self.model.state_dict()))
             if set(weights) != expected:
@@ -265,15 +270,13 @@ class DeepSpeedStrategy(SingleStrategy):
 
     def save(self, path: Path) -> None:
         """DeepSpeed's own sharded checkpoint (weights, optimiser, schedule); resuming needs the same world size."""
-        frozen = hasattr(self.model, "peft_config")  # LoRA: the frozen base weights stay out of the checkpoint
-        self.engine.save_checkpoint(str(path / "deepspeed"), tag="state", exclude_frozen_parameters=frozen)
+        self.engine.save_checkpoint(str(path / "deepspeed"), tag="state", exclude_frozen_parameters=self.adapters_only)
         weights = self.full_state_dict()
         if self.rank == 0:
             self.model.save_pretrained(path / "model", state_dict=weights, safe_serialization=True)
 
     def load(self, path: Path) -> None:
-        frozen = hasattr(self.model, "peft_config")  # LoRA: the checkpoint has the adapters only (see save)
-        loaded, _ = self.engine.load_checkpoint(str(path / "deepspeed"), tag="state", load_module_strict=not frozen)
+        loaded, _ = self.engine.load_checkpoint(str(path / "deepspeed"), tag="state", load_module_strict=not self.adapters_only)
         if loaded is None:
             raise ValueError(f"{path}: no DeepSpeed checkpoint there (saved by another strategy?)")
 

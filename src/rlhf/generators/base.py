@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from rlhf.models.dtypes import tensor_bytes
 from rlhf.trajectory import Trajectories
 
 SAMPLING_KEYS = ("name", "max_new_tokens", "temperature", "top_p", "stop_token")  # read by every generator
@@ -46,7 +47,7 @@ def restore_parameters(module: torch.nn.Module, shapes: dict[str, torch.Size]) -
 
 def parameter_bytes(module: torch.nn.Module) -> int:
     """Bytes of the parameters a module holds now (0 once released)."""
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+    return tensor_bytes(module.parameters())
 
 
 class Generator(Protocol):

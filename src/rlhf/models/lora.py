@@ -157,6 +157,12 @@ def merged_weights(state: dict[str, torch.Tensor], factor: float, adapted_only: 
     return merged
 
 
+def has_adapters(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a peft model training LoRA adapters on frozen base weights (its checkpoints hold the
+    adapters only)."""
+    return hasattr(model, "peft_config")
+
+
 def adapter_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The trained tensors of a peft model's state dict: A and B of every adapted layer (and a critic's head)."""
     return {name: tensor for name, tensor in state.items() if ".lora_" in name or ".modules_to_save." in name}

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from rlhf.models.lora import load_adapters
+from rlhf.models.lora import has_adapters, load_adapters
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
@@ -77,7 +77,7 @@ def load_trainable(path: Path, model: torch.nn.Module, optimizer, scheduler) -> 
     weights = {}
     for shard in sorted((path / "model").glob("*.safetensors")):
         weights |= load_file(shard, device=str(next(model.parameters()).device))
-    if hasattr(model, "peft_config"):  # LoRA: the checkpoint holds the adapters only
+    if has_adapters(model):  # the checkpoint holds the adapters only
         load_adapters(model, weights, path)
     else:
         missing, unexpected = model.load_state_dict(weights, strict=False)
