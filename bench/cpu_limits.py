@@ -8,10 +8,12 @@ Llama of one of its shapes (default 3m), in one process:
    products (input and weight gradients), FLOP-weighted.
 2. Training. Forward and backward of micro batches shaped like the run's (the token budget filled by rows of a few
    lengths, some left-padded), eager and with every decoder layer under `torch.compile`, alternated. It prints the
-   MFU on those tokens and the share of the eager time spent in matrix products (torch profiler): at that share and
-   rate, the rest is per-operation work (norms, rotary, activations, attention).
+   MFU on the real (unpadded) tokens, and from a profile of a warm eager pass the matrix products' share of the
+   pass's wall time and their rate inside it: the rest is per-operation work (norms, rotary, activations,
+   attention) and the Python between operations.
 3. Decoding. One KV-cached decode step at 1 to 64 rows, eager and with the model under `torch.compile`: a step's
-   fixed cost (1 row) against what each row adds.
+   fixed cost (1 row) against what each row adds, and the seconds the compiled model's first call of each batch
+   size takes (compiling).
 
     python bench/cpu_limits.py                       # 3m, with the compile probes (~3 min on 2 cores)
     python bench/cpu_limits.py --size 30m --no-compile
@@ -47,13 +49,20 @@ def random_llama(size: str):
 
 def timed(fn, repeats: int) -> float:
     """Seconds per call of ``fn`` (after one warm-up call), the median of ``repeats``."""
+    return warm_and_timed(fn, repeats)[1]
+
+
+def warm_and_timed(fn, repeats: int) -> tuple[float, float]:
+    """(seconds of a first, warm-up call of ``fn``, the median seconds of ``repeats`` calls after it)."""
+    start = time.perf_counter()
     fn()
+    warm = time.perf_counter() - start
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return warm, statistics.median(times)
 
 
 def product_rate(shapes: list[tuple[int, int, int]], repeats: int = 20) -> float:
@@ -96,20 +105,22 @@ def train_pass(model, shapes: list[tuple[int, int]]) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def product_share(model, shapes: list[tuple[int, int]]) -> float:
-    """The share of one eager training pass's operator time spent in matrix products (torch profiler)."""
+def product_time(model, shapes: list[tuple[int, int]]) -> tuple[float, float]:
+    """(seconds in matrix products, wall seconds) of one warm eager training pass, under the torch profiler."""
     from torch.profiler import ProfilerActivity, profile
 
+    train_pass(model, shapes)  # warm: the first pass allocates what later ones reuse
     with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
         train_pass(model, shapes)
-    events = prof.key_averages()
-    total = sum(e.self_cpu_time_total for e in events)
-    products = sum(e.self_cpu_time_total for e in events if e.key in ("aten::mm", "aten::addmm", "aten::bmm"))
-    return products / total
+        wall = time.perf_counter() - start
+    products = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm", "aten::bmm"))
+    return products / 1e6, wall
 
 
-def decode_step_time(model, rows: int, repeats: int) -> float:
-    """Seconds of one KV-cached decode step of ``rows`` rows after `CONTEXT` cached tokens."""
+def decode_step_time(model, rows: int, repeats: int) -> tuple[float, float]:
+    """(seconds of the first, seconds of a later KV-cached decode step) of ``rows`` rows after `CONTEXT` cached
+    tokens."""
     from transformers import DynamicCache
 
     with torch.no_grad():
@@ -122,7 +133,7 @@ def decode_step_time(model, rows: int, repeats: int) -> float:
             model(input_ids=token, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True)
             cache.crop(-1)  # back to the same context, so every timed step does the same work
 
-        return timed(step, repeats)
+        return warm_and_timed(step, repeats)
 
 
 def main() -> None:
@@ -130,7 +141,7 @@ def main() -> None:
     parser.add_argument("--size", default="3m", help=f"model shape, of {', '.join(SHAPES)}")
     parser.add_argument("--tokens", type=int, default=512, help="tokens per training micro batch (throughput.py's budget)")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats of each measurement")
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants (each compiles for 30-60 s)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants (compiling takes 10-60 s)")
     args = parser.parse_args()
     model = random_llama(args.size)
     config = model.config
@@ -142,12 +153,15 @@ def main() -> None:
           f"tokens {own / 1e9:.0f} GFLOP/s ({own / peak:.0%} of the peak)", flush=True)
 
     shapes = micro_batches(args.tokens)
-    tokens = sum(rows * width for rows, width in shapes)
-    flops = train_flops(config, tokens, tokens, sum(rows * width**2 for rows, width in shapes))
-    share = product_share(model, shapes)
+    real = sum(rows * width - rows // 2 * 3 for rows, width in shapes)  # the left padding of `train_pass` left out
+    flops = train_flops(config, real, real, sum(rows * width**2 for rows, width in shapes))
+    in_products, wall = product_time(model, shapes)
+    padded = sum(rows * width for rows, width in shapes)
+    product_flops = sum(2 * m * k * n for m, k, n in training_products(config, padded))
     eager = timed(lambda: train_pass(model, shapes), args.repeats)
-    print(f"training, {len(shapes)} micro batches of {args.tokens} tokens: eager {eager:.3f} s, MFU {flops / eager / peak:.0%}; "
-          f"matrix products {share:.0%} of the time", flush=True)
+    print(f"training, {len(shapes)} micro batches of {args.tokens} tokens: eager {eager:.3f} s, MFU {flops / eager / peak:.0%} "
+          f"on real tokens; matrix products {in_products / wall:.0%} of the time, at {product_flops / in_products / 1e9:.0f} "
+          f"GFLOP/s inside the pass", flush=True)
     if compiling:
         compiled = random_llama(args.size)
         for layer in compiled.model.layers:
@@ -160,19 +174,19 @@ def main() -> None:
         print(f"training with each decoder layer compiled: {fused:.3f} s against eager {plain:.3f} s alternated "
               f"({plain / fused:.2f}x; MFU {flops / fused / peak:.0%}); compiling took {warm:.0f} s", flush=True)
 
-    print("\n| rows | decode step, eager (ms) |" + (" compiled (ms) | speed-up |" if compiling else ""))
-    print("|---|---|" + ("---|---|" if compiling else ""))
+    print("\n| rows | decode step, eager (ms) |" + (" compiled (ms) | speed-up | first compiled call (s) |" if compiling else ""))
+    print("|---|---|" + ("---|---|---|" if compiling else ""))
     whole = None
     if compiling:
         whole = random_llama(args.size).eval()
         whole.forward = torch.compile(whole.forward, dynamic=True)
     model.eval()
     for rows in DECODE_ROWS:
-        plain = decode_step_time(model, rows, args.repeats * 10)
+        plain = decode_step_time(model, rows, args.repeats * 10)[1]
         line = f"| {rows} | {plain * 1e3:.2f} |"
         if whole is not None:
-            fused = decode_step_time(whole, rows, args.repeats * 10)
-            line += f" {fused * 1e3:.2f} | {plain / fused:.2f}x |"
+            first, fused = decode_step_time(whole, rows, args.repeats * 10)
+            line += f" {fused * 1e3:.2f} | {plain / fused:.2f}x | {first:.1f} |"
         print(line, flush=True)
 
 

@@ -32,6 +32,7 @@ from rlhf.schedules.common import NonFiniteError, NonFiniteGuard, RunState, Stop
 from rlhf.seeding import seed_everything
 from rlhf.tracking.progress import wants_bar
 from rlhf.tracking.tracker import Tracker
+from rlhf.weight_sync import resumed
 
 log = logging.getLogger("rlhf")
 
@@ -87,6 +88,7 @@ def run_schedule(cfg, out: Path, sizes, schedule, components, root: Path, resume
     state = RunState(guard=NonFiniteGuard(cfg.train.max_skipped_steps_in_row))
     if resume_from is not None:
         state = RunState.from_dict(checkpoint.load(components, resume_from), cfg.train.max_skipped_steps_in_row)
+        resumed(components.generator, state.step)
         components.generator.update_weights(components.policy.state_dict())  # the generator's first push
     parity.gate(components, cfg)  # before the first step: the generator samples what the trainer scores
     tracker = Tracker(

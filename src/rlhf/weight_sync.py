@@ -90,6 +90,7 @@ class VerifiedGenerator:
 
     def __init__(self, inner, mode: str) -> None:
         self.inner, self.mode, self.pushes = inner, mode, 0
+        self.first_step = 0  # the step the run starts after (a resumed run's checkpoint): push k follows step first_step + k
         self.full_size = 0  # tensors in the first push (every weight); a later push of fewer is partial (LoRA layers)
         self._kept: dict[str, torch.Tensor] = {}  # FAULTS["missed"]: the tensor frozen at push 1
 
@@ -106,7 +107,8 @@ class VerifiedGenerator:
 
     def verify(self, push: int, state_dict: dict[str, torch.Tensor]) -> None:
         """WeightSyncError unless the generator holds ``state_dict`` (as its dtype rounds it)."""
-        after = "the initial push (before step 1)" if push == 0 else f"the push after step {push}"
+        step = self.first_step + push
+        after = f"the initial push (before step {step + 1})" if push == 0 else f"the push after step {step}"
         if getattr(self.inner, "asleep", False):
             raise WeightSyncError(
                 f"weight sync check failed at {after}: the generator is still asleep, holding no weights; the push "
@@ -136,6 +138,12 @@ class VerifiedGenerator:
             return state_dict
         self._kept.setdefault(name, state_dict[name].detach().clone())
         return {**state_dict, name: self._kept[name]}
+
+
+def resumed(generator, step: int) -> None:
+    """Tell a verified ``generator`` that the run resumes after ``step``, so its messages name the real steps."""
+    if isinstance(generator, VerifiedGenerator):
+        generator.first_step = step
 
 
 def verified(generator, mode: str):

@@ -19,8 +19,9 @@ def test_cpu_limits_prints_product_rates_training_share_and_decode_steps():
     out = proc.stdout
     peak, own = (float(x) for x in re.search(r"square peak (\d+) GFLOP/s.* tokens (\d+) GFLOP/s", out).groups())
     assert peak > 0 and own > 0
-    seconds, mfu, share = re.search(r"eager ([\d.]+) s, MFU (\d+)%; matrix products (\d+)% of the time", out).groups()
-    assert float(seconds) > 0 and 0 < int(mfu) < 100 and 0 < int(share) < 100
+    found = re.search(r"eager ([\d.]+) s, MFU (\d+)% on real tokens; matrix products (\d+)% of the time, at (\d+) GFLOP/s", out)
+    seconds, mfu, share, rate = found.groups()
+    assert float(seconds) > 0 and 0 < int(mfu) < 100 and 0 < int(share) < 100 and int(rate) > 0
     steps = re.findall(r"^\| (\d+) \| ([\d.]+) \|$", out, re.M)
     assert [int(rows) for rows, _ in steps] == [1, 8, 32, 64], out + proc.stderr
     assert all(float(ms) > 0 for _, ms in steps)

@@ -74,3 +74,14 @@ def test_first_and_off_let_a_later_fault_through(mode, faults, tmp_path):
     faults["missed"] = MISSED
     state = train(compose_config([f"checks.weight_sync={mode}", *SHORT]), tmp_path / "run")
     assert state.step == 3
+
+
+def test_a_resumed_run_names_the_real_step_of_a_failed_push(faults, tmp_path):
+    """Resumed after step 2, the run's first push carries the checkpoint's weights (verified as the initial push);
+    a stale third push is the one after step 4, and the message says so."""
+    run = tmp_path / "run"
+    assert train(compose_config([*SHORT[1:], "train.num_steps=2", "checkpoint.every=2"]), run).step == 2
+    faults["stale_push"] = 2
+    with pytest.raises(WeightSyncError, match=r"push after step 4: the generator holds a different"):
+        train(compose_config([*SHORT[1:], "train.num_steps=5", "checkpoint.every=2", "resume=auto",
+                              "checks.weight_sync=every"]), run)

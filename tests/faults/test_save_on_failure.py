@@ -71,6 +71,7 @@ def test_a_reward_function_raising_at_step_3_saves_step_2_and_the_run_resumes_ex
     # the generator loads the checkpoint's weights first, never the starting weights they replace; then one per step
     assert len(pushes) == 1 + STEPS - 2
     saved = load_file(str(run_dir / "checkpoints" / "step_00000002" / "policy" / "model" / "model.safetensors"))
+    assert saved and set(saved) <= set(pushes[0])
     assert all(torch.equal(pushes[0][name], saved[name]) for name in saved)
 
     reference = train(config("steady"), tmp_path / "reference")
