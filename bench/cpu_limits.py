@@ -33,6 +33,7 @@ from throughput import SHAPES, VOCAB
 WIDTHS = (80, 64, 48, 32)  # row lengths of the micro batches (prompt + response), as a young policy's vary
 DECODE_ROWS = (1, 8, 32, 64)
 CONTEXT = 40  # tokens already in the KV cache when a decode step is timed
+LEFT_PAD = 3  # padding columns on the left of half the rows of a training micro batch
 
 
 def random_llama(size: str):
@@ -54,15 +55,15 @@ def timed(fn, repeats: int) -> float:
 
 def warm_and_timed(fn, repeats: int) -> tuple[float, float]:
     """(seconds of a first, warm-up call of ``fn``, the median seconds of ``repeats`` calls after it)."""
+    warm = once(fn)
+    return warm, statistics.median(once(fn) for _ in range(repeats))
+
+
+def once(fn) -> float:
+    """Seconds of one call of ``fn``."""
     start = time.perf_counter()
     fn()
-    warm = time.perf_counter() - start
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return warm, statistics.median(times)
+    return time.perf_counter() - start
 
 
 def product_rate(shapes: list[tuple[int, int, int]], repeats: int = 20) -> float:
@@ -97,7 +98,7 @@ def train_pass(model, shapes: list[tuple[int, int]]) -> None:
     for rows, width in shapes:
         ids = torch.randint(3, VOCAB, (rows, width))
         mask = torch.ones(rows, width, dtype=torch.long)
-        mask[: rows // 2, :3] = 0  # left padding on half the rows, as prompts of different lengths leave
+        mask[: rows // 2, :LEFT_PAD] = 0  # left padding on half the rows, as prompts of different lengths leave
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
         logp = logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
@@ -153,7 +154,7 @@ def main() -> None:
           f"tokens {own / 1e9:.0f} GFLOP/s ({own / peak:.0%} of the peak)", flush=True)
 
     shapes = micro_batches(args.tokens)
-    real = sum(rows * width - rows // 2 * 3 for rows, width in shapes)  # the left padding of `train_pass` left out
+    real = sum(rows * width - rows // 2 * LEFT_PAD for rows, width in shapes)  # the left padding of `train_pass` left out
     flops = train_flops(config, real, real, sum(rows * width**2 for rows, width in shapes))
     in_products, wall = product_time(model, shapes)
     padded = sum(rows * width for rows, width in shapes)
@@ -166,10 +167,8 @@ def main() -> None:
         compiled = random_llama(args.size)
         for layer in compiled.model.layers:
             layer.compile(dynamic=True)
-        start = time.perf_counter()
-        train_pass(compiled, shapes)
-        warm = time.perf_counter() - start
-        pairs = [(timed(lambda: train_pass(model, shapes), 1), timed(lambda: train_pass(compiled, shapes), 1)) for _ in range(args.repeats)]
+        warm = once(lambda: train_pass(compiled, shapes))
+        pairs = [(once(lambda: train_pass(model, shapes)), once(lambda: train_pass(compiled, shapes))) for _ in range(args.repeats)]
         plain, fused = (statistics.median(p[i] for p in pairs) for i in (0, 1))
         print(f"training with each decoder layer compiled: {fused:.3f} s against eager {plain:.3f} s alternated "
               f"({plain / fused:.2f}x; MFU {flops / fused / peak:.0%}); compiling took {warm:.0f} s", flush=True)
