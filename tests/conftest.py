@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,15 @@ from rlhf.models.tiny import build_char_tokenizer, build_tiny_llama
 from rlhf.trajectory import Trajectories, from_completions
 
 ALPHABET = "0123456789+="
+
+
+
+def pytest_configure(config):
+    """With ``-n N`` (pytest-xdist), N test processes share the machine's cores: each of them, and every process a
+    test starts, gets one intra-op thread (the workers inherit this environment), or torch's thread pools
+    oversubscribe the cores and every test slows many times over."""
+    if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
 
 
 def save_tiny_llama(folder: Path, seed: int, weight_std: float = 0.3, **config_overrides) -> str:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from test_cli import ALGORITHM_METRICS, COMMON_METRICS, run_cli, scalars
@@ -15,6 +16,30 @@ from test_cli import ALGORITHM_METRICS, COMMON_METRICS, run_cli, scalars
 pytestmark = pytest.mark.slow
 
 RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes started, directly or not, by process ``pid`` (its private Ray cluster's workers among them)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+        except OSError:  # the process ended meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        found.extend(kids := children.get(todo.pop(), []))
+        todo.extend(kids)
+    return found
+
+
+def command_line(pid: int) -> bytes:
+    """Process ``pid``'s command line (Ray's workers show their actor class there); empty once it has ended."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 @pytest.mark.parametrize(
@@ -71,10 +96,10 @@ def test_killed_worker_ends_the_run_with_role_rank_and_exit_code_4(tmp_path):
             if "step    5/" in line:
                 break
         assert any("step    5/" in line for line in lines), "".join(lines[-40:])
-        workers = subprocess.run(["pgrep", "-f", "ray::RoleWorker"], capture_output=True, text=True).stdout.split()
+        workers = [pid for pid in descendants(proc.pid) if b"ray::RoleWorker" in command_line(pid)]
         assert workers, "no Ray worker processes found"
-        for pid in workers:  # every role worker of this run
-            os.kill(int(pid), signal.SIGKILL)
+        for pid in workers:  # every role worker of this run (another run's, e.g. a parallel test's, are not its own)
+            os.kill(pid, signal.SIGKILL)
         began = time.monotonic()
         rest, _ = proc.communicate(timeout=120)
         elapsed = time.monotonic() - began
