@@ -8,10 +8,13 @@ real tokens only (`cli_runs.train_flops`) over `time/training`, against the matr
 same process. Step 1 is a warm-up; figures are medians over the rest.
 
 ``--baseline COMMIT`` also runs the same work with another commit's code (checked out into a temporary folder) at
-the ``--compare-budgets`` budgets, alternating the two, and prints the step-time ratios.
+the ``--compare-budgets`` budgets, alternating the two, and prints the step-time ratios. ``--compile both`` runs
+every setting eager and with ``policy.compile=true`` (the policy's decoder blocks under torch.compile), alternated,
+and prints the training-time and MFU ratios.
 
     python bench/throughput.py                                              # the full table (CPU: ~30 min)
     python bench/throughput.py --sizes 3m --budgets 64 --generators hf --baseline a509689 --repeats 2
+    python bench/throughput.py --sizes 3m,30m --budgets 64 --generators hf --compile both --repeats 2 --steps 8
     python bench/throughput.py --device cuda --sizes qwen0.5b --budgets 256 --generators hf   # on a GPU
 """
 
@@ -38,8 +41,11 @@ WORK = [
 TOKEN_BUDGET = 512  # train.max_tokens_per_micro_batch of the measured runs: the fastest on the 2-core CPU (512 to 4096 tried)
 
 
-def overrides(model: Path, budget: int, generator: str, steps: int, device: str, new: bool, tokens: int) -> list[str]:
-    """The run's CLI overrides; ``new``: with the token budget this code adds (the baseline's config lacks it)."""
+def overrides(
+    model: Path, budget: int, generator: str, steps: int, device: str, new: bool, tokens: int, compiled: bool = False
+) -> list[str]:
+    """The run's CLI overrides; ``new``: with the token budget this code adds (the baseline's config lacks it);
+    ``compiled``: with the policy's decoder blocks compiled."""
     run = [f"model.name_or_path={model}", f"generator.max_new_tokens={budget}", f"generator={generator}",
            f"train.num_steps={steps}", f"cluster.device={device}", *WORK]
     if device == "cuda":
@@ -48,6 +54,8 @@ def overrides(model: Path, budget: int, generator: str, steps: int, device: str,
         run.append("generator.gpu_memory_utilization=0.3")
     if new:
         run.append(f"train.max_tokens_per_micro_batch={max(tokens, 16 + budget)}")
+    if compiled:
+        run.append("policy.compile=true")
     return run
 
 
@@ -91,6 +99,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=TOKEN_BUDGET, help="train.max_tokens_per_micro_batch of the runs")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--compare-budgets", default="64", help="budgets at which the baseline runs too")
+    parser.add_argument("--compile", default="off", choices=("off", "on", "both"), help="policy.compile of the runs; both: eager and compiled, alternated")
     parser.add_argument("--baseline", default=None, help="also run this commit's code (or a folder holding its `rlhf` package) on the same work")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -99,7 +108,7 @@ def main() -> None:
     else:
         peak = matmul_peak(device, (8192,), torch.bfloat16)
     print(f"matrix-product peak measured here: {peak / 1e9:.1f} GFLOP/s ({'float32' if device.type == 'cpu' else 'bf16'})")
-    table, ratios = [], []
+    table, ratios, compiled_ratios = [], [], []
     compared = set(map(int, args.compare_budgets.split(",")))
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -117,14 +126,22 @@ def main() -> None:
             config = AutoConfig.from_pretrained(model)
             for budget in map(int, args.budgets.split(",")):
                 for generator in args.generators.split(","):
-                    new, old = [], []
+                    new, old, comp = [], [], []
                     for _ in range(args.repeats):
-                        new += train_records("new", overrides(model, budget, generator, args.steps, args.device, True, args.tokens), runs)
+                        run = lambda compiled: overrides(model, budget, generator, args.steps, args.device, True, args.tokens, compiled)  # noqa: E731
+                        new += train_records("new", run(args.compile == "on"), runs)
+                        if args.compile == "both":
+                            comp += train_records("compiled", run(True), runs)
                         if baseline is not None and budget in compared:
                             old += train_records("old", overrides(model, budget, generator, args.steps, args.device, False, 0), runs, baseline)
                     row = {"size": size, "budget": budget, "generator": generator, **summary(new, config, peak)}
                     table.append(row)
                     print(format_row(row), flush=True)
+                    if comp:
+                        row_c = {"size": size, "budget": budget, "generator": f"{generator}, compiled", **summary(comp, config, peak)}
+                        table.append(row_c)
+                        print(format_row(row_c), flush=True)
+                        compiled_ratios.append((row, row_c))
                     if old:
                         old_step = statistics.median(r["time/step"] for r in old)
                         old_train = statistics.median(r["time/logprobs"] + r["time/training"] for r in old)
@@ -134,6 +151,14 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in table:
         print(format_row(row))
+    if compiled_ratios:
+        print()
+        print("| model | budget | generator | training eager | compiled | speed-up | MFU eager | compiled | s/step eager | compiled | speed-up |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for e, c in compiled_ratios:
+            print(f"| {e['size']} | {e['budget']} | {e['generator']} | {e['training']:.3f} | {c['training']:.3f} | "
+                  f"{e['training'] / c['training']:.2f}x | {e['mfu']:.0%} | {c['mfu']:.0%} | {e['step']:.3f} | {c['step']:.3f} | "
+                  f"{e['step'] / c['step']:.2f}x |")
     if ratios:
         print()
         print(f"| model | budget | generator | s/step {args.baseline} | s/step now | speed-up | logprobs+training {args.baseline} | now | speed-up |")

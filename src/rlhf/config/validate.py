@@ -192,6 +192,11 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         f"critic.lora with critic.strategy.name={cfg.critic.strategy.name}: a LoRA critic trains under single or ddp "
         f"for now; set critic.strategy.name=ddp, or critic.lora.rank=null",
     )
+    _require(
+        not cfg.policy.compile or cfg.policy.strategy.name in ("auto", "single", "ddp"),
+        f"policy.compile with policy.strategy.name={cfg.policy.strategy.name}: compiled decoder blocks train under "
+        f"single or ddp for now; set policy.strategy.name=ddp, or policy.compile=false",
+    )
     check_token_budget(cfg, algorithm.pairwise)
     _require(
         not algorithm.pairwise or algo.beta > 0,

@@ -84,8 +84,15 @@ def reserve(specs: list[PlacementSpec], cluster) -> list:
 
 
 def spawn(role: str, spec: PlacementSpec, pg, cfg, total_optimizer_steps: int) -> tuple[ActorGroup, dict]:
-    """One `RoleWorker` per rank of ``role`` in ``pg`` (bundle i = rank i); returns the group and its pending
-    set-up calls ({rank: ObjectRef}), so every role loads its model at the same time."""
+    """One `RoleWorker` per rank of ``role`` in ``pg`` (bundle i = rank i), set up; returns the group and its pending
+    set-up calls ({rank: ObjectRef})."""
+    group = create(role, spec, pg, cfg, total_optimizer_steps)
+    return group, set_up(group, cfg.cluster)
+
+
+def create(role: str, spec: PlacementSpec, pg, cfg, total_optimizer_steps: int) -> ActorGroup:
+    """Start one `RoleWorker` process per rank of ``role`` in ``pg`` (bundle i = rank i), without waiting for them:
+    every role's processes start (import, connect) at the same time."""
     ray = import_ray()
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -100,9 +107,14 @@ def spawn(role: str, spec: PlacementSpec, pg, cfg, total_optimizer_steps: int) -
         ).remote(role, rank, spec.ranks, cfg, total_optimizer_steps)
         for rank in range(spec.ranks)
     ]
-    group = ActorGroup(role, actors, cluster.timeout_s, cluster.heartbeat_timeout_s)
-    first = group.wait({0: actors[0].ping.remote()}, "start-up", cluster.setup_timeout_s)[0]
-    return group, {rank: actor.setup.remote(first["ip"], first["port"]) for rank, actor in enumerate(actors)}
+    return ActorGroup(role, actors, cluster.timeout_s, cluster.heartbeat_timeout_s)
+
+
+def set_up(group: ActorGroup, cluster) -> dict:
+    """Wait for rank 0 of ``group`` to start (its address is the group's rendezvous), then ask every rank to join the
+    process group and load its model; returns the pending set-up calls ({rank: ObjectRef})."""
+    first = group.wait({0: group.actors[0].ping.remote()}, "start-up", cluster.setup_timeout_s)[0]
+    return {rank: actor.setup.remote(first["ip"], first["port"]) for rank, actor in enumerate(group.actors)}
 
 
 def start(cfg, algorithm, total_optimizer_steps: int, pad_id: int):
@@ -112,11 +124,11 @@ def start(cfg, algorithm, total_optimizer_steps: int, pad_id: int):
     run = RayRun(started_ray=connect(cfg.cluster))
     try:
         run.placement_groups = reserve(specs, cfg.cluster)
-        pending = {}
         for spec, pg in zip(specs, run.placement_groups):
             log.info("placement group %s", spec.describe())
             for role in spec.roles:
-                run.groups[role], pending[role] = spawn(role, spec, pg, cfg, total_optimizer_steps)
+                run.groups[role] = create(role, spec, pg, cfg, total_optimizer_steps)
+        pending = {role: set_up(group, cfg.cluster) for role, group in run.groups.items()}
         for role, refs in pending.items():
             run.groups[role].wait(refs, "setup (process group and model load)", cfg.cluster.setup_timeout_s)
     except BaseException:

@@ -19,7 +19,7 @@ from rlhf.models.loading import load_causal_lm
 from rlhf.micro_batches import Budget, window_outputs
 from rlhf.models.logprobs import window_logprobs
 from rlhf.models.optim import clip_and_step, lr_lambda, make_optimizer  # noqa: F401 (re-exported)
-from rlhf.models.trainable import TrainableModel
+from rlhf.models.trainable import TrainableModel, compile_blocks
 from rlhf.registry import register
 from rlhf.trajectory import Forward, Trajectories
 
@@ -34,6 +34,7 @@ class TorchPolicy(TrainableModel):
         self.lora = cfg.lora if lora.enabled(cfg.lora) else None
         if self.lora is not None:
             model = lora.add_adapters(model, self.lora)
+        self.compiled_blocks = compile_blocks(model) if cfg.compile else 0
         super().__init__(
             model, train_cfg, train_cfg.lr, total_optimizer_steps, cfg.gradient_checkpointing, DTYPES[model_cfg.dtype],
             cfg.strategy,
@@ -52,6 +53,7 @@ class TorchPolicy(TrainableModel):
             f"({100.0 * counts['trainable'] / max(1, counts['total']):.2f}%), AdamW state "
             f"{counts['optimizer_state_bytes'] / 2**20:.2f} MiB" + (" on this rank" if self.strategy.world_size > 1 else "")
             + f"; weight sync per step: {sync}"
+            + (f"; {self.compiled_blocks} decoder blocks compiled (policy.compile)" if self.compiled_blocks else "")
         )
 
     def logprobs(self, batch: Trajectories, temperature: float, with_entropy: bool = False, entropy_grad: bool = True):
