@@ -18,13 +18,12 @@ from rlhf.trajectory import Trajectories, from_completions
 ALPHABET = "0123456789+="
 
 
-
 def pytest_configure(config):
     """With ``-n N`` (pytest-xdist), N test processes share the machine's cores: each of them, and every process a
     test starts, gets one intra-op thread (the workers inherit this environment), or torch's thread pools
-    oversubscribe the cores and every test slows many times over."""
+    oversubscribe the cores and every test slows many times over. A thread count the caller set stays."""
     if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
-        os.environ["OMP_NUM_THREADS"] = "1"
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def save_tiny_llama(folder: Path, seed: int, weight_std: float = 0.3, **config_overrides) -> str:

@@ -25,12 +25,19 @@ def accumulate(policy: TorchPolicy, parts) -> list[torch.Tensor]:
     return out
 
 
-def test_compiled_blocks_give_the_eager_logprobs_gradients_and_step(policy_cfg, model_cfg, train_cfg, rollout):
+@pytest.mark.parametrize(
+    "extra", [{}, {"gradient_checkpointing": True}], ids=["full", "checkpointing"]
+)
+def test_compiled_blocks_give_the_eager_logprobs_gradients_and_step(policy_cfg, model_cfg, train_cfg, rollout, extra):
     """Micro batches of three shapes (3 padded rows, 2 rows, 1 row, trimmed) through the eager and the compiled
-    policy: the same logprobs, gradients and weights after the step (1e-5), under the same weight names."""
+    policy (float32; also with gradient checkpointing, whose backward reruns the compiled block):
+    the same logprobs, gradients and weights after the step (1e-5), under the same weight names; a second round of
+    other shapes reuses the graphs."""
     # a large epsilon keeps AdamW's first step Lipschitz in the gradient (with 1e-8 a near-zero gradient steps by
     # about lr times its sign, so float noise could decide the direction)
     train = train_cfg(lr=1e-2, adam_eps=1e-3)
+    torch._dynamo.reset()  # a graph an earlier test compiled would be reused: this test compiles its own
+    policy_cfg = OmegaConf.merge(policy_cfg, extra)
     eager = TorchPolicy(policy_cfg, model_cfg, train, total_optimizer_steps=10, device=CPU)
     graphs = counters["stats"]["unique_graphs"]
     compiled = TorchPolicy(OmegaConf.merge(policy_cfg, {"compile": True}), model_cfg, train, total_optimizer_steps=10, device=CPU)
@@ -39,9 +46,15 @@ def test_compiled_blocks_give_the_eager_logprobs_gradients_and_step(policy_cfg, 
     for want, got in zip(accumulate(eager, parts), accumulate(compiled, parts)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert counters["stats"]["unique_graphs"] > graphs, "nothing was compiled"
+    compiled.zero_grad(), eager.zero_grad()
+    again = [rollout.select_units(torch.tensor([0, 2])).trimmed(), rollout.select_units(torch.tensor([2, 1])).trimmed()]
+    with torch._dynamo.config.patch(error_on_recompile=True):  # other rows and lengths: no new graph
+        for want, got in zip(accumulate(eager, again + parts), accumulate(compiled, again + parts)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for (name, a), (other, b) in zip(eager.model.named_parameters(), compiled.model.named_parameters()):
         assert name == other
-        torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-5)
+        if a.requires_grad:
+            torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-5)
     eager.optimizer_step(), compiled.optimizer_step()
     assert eager.model.state_dict().keys() == compiled.model.state_dict().keys()
     for name, tensor in eager.model.state_dict().items():
@@ -49,12 +62,14 @@ def test_compiled_blocks_give_the_eager_logprobs_gradients_and_step(policy_cfg, 
     with torch.no_grad():  # the pre-update pass (no gradients) compiles its own graph and agrees too
         want, _ = eager.rollout_logprobs(rollout, 1.0, chunk=2)
         got, _ = compiled.rollout_logprobs(rollout, 1.0, chunk=2)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_compile_under_a_sharded_strategy_is_refused_before_any_model_loads():
+def test_compile_under_a_sharded_strategy_or_with_lora_is_refused_before_any_model_loads():
     with pytest.raises(ConfigError, match=r"policy\.compile with policy\.strategy\.name=fsdp2: .*policy\.compile=false"):
         validate(compose_config(["policy.compile=true", "policy.strategy.name=fsdp2"]))
     with pytest.raises(ConfigError, match=r"policy\.compile with policy\.strategy\.name=deepspeed"):
         validate(compose_config(["policy.compile=true", "policy.strategy.name=deepspeed"]))
+    with pytest.raises(ConfigError, match=r"policy\.compile with policy\.lora: .*policy\.lora\.rank=null"):
+        validate(compose_config(["policy.compile=true", "policy.lora.rank=8"]))
     validate(compose_config(["policy.compile=true"]))  # single (auto on one process) is fine

@@ -197,6 +197,11 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         f"policy.compile with policy.strategy.name={cfg.policy.strategy.name}: compiled decoder blocks train under "
         f"single or ddp for now; set policy.strategy.name=ddp, or policy.compile=false",
     )
+    _require(
+        not cfg.policy.compile or cfg.policy.lora.rank is None,
+        "policy.compile with policy.lora: torch.compile gives peft's adapters wrong gradients here (measured: the "
+        "forward agrees, the adapters' gradients do not); set policy.compile=false, or policy.lora.rank=null",
+    )
     check_token_budget(cfg, algorithm.pairwise)
     _require(
         not algorithm.pairwise or algo.beta > 0,

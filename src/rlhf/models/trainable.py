@@ -113,8 +113,8 @@ class TrainableModel:
 
 def compile_blocks(model: torch.nn.Module, key: str = "policy.compile") -> int:
     """`torch.compile` each decoder block of ``model`` in place (`nn.Module.compile`: weight names, checkpoints and
-    weight pushes unchanged), with dynamic shapes, so micro batches of any row count and length share one graph
-    per grad mode. Fuses the per-token work between the matrix products (norms, rotary, activations), most of a
+    weight pushes unchanged), with dynamic shapes, so micro batches of new row counts and lengths reuse the graphs
+    (each grad mode, a single row and a micro batch without padding compile their own, once). Fuses the per-token work between the matrix products (norms, rotary, activations), most of a
     small model's step. Returns the number of blocks compiled."""
     blocks = shard_units(model)
     if not blocks:
