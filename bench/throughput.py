@@ -127,8 +127,8 @@ def main() -> None:
             for budget in map(int, args.budgets.split(",")):
                 for generator in args.generators.split(","):
                     new, old, comp = [], [], []
+                    run = lambda compiled: overrides(model, budget, generator, args.steps, args.device, True, args.tokens, compiled)  # noqa: E731
                     for _ in range(args.repeats):
-                        run = lambda compiled: overrides(model, budget, generator, args.steps, args.device, True, args.tokens, compiled)  # noqa: E731
                         new += train_records("new", run(args.compile == "on"), runs)
                         if args.compile == "both":
                             comp += train_records("compiled", run(True), runs)

@@ -25,9 +25,7 @@ def accumulate(policy: TorchPolicy, parts) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize(
-    "extra", [{}, {"gradient_checkpointing": True}], ids=["full", "checkpointing"]
-)
+@pytest.mark.parametrize("extra", [{}, {"gradient_checkpointing": True}], ids=["full", "checkpointing"])
 def test_compiled_blocks_give_the_eager_logprobs_gradients_and_step(policy_cfg, model_cfg, train_cfg, rollout, extra):
     """Micro batches of three shapes (3 padded rows, 2 rows, 1 row, trimmed) through the eager and the compiled
     policy (float32; also with gradient checkpointing, whose backward reruns the compiled block):

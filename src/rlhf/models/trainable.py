@@ -111,16 +111,17 @@ class TrainableModel:
         return self.strategy.lr
 
 
-def compile_blocks(model: torch.nn.Module, key: str = "policy.compile") -> int:
-    """`torch.compile` each decoder block of ``model`` in place (`nn.Module.compile`: weight names, checkpoints and
-    weight pushes unchanged), with dynamic shapes, so micro batches of new row counts and lengths reuse the graphs
-    (each grad mode, a single row and a micro batch without padding compile their own, once). Fuses the per-token work between the matrix products (norms, rotary, activations), most of a
-    small model's step. Returns the number of blocks compiled."""
+def compile_blocks(model: torch.nn.Module) -> int:
+    """`torch.compile` each decoder block of ``model`` (`policy.compile`) in place (`nn.Module.compile`: weight names,
+    checkpoints and weight pushes unchanged), with dynamic shapes, so micro batches of new row counts and lengths
+    reuse the graphs (each grad mode, a single row and a micro batch without padding compile their own, once).
+    Fuses the per-token work between the matrix products (norms, rotary, activations), most of a small model's
+    step. Returns the number of blocks compiled."""
     blocks = shard_units(model)
     if not blocks:
         raise ConfigError(
-            f"{key}: {type(model).__name__} names no repeated decoder blocks (`_no_split_modules`) to compile; "
-            f"set {key}=false"
+            f"policy.compile: {type(model).__name__} names no repeated decoder blocks (`_no_split_modules`) to "
+            "compile; set policy.compile=false"
         )
     for block in blocks:
         block.compile(dynamic=True)
