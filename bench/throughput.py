@@ -9,7 +9,8 @@ same process. Step 1 is a warm-up; figures are medians over the rest.
 
 ``--baseline COMMIT`` also runs the same work with another commit's code (checked out into a temporary folder) at
 the ``--compare-budgets`` budgets, alternating the two, and prints the step-time ratios. ``--compile both`` runs
-every setting eager and with ``policy.compile=true`` (the policy's decoder blocks under torch.compile), alternated,
+every setting eager and with ``policy.compile=true`` (the policy's decoder blocks under torch.compile; with the hf
+generator also ``generator.compile=true``, its decode steps), alternated,
 and prints the training-time and MFU ratios.
 
     python bench/throughput.py                                              # the full table (CPU: ~30 min)
@@ -45,7 +46,7 @@ def overrides(
     model: Path, budget: int, generator: str, steps: int, device: str, new: bool, tokens: int, compiled: bool = False
 ) -> list[str]:
     """The run's CLI overrides; ``new``: with the token budget this code adds (the baseline's config lacks it);
-    ``compiled``: with the policy's decoder blocks compiled."""
+    ``compiled``: with the policy's decoder blocks compiled, and the hf generator's decode steps."""
     run = [f"model.name_or_path={model}", f"generator.max_new_tokens={budget}", f"generator={generator}",
            f"train.num_steps={steps}", f"cluster.device={device}", *WORK]
     if device == "cuda":
@@ -56,6 +57,8 @@ def overrides(
         run.append(f"train.max_tokens_per_micro_batch={max(tokens, 16 + budget)}")
     if compiled:
         run.append("policy.compile=true")
+        if generator == "hf":
+            run.append("generator.compile=true")
     return run
 
 
@@ -99,7 +102,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=TOKEN_BUDGET, help="train.max_tokens_per_micro_batch of the runs")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--compare-budgets", default="64", help="budgets at which the baseline runs too")
-    parser.add_argument("--compile", default="off", choices=("off", "on", "both"), help="policy.compile of the runs; both: eager and compiled, alternated")
+    parser.add_argument("--compile", default="off", choices=("off", "on", "both"), help="policy.compile (and generator.compile with hf) of the runs; both: eager and compiled, alternated")
     parser.add_argument("--baseline", default=None, help="also run this commit's code (or a folder holding its `rlhf` package) on the same work")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -145,7 +148,8 @@ def main() -> None:
                     if old:
                         old_step = statistics.median(r["time/step"] for r in old)
                         old_train = statistics.median(r["time/logprobs"] + r["time/training"] for r in old)
-                        ratios.append((size, budget, generator, old_step, row["step"], old_train, row["logprobs"] + row["training"]))
+                        for now in (row, row_c) if comp else (row,):
+                            ratios.append((size, budget, now["generator"], old_step, now["step"], old_train, now["logprobs"] + now["training"]))
     print()
     print("| model | budget | generator | s/step | generation | logprobs | training | weight sync | tokens/s | response len | padding | training MFU |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -153,11 +157,13 @@ def main() -> None:
         print(format_row(row))
     if compiled_ratios:
         print()
-        print("| model | budget | generator | training eager | compiled | speed-up | MFU eager | compiled | s/step eager | compiled | speed-up |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print("| model | budget | generator | training eager | compiled | speed-up | MFU eager | compiled "
+              "| generation eager | compiled | speed-up | s/step eager | compiled | speed-up |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for e, c in compiled_ratios:
             print(f"| {e['size']} | {e['budget']} | {e['generator']} | {e['training']:.3f} | {c['training']:.3f} | "
-                  f"{e['training'] / c['training']:.2f}x | {e['mfu']:.0%} | {c['mfu']:.0%} | {e['step']:.3f} | {c['step']:.3f} | "
+                  f"{e['training'] / c['training']:.2f}x | {e['mfu']:.0%} | {c['mfu']:.0%} | {e['generation']:.3f} | "
+                  f"{c['generation']:.3f} | {e['generation'] / c['generation']:.2f}x | {e['step']:.3f} | {c['step']:.3f} | "
                   f"{e['step'] / c['step']:.2f}x |")
     if ratios:
         print()

@@ -89,12 +89,13 @@ class AlgorithmConfig:
 
 @dataclass
 class GeneratorConfig:
-    name: str = "hf"  # generator backend: hf (transformers generate) or an import path
+    name: str = "hf"  # generator backend: hf (a transformers model, our KV-cached decode), vllm, or an import path
     max_new_tokens: int = 8  # response length limit; responses that hit it without a stop token are non-stop
     temperature: float = 1.0  # sampling temperature (also used by the trainer's logprobs)
     top_p: float = 1.0  # nucleus sampling mass
     stop_token: str = "eos"  # `eos` for the tokenizer's EOS, or a literal token that ends a response
     batch_size: int = 512  # hf: sequences decoded together, to bound memory (more: calls of prompts of similar length)
+    compile: bool = False  # hf: torch.compile the one-token decode steps (dynamic shapes; the prompt pass stays eager); the first calls pay the compile
     num_engines: int = 1  # vllm: engines; 1 on the local backend, the generator role's ranks on ray
     tensor_parallel_size: int = 1  # vllm: devices each engine shards the model over (local backend only, for now)
     gpu_memory_utilization: float = 0.5  # vllm on GPU: share of the device's memory the engine may fill (weights + KV cache)

@@ -50,11 +50,28 @@ def next_tokens(
     return token, torch.log_softmax(scaled, dim=-1).gather(-1, token[:, None]).squeeze(-1)
 
 
+def contiguous_cache(cache: DynamicCache) -> None:
+    """Make each layer's cached keys and values contiguous, in place (a compiled step would otherwise compile again
+    for the first step's strides)."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None:
+            layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
+
+
 @torch.no_grad()
 def decode(
-    model, query_ids: torch.Tensor, query_mask: torch.Tensor, sampling: SamplingParams, stop_id: int, pad_id: int
+    model,
+    query_ids: torch.Tensor,
+    query_mask: torch.Tensor,
+    sampling: SamplingParams,
+    stop_id: int,
+    pad_id: int,
+    step_model=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample up to ``sampling.max_new_tokens`` tokens after each left-padded prompt.
+
+    ``model`` reads the prompts; ``step_model`` (default ``model``), the same weights, runs the one-token steps after
+    it: `generator.compile` passes a `torch.compile`d one there, where a step's fixed cost is most of its time.
 
     Returns (tokens (B, W), logprobs (B, W)), W the longest response: a row's tokens up to and including its stop
     token, then ``pad_id`` (logprob 0). Shapes: query_ids, query_mask (B, Lq).
@@ -69,6 +86,10 @@ def decode(
     out = model(
         input_ids=query_ids, attention_mask=query_mask, position_ids=positions, past_key_values=cache, use_cache=True, **keep
     )
+    if step_model is None:
+        step_model = model
+    else:  # the steps' graph expects contiguous cache tensors (the prompt pass leaves strided views)
+        contiguous_cache(cache)
     live = torch.arange(rows, device=device)  # batch rows still generating, in the order the cache holds them
     mask, last = query_mask, positions[:, -1]
     width = 0
@@ -85,7 +106,7 @@ def decode(
             live, mask, last, token = live[kept], mask[kept], last[kept], token[kept]
         mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
         last = last + 1
-        out = model(
+        out = step_model(
             input_ids=token[:, None], attention_mask=mask, position_ids=last[:, None], past_key_values=cache, use_cache=True
         )
     return tokens[:, :width], logprobs[:, :width]

@@ -55,7 +55,7 @@ def truncate_at_stop(tokens: torch.Tensor, stop_id: int, pad_id: int) -> tuple[t
 class HFGenerator:
     """Samples with its own copy of the policy weights, refreshed by `update_weights` after each step."""
 
-    config_keys = ("batch_size",)
+    config_keys = ("batch_size", "compile")
 
     def __init__(self, cfg, model_cfg, tokenizer, device: torch.device) -> None:
         self.cfg = cfg
@@ -65,6 +65,10 @@ class HFGenerator:
             model_cfg.name_or_path, model_cfg.dtype, model_cfg.revision, model_cfg.trust_remote_code, device
         ).eval()
         self.model.requires_grad_(False)
+        # `generator.compile`: the one-token decode steps through torch.compile (the prompt pass stays eager). The
+        # same module and weights, so pushes and sleep/wake reach it; dynamic shapes, so rows leaving the batch and
+        # the cache growing reuse one graph
+        self.step_model = torch.compile(self.model, dynamic=True) if cfg.compile else None
         self.stop_id = stop_token_id(tokenizer, cfg.stop_token)
         self.pad_id = int(tokenizer.pad_token_id)
 
@@ -131,6 +135,6 @@ class HFGenerator:
         policy being trained)."""
         query_ids, query_mask = left_pad(prompts, self.pad_id)
         query_ids, query_mask = query_ids.to(self.device), query_mask.to(self.device)
-        raw, logprobs = decode(self.model, query_ids, query_mask, sampling, self.stop_id, self.pad_id)
+        raw, logprobs = decode(self.model, query_ids, query_mask, sampling, self.stop_id, self.pad_id, self.step_model)
         response_ids, response_mask, stopped = truncate_at_stop(raw, self.stop_id, self.pad_id)
         return from_completions(query_ids, query_mask, response_ids, response_mask, logprobs * response_mask, stopped)
