@@ -32,6 +32,7 @@ from rlhf.models.lora import AdaptersOff, check_not_adapter, check_targets
 from rlhf.models.loading import (
     check_model_tokenizer, check_vocab_match, check_weight_files, load_tokenizer, looks_local, pick_device, resolve_model_path,
 )
+from rlhf.models.trainable import check_compilable
 from rlhf.parity import GapWatch
 from rlhf.rewards.combine import RewardSet
 from rlhf.rewards.model import RewardModelScorer
@@ -158,6 +159,7 @@ def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
         )
     check_output_rows(cfg, tokenizer)
     check_targets(cfg.policy.lora, model)
+    check_compilable(cfg.policy, model)
     if algorithm.needs_critic:
         check_targets(cfg.critic.lora, model, "critic.lora", critic_init_path(cfg))
     if runner is None or runner.maker.uses_dataset:  # a prompt plus its response must fit the model's context

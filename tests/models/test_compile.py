@@ -71,3 +71,18 @@ def test_compile_under_a_sharded_strategy_or_with_lora_is_refused_before_any_mod
     with pytest.raises(ConfigError, match=r"policy\.compile with policy\.lora: .*policy\.lora\.rank=null"):
         validate(compose_config(["policy.compile=true", "policy.lora.rank=8"]))
     validate(compose_config(["policy.compile=true"]))  # single (auto on one process) is fine
+
+
+def test_a_model_naming_no_decoder_blocks_is_refused_before_its_weights_load(policy_cfg, model_cfg, monkeypatch):
+    """`check_compilable` (run before any model loads) builds the model on the meta device from its config: a model
+    class without `_no_split_modules` gives the ConfigError naming the key; the tiny Llama passes."""
+    from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
+
+    from rlhf.models.trainable import check_compilable
+
+    compiled = OmegaConf.merge(policy_cfg, {"compile": True})
+    check_compilable(compiled, model_cfg)
+    monkeypatch.setattr(LlamaPreTrainedModel, "_no_split_modules", None)
+    check_compilable(policy_cfg, model_cfg)  # policy.compile=false: nothing to check
+    with pytest.raises(ConfigError, match=r"policy\.compile: LlamaForCausalLM names no repeated decoder blocks .*policy\.compile=false"):
+        check_compilable(compiled, model_cfg)

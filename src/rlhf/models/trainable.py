@@ -5,11 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlhf.config.schema import StrategyConfig
 from rlhf.distributed.strategies import all_ranks_true, build_strategy, shard_units
 from rlhf.errors import ConfigError
 from rlhf.micro_batches import Budget, in_row_order, plan
+from rlhf.models.loading import resolve_model_path
 from rlhf.models.optim import is_share, move_optimizer_state
 from rlhf.trajectory import Forward
 
@@ -111,18 +113,37 @@ class TrainableModel:
         return self.strategy.lr
 
 
-def compile_blocks(model: torch.nn.Module) -> int:
-    """`torch.compile` each decoder block of ``model`` (`policy.compile`) in place (`nn.Module.compile`: weight names,
-    checkpoints and weight pushes unchanged), with dynamic shapes, so micro batches of new row counts and lengths
-    reuse the graphs (each grad mode, a single row and a micro batch without padding compile their own, once).
-    Fuses the per-token work between the matrix products (norms, rotary, activations), most of a small model's
-    step. Returns the number of blocks compiled."""
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks `policy.compile` compiles: HF's `_no_split_modules`, the ones FSDP2 shards. ConfigError when the
+    model names none."""
     blocks = shard_units(model)
     if not blocks:
         raise ConfigError(
             f"policy.compile: {type(model).__name__} names no repeated decoder blocks (`_no_split_modules`) to "
             "compile; set policy.compile=false"
         )
+    return blocks
+
+
+def check_compilable(policy_cfg, model_cfg) -> None:
+    """With `policy.compile`, the `decoder_blocks` ConfigError before any weights load: the model is built on the meta
+    device from its config."""
+    if not policy_cfg.compile:
+        return
+    config = AutoConfig.from_pretrained(
+        resolve_model_path(model_cfg.name_or_path), revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code
+    )
+    with torch.device("meta"):
+        decoder_blocks(AutoModelForCausalLM.from_config(config, trust_remote_code=model_cfg.trust_remote_code))
+
+
+def compile_blocks(model: torch.nn.Module) -> int:
+    """`torch.compile` each decoder block of ``model`` (`policy.compile`) in place (`nn.Module.compile`: weight names,
+    checkpoints and weight pushes unchanged), with dynamic shapes, so micro batches of new row counts and lengths
+    reuse the graphs (each grad mode, a single row and a micro batch without padding compile their own, once).
+    Fuses the per-token work between the matrix products (norms, rotary, activations), most of a small model's
+    step. Returns the number of blocks compiled."""
+    blocks = decoder_blocks(model)
     for block in blocks:
         block.compile(dynamic=True)
     return len(blocks)
