@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rlhf.algorithms import build_algorithm
+from rlhf.functional import entropy_from_logits, logprobs_from_logits
 from rlhf.config.schema import AlgorithmConfig
 from rlhf.micro_batches import Budget, padded_tokens, plan, split_to, window_outputs
 from rlhf.models.policy import TorchPolicy
@@ -70,7 +71,7 @@ def test_a_token_budget_bounds_every_micro_batch_with_its_padding():
         parts = plan(batch, Budget(rows=8, tokens=tokens))
         for units in parts:
             micro = batch.select_units(units).trimmed()
-            assert micro.input_ids.numel() <= tokens or len(units) == 1
+            assert micro.justified_inputs()[0].numel() <= tokens or len(units) == 1
         assert sorted(torch.cat(parts).tolist()) == list(range(8))
     assert len(plan(batch, Budget(rows=8, tokens=200))) == 1
     assert len(plan(batch, Budget(rows=8, tokens=15))) > len(plan(batch, Budget(rows=8, tokens=40))) > 1
@@ -105,18 +106,68 @@ def test_sorting_and_trimming_remove_most_padding():
 # --- the same numbers as the padded path --------------------------------------------------------------
 
 
+def padded_forward(model, batch: Trajectories) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs, entropy) of the window tokens from the untouched (B, L) rows, left padding and all: the reference
+    the trimmed, justified micro batches must reproduce."""
+    input_ids, attention_mask, position_ids = batch.model_inputs()
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    window = logits[:, batch.window_start - 1 : -1]
+    return logprobs_from_logits(window, batch.window_ids) * batch.loss_mask, entropy_from_logits(window) * batch.loss_mask
+
+
 def test_trimmed_rows_give_the_full_rows_logprobs(policy, tokenizer):
     model = policy()
     batch = ragged_rows(len(tokenizer))
     full, entropy = model.rollout_logprobs(batch, 1.0, len(batch), with_entropy=True)  # one forward: rows sorted, no trim
-    with torch.no_grad():
-        padded, padded_entropy = model.logprobs(batch, 1.0, with_entropy=True)  # the untouched (B, L) forward
+    padded, padded_entropy = padded_forward(model.model, batch)
     for budget in (Budget(rows=1), Budget(rows=3), Budget(rows=8, tokens=30)):
         logp, ent = model.rollout_logprobs(batch, 1.0, budget, with_entropy=True)
         torch.testing.assert_close(logp, padded, rtol=0, atol=1e-5)
         torch.testing.assert_close(ent, padded_entropy, rtol=0, atol=1e-5)
     torch.testing.assert_close(full, padded, rtol=0, atol=1e-5)
     assert (padded[batch.loss_mask == 0] == 0).all()
+
+
+def test_justified_rows_give_the_padded_rows_logprobs_gradients_and_values(policy, tokenizer, tiny_model_dir):
+    """Rows moved past their left padding: a forward as wide as the longest row, and the logprobs, gradients and
+    critic values of the untouched rows (float32, 1e-5)."""
+    from rlhf.models.logprobs import window_logprobs
+    from rlhf.models.value import ValueModule, load_value_model, token_scores, window_values
+
+    model = policy().model
+    batch = ragged_rows(len(tokenizer))
+    ids, mask, positions, predicts = batch.justified_inputs()
+    assert ids.shape[1] == max(p + r for p, r in zip(PROMPT_LENGTHS, RESPONSE_LENGTHS))
+    pair = batch.select(torch.tensor([0, 1])).trimmed()  # prompts 3 and 6, responses 9 and 1: 12 columns, not 6 + 9
+    assert pair.input_ids.shape[1] == 15 and pair.justified_inputs()[0].shape[1] == 12
+    assert (mask.sum(dim=1) == batch.attention_mask.sum(dim=1)).all() and (mask[:, 0] == 1).all()
+    full_positions = batch.model_inputs()[2]
+    for row in range(len(batch)):  # the same tokens at the same positions
+        real = batch.attention_mask[row].bool()
+        assert ids[row, mask[row].bool()].tolist() == batch.input_ids[row, real].tolist()
+        assert positions[row, mask[row].bool()].tolist() == full_positions[row, real].tolist()
+    weights = torch.rand(batch.loss_mask.shape, generator=torch.Generator().manual_seed(1))
+
+    def grads(logp):
+        (-(logp * weights).sum()).backward()
+        out = {name: p.grad.clone() for name, p in model.named_parameters()}
+        model.zero_grad()
+        return out
+
+    input_ids, attention_mask, position_ids = batch.model_inputs()
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    padded = logprobs_from_logits(logits[:, batch.window_start - 1 : -1], batch.window_ids) * batch.loss_mask
+    padded_grads = grads(padded)
+    justified, _ = window_logprobs(model, batch, 1.0)
+    torch.testing.assert_close(justified, padded, rtol=0, atol=1e-5)
+    for name, grad in grads(justified).items():
+        torch.testing.assert_close(grad, padded_grads[name], rtol=1e-4, atol=1e-5)
+
+    critic = load_value_model(tiny_model_dir).eval()
+    with torch.no_grad():
+        want = token_scores(critic, input_ids, attention_mask, position_ids)[:, batch.window_start - 1 : -1] * batch.loss_mask
+        torch.testing.assert_close(window_values(ValueModule(critic), batch), want, rtol=0, atol=1e-5)
 
 
 def test_window_outputs_restore_row_order():

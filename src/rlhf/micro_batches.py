@@ -2,8 +2,10 @@
 
 Units (rows, or chosen/rejected pairs) are sorted by length, longest first, and cut into micro batches of at most
 ``Budget.rows`` rows and, when ``Budget.tokens`` is set, at most that many tokens counted with their padding (rows x
-the widest row). Each micro batch is then trimmed of the columns that are padding in all of its rows
-(`Trajectories.trimmed`), so rows of similar length share a micro batch and almost no compute goes to padding.
+the longest row). Each micro batch is then trimmed of the columns that are padding in all of its rows
+(`Trajectories.trimmed`), and its forward moves every row past its own left padding
+(`Trajectories.justified_inputs`), so it is as wide as its longest row: rows of similar length share a micro batch,
+whatever their prompts' lengths, and almost no compute goes to padding.
 Every loss is a sum of per-token terms over a global denominator, so how rows are grouped changes no gradient
 beyond float rounding.
 """
@@ -36,16 +38,11 @@ def as_budget(size: int | Budget) -> Budget:
     return size if isinstance(size, Budget) else Budget(rows=int(size))
 
 
-def unit_spans(batch: Trajectories) -> tuple[torch.Tensor, torch.Tensor]:
-    """(context, window) columns each unit needs: real columns before the window (the longest of the unit's rows),
-    and window columns up to its last real token. Shapes: (U,), (U,)."""
-    start = batch.window_start
-    real = batch.attention_mask.bool()
-    context = real[:, :start].sum(dim=1)
-    columns = torch.arange(real.shape[1] - start, device=real.device)
-    window = torch.where(real[:, start:], columns + 1, torch.zeros_like(columns)).amax(dim=1)
-    per_unit = batch.rows_per_unit
-    return context.view(-1, per_unit).amax(dim=1).cpu(), window.view(-1, per_unit).amax(dim=1).cpu()
+def unit_lengths(batch: Trajectories) -> torch.Tensor:
+    """Columns each unit's forward needs: its longest row from the first real token to the last
+    (`Trajectories.justified_inputs` moves every row past its left padding). Shape: (U,)."""
+    first, last = batch.real_spans()
+    return (last + 1 - first).view(-1, batch.rows_per_unit).amax(dim=1).cpu()
 
 
 def plan(batch: Trajectories, size: int | Budget, equal_count: bool = False) -> list[torch.Tensor]:
@@ -57,9 +54,9 @@ def plan(batch: Trajectories, size: int | Budget, equal_count: bool = False) -> 
     Raises ValueError when one unit alone is over ``Budget.tokens``, naming both numbers.
     """
     budget = as_budget(size)
-    context, window = unit_spans(batch)
+    lengths = unit_lengths(batch)
     per_unit = batch.rows_per_unit
-    longest = int((context + window).max()) if len(context) else 0
+    longest = int(lengths.max()) if len(lengths) else 0
     if budget.tokens is not None and longest * per_unit > budget.tokens:
         raise ValueError(
             f"train.max_tokens_per_micro_batch={budget.tokens} is smaller than the longest row of this batch "
@@ -67,22 +64,17 @@ def plan(batch: Trajectories, size: int | Budget, equal_count: bool = False) -> 
             f"{longest * per_unit}, or set it to null to cut micro batches by train.micro_batch_size alone"
         )
     max_units = max(1, budget.rows // per_unit)
-    order = torch.argsort(context + window, descending=True, stable=True).tolist()
+    order = torch.argsort(lengths, descending=True, stable=True).tolist()
     groups: list[list[int]] = []
-    widest_context = widest_window = 0
-    for unit in order:
-        grown_context = max(widest_context, int(context[unit]))
-        grown_window = max(widest_window, int(window[unit]))
+    for unit in order:  # longest first, so a micro batch is as wide as its first unit
         rows = (len(groups[-1]) + 1) * per_unit if groups else 0
         fits = groups and len(groups[-1]) < max_units and (
-            budget.tokens is None or rows * (grown_context + grown_window) <= budget.tokens
+            budget.tokens is None or rows * int(lengths[groups[-1][0]]) <= budget.tokens
         )
         if fits:
             groups[-1].append(unit)
-            widest_context, widest_window = grown_context, grown_window
         else:
             groups.append([unit])
-            widest_context, widest_window = int(context[unit]), int(window[unit])
     if equal_count:
         most, fewest_units = all_ranks_max(len(groups), -len(order))
         groups = merge_to(split_to(groups, min(most, -fewest_units)), min(most, -fewest_units))
@@ -115,8 +107,7 @@ def padded_tokens(batch: Trajectories, size: int | Budget) -> tuple[int, int]:
     """(tokens the forward passes of ``plan`` compute, of which real): the padding a budget leaves."""
     computed = 0
     for units in plan(batch, size):
-        micro = batch.select_units(units).trimmed()
-        computed += micro.input_ids.numel()
+        computed += batch.select_units(units).justified_inputs()[0].numel()
     return computed, int(batch.attention_mask.sum())
 
 

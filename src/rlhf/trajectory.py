@@ -69,6 +69,31 @@ class Trajectories:
         position_ids = (self.attention_mask.cumsum(dim=1) - 1).clamp(min=0)
         return self.input_ids, self.attention_mask, position_ids
 
+    def real_spans(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(first, last) column of each row's real tokens. Shapes: (B,), (B,)."""
+        real = self.attention_mask.bool().int()
+        return real.argmax(dim=1), real.shape[1] - 1 - real.flip(1).argmax(dim=1)
+
+    def justified_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`model_inputs` with each row moved left past its left padding (which goes after the row instead), and the
+        column, in them, of the position whose output predicts each window token.
+
+        Rows of prompts of different lengths then share a forward as wide as the longest row, not the longest prompt
+        plus the longest window. Positions count real tokens as in `model_inputs`, so every real token sees the same
+        tokens at the same positions. Window columns past a row's last real token point at its last column (their
+        outputs are masked). Shapes: (B, L'), (B, L'), (B, L'), (B, T); L' <= L.
+        """
+        first, last = self.real_spans()
+        length, start, width = self.input_ids.shape[1], self.window_start, self.loss_mask.shape[1]
+        wide = int((last + 1 - first).max()) if len(self) else length
+        source = first.unsqueeze(1) + torch.arange(wide, device=first.device)
+        inside = source < length
+        source = source.clamp(max=length - 1)
+        mask = self.attention_mask.gather(1, source) * inside
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        predicts = start - 1 - first.unsqueeze(1) + torch.arange(width, device=first.device)
+        return self.input_ids.gather(1, source), mask, positions, predicts.clamp(min=0, max=wide - 1)
+
     def _map(self, fn) -> "Trajectories":
         """Apply ``fn`` to every tensor (fields and extras)."""
         changes = {f.name: fn(getattr(self, f.name)) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}

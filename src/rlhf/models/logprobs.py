@@ -20,18 +20,30 @@ def keeps_logits(model: torch.nn.Module) -> bool:
 def window_logits(model: torch.nn.Module, batch: Trajectories, temperature: float) -> torch.Tensor:
     """Logits that predict each token of the action window, divided by the sampling temperature. Shape: (B, T, V).
 
-    The whole row runs through the model; the output layer (a vocabulary-sized matmul) runs for the window only
-    when the model allows it, and the float logits are kept for the window only.
+    The whole row runs through the model, moved past its left padding (`Trajectories.justified_inputs`), so rows of
+    prompts of different lengths compute no padding before them; the output layer (a vocabulary-sized matmul) runs
+    for the window's columns only when the model allows it, and the float logits are kept for the window only.
     """
-    input_ids, attention_mask, position_ids = batch.model_inputs()
-    start, width = batch.window_start, batch.loss_mask.shape[1]
-    # the token at position i is predicted by the logits at position i - 1: the window needs positions
-    # start - 1 .. L - 2, i.e. the last width + 1 positions without the very last
-    keep = {"logits_to_keep": width + 1} if keeps_logits(model) else {}
+    input_ids, attention_mask, position_ids, predicts = batch.justified_inputs()
+    # the token at window column t is predicted by the output at column predicts[:, t]: the output layer runs
+    # from the first of those columns (the row with the most left padding) to the end
+    first = int(predicts.min()) if predicts.numel() else 0
+    keep = {"logits_to_keep": input_ids.shape[1] - first} if keeps_logits(model) else {}
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **keep).logits
-    window = logits[:, :-1] if keep else logits[:, start - 1 : start - 1 + width]
+    window = pick_columns(logits, predicts - first if keep else predicts)
     # in the model's dtype at temperature 1 (the log-softmax upcasts), else divided in float32
     return window if temperature == 1.0 else window.float() / temperature
+
+
+def pick_columns(outputs: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """``outputs[b, columns[b, t]]`` for every row b and column t: a slice (no copy) when every row's columns are the
+    same consecutive ones. Shapes: outputs (B, L, ...), columns (B, T) -> (B, T, ...)."""
+    width = columns.shape[1]
+    if width and (columns == columns[:1]).all() and (columns[0] == columns[0, 0] + torch.arange(width, device=columns.device)).all():
+        start = int(columns[0, 0])
+        return outputs[:, start : start + width]
+    index = columns.reshape(*columns.shape, *([1] * (outputs.dim() - 2))).expand(-1, -1, *outputs.shape[2:])
+    return outputs.gather(1, index)
 
 
 def window_logprobs(

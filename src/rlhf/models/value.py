@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification
 from transformers.utils import logging as hf_logging
 
 from rlhf.functional import last_token_index
+from rlhf.models.logprobs import pick_columns
 from rlhf.trajectory import Trajectories
 from rlhf.models.dtypes import DTYPES
 from rlhf.models.loading import check_weight_files, disable_dropout, resolve_model_path, zero_dropout_config
@@ -105,9 +106,8 @@ def window_values(scorer: torch.nn.Module, batch: Trajectories) -> torch.Tensor:
     ``scorer`` maps (input_ids, attention_mask, position_ids) to per-token scores: a `ValueModule`, possibly
     wrapped by a training strategy.
     """
-    scores = scorer(*batch.model_inputs())
-    start = batch.window_start - 1
-    return scores[:, start : start + batch.loss_mask.shape[1]] * batch.loss_mask
+    input_ids, attention_mask, position_ids, predicts = batch.justified_inputs()
+    return pick_columns(scorer(input_ids, attention_mask, position_ids), predicts) * batch.loss_mask
 
 
 def sequence_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
