@@ -170,6 +170,34 @@ def test_justified_rows_give_the_padded_rows_logprobs_gradients_and_values(polic
         torch.testing.assert_close(window_values(ValueModule(critic), batch), want, rtol=0, atol=1e-5)
 
 
+def test_the_output_layer_runs_on_each_rows_window_only(policy, tokenizer):
+    """However far apart the justified rows' windows sit, the output layer computes (B, T, V) logits, its hook is
+    gone afterwards, and a model whose output layer cannot be hooked gets the same logits picked from all of them."""
+    from rlhf.models.logprobs import window_logits
+
+    model = policy().model
+    batch = ragged_rows(len(tokenizer))
+    head = model.get_output_embeddings()
+    seen = []
+    handle = head.register_forward_hook(lambda module, args, out: seen.append(tuple(out.shape)))
+    with torch.no_grad():
+        hooked = window_logits(model, batch, 1.0)
+    handle.remove()
+    assert seen == [(len(batch), batch.loss_mask.shape[1], model.config.vocab_size)]
+    assert not head._forward_pre_hooks
+
+    class Bare(torch.nn.Module):  # no get_output_embeddings, no logits_to_keep
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, **kwargs):
+            return self.inner(**kwargs)
+
+    with torch.no_grad():
+        torch.testing.assert_close(window_logits(Bare(model), batch, 1.0), hooked, rtol=0, atol=1e-5)
+
+
 def test_window_outputs_restore_row_order():
     batch = ragged_rows(20)
     rows = window_outputs(lambda part: part.input_ids[:, -1].float() * 0 + part.loss_mask.sum(dim=1), batch, Budget(rows=3))

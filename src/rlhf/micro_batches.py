@@ -105,9 +105,8 @@ def merge_to(groups: list[list[int]], count: int) -> list[list[int]]:
 
 def padded_tokens(batch: Trajectories, size: int | Budget) -> tuple[int, int]:
     """(tokens the forward passes of ``plan`` compute, of which real): the padding a budget leaves."""
-    computed = 0
-    for units in plan(batch, size):
-        computed += batch.select_units(units).justified_inputs()[0].numel()
+    lengths = unit_lengths(batch)
+    computed = sum(len(units) * batch.rows_per_unit * int(lengths[units].max()) for units in plan(batch, size))
     return computed, int(batch.attention_mask.sum())
 
 

@@ -17,20 +17,43 @@ def keeps_logits(model: torch.nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(inner.forward).parameters
 
 
+def output_layer(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The causal LM's output layer (the vocabulary projection), through a DDP or DeepSpeed wrapper; None when the
+    model names none."""
+    get = getattr(getattr(model, "module", model), "get_output_embeddings", None)
+    return get() if callable(get) else None
+
+
 def window_logits(model: torch.nn.Module, batch: Trajectories, temperature: float) -> torch.Tensor:
     """Logits that predict each token of the action window, divided by the sampling temperature. Shape: (B, T, V).
 
     The whole row runs through the model, moved past its left padding (`Trajectories.justified_inputs`), so rows of
-    prompts of different lengths compute no padding before them; the output layer (a vocabulary-sized matmul) runs
-    for the window's columns only when the model allows it, and the float logits are kept for the window only.
+    prompts of different lengths compute no padding before them. The output layer (a vocabulary-sized matmul) runs
+    on each row's window positions only: a hook hands it those positions of its input, row by row, so the logits
+    are (B, T, V) however far apart the rows' windows sit.
     """
     input_ids, attention_mask, position_ids, predicts = batch.justified_inputs()
-    # the token at window column t is predicted by the output at column predicts[:, t]: the output layer runs
-    # from the first of those columns (the row with the most left padding) to the end
+    # the token at window column t is predicted by the output at column predicts[:, t]; the model passes its output
+    # layer the last `keep` positions only, from the first of those columns (the row with the most left padding)
     first = int(predicts.min()) if predicts.numel() else 0
     keep = {"logits_to_keep": input_ids.shape[1] - first} if keeps_logits(model) else {}
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **keep).logits
-    window = pick_columns(logits, predicts - first if keep else predicts)
+    columns = predicts - first if keep else predicts
+    picked = []
+
+    def window_only(module, args):
+        if not args or args[0].dim() != 3:
+            return None
+        picked.append(True)
+        return (pick_columns(args[0], columns), *args[1:])
+
+    head = output_layer(model)
+    handle = head.register_forward_pre_hook(window_only) if head is not None else None
+    try:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **keep).logits
+    finally:
+        if handle is not None:
+            handle.remove()
+    window = logits if picked else pick_columns(logits, columns)  # no output layer to hook: pick from the logits
     # in the model's dtype at temperature 1 (the log-softmax upcasts), else divided in float32
     return window if temperature == 1.0 else window.float() / temperature
 
