@@ -58,9 +58,8 @@ def justified_logprobs(model, batch: Trajectories) -> torch.Tensor:
 LAYOUTS = {"aligned": aligned_logprobs, "justified": justified_logprobs}
 
 
-def widths(batch: Trajectories, micro: list[torch.Tensor]) -> dict[str, int]:
-    """Tokens each layout computes over the micro batches."""
-    parts = [batch.select_units(units).trimmed() for units in micro]
+def widths(parts: list[Trajectories]) -> dict[str, int]:
+    """Tokens each layout computes over the (trimmed) micro batches."""
     return {"aligned": sum(p.input_ids.numel() for p in parts), "justified": sum(p.justified_inputs()[0].numel() for p in parts)}
 
 
@@ -88,7 +87,7 @@ def main() -> None:
     batch = ragged_rows(args.rows, span(args.prompts), span(args.responses))
     micro = plan(batch, Budget(rows=args.rows, tokens=args.tokens))
     parts = [batch.select_units(units).trimmed() for units in micro]
-    computed, real = widths(batch, micro), int(batch.attention_mask.sum())
+    computed, real = widths(parts), int(batch.attention_mask.sum())
     print(f"{args.rows} rows, prompts {args.prompts}, responses {args.responses}, {len(micro)} micro batches of <= {args.tokens} tokens")
     print("| model | layout | tokens computed | padding | s/pass | speed-up |")
     print("|---|---|---|---|---|---|")

@@ -15,6 +15,13 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+def real_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The position of each token counting real tokens only (padding before a row's first real token gets 0, padding
+    after a real token repeats its position), so a left-padded row sees the positions it would alone. Shape:
+    (B, L) -> (B, L)."""
+    return (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+
+
 PER_ROW = ("group_id", "stopped", "scores")
 PER_TOKEN = ("loss_mask", "gen_logp", "old_logp", "ref_logp", "values", "advantages", "returns", "turn_rewards")
 
@@ -66,8 +73,7 @@ class Trajectories:
 
         Positions count real tokens only, so a left-padded prompt sees the positions it saw when sampled.
         """
-        position_ids = (self.attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-        return self.input_ids, self.attention_mask, position_ids
+        return self.input_ids, self.attention_mask, real_positions(self.attention_mask)
 
     def real_spans(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(first, last) column of each row's real tokens. Shapes: (B,), (B,)."""
@@ -90,9 +96,8 @@ class Trajectories:
         inside = source < length
         source = source.clamp(max=length - 1)
         mask = self.attention_mask.gather(1, source) * inside
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         predicts = start - 1 - first.unsqueeze(1) + torch.arange(width, device=first.device)
-        return self.input_ids.gather(1, source), mask, positions, predicts.clamp(min=0, max=wide - 1)
+        return self.input_ids.gather(1, source), mask, real_positions(mask), predicts.clamp(min=0, max=wide - 1)
 
     def _map(self, fn) -> "Trajectories":
         """Apply ``fn`` to every tensor (fields and extras)."""

@@ -13,6 +13,7 @@ from transformers import DynamicCache
 
 from rlhf.generators.base import SamplingParams
 from rlhf.models.logprobs import keeps_logits
+from rlhf.trajectory import real_positions
 
 
 def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -81,7 +82,7 @@ def decode(
     tokens = torch.full((rows, budget), pad_id, dtype=torch.long, device=device)
     logprobs = torch.zeros(rows, budget, device=device)
     cache = DynamicCache(config=model.config)
-    positions = (query_mask.cumsum(dim=1) - 1).clamp(min=0)
+    positions = real_positions(query_mask)
     keep = {"logits_to_keep": 1} if keeps_logits(model) else {}
     out = model(
         input_ids=query_ids, attention_mask=query_mask, position_ids=positions, past_key_values=cache, use_cache=True, **keep

@@ -74,6 +74,17 @@ def load_tokenizer(name_or_path: str, revision: str | None = None, trust_remote_
     return tokenizer
 
 
+def meta_causal_lm(model_cfg, name_or_path: str | None = None) -> torch.nn.Module:
+    """The causal LM of ``name_or_path`` (default `model.name_or_path`) built on the meta device from its config alone
+    (no weights load): for checks that need its module structure before anything loads."""
+    config = AutoConfig.from_pretrained(
+        resolve_model_path(name_or_path or model_cfg.name_or_path), revision=model_cfg.revision,
+        trust_remote_code=model_cfg.trust_remote_code,
+    )
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=model_cfg.trust_remote_code)
+
+
 def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
     """Set every dropout probability to 0 (RL logprobs must be deterministic given the weights)."""
     for module in model.modules():

@@ -15,10 +15,9 @@ import re
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlhf.errors import ConfigError
-from rlhf.models.loading import resolve_model_path
+from rlhf.models.loading import meta_causal_lm
 
 log = logging.getLogger("rlhf")
 
@@ -88,11 +87,7 @@ def check_targets(lora_cfg, model_cfg, key: str = "policy.lora", name_or_path: s
     if not enabled(lora_cfg):
         return
     name_or_path = name_or_path or model_cfg.name_or_path
-    config = AutoConfig.from_pretrained(
-        resolve_model_path(name_or_path), revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code
-    )
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=model_cfg.trust_remote_code)
+    model = meta_causal_lm(model_cfg, name_or_path)
     missing = unmatched_targets(model, list(lora_cfg.target_modules))
     if missing:
         suffixes = sorted({name.rsplit(".", 1)[-1] for name in linear_names(model)})

@@ -5,13 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlhf.config.schema import StrategyConfig
 from rlhf.distributed.strategies import all_ranks_true, build_strategy, shard_units
 from rlhf.errors import ConfigError
 from rlhf.micro_batches import Budget, in_row_order, plan
-from rlhf.models.loading import resolve_model_path
+from rlhf.models.loading import meta_causal_lm
 from rlhf.models.optim import is_share, move_optimizer_state
 from rlhf.trajectory import Forward
 
@@ -130,11 +129,7 @@ def check_compilable(policy_cfg, model_cfg) -> None:
     device from its config."""
     if not policy_cfg.compile:
         return
-    config = AutoConfig.from_pretrained(
-        resolve_model_path(model_cfg.name_or_path), revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code
-    )
-    with torch.device("meta"):
-        decoder_blocks(AutoModelForCausalLM.from_config(config, trust_remote_code=model_cfg.trust_remote_code))
+    decoder_blocks(meta_causal_lm(model_cfg))
 
 
 def compile_blocks(model: torch.nn.Module) -> int:

@@ -16,7 +16,7 @@ from transformers.utils import logging as hf_logging
 
 from rlhf.functional import last_token_index
 from rlhf.models.logprobs import pick_columns
-from rlhf.trajectory import Trajectories
+from rlhf.trajectory import Trajectories, real_positions
 from rlhf.models.dtypes import DTYPES
 from rlhf.models.loading import check_weight_files, disable_dropout, resolve_model_path, zero_dropout_config
 
@@ -112,6 +112,5 @@ def window_values(scorer: torch.nn.Module, batch: Trajectories) -> torch.Tensor:
 
 def sequence_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """The head at each sequence's last real token (prompt + response). Shape: (B, L) -> (B,)."""
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    scores = token_scores(model, input_ids, attention_mask, position_ids)
+    scores = token_scores(model, input_ids, attention_mask, real_positions(attention_mask))
     return scores[torch.arange(scores.shape[0], device=scores.device), last_token_index(attention_mask)]
