@@ -95,12 +95,16 @@ def test_split_to_halves_the_largest_until_the_counts_agree():
     assert split_to([[0], [1]], 4) == [[0], [1]]  # never more micro batches than units
 
 
-def test_sorting_and_trimming_remove_most_padding():
+def test_packed_micro_batches_compute_no_padding_and_others_their_longest_row():
     batch = ragged_rows(20)
-    computed, real = padded_tokens(batch, Budget(rows=2))
-    assert real == sum(PROMPT_LENGTHS) + sum(RESPONSE_LENGTHS)
-    assert real <= computed < batch.input_ids.numel()
-    assert (computed - real) / computed < 0.5 * (batch.input_ids.numel() - real) / batch.input_ids.numel()
+    real = sum(PROMPT_LENGTHS) + sum(RESPONSE_LENGTHS)
+    assert padded_tokens(batch, Budget(rows=2)) == (real, real)  # packed: real tokens only
+    gap = replace(batch, attention_mask=batch.attention_mask.clone())
+    gap.attention_mask[1, batch.window_start - 2] = 0  # a hole in row 1's prompt: its micro batch cannot pack
+    computed, real_gap = padded_tokens(gap, Budget(rows=2))
+    assert real_gap == real - 1
+    # longest first, rows 1 (7 tokens, one now a hole) and 2 (6) share a micro batch: 2 x 7 columns for 12 real tokens
+    assert computed == real_gap + 2 * 7 - 12
 
 
 # --- the same numbers as the padded path --------------------------------------------------------------
@@ -129,13 +133,27 @@ def test_trimmed_rows_give_the_full_rows_logprobs(policy, tokenizer):
     assert (padded[batch.loss_mask == 0] == 0).all()
 
 
-def test_justified_rows_give_the_padded_rows_logprobs_gradients_and_values(policy, tokenizer, tiny_model_dir):
-    """Rows moved past their left padding: a forward as wide as the longest row, and the logprobs, gradients and
-    critic values of the untouched rows (float32, 1e-5)."""
+def layout(model: torch.nn.Module, name: str) -> torch.nn.Module:
+    """``model`` set to lay micro batches out ``name``: "packed" (rows end to end) or "justified" (rows padded, each
+    past its own left padding: the layout of a model whose attention takes no packed rows)."""
+    from rlhf.models import packing
+
+    if name == "packed":
+        assert packing.enable(model) or packing.packs(model)
+    else:
+        model.set_attn_implementation("sdpa")
+        assert not packing.packs(model)
+    return model
+
+
+@pytest.mark.parametrize("rows", ["packed", "justified"])
+def test_packed_and_justified_rows_give_the_padded_rows_logprobs_gradients_and_values(policy, tokenizer, tiny_model_dir, rows):
+    """Rows packed end to end, or moved past their left padding (a forward as wide as the longest row): the
+    logprobs, gradients and critic values of the untouched rows (float32, 1e-5)."""
     from rlhf.models.logprobs import window_logprobs
     from rlhf.models.value import ValueModule, load_value_model, token_scores, window_values
 
-    model = policy().model
+    model = layout(policy().model, rows)
     batch = ragged_rows(len(tokenizer))
     ids, mask, positions, predicts = batch.justified_inputs()
     assert ids.shape[1] == max(p + r for p, r in zip(PROMPT_LENGTHS, RESPONSE_LENGTHS))
@@ -149,11 +167,11 @@ def test_justified_rows_give_the_padded_rows_logprobs_gradients_and_values(polic
         assert positions[row, mask[row].bool()].tolist() == full_positions[row, real].tolist()
     weights = torch.rand(batch.loss_mask.shape, generator=torch.Generator().manual_seed(1))
 
-    def grads(logp):
-        (-(logp * weights).sum()).backward()
-        out = {name: p.grad.clone() for name, p in model.named_parameters()}
-        model.zero_grad()
-        return out
+    def grads(out, module=model):
+        (-(out * weights).sum()).backward()
+        found = {name: p.grad.clone() for name, p in module.named_parameters()}
+        module.zero_grad()
+        return found
 
     input_ids, attention_mask, position_ids = batch.model_inputs()
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
@@ -164,18 +182,22 @@ def test_justified_rows_give_the_padded_rows_logprobs_gradients_and_values(polic
     for name, grad in grads(justified).items():
         torch.testing.assert_close(grad, padded_grads[name], rtol=1e-4, atol=1e-5)
 
-    critic = load_value_model(tiny_model_dir).eval()
-    with torch.no_grad():
-        want = token_scores(critic, input_ids, attention_mask, position_ids)[:, batch.window_start - 1 : -1] * batch.loss_mask
-        torch.testing.assert_close(window_values(ValueModule(critic), batch), want, rtol=0, atol=1e-5)
+    critic = layout(load_value_model(tiny_model_dir).eval(), rows)
+    want = token_scores(critic, input_ids, attention_mask, position_ids)[:, batch.window_start - 1 : -1] * batch.loss_mask
+    want_grads = grads(want, critic)
+    values = window_values(ValueModule(critic), batch)
+    torch.testing.assert_close(values, want, rtol=0, atol=1e-5)
+    for name, grad in grads(values, critic).items():
+        torch.testing.assert_close(grad, want_grads[name], rtol=1e-4, atol=1e-5)
 
 
-def test_the_output_layer_runs_on_each_rows_window_only(policy, tokenizer):
-    """However far apart the justified rows' windows sit, the output layer computes (B, T, V) logits, its hook is
-    gone afterwards, and a model whose output layer cannot be hooked gets the same logits picked from all of them."""
+@pytest.mark.parametrize("rows", ["packed", "justified"])
+def test_the_output_layer_runs_on_each_rows_window_only(policy, tokenizer, rows):
+    """However far apart the rows' windows sit, the output layer computes (B, T, V) logits, its hook is gone
+    afterwards, and a model whose output layer cannot be hooked gets the same logits picked from all of them."""
     from rlhf.models.logprobs import window_logits
 
-    model = policy().model
+    model = layout(policy().model, rows)
     batch = ragged_rows(len(tokenizer))
     head = model.get_output_embeddings()
     seen = []
@@ -267,8 +289,10 @@ def test_old_logprobs_from_the_training_forward_change_nothing(policy, reference
                 "loss/kl_avg", "policy/grad_norm", "policy/approxkl_avg", "val/ratio"):
         assert fused[key] == pytest.approx(separate[key], abs=1e-5), key
     assert fused["val/ratio"] == pytest.approx(1.0, abs=1e-6)
+    # AdamW moves each weight by about lr = 1e-2 whatever its gradient's size, so the float rounding of a near-zero
+    # gradient (the two passes pack different micro batches) can show up to about 1e-5 in one element
     for name, weight in after_separate.items():
-        torch.testing.assert_close(after_fused[name], weight, rtol=0, atol=1e-5)
+        torch.testing.assert_close(after_fused[name], weight, rtol=0, atol=5e-5)
 
 
 def test_old_logprobs_need_their_own_pass_where_the_batch_reads_them(train_cfg):

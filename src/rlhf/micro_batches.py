@@ -3,9 +3,10 @@
 Units (rows, or chosen/rejected pairs) are sorted by length, longest first, and cut into micro batches of at most
 ``Budget.rows`` rows and, when ``Budget.tokens`` is set, at most that many tokens counted with their padding (rows x
 the longest row). Each micro batch is then trimmed of the columns that are padding in all of its rows
-(`Trajectories.trimmed`), and its forward moves every row past its own left padding
-(`Trajectories.justified_inputs`), so it is as wide as its longest row: rows of similar length share a micro batch,
-whatever their prompts' lengths, and almost no compute goes to padding.
+(`Trajectories.trimmed`), and its forward packs the rows end to end (`rlhf.models.packing`: no token-wise layer
+computes padding; attention runs per row, padded to the longest), or, for a model whose attention takes no packed
+rows, moves every row past its own left padding (`Trajectories.justified_inputs`), so it is as wide as its longest
+row. Rows of similar length share a micro batch, whatever their prompts' lengths.
 Every loss is a sum of per-token terms over a global denominator, so how rows are grouped changes no gradient
 beyond float rounding.
 """
@@ -104,9 +105,16 @@ def merge_to(groups: list[list[int]], count: int) -> list[list[int]]:
 
 
 def padded_tokens(batch: Trajectories, size: int | Budget) -> tuple[int, int]:
-    """(tokens the forward passes of ``plan`` compute, of which real): the padding a budget leaves."""
-    lengths = unit_lengths(batch)
-    computed = sum(len(units) * batch.rows_per_unit * int(lengths[units].max()) for units in plan(batch, size))
+    """(tokens the token-wise layers of the forward passes of ``plan`` compute, of which real): the padding a budget
+    leaves. A micro batch whose rows have no padding between real tokens is packed (`rlhf.models.packing`, every
+    model on SDPA attention): it computes its real tokens only; any other is as wide as its longest row."""
+    first, last = batch.real_spans()
+    spans = (last + 1 - first).view(-1, batch.rows_per_unit)
+    real_per_unit = batch.attention_mask.sum(dim=1).view(-1, batch.rows_per_unit).sum(dim=1)
+    computed = 0
+    for units in plan(batch, size):
+        real, span = int(real_per_unit[units].sum()), spans[units]
+        computed += int(span.sum()) if int(span.sum()) == real else span.numel() * int(span.max())
     return computed, int(batch.attention_mask.sum())
 
 

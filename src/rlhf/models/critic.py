@@ -13,7 +13,7 @@ import torch
 from rlhf.models.dtypes import DTYPES
 from rlhf.micro_batches import Budget, window_outputs
 from rlhf.models.trainable import TrainableModel
-from rlhf.models import lora
+from rlhf.models import lora, packing
 from rlhf.models.value import ValueModule, load_value_model, score_head, window_values
 from rlhf.registry import register
 from rlhf.trajectory import Forward, Trajectories
@@ -26,6 +26,7 @@ class TorchCritic(TrainableModel):
     def __init__(self, cfg, model_cfg, init_path: str, train_cfg, total_optimizer_steps: int, device: torch.device) -> None:
         self.cfg = cfg
         model = load_value_model(init_path, "float32", None, model_cfg.trust_remote_code, device)
+        packing.enable(model)
         scorer = model
         if lora.enabled(cfg.lora):  # adapters on the backbone, the value head trained whole
             model = lora.add_adapters(model, cfg.lora, head=score_head(model)[0])

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import inspect
+from typing import Callable
 
 import torch
 
 from rlhf.functional import entropy_from_logits, logprobs_from_logits
+from rlhf.models import packing
 from rlhf.trajectory import Trajectories
 
 
@@ -27,16 +29,17 @@ def output_layer(model: torch.nn.Module) -> torch.nn.Module | None:
 def window_logits(model: torch.nn.Module, batch: Trajectories, temperature: float) -> torch.Tensor:
     """Logits that predict each token of the action window, divided by the sampling temperature. Shape: (B, T, V).
 
-    The whole row runs through the model, moved past its left padding (`Trajectories.justified_inputs`), so rows of
-    prompts of different lengths compute no padding before them. The output layer (a vocabulary-sized matmul) runs
-    on each row's window positions only: a hook hands it those positions of its input, row by row, so the logits
-    are (B, T, V) however far apart the rows' windows sit.
+    The rows run through the model packed end to end (`rlhf.models.packing`: no token-wise layer computes padding)
+    when the model can take packed rows; otherwise each row is moved past its left padding
+    (`Trajectories.justified_inputs`), so rows of prompts of different lengths compute no padding before them. The
+    output layer (a vocabulary-sized matmul) runs on each row's window positions only: a hook hands it those
+    positions of its input, row by row, so the logits are (B, T, V) however the rows are laid out.
     """
-    input_ids, attention_mask, position_ids, predicts = batch.justified_inputs()
+    inputs, predicts, pick = model_inputs(model, batch)
     # the token at window column t is predicted by the output at column predicts[:, t]; the model passes its output
-    # layer the last `keep` positions only, from the first of those columns (the row with the most left padding)
+    # layer the last `keep` positions only, from the first of those columns
     first = int(predicts.min()) if predicts.numel() else 0
-    keep = {"logits_to_keep": input_ids.shape[1] - first} if keeps_logits(model) else {}
+    keep = {"logits_to_keep": inputs["input_ids"].shape[1] - first} if keeps_logits(model) else {}
     columns = predicts - first if keep else predicts
     picked = []
 
@@ -44,18 +47,30 @@ def window_logits(model: torch.nn.Module, batch: Trajectories, temperature: floa
         if not args or args[0].dim() != 3:
             return None
         picked.append(True)
-        return (pick_columns(args[0], columns), *args[1:])
+        return (pick(args[0], columns), *args[1:])
 
     head = output_layer(model)
     handle = head.register_forward_pre_hook(window_only) if head is not None else None
     try:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **keep).logits
+        logits = model(**inputs, use_cache=False, **keep).logits
     finally:
         if handle is not None:
             handle.remove()
-    window = logits if picked else pick_columns(logits, columns)  # no output layer to hook: pick from the logits
+    window = logits if picked else pick(logits, columns)  # no output layer to hook: pick from the logits
     # in the model's dtype at temperature 1 (the log-softmax upcasts), else divided in float32
     return window if temperature == 1.0 else window.float() / temperature
+
+
+def model_inputs(model: torch.nn.Module, batch: Trajectories) -> tuple[dict, torch.Tensor, Callable]:
+    """(keyword inputs of a teacher-forced forward, the column of its outputs that predicts each window token (B, T),
+    the function that picks those columns from (rows, columns, ...) outputs): the rows packed when ``model`` takes
+    packed rows and packing saves padding, else justified."""
+    packed = packing.pack(batch) if packing.packs(model) else None
+    if packed is not None:
+        inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, **packed.attention_kwargs()}
+        return inputs, packed.predicts, lambda outputs, columns: outputs[0][columns]
+    input_ids, attention_mask, position_ids, predicts = batch.justified_inputs()
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}, predicts, pick_columns
 
 
 def pick_columns(outputs: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:

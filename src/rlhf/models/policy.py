@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from rlhf.hf_folder import save_hf_folder
-from rlhf.models import lora
+from rlhf.models import lora, packing
 from rlhf.models.dtypes import DTYPES
 from rlhf.models.loading import load_causal_lm
 from rlhf.micro_batches import Budget, window_outputs
@@ -31,6 +31,7 @@ class TorchPolicy(TrainableModel):
     def __init__(self, cfg, model_cfg, train_cfg, total_optimizer_steps: int, device: torch.device) -> None:
         self.cfg, self.train_cfg = cfg, train_cfg
         model = load_causal_lm(model_cfg.name_or_path, "float32", model_cfg.revision, model_cfg.trust_remote_code, device)
+        self.packs = packing.enable(model)
         self.lora = cfg.lora if lora.enabled(cfg.lora) else None
         if self.lora is not None:
             model = lora.add_adapters(model, self.lora)
@@ -54,6 +55,8 @@ class TorchPolicy(TrainableModel):
             f"{counts['optimizer_state_bytes'] / 2**20:.2f} MiB" + (" on this rank" if self.strategy.world_size > 1 else "")
             + f"; weight sync per step: {sync}"
             + (f"; {self.compiled_blocks} decoder blocks compiled (policy.compile)" if self.compiled_blocks else "")
+            + ("; micro batches packed (no token-wise layer computes padding)" if self.packs else
+               "; rows padded per micro batch (this model's attention takes no packed rows)")
         )
 
     def logprobs(self, batch: Trajectories, temperature: float, with_entropy: bool = False, entropy_grad: bool = True):

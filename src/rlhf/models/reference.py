@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from rlhf.models import packing
 from rlhf.models.loading import load_causal_lm
 from rlhf.micro_batches import Budget, window_outputs
 from rlhf.models.logprobs import window_logprobs
@@ -23,6 +24,7 @@ class FrozenReference:
         path = cfg.name_or_path or model_cfg.name_or_path
         self.model = load_causal_lm(path, model_cfg.dtype, model_cfg.revision, model_cfg.trust_remote_code, device).eval()
         self.model.requires_grad_(False)
+        packing.enable(self.model)
 
     def rollout_logprobs(self, batch: Trajectories, temperature: float, chunk: int | Budget) -> torch.Tensor:
         """Logprobs of the action window, micro batches of ``chunk`` rows (or a `Budget`), no gradients. Shape: (B, T)."""

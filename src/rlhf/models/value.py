@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification
 from transformers.utils import logging as hf_logging
 
 from rlhf.functional import last_token_index
-from rlhf.models.logprobs import pick_columns
+from rlhf.models.logprobs import model_inputs
 from rlhf.trajectory import Trajectories, real_positions
 from rlhf.models.dtypes import DTYPES
 from rlhf.models.loading import check_weight_files, disable_dropout, resolve_model_path, zero_dropout_config
@@ -82,10 +82,13 @@ def load_value_model(
     return disable_dropout(model).to(device)
 
 
-def token_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-    """The scalar head at every position. Shape: (B, L) -> (B, L)."""
+def token_scores(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor, **attention
+) -> torch.Tensor:
+    """The scalar head at every position; ``attention``: packed rows' arguments (`rlhf.models.packing`), passed to
+    the attention layers. Shape: (B, L) -> (B, L)."""
     backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).last_hidden_state
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **attention).last_hidden_state
     return score_head(model)[1](hidden).squeeze(-1).float()
 
 
@@ -96,18 +99,18 @@ class ValueModule(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        return token_scores(self.model, input_ids, attention_mask, position_ids)
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor, **attention) -> torch.Tensor:
+        return token_scores(self.model, input_ids, attention_mask, position_ids, **attention)
 
 
 def window_values(scorer: torch.nn.Module, batch: Trajectories) -> torch.Tensor:
     """Critic values V(s_t) of the state before each window token. Shape: (B, T), 0 outside the loss mask.
 
     ``scorer`` maps (input_ids, attention_mask, position_ids) to per-token scores: a `ValueModule`, possibly
-    wrapped by a training strategy.
+    wrapped by a training strategy. The rows are laid out as for the policy's logprobs (`logprobs.model_inputs`).
     """
-    input_ids, attention_mask, position_ids, predicts = batch.justified_inputs()
-    return pick_columns(scorer(input_ids, attention_mask, position_ids), predicts) * batch.loss_mask
+    inputs, predicts, pick = model_inputs(scorer, batch)
+    return pick(scorer(inputs.pop("input_ids"), inputs.pop("attention_mask", None), inputs.pop("position_ids"), **inputs), predicts) * batch.loss_mask
 
 
 def sequence_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

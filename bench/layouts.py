@@ -1,15 +1,17 @@
-"""Benchmark: training passes over rows whose prompts differ in length, the rows aligned at the action window (the
-layout before `Trajectories.justified_inputs`: each micro batch as wide as its longest prompt plus its longest
-response) against justified (each row moved past its own left padding: as wide as its longest row).
+"""Benchmark: training passes over rows of different lengths in three layouts of the same micro batches:
+aligned at the action window (each micro batch as wide as its longest prompt plus its longest response), justified
+(`Trajectories.justified_inputs`: each row moved past its own left padding, as wide as its longest row), and packed
+(`rlhf.models.packing`: the rows end to end, attention kept inside each row; what the policy runs).
 
 The same random rows (prompt and response lengths drawn uniformly from the given ranges), the same micro batches
 (`rlhf.micro_batches.plan` under a token budget), a forward and backward of the mean window logprob on each, the
-two layouts alternated; prints the tokens each layout computes, its padding share and the seconds per pass, and
-checks that both give the same logprobs. The built-in task's prompts all have one length, so `throughput.py` cannot
-show this; real prompt sets (math problems, chat turns) vary by tens to hundreds of tokens.
+layouts alternated; prints the tokens each layout's token-wise layers compute, its padding share and the seconds per
+pass, and checks that all give the same logprobs. Real prompt sets (math problems, chat turns) vary by tens to
+hundreds of tokens; the built-in task's prompts all have one length (its padding is the responses' spread, which
+`--prompts 8:8` shows).
 
-    python bench/justified.py                                   # 3m and 30m, prompts of 16-128 tokens
-    python bench/justified.py --sizes 3m --prompts 4:8 --responses 1:64
+    python bench/layouts.py                                   # 3m and 30m, prompts of 16-128 tokens
+    python bench/layouts.py --sizes 3m --prompts 8:8 --responses 1:64
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from cpu_limits import random_llama
 from throughput import VOCAB
 from rlhf.functional import logprobs_from_logits
 from rlhf.micro_batches import Budget, plan
+from rlhf.models import packing
 from rlhf.models.logprobs import window_logprobs
 from rlhf.trajectory import Trajectories, from_completions
 
@@ -52,15 +55,30 @@ def aligned_logprobs(model, batch: Trajectories) -> torch.Tensor:
 
 
 def justified_logprobs(model, batch: Trajectories) -> torch.Tensor:
+    model.set_attn_implementation("sdpa")  # attention that takes no packed rows: the justified layout
     return window_logprobs(model, batch, 1.0)[0]
 
 
-LAYOUTS = {"aligned": aligned_logprobs, "justified": justified_logprobs}
+def packed_logprobs(model, batch: Trajectories) -> torch.Tensor:
+    model.set_attn_implementation(packing.IMPLEMENTATION)
+    return window_logprobs(model, batch, 1.0)[0]
+
+
+LAYOUTS = {"aligned": aligned_logprobs, "justified": justified_logprobs, "packed": packed_logprobs}
+
+
+def packed_tokens(part: Trajectories) -> int:
+    packed = packing.pack(part)
+    return part.justified_inputs()[0].numel() if packed is None else packed.input_ids.numel()
 
 
 def widths(parts: list[Trajectories]) -> dict[str, int]:
-    """Tokens each layout computes over the (trimmed) micro batches."""
-    return {"aligned": sum(p.input_ids.numel() for p in parts), "justified": sum(p.justified_inputs()[0].numel() for p in parts)}
+    """Tokens each layout's token-wise layers compute over the (trimmed) micro batches."""
+    return {
+        "aligned": sum(p.input_ids.numel() for p in parts),
+        "justified": sum(p.justified_inputs()[0].numel() for p in parts),
+        "packed": sum(packed_tokens(p) for p in parts),
+    }
 
 
 def train_pass(model, parts: list[Trajectories], logprobs) -> torch.Tensor:
@@ -94,9 +112,10 @@ def main() -> None:
     for size in args.sizes.split(","):
         torch.manual_seed(0)
         model = random_llama(size)
-        ref = [train_pass(model, parts, fn) for fn in LAYOUTS.values()]  # warm-up, and both layouts agree
-        for a, b in zip(*ref):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+        ref = [train_pass(model, parts, fn) for fn in LAYOUTS.values()]  # warm-up, and every layout agrees
+        for outputs in ref[1:]:
+            for a, b in zip(ref[0], outputs):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
         times = {name: [] for name in LAYOUTS}
         for _ in range(args.repeats):
             for name, fn in LAYOUTS.items():

@@ -1,0 +1,134 @@
+"""Packed forwards: a micro batch's rows end to end in one sequence, so the token-wise layers (projections, MLPs,
+norms, the output layer) compute no padding at all.
+
+Attention stays inside each row. The policy, reference and critic models run on an attention implementation
+registered here (`IMPLEMENTATION`): without packing arguments it is PyTorch SDPA unchanged (Hugging Face's own
+function); with them (`Packed.attention_kwargs`) it gathers each row's queries, keys and values into a (rows, heads,
+longest row, head dim) block, runs causal SDPA on it and scatters the outputs back. A row's padding sits after its
+last real token, where causal attention cannot reach a real token, so every real token sees exactly what it sees in
+the padded layout. Attention pays for that padding; the token-wise layers, most of a forward, do not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface, PreTrainedConfig
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from rlhf.trajectory import Trajectories
+
+IMPLEMENTATION = "rlhf_packed"  # the attention implementation name packed models run on
+
+
+def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """Hugging Face attention function: SDPA, each row of a packed sequence attending only inside itself when
+    ``kwargs`` carry `Packed.attention_kwargs`. Shapes: query (1, H, N, D), key and value (1, Hkv, N, D) ->
+    ((1, N, H, D), None)."""
+    rows_index = kwargs.get("rows_index")
+    if rows_index is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    # (1, H, N, D) -> (R, H, W, D): row r's column c is packed token rows_index[r, c] (past the row's end: a
+    # token of the next row, whose outputs are dropped and which causal attention keeps from the real ones)
+    q, k, v = (t[0][:, rows_index].transpose(0, 1) for t in (query, key, value))
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    rows, heads, width, dim = out.shape
+    return out.transpose(1, 2).reshape(rows * width, heads, dim)[kwargs["tokens_index"]].unsqueeze(0), None
+
+
+def packed_mask(*args, attention_mask=None, **kwargs):
+    """Hugging Face mask function: a packed forward passes no 2-D mask and needs none (`packed_attention` keeps each
+    row to itself), so no (N, N) mask is built; otherwise SDPA's own mask."""
+    if attention_mask is None:
+        return None
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+AttentionInterface.register(IMPLEMENTATION, packed_attention)
+AttentionMaskInterface.register(IMPLEMENTATION, packed_mask)
+
+
+def model_config(model: torch.nn.Module) -> PreTrainedConfig | None:
+    """The Hugging Face config of ``model``, through DDP, DeepSpeed, peft or `ValueModule` wrappers; None if none."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if isinstance(config, PreTrainedConfig):
+            return config
+    return None
+
+
+def enable(model: torch.nn.Module) -> bool:
+    """Switch a freshly loaded model from SDPA to `IMPLEMENTATION`, so its forwards can take packed rows. Models on
+    other attention (eager, flash, remote code that does not dispatch through Hugging Face's attention interface)
+    and models with sliding-window attention are left as they are. Returns whether the model now packs."""
+    config = model_config(model)
+    if config is None or config._attn_implementation != "sdpa" or getattr(config, "sliding_window", None) is not None:
+        return False
+    if not getattr(model, "_can_set_attn_implementation", lambda: False)():
+        return False
+    model.set_attn_implementation(IMPLEMENTATION)
+    return packs(model)
+
+
+def packs(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (or the model inside a wrapper) runs on `IMPLEMENTATION`."""
+    config = model_config(model)
+    return config is not None and config._attn_implementation == IMPLEMENTATION
+
+
+@dataclass
+class Packed:
+    """A batch's rows end to end, each from its first real token to its last. Shapes: N packed tokens, R rows."""
+
+    input_ids: torch.Tensor  # (1, N)
+    position_ids: torch.Tensor  # (1, N): positions restart at 0 with each row
+    lengths: torch.Tensor  # (R,) tokens of each row
+    width: int  # the longest row
+    predicts: torch.Tensor  # (R, T): the packed position whose output predicts each window token
+
+    def attention_kwargs(self) -> dict:
+        """Keyword arguments a Hugging Face model passes down to `packed_attention`: the row boundaries (also in the
+        names flash attention reads) and the gather/scatter indices between packed tokens and (R, W) rows."""
+        starts = torch.nn.functional.pad(self.lengths.cumsum(0), (1, 0))
+        columns = torch.arange(self.width, device=starts.device)
+        total = int(self.input_ids.shape[1])
+        rows_index = (starts[:-1, None] + columns).clamp(max=total - 1)
+        inside = columns < self.lengths[:, None]
+        tokens_index = (torch.arange(len(self.lengths), device=starts.device)[:, None] * self.width + columns)[inside]
+        cu = starts.to(torch.int32)
+        return {
+            "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": self.width, "max_length_k": self.width,
+            "rows_index": rows_index, "tokens_index": tokens_index,
+        }
+
+
+def pack(batch: Trajectories) -> Packed | None:
+    """``batch``'s rows packed end to end; None when packing saves nothing (every row as long as the longest) or a
+    row has padding between real tokens (a packed row has no mask)."""
+    if len(batch) < 2:
+        return None
+    first, last = batch.real_spans()
+    lengths = last + 1 - first
+    total, real, width = torch.stack([lengths.sum(), batch.attention_mask.sum(), lengths.max()]).tolist()
+    if total != real or total == width * len(batch):
+        return None
+    row = torch.repeat_interleave(torch.arange(len(batch), device=lengths.device), lengths, output_size=total)
+    starts = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+    offset = torch.arange(total, device=lengths.device) - starts[row]
+    window = torch.arange(batch.loss_mask.shape[1], device=lengths.device)
+    # window column t is token window_start + t; its prediction comes from the row's token before it (padded window
+    # columns past a row's end point at the row's last token: their outputs are masked)
+    inside = (batch.window_start - 1 - first[:, None] + window).clamp(min=0).minimum(lengths[:, None] - 1)
+    return Packed(
+        input_ids=batch.input_ids[row, first[row] + offset].unsqueeze(0),
+        position_ids=offset.unsqueeze(0),
+        lengths=lengths,
+        width=int(width),
+        predicts=starts[:-1, None] + inside,
+    )

@@ -1,0 +1,169 @@
+"""Packed forwards (`rlhf.models.packing`): the layout of packed rows, when packing is declined, which models pack,
+and that a packed model's other forwards (padded rows, generation) are SDPA's, unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from rlhf.models import lora, packing
+from rlhf.models.logprobs import window_logprobs
+from rlhf.trajectory import from_completions
+
+
+def rows(prompts: list[int], responses: list[int], vocab: int = 40, seed: int = 0):
+    """Random rows of the given prompt and response lengths, left- and right-padded."""
+    g = torch.Generator().manual_seed(seed)
+    lq, lr = max(prompts), max(responses)
+    query_ids, query_mask = torch.zeros(len(prompts), lq, dtype=torch.long), torch.zeros(len(prompts), lq, dtype=torch.long)
+    response_ids, response_mask = torch.zeros(len(prompts), lr, dtype=torch.long), torch.zeros(len(prompts), lr)
+    for i, (q, r) in enumerate(zip(prompts, responses)):
+        query_ids[i, lq - q :] = torch.randint(3, vocab, (q,), generator=g)
+        query_mask[i, lq - q :] = 1
+        response_ids[i, :r] = torch.randint(3, vocab, (r,), generator=g)
+        response_mask[i, :r] = 1
+    return from_completions(query_ids, query_mask, response_ids, response_mask, torch.zeros(len(prompts), lr), torch.ones(len(prompts), dtype=torch.bool))
+
+
+def gqa_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
+    """A tiny Llama with grouped-query attention (4 query heads sharing 2 key/value heads)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=40, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, **overrides,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def test_rows_are_laid_end_to_end_and_each_window_token_is_predicted_from_its_own_row():
+    batch = rows([3, 6, 2], [5, 1, 4])
+    packed = packing.pack(batch)
+    real = batch.attention_mask.bool()
+    assert packed.input_ids[0].tolist() == torch.cat([batch.input_ids[i, real[i]] for i in range(3)]).tolist()
+    assert packed.position_ids[0].tolist() == [*range(8), *range(7), *range(6)]
+    assert packed.lengths.tolist() == [8, 7, 6] and packed.width == 8
+    starts = [0, 8, 15, 21]
+    for b in range(3):
+        for t in range(batch.loss_mask.shape[1]):
+            column = int(packed.predicts[b, t])
+            assert starts[b] <= column < starts[b + 1]  # never another row's output
+            if batch.loss_mask[b, t]:
+                assert packed.input_ids[0, column + 1] == batch.window_ids[b, t]
+    kwargs = packing.Packed.attention_kwargs(packed)
+    assert kwargs["cu_seq_lens_q"].tolist() == starts and kwargs["max_length_q"] == 8
+    # gathering each row's columns then scattering back by tokens_index is the identity on the packed tokens
+    laid = torch.arange(21)[kwargs["rows_index"]].reshape(-1)
+    assert laid[kwargs["tokens_index"]].tolist() == list(range(21))
+
+
+def test_packing_is_declined_where_it_saves_nothing_or_cannot_mask():
+    assert packing.pack(rows([3], [5])) is None  # one row
+    assert packing.pack(rows([3, 4, 2], [5, 4, 6])) is None  # every row as long as the longest
+    gap = rows([3, 6], [5, 1])
+    gap.attention_mask[0, -4] = 0  # padding between real tokens: a packed row has no mask for it
+    assert packing.pack(gap) is None
+
+
+def test_packed_logprobs_and_gradients_equal_the_padded_rows_with_grouped_query_attention():
+    model = gqa_llama()
+    assert packing.enable(model) and packing.packs(model)
+    batch = rows([3, 6, 2, 5], [9, 1, 4, 7])
+    input_ids, attention_mask, position_ids = batch.model_inputs()
+    weights = torch.rand(batch.loss_mask.shape, generator=torch.Generator().manual_seed(1))
+
+    def loss_and_grads(logp):
+        (-(logp * weights).sum()).backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        model.zero_grad()
+        return logp.detach(), grads
+
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    padded = torch.log_softmax(logits[:, batch.window_start - 1 : -1], -1).gather(-1, batch.window_ids.unsqueeze(-1)).squeeze(-1)
+    want, want_grads = loss_and_grads(padded * batch.loss_mask)
+    got, got_grads = loss_and_grads(window_logprobs(model, batch, 1.0)[0])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    for name, grad in got_grads.items():
+        torch.testing.assert_close(grad, want_grads[name], rtol=1e-4, atol=1e-5)
+
+
+def test_a_packing_model_computes_padded_rows_and_generates_as_sdpa_does():
+    plain, packed = gqa_llama(), gqa_llama()
+    packing.enable(packed)
+    batch = rows([3, 6, 2], [5, 1, 4])
+    input_ids, attention_mask, position_ids = batch.model_inputs()
+    with torch.no_grad():
+        for kwargs in ({"attention_mask": attention_mask, "position_ids": position_ids}, {}):
+            torch.testing.assert_close(packed(input_ids=input_ids, **kwargs).logits, plain(input_ids=input_ids, **kwargs).logits, rtol=0, atol=0)
+        prompt = batch.input_ids[:, : batch.window_start]
+        mask = batch.attention_mask[:, : batch.window_start]
+        generate = {"attention_mask": mask, "max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+        assert packed.generate(prompt, **generate).tolist() == plain.generate(prompt, **generate).tolist()
+
+
+def test_models_whose_attention_cannot_take_packed_rows_are_left_alone():
+    eager = gqa_llama(attn_implementation="eager")
+    assert not packing.enable(eager) and eager.config._attn_implementation == "eager"
+    sliding = gqa_llama(sliding_window=4)
+    assert not packing.enable(sliding) and sliding.config._attn_implementation == "sdpa"
+    batch = rows([3, 6], [5, 1])
+    with torch.no_grad():  # the justified layout, with the same numbers
+        torch.testing.assert_close(window_logprobs(eager, batch, 1.0)[0], window_logprobs(packing_model(), batch, 1.0)[0], rtol=0, atol=1e-5)
+
+
+def packing_model() -> LlamaForCausalLM:
+    model = gqa_llama()
+    packing.enable(model)
+    return model
+
+
+def test_a_lora_wrapped_model_packs_through_the_adapters():
+    from omegaconf import OmegaConf
+
+    from rlhf.config.schema import LoraConfig
+
+    model = packing_model()
+    plain = gqa_llama()
+    cfg = OmegaConf.structured(LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"]))
+    wrapped = lora.add_adapters(model, cfg)
+    assert packing.packs(wrapped) and packing.pack(rows([3, 6], [5, 1])) is not None
+    batch = rows([3, 6, 2], [5, 1, 4])
+    with torch.no_grad():  # fresh adapters add zero: the base model's logprobs
+        torch.testing.assert_close(window_logprobs(wrapped, batch, 1.0)[0], window_logprobs(plain, batch, 1.0)[0], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("size", [2, 5])
+def test_packed_rows_under_a_compiled_model_give_the_eager_logprobs(size):
+    """`policy.compile` compiles each decoder block; packed rows pass their attention arguments through them."""
+    from rlhf.models.trainable import compile_blocks
+
+    eager, compiled = packing_model(), packing_model()
+    assert compile_blocks(compiled) == 2
+    batch = rows([3, 6, 2, 5, 4][:size], [9, 1, 4, 7, 2][:size])
+    torch.testing.assert_close(window_logprobs(compiled, batch, 1.0)[0], window_logprobs(eager, batch, 1.0)[0], rtol=0, atol=1e-5)
+
+
+def family(name: str) -> torch.nn.Module:
+    """A tiny random model of a family the presets use: Qwen2 (biased q/k/v), GPT-NeoX (Pythia: partial rotary)."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    if name == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(
+            vocab_size=40, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64,
+        )).eval()
+    return GPTNeoXForCausalLM(GPTNeoXConfig(
+        vocab_size=40, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        rotary_pct=0.25, max_position_embeddings=64,
+    )).eval()
+
+
+@pytest.mark.parametrize("name", ["qwen2", "gpt_neox"])
+def test_other_families_pack_with_the_padded_rows_logprobs(name):
+    model = family(name)
+    batch = rows([3, 6, 2, 5], [9, 1, 4, 7])
+    with torch.no_grad():
+        justified = window_logprobs(model, batch, 1.0)[0]
+        assert packing.enable(model), name
+        torch.testing.assert_close(window_logprobs(model, batch, 1.0)[0], justified, rtol=0, atol=1e-5)
