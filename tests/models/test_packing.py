@@ -57,9 +57,9 @@ def test_rows_are_laid_end_to_end_and_each_window_token_is_predicted_from_its_ow
     assert laid[kwargs["tokens_index"]].tolist() == list(range(21))
 
 
-def test_packing_is_declined_where_it_saves_nothing_or_cannot_mask():
-    assert packing.pack(rows([3], [5])) is None  # one row
-    assert packing.pack(rows([3, 4, 2], [5, 4, 6])) is None  # every row as long as the longest
+def test_packing_is_declined_only_where_a_row_has_a_hole():
+    assert packing.pack(rows([3], [5])).input_ids.shape == (1, 8)  # one row: the same form as any other
+    assert packing.pack(rows([3, 4, 2], [5, 4, 6])).lengths.tolist() == [8, 8, 8]  # rows of one length
     gap = rows([3, 6], [5, 1])
     gap.attention_mask[0, -4] = 0  # padding between real tokens: a packed row has no mask for it
     assert packing.pack(gap) is None
@@ -132,15 +132,19 @@ def test_a_lora_wrapped_model_packs_through_the_adapters():
         torch.testing.assert_close(window_logprobs(wrapped, batch, 1.0)[0], window_logprobs(plain, batch, 1.0)[0], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("size", [2, 5])
-def test_packed_rows_under_a_compiled_model_give_the_eager_logprobs(size):
-    """`policy.compile` compiles each decoder block; packed rows pass their attention arguments through them."""
+def test_packed_rows_under_a_compiled_model_give_the_eager_logprobs_from_one_graph():
+    """`policy.compile` compiles each decoder block; packed rows pass their attention arguments through them, and
+    micro batches of other row counts (one row included) and lengths reuse the first graph."""
     from rlhf.models.trainable import compile_blocks
 
     eager, compiled = packing_model(), packing_model()
     assert compile_blocks(compiled) == 2
-    batch = rows([3, 6, 2, 5, 4][:size], [9, 1, 4, 7, 2][:size])
-    torch.testing.assert_close(window_logprobs(compiled, batch, 1.0)[0], window_logprobs(eager, batch, 1.0)[0], rtol=0, atol=1e-5)
+    shapes = [([3, 6], [9, 1]), ([3, 6, 2, 5, 4], [9, 1, 4, 7, 2]), ([4], [6]), ([3, 4, 2], [5, 4, 6])]
+    for i, (prompts, responses) in enumerate(shapes):
+        batch = rows(prompts, responses, seed=i)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got = window_logprobs(compiled, batch, 1.0)[0]
+        torch.testing.assert_close(got, window_logprobs(eager, batch, 1.0)[0], rtol=0, atol=1e-5)
 
 
 def family(name: str) -> torch.nn.Module:

@@ -68,9 +68,15 @@ def model_inputs(model: torch.nn.Module, batch: Trajectories) -> tuple[dict, tor
     packed = packing.pack(batch) if packing.packs(model) else None
     if packed is not None:
         inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, **packed.attention_kwargs()}
-        return inputs, packed.predicts, lambda outputs, columns: outputs[0][columns]
+        return inputs, packed.predicts, pick_packed
     input_ids, attention_mask, position_ids, predicts = batch.justified_inputs()
     return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}, predicts, pick_columns
+
+
+def pick_packed(outputs: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """``outputs[0, columns[b, t]]`` for every row b and column t of packed rows. Shapes: outputs (1, N, ...),
+    columns (B, T) -> (B, T, ...)."""
+    return outputs[0].index_select(0, columns.reshape(-1)).unflatten(0, columns.shape)
 
 
 def pick_columns(outputs: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:

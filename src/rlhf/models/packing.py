@@ -34,12 +34,14 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         )
     # (1, H, N, D) -> (R, H, W, D): row r's column c is packed token rows_index[r, c] (past the row's end: a
     # token of the next row, whose outputs are dropped and which causal attention keeps from the real ones)
-    q, k, v = (t[0][:, rows_index].transpose(0, 1) for t in (query, key, value))
+    rows, width = rows_index.shape
+    flat = rows_index.reshape(-1)
+    q, k, v = (t[0].index_select(1, flat).unflatten(1, (rows, width)).transpose(0, 1) for t in (query, key, value))
     out = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
     )
-    rows, heads, width, dim = out.shape
-    return out.transpose(1, 2).reshape(rows * width, heads, dim)[kwargs["tokens_index"]].unsqueeze(0), None
+    out = out.transpose(1, 2).reshape(rows * width, out.shape[1], out.shape[3])
+    return out.index_select(0, kwargs["tokens_index"]).unsqueeze(0), None
 
 
 def packed_mask(*args, attention_mask=None, **kwargs):
@@ -101,6 +103,9 @@ class Packed:
         rows_index = (starts[:-1, None] + columns).clamp(max=total - 1)
         inside = columns < self.lengths[:, None]
         tokens_index = (torch.arange(len(self.lengths), device=starts.device)[:, None] * self.width + columns)[inside]
+        # a compiled model (`policy.compile`) keeps the row count symbolic even at one row, rather than compiling a
+        # graph for the one-row micro batch (dynamo specialises sizes 0 and 1 unless told otherwise)
+        torch._dynamo.decorators.mark_unbacked(rows_index, 0)
         cu = starts.to(torch.int32)
         return {
             "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": self.width, "max_length_k": self.width,
@@ -109,14 +114,15 @@ class Packed:
 
 
 def pack(batch: Trajectories) -> Packed | None:
-    """``batch``'s rows packed end to end; None when packing saves nothing (every row as long as the longest) or a
-    row has padding between real tokens (a packed row has no mask)."""
-    if len(batch) < 2:
+    """``batch``'s rows packed end to end; None when a row has padding between real tokens (a packed row has no
+    mask). Rows that would need no padding (one row, or all of one length) are packed too: every training forward
+    then has the same form, which a compiled model (`policy.compile`) traces once."""
+    if not len(batch):
         return None
     first, last = batch.real_spans()
     lengths = last + 1 - first
     total, real, width = torch.stack([lengths.sum(), batch.attention_mask.sum(), lengths.max()]).tolist()
-    if total != real or total == width * len(batch):
+    if total != real:
         return None
     row = torch.repeat_interleave(torch.arange(len(batch), device=lengths.device), lengths, output_size=total)
     starts = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
