@@ -4,8 +4,9 @@ For each model size, response budget and generator it trains a few sync GRPO ste
 built-in task (8 prompts x 8 samples, beta 0, one optimiser step per step, a random Llama whose vocabulary is the
 task's, so responses stop at EOS after a few dozen tokens like a young policy's) and prints seconds per step by
 stage, real tokens per second, the padding share of the training forwards and the training MFU: model FLOPs on
-real tokens only (`cli_runs.train_flops`) over `time/training`, against the matrix-product peak measured in this
-same process. Step 1 is a warm-up; figures are medians over the rest.
+real tokens only (`cli_runs.train_flops`) over `time/training`, against the best matrix-product peak probed in this
+same process (before and after every setting, so that a busy moment cannot inflate the MFU). Step 1 is a warm-up;
+figures are medians over the rest.
 
 ``--baseline COMMIT`` also runs the same work with another commit's code (checked out into a temporary folder) at
 the ``--compare-budgets`` budgets, alternating the two, and prints the step-time ratios. ``--compile both`` runs
@@ -106,11 +107,10 @@ def main() -> None:
     parser.add_argument("--baseline", default=None, help="also run this commit's code (or a folder holding its `rlhf` package) on the same work")
     args = parser.parse_args()
     device = torch.device(args.device)
-    if device.type == "cpu":
-        peak = matmul_peak(device, (512, 1024, 2048), torch.float32)
-    else:
-        peak = matmul_peak(device, (8192,), torch.bfloat16)
-    print(f"matrix-product peak measured here: {peak / 1e9:.1f} GFLOP/s ({'float32' if device.type == 'cpu' else 'bf16'})")
+    probe = (lambda: matmul_peak(device, (512, 1024, 2048), torch.float32)) if device.type == "cpu" else (
+        lambda: matmul_peak(device, (8192,), torch.bfloat16))
+    peaks = [probe()]  # probed again after every setting: MFU is against the best, so a busy moment cannot inflate it
+    print(f"matrix-product peak measured here: {peaks[0] / 1e9:.1f} GFLOP/s ({'float32' if device.type == 'cpu' else 'bf16'})")
     table, ratios, compiled_ratios = [], [], []
     compared = set(map(int, args.compare_budgets.split(",")))
     with tempfile.TemporaryDirectory() as tmp:
@@ -137,11 +137,14 @@ def main() -> None:
                             comp += train_records("compiled", run(True), runs)
                         if baseline is not None and budget in compared:
                             old += train_records("old", overrides(model, budget, generator, args.steps, args.device, False, 0), runs, baseline)
+                    peaks.append(probe())
+                    peak = max(peaks)
                     row = {"size": size, "budget": budget, "generator": generator, **summary(new, config, peak)}
+                    row["peak"] = peak
                     table.append(row)
                     print(format_row(row), flush=True)
                     if comp:
-                        row_c = {"size": size, "budget": budget, "generator": f"{generator}, compiled", **summary(comp, config, peak)}
+                        row_c = {"size": size, "budget": budget, "generator": f"{generator}, compiled", **summary(comp, config, peak), "peak": peak}
                         table.append(row_c)
                         print(format_row(row_c), flush=True)
                         compiled_ratios.append((row, row_c))
@@ -150,7 +153,11 @@ def main() -> None:
                         old_train = statistics.median(r["time/logprobs"] + r["time/training"] for r in old)
                         for now in (row, row_c) if comp else (row,):
                             ratios.append((size, budget, now["generator"], old_step, now["step"], old_train, now["logprobs"] + now["training"]))
+    peak = max(peaks)
+    for row in table:  # every MFU against the best probe of the whole run
+        row["mfu"] *= row.pop("peak") / peak
     print()
+    print(f"matrix-product peak: {min(peaks) / 1e9:.1f}-{peak / 1e9:.1f} GFLOP/s over {len(peaks)} probes; MFU against {peak / 1e9:.1f}")
     print("| model | budget | generator | s/step | generation | logprobs | training | weight sync | tokens/s | response len | padding | training MFU |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in table:
