@@ -81,7 +81,7 @@ def widths(parts: list[Trajectories]) -> dict[str, int]:
     }
 
 
-def train_pass(model, parts: list[Trajectories], logprobs) -> torch.Tensor:
+def train_pass(model, parts: list[Trajectories], logprobs) -> list[torch.Tensor]:
     """Forward and backward of the mean window logprob over the micro batches; returns the logprobs (detached)."""
     out = []
     for part in parts:

@@ -40,8 +40,8 @@ def as_budget(size: int | Budget) -> Budget:
 
 
 def unit_lengths(batch: Trajectories) -> torch.Tensor:
-    """Columns each unit's forward needs: its longest row from the first real token to the last
-    (`Trajectories.justified_inputs` moves every row past its left padding). Shape: (U,)."""
+    """Each unit's longest row from its first real token to its last: the width of the (rows, longest row) block a
+    packed micro batch's attention runs on, and of a justified forward (`Trajectories.justified_inputs`). Shape: (U,)."""
     first, last = batch.real_spans()
     return (last + 1 - first).view(-1, batch.rows_per_unit).amax(dim=1).cpu()
 

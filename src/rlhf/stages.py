@@ -218,7 +218,8 @@ def update_policy(c, batch: Trajectories, train_cfg, temperature: float, guard) 
     Either way ``guard`` counts the mini batch and stops the run after too many in a row. When ``batch.old_logp`` is
     None (`prepare` with ``old_from_training``), the policy's forward supplies them and the metrics they feed.
     Returns the algorithm's metrics averaged over mini batches, gradient norms, and `perf/total_num_tokens` (real
-    tokens of the batch) and `perf/padding_fraction` (the share of padding in what the training forwards computed).
+    tokens of the batch) and `perf/padding_fraction` (the share of padding in what the training forwards' token-wise
+    layers computed, counted as packed micro batches: `micro_batches.padded_tokens`).
     """
     units = batch.num_units
     mini_units = max(1, units // train_cfg.num_mini_batches)  # an environment batch may have lost failed groups

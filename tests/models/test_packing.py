@@ -51,7 +51,7 @@ def test_rows_are_laid_end_to_end_and_each_window_token_is_predicted_from_its_ow
             if batch.loss_mask[b, t]:
                 assert packed.input_ids[0, column + 1] == batch.window_ids[b, t]
     kwargs = packing.Packed.attention_kwargs(packed)
-    assert kwargs["cu_seq_lens_q"].tolist() == starts and kwargs["max_length_q"] == 8
+    assert kwargs["rows_index"].shape == (3, 8)
     # gathering each row's columns then scattering back by tokens_index is the identity on the packed tokens
     laid = torch.arange(21)[kwargs["rows_index"]].reshape(-1)
     assert laid[kwargs["tokens_index"]].tolist() == list(range(21))
@@ -102,13 +102,41 @@ def test_a_packing_model_computes_padded_rows_and_generates_as_sdpa_does():
 
 
 def test_models_whose_attention_cannot_take_packed_rows_are_left_alone():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
     eager = gqa_llama(attn_implementation="eager")
     assert not packing.enable(eager) and eager.config._attn_implementation == "eager"
-    sliding = gqa_llama(sliding_window=4)
-    assert not packing.enable(sliding) and sliding.config._attn_implementation == "sdpa"
+    for overrides in ({"sliding_window": 4}, {"attention_chunk_size": 4}, {"layer_types": ["full_attention", "sliding_attention"]}):
+        model = gqa_llama(**overrides)
+        assert not packing.enable(model) and model.config._attn_implementation == "sdpa", overrides
+    other = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=1, n_head=2))  # a family not checked for it
+    assert not packing.enable(other) and other.config._attn_implementation == "sdpa"
     batch = rows([3, 6], [5, 1])
     with torch.no_grad():  # the justified layout, with the same numbers
         torch.testing.assert_close(window_logprobs(eager, batch, 1.0)[0], window_logprobs(packing_model(), batch, 1.0)[0], rtol=0, atol=1e-5)
+
+
+def test_a_packing_model_continues_from_a_cache_as_sdpa_does():
+    """Queries after cached tokens with no mask (a chunked prefill) get SDPA's own mask, not the packed path's none."""
+    plain, packed = gqa_llama(), gqa_llama()
+    packing.enable(packed)
+    ids = torch.randint(3, 40, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = []
+        for model in (plain, packed):
+            cache = model(input_ids=ids[:, :5], use_cache=True).past_key_values
+            out.append(model(input_ids=ids[:, 5:], past_key_values=cache, use_cache=True).logits)
+    torch.testing.assert_close(out[1], out[0], rtol=0, atol=0)
+
+
+def test_attention_arguments_the_packed_path_cannot_honour_are_refused():
+    model = packing_model()
+    batch = packing.pack(rows([3, 6], [5, 1]))
+    layer = model.model.layers[0].self_attn
+    q = torch.zeros(1, 4, batch.input_ids.shape[1], 16)
+    kv = torch.zeros(1, 2, batch.input_ids.shape[1], 16)
+    with pytest.raises(ValueError, match="sliding_window"):
+        packing.packed_attention(layer, q, kv, kv, None, sliding_window=4, **batch.attention_kwargs())
 
 
 def packing_model() -> LlamaForCausalLM:

@@ -35,7 +35,7 @@ def window_logits(model: torch.nn.Module, batch: Trajectories, temperature: floa
     output layer (a vocabulary-sized matmul) runs on each row's window positions only: a hook hands it those
     positions of its input, row by row, so the logits are (B, T, V) however the rows are laid out.
     """
-    inputs, predicts, pick = model_inputs(model, batch)
+    inputs, predicts, pick = forward_layout(model, batch)
     # the token at window column t is predicted by the output at column predicts[:, t]; the model passes its output
     # layer the last `keep` positions only, from the first of those columns
     first = int(predicts.min()) if predicts.numel() else 0
@@ -61,10 +61,10 @@ def window_logits(model: torch.nn.Module, batch: Trajectories, temperature: floa
     return window if temperature == 1.0 else window.float() / temperature
 
 
-def model_inputs(model: torch.nn.Module, batch: Trajectories) -> tuple[dict, torch.Tensor, Callable]:
+def forward_layout(model: torch.nn.Module, batch: Trajectories) -> tuple[dict, torch.Tensor, Callable]:
     """(keyword inputs of a teacher-forced forward, the column of its outputs that predicts each window token (B, T),
     the function that picks those columns from (rows, columns, ...) outputs): the rows packed when ``model`` takes
-    packed rows and packing saves padding, else justified."""
+    packed rows and no row has a hole, else justified."""
     packed = packing.pack(batch) if packing.packs(model) else None
     if packed is not None:
         inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, **packed.attention_kwargs()}

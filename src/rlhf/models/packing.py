@@ -14,13 +14,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface, PreTrainedConfig
+from transformers import AttentionInterface, PretrainedConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from rlhf.trajectory import Trajectories
 
 IMPLEMENTATION = "rlhf_packed"  # the attention implementation name packed models run on
+# model families whose every layer is full causal self-attention over rotary or learned positions, with nothing else
+# mixing tokens: a packed row sees no other row. Others (hybrid SSM or convolution layers, chunked or soft-capped
+# attention, attention sinks) keep the justified layout until checked
+FAMILIES = frozenset({
+    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gpt_neox", "olmo", "olmo2", "phi3",
+    "granite",
+})
+UNSUPPORTED = ("sliding_window", "softcap", "s_aux", "position_bias")  # attention arguments the packed path cannot honour
 
 
 def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
@@ -32,22 +40,33 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
+    given = [name for name in UNSUPPORTED if kwargs.get(name) is not None]
+    if given:
+        raise ValueError(f"packed rows cannot honour the attention arguments {given} of {type(module).__name__}")
     # (1, H, N, D) -> (R, H, W, D): row r's column c is packed token rows_index[r, c] (past the row's end: a
     # token of the next row, whose outputs are dropped and which causal attention keeps from the real ones)
     rows, width = rows_index.shape
     flat = rows_index.reshape(-1)
     q, k, v = (t[0].index_select(1, flat).unflatten(1, (rows, width)).transpose(0, 1) for t in (query, key, value))
+    # grouped-query attention: SDPA's own head grouping where it keeps a fused kernel (CUDA in half precision),
+    # else the key/value heads repeated, as transformers does
+    groups = q.shape[1] // k.shape[1]
+    fused_groups = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+    if groups > 1 and not fused_groups:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     out = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
+        q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=groups > 1 and fused_groups
     )
     out = out.transpose(1, 2).reshape(rows * width, out.shape[1], out.shape[3])
     return out.index_select(0, kwargs["tokens_index"]).unsqueeze(0), None
 
 
 def packed_mask(*args, attention_mask=None, **kwargs):
-    """Hugging Face mask function: a packed forward passes no 2-D mask and needs none (`packed_attention` keeps each
-    row to itself), so no (N, N) mask is built; otherwise SDPA's own mask."""
-    if attention_mask is None:
+    """Hugging Face mask function: SDPA's own, except for a packed forward (no 2-D mask, no cache: queries and keys
+    are the same N tokens), which needs none (`packed_attention` keeps each row to itself): no (N, N) mask is built.
+    A cached forward or one with a mask gets exactly SDPA's."""
+    fresh = kwargs.get("q_length") == kwargs.get("kv_length") and not kwargs.get("q_offset") and not kwargs.get("kv_offset")
+    if attention_mask is None and fresh:
         return None
     return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
 
@@ -56,21 +75,30 @@ AttentionInterface.register(IMPLEMENTATION, packed_attention)
 AttentionMaskInterface.register(IMPLEMENTATION, packed_mask)
 
 
-def model_config(model: torch.nn.Module) -> PreTrainedConfig | None:
+def model_config(model: torch.nn.Module) -> PretrainedConfig | None:
     """The Hugging Face config of ``model``, through DDP, DeepSpeed, peft or `ValueModule` wrappers; None if none."""
     for module in model.modules():
         config = getattr(module, "config", None)
-        if isinstance(config, PreTrainedConfig):
+        if isinstance(config, PretrainedConfig):
             return config
     return None
 
 
+def can_pack(config: PretrainedConfig | None) -> bool:
+    """Whether a model of ``config`` can take packed rows: a family of `FAMILIES` on SDPA attention, every layer full
+    attention (no sliding window, no chunked attention)."""
+    if config is None or config.model_type not in FAMILIES or config._attn_implementation != "sdpa":
+        return False
+    if getattr(config, "sliding_window", None) is not None or getattr(config, "attention_chunk_size", None) is not None:
+        return False
+    return all(kind == "full_attention" for kind in getattr(config, "layer_types", None) or ())
+
+
 def enable(model: torch.nn.Module) -> bool:
-    """Switch a freshly loaded model from SDPA to `IMPLEMENTATION`, so its forwards can take packed rows. Models on
-    other attention (eager, flash, remote code that does not dispatch through Hugging Face's attention interface)
-    and models with sliding-window attention are left as they are. Returns whether the model now packs."""
-    config = model_config(model)
-    if config is None or config._attn_implementation != "sdpa" or getattr(config, "sliding_window", None) is not None:
+    """Switch a freshly loaded model from SDPA to `IMPLEMENTATION`, so its forwards can take packed rows. Models that
+    cannot (`can_pack`: other attention, other families, sliding windows; or transformers cannot switch them) are
+    left as they are, and run the justified layout. Returns whether the model now packs."""
+    if not can_pack(model_config(model)):
         return False
     if not getattr(model, "_can_set_attn_implementation", lambda: False)():
         return False
@@ -95,8 +123,8 @@ class Packed:
     predicts: torch.Tensor  # (R, T): the packed position whose output predicts each window token
 
     def attention_kwargs(self) -> dict:
-        """Keyword arguments a Hugging Face model passes down to `packed_attention`: the row boundaries (also in the
-        names flash attention reads) and the gather/scatter indices between packed tokens and (R, W) rows."""
+        """Keyword arguments a Hugging Face model passes down to `packed_attention`: the gather/scatter indices
+        between packed tokens and (R, W) rows."""
         starts = torch.nn.functional.pad(self.lengths.cumsum(0), (1, 0))
         columns = torch.arange(self.width, device=starts.device)
         total = int(self.input_ids.shape[1])
@@ -106,11 +134,7 @@ class Packed:
         # a compiled model (`policy.compile`) keeps the row count symbolic even at one row, rather than compiling a
         # graph for the one-row micro batch (dynamo specialises sizes 0 and 1 unless told otherwise)
         torch._dynamo.decorators.mark_unbacked(rows_index, 0)
-        cu = starts.to(torch.int32)
-        return {
-            "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": self.width, "max_length_k": self.width,
-            "rows_index": rows_index, "tokens_index": tokens_index,
-        }
+        return {"rows_index": rows_index, "tokens_index": tokens_index}
 
 
 def pack(batch: Trajectories) -> Packed | None:

@@ -135,7 +135,8 @@ def check_compilable(policy_cfg, model_cfg) -> None:
 def compile_blocks(model: torch.nn.Module) -> int:
     """`torch.compile` each decoder block of ``model`` (`policy.compile`) in place (`nn.Module.compile`: weight names,
     checkpoints and weight pushes unchanged), with dynamic shapes, so micro batches of new row counts and lengths
-    reuse the graphs (each grad mode, a single row and a micro batch without padding compile their own, once).
+    reuse the graphs (each grad mode compiles its own, once; a model that packs its micro batches runs every training
+    forward in one form, one row included; one that does not compiles once more for one row and for no padding).
     Fuses the per-token work between the matrix products (norms, rotary, activations), most of a small model's
     step. Returns the number of blocks compiled."""
     blocks = decoder_blocks(model)

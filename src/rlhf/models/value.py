@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification
 from transformers.utils import logging as hf_logging
 
 from rlhf.functional import last_token_index
-from rlhf.models.logprobs import model_inputs
+from rlhf.models.logprobs import forward_layout
 from rlhf.trajectory import Trajectories, real_positions
 from rlhf.models.dtypes import DTYPES
 from rlhf.models.loading import check_weight_files, disable_dropout, resolve_model_path, zero_dropout_config
@@ -99,18 +99,21 @@ class ValueModule(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor, **attention) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **attention
+    ) -> torch.Tensor:
         return token_scores(self.model, input_ids, attention_mask, position_ids, **attention)
 
 
 def window_values(scorer: torch.nn.Module, batch: Trajectories) -> torch.Tensor:
     """Critic values V(s_t) of the state before each window token. Shape: (B, T), 0 outside the loss mask.
 
-    ``scorer`` maps (input_ids, attention_mask, position_ids) to per-token scores: a `ValueModule`, possibly
-    wrapped by a training strategy. The rows are laid out as for the policy's logprobs (`logprobs.model_inputs`).
+    ``scorer`` maps keyword inputs (input_ids, position_ids, attention_mask or packed rows' arguments) to per-token
+    scores: a `ValueModule`, possibly wrapped by a training strategy. The rows are laid out as for the policy's
+    logprobs (`logprobs.forward_layout`).
     """
-    inputs, predicts, pick = model_inputs(scorer, batch)
-    return pick(scorer(inputs.pop("input_ids"), inputs.pop("attention_mask", None), inputs.pop("position_ids"), **inputs), predicts) * batch.loss_mask
+    inputs, predicts, pick = forward_layout(scorer, batch)
+    return pick(scorer(**inputs), predicts) * batch.loss_mask
 
 
 def sequence_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
