@@ -106,15 +106,17 @@ def merge_to(groups: list[list[int]], count: int) -> list[list[int]]:
 
 def padded_tokens(batch: Trajectories, size: int | Budget) -> tuple[int, int]:
     """(tokens the token-wise layers of the forward passes of ``plan`` compute, of which real): the padding a budget
-    leaves. A micro batch whose rows have no padding between real tokens is packed (`rlhf.models.packing`, every
-    model on SDPA attention): it computes its real tokens only; any other is as wide as its longest row."""
+    leaves, counted as a packing model runs them (`rlhf.models.packing.pack`: the families of `packing.FAMILIES`): a
+    micro batch whose rows have no padding between real tokens computes its real tokens only; any other is as wide as
+    its longest row."""
     first, last = batch.real_spans()
     spans = (last + 1 - first).view(-1, batch.rows_per_unit)
     real_per_unit = batch.attention_mask.sum(dim=1).view(-1, batch.rows_per_unit).sum(dim=1)
     computed = 0
     for units in plan(batch, size):
         real, span = int(real_per_unit[units].sum()), spans[units]
-        computed += int(span.sum()) if int(span.sum()) == real else span.numel() * int(span.max())
+        packed = int(span.sum())
+        computed += packed if packed == real else span.numel() * int(span.max())
     return computed, int(batch.attention_mask.sum())
 
 
