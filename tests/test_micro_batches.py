@@ -98,10 +98,12 @@ def test_split_to_halves_the_largest_until_the_counts_agree():
 def test_packed_micro_batches_compute_no_padding_and_others_their_longest_row():
     batch = ragged_rows(20)
     real = sum(PROMPT_LENGTHS) + sum(RESPONSE_LENGTHS)
-    assert padded_tokens(batch, Budget(rows=2)) == (real, real)  # packed: real tokens only
+    assert padded_tokens(batch, Budget(rows=2), packed=True) == (real, real)  # packed: real tokens only
+    # a model that does not pack: rows of 15, 12 | 12, 8 | 7, 6 | 6, 5 tokens, each pair as wide as its longest
+    assert padded_tokens(batch, Budget(rows=2), packed=False) == (2 * (15 + 12 + 7 + 6), real)
     gap = replace(batch, attention_mask=batch.attention_mask.clone())
     gap.attention_mask[1, batch.window_start - 2] = 0  # a hole in row 1's prompt: its micro batch cannot pack
-    computed, real_gap = padded_tokens(gap, Budget(rows=2))
+    computed, real_gap = padded_tokens(gap, Budget(rows=2), packed=True)
     assert real_gap == real - 1
     # longest first, rows 1 (7 tokens, one now a hole) and 2 (6) share a micro batch: 2 x 7 columns for 12 real tokens
     assert computed == real_gap + 2 * 7 - 12
@@ -144,6 +146,14 @@ def layout(model: torch.nn.Module, name: str) -> torch.nn.Module:
         model.set_attn_implementation("sdpa")
         assert not packing.packs(model)
     return model
+
+
+def test_the_policy_says_whether_its_training_forwards_pack(policy):
+    """`TorchPolicy.packs` (what `perf/padding_fraction` counts by) follows the model's attention."""
+    model = policy()
+    assert model.packs() and "micro batches packed" in model.describe()
+    layout(model.model, "justified")
+    assert not model.packs() and "rows padded per micro batch" in model.describe()
 
 
 @pytest.mark.parametrize("rows", ["packed", "justified"])
@@ -265,7 +275,7 @@ def test_token_budget_loss_and_gradients_equal_the_padded_path(policy, tokenizer
 def one_step(policy, reference, algo, batch, from_training: bool, train) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     """`prepare` then `update_policy` on a fresh seed-0 policy; (prepare and update metrics, weights after)."""
     model = policy(micro_batch_size=train.get("micro_batch_size", 8), max_tokens_per_micro_batch=train.get("tokens"))
-    c = SimpleNamespace(policy=model, reference=reference, critic=None, algorithm=algo, device=CPU, gap_watch=None,
+    c = SimpleNamespace(policy=model, reference=reference, critic=None, algorithm=algo, device=CPU, gap_watch=None, policy_packs=True,
                         shuffle=torch.Generator().manual_seed(0))
     scored = stages.Scored(batch, [""] * len(batch), [""] * len(batch), {})
     budget = Budget(model.train_cfg.micro_batch_size, model.train_cfg.max_tokens_per_micro_batch)

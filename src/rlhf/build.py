@@ -60,6 +60,7 @@ class Components:
     backend: Any | None = None  # the Ray backend's actors and placement groups (cluster.backend=ray)
     env: EpisodeRunner | None = None  # plays multi-turn episodes (env.name set); None = single-turn prompts
     gap_watch: GapWatch | None = None  # watches each step's generator-trainer logprob gap for jumps (rlhf.parity)
+    policy_packs: bool = False  # the policy's training forwards pack their micro batches (`perf/padding_fraction`)
 
     def close(self) -> None:
         """Release remote workers and placement groups (a no-op for the local backend)."""
@@ -176,6 +177,7 @@ def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
     policy, generator = models["policy"], verified(models["generator"], cfg.checks.weight_sync)
     if callable(describe := getattr(policy, "describe", None)):
         log.info("%s", describe())
+    packs = getattr(policy, "packs", None)  # a registered policy of the user's may not say: counted as padded
     if push:
         generator.update_weights(policy.state_dict())
     return Components(
@@ -194,6 +196,7 @@ def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
         backend=backend,
         env=runner,
         gap_watch=GapWatch.from_config(cfg),
+        policy_packs=bool(packs()) if callable(packs) else False,
     )
 
 

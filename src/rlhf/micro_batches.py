@@ -104,20 +104,20 @@ def merge_to(groups: list[list[int]], count: int) -> list[list[int]]:
     return groups
 
 
-def padded_tokens(batch: Trajectories, size: int | Budget) -> tuple[int, int]:
+def padded_tokens(batch: Trajectories, size: int | Budget, packed: bool) -> tuple[int, int]:
     """(tokens the token-wise layers of the forward passes of ``plan`` compute, of which real): the padding a budget
-    leaves, counted as a packing model runs them (`rlhf.models.packing.pack`: the families of `packing.FAMILIES`): a
-    micro batch whose rows have no padding between real tokens computes its real tokens only; any other is as wide as
-    its longest row."""
+    leaves. ``packed``: the model packs its micro batches (`rlhf.models.packing.pack`), so one whose rows have no
+    padding between real tokens computes its real tokens only; any other micro batch, and every one of a model that
+    does not pack, is as wide as its longest row (`Trajectories.justified_inputs`)."""
     first, last = batch.real_spans()
-    spans = (last + 1 - first).view(-1, batch.rows_per_unit)
-    real_per_unit = batch.attention_mask.sum(dim=1).view(-1, batch.rows_per_unit).sum(dim=1)
+    spans = (last + 1 - first).view(-1, batch.rows_per_unit).cpu()
+    real_per_unit = batch.attention_mask.sum(dim=1).view(-1, batch.rows_per_unit).sum(dim=1).cpu()
     computed = 0
     for units in plan(batch, size):
         real, span = int(real_per_unit[units].sum()), spans[units]
-        packed = int(span.sum())
-        computed += packed if packed == real else span.numel() * int(span.max())
-    return computed, int(batch.attention_mask.sum())
+        gap_free = int(span.sum()) == real
+        computed += real if packed and gap_free else span.numel() * int(span.max())
+    return computed, int(real_per_unit.sum())
 
 
 def place(outputs: list[torch.Tensor | None], rows: list[torch.Tensor], width: int) -> torch.Tensor | None:

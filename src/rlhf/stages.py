@@ -219,7 +219,7 @@ def update_policy(c, batch: Trajectories, train_cfg, temperature: float, guard) 
     None (`prepare` with ``old_from_training``), the policy's forward supplies them and the metrics they feed.
     Returns the algorithm's metrics averaged over mini batches, gradient norms, and `perf/total_num_tokens` (real
     tokens of the batch) and `perf/padding_fraction` (the share of padding in what the training forwards' token-wise
-    layers computed, counted as packed micro batches: `micro_batches.padded_tokens`).
+    layers computed, packed or not as the policy runs them: `micro_batches.padded_tokens`).
     """
     units = batch.num_units
     mini_units = max(1, units // train_cfg.num_mini_batches)  # an environment batch may have lost failed groups
@@ -236,7 +236,7 @@ def update_policy(c, batch: Trajectories, train_cfg, temperature: float, guard) 
     for _ in range(train_cfg.num_epochs):
         for mini_ids in torch.randperm(units, generator=c.shuffle).split(mini_units):
             mini = batch.select_units(mini_ids)
-            mini_computed, mini_real = padded_tokens(mini, micro)
+            mini_computed, mini_real = padded_tokens(mini, micro, c.policy_packs)
             computed, real = computed + mini_computed, real + mini_real
             denominator = c.algorithm.denominator(mini)
             results = [

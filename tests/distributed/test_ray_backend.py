@@ -111,6 +111,7 @@ def test_generator_samples_from_the_pushed_weights_not_stale_ones(ray_cluster):
         for _ in range(3):
             metrics, _ = train_step(c, cfg, state)
         assert metrics["val/generator_logprob_diff"] < 1e-4  # sampled by the weights the trainer scored with
+        assert c.policy_packs and metrics["perf/padding_fraction"] == 0.0  # the remote policy said it packs
         after = c.generator.generate(prompts, greedy)
         local = HFGenerator(cfg.generator, cfg.model, load_tokenizer(cfg.model.name_or_path), torch.device("cpu"))
         local.update_weights(ray.get(c.policy.state_dict()))

@@ -177,9 +177,15 @@ def test_packed_rows_under_a_compiled_model_give_the_eager_logprobs_from_one_gra
 
 def family(name: str) -> torch.nn.Module:
     """A tiny random model of a family the presets use: Qwen2 (biased q/k/v), GPT-NeoX (Pythia: partial rotary)."""
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     torch.manual_seed(0)
+    if name == "qwen2_moe":  # its config says "no window" with sliding_window=0, not None
+        return Qwen2MoeForCausalLM(Qwen2MoeConfig(
+            vocab_size=40, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        )).eval()
     if name == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(
             vocab_size=40, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -191,7 +197,7 @@ def family(name: str) -> torch.nn.Module:
     )).eval()
 
 
-@pytest.mark.parametrize("name", ["qwen2", "gpt_neox"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen2_moe", "gpt_neox"])
 def test_other_families_pack_with_the_padded_rows_logprobs(name):
     model = family(name)
     batch = rows([3, 6, 2, 5], [9, 1, 4, 7])

@@ -4,9 +4,10 @@ norms, the output layer) compute no padding at all.
 Attention stays inside each row. The policy, reference and critic models run on an attention implementation
 registered here (`IMPLEMENTATION`): without packing arguments it is PyTorch SDPA unchanged (Hugging Face's own
 function); with them (`Packed.attention_kwargs`) it gathers each row's queries, keys and values into a (rows, heads,
-longest row, head dim) block, runs causal SDPA on it and scatters the outputs back. A row's padding sits after its
-last real token, where causal attention cannot reach a real token, so every real token sees exactly what it sees in
-the padded layout. Attention pays for that padding; the token-wise layers, most of a forward, do not.
+longest row, head dim) block, runs causal SDPA on it and scatters the outputs back. The block's columns past a row's
+last token (filled with the tokens after it) come after every real token of the row, where causal attention keeps
+them from it, so every real token sees exactly what it sees in the padded layout, and their outputs are dropped.
+Attention pays for those columns; the token-wise layers, most of a forward, do not.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from rlhf.trajectory import Trajectories
 
 IMPLEMENTATION = "rlhf_packed"  # the attention implementation name packed models run on
-# model families whose every layer is full causal self-attention over rotary or learned positions, with nothing else
-# mixing tokens: a packed row sees no other row. Others (hybrid SSM or convolution layers, chunked or soft-capped
+# model families whose every layer is full causal self-attention over rotary positions, with nothing else mixing
+# tokens: a packed row sees no other row. Others (hybrid SSM or convolution layers, chunked or soft-capped
 # attention, attention sinks) keep the justified layout until checked
 FAMILIES = frozenset({
     "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gpt_neox", "olmo", "olmo2", "phi3",
@@ -64,8 +65,12 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 def packed_mask(*args, attention_mask=None, **kwargs):
     """Hugging Face mask function: SDPA's own, except for a packed forward (no 2-D mask, no cache: queries and keys
     are the same N tokens), which needs none (`packed_attention` keeps each row to itself): no (N, N) mask is built.
-    A cached forward or one with a mask gets exactly SDPA's."""
-    fresh = kwargs.get("q_length") == kwargs.get("kv_length") and not kwargs.get("q_offset") and not kwargs.get("kv_offset")
+    A cached forward or one with a mask gets exactly SDPA's. (transformers 4.x passes no ``q_length``: the queries
+    are then the ``cache_position`` entries.)"""
+    q_length = kwargs.get("q_length")
+    if q_length is None and kwargs.get("cache_position") is not None:
+        q_length = kwargs["cache_position"].shape[0]
+    fresh = q_length == kwargs.get("kv_length") and not kwargs.get("q_offset") and not kwargs.get("kv_offset")
     if attention_mask is None and fresh:
         return None
     return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
@@ -89,7 +94,8 @@ def can_pack(config: PretrainedConfig | None) -> bool:
     attention (no sliding window, no chunked attention)."""
     if config is None or config.model_type not in FAMILIES or config._attn_implementation != "sdpa":
         return False
-    if getattr(config, "sliding_window", None) is not None or getattr(config, "attention_chunk_size", None) is not None:
+    # a window of None or 0 is no window (Qwen2-MoE's config sets 0 when use_sliding_window is off)
+    if getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None):
         return False
     return all(kind == "full_attention" for kind in getattr(config, "layer_types", None) or ())
 
@@ -121,6 +127,7 @@ class Packed:
     lengths: torch.Tensor  # (R,) tokens of each row
     width: int  # the longest row
     predicts: torch.Tensor  # (R, T): the packed position whose output predicts each window token
+    tokens_index: torch.Tensor  # (N,): each packed token's place in the (R, width) block, row * width + column
 
     def attention_kwargs(self) -> dict:
         """Keyword arguments a Hugging Face model passes down to `packed_attention`: the gather/scatter indices
@@ -129,12 +136,10 @@ class Packed:
         columns = torch.arange(self.width, device=starts.device)
         total = int(self.input_ids.shape[1])
         rows_index = (starts[:-1, None] + columns).clamp(max=total - 1)
-        inside = columns < self.lengths[:, None]
-        tokens_index = (torch.arange(len(self.lengths), device=starts.device)[:, None] * self.width + columns)[inside]
         # a compiled model (`policy.compile`) keeps the row count symbolic even at one row, rather than compiling a
         # graph for the one-row micro batch (dynamo specialises sizes 0 and 1 unless told otherwise)
         torch._dynamo.decorators.mark_unbacked(rows_index, 0)
-        return {"rows_index": rows_index, "tokens_index": tokens_index}
+        return {"rows_index": rows_index, "tokens_index": self.tokens_index}
 
 
 def pack(batch: Trajectories) -> Packed | None:
@@ -161,4 +166,5 @@ def pack(batch: Trajectories) -> Packed | None:
         lengths=lengths,
         width=int(width),
         predicts=starts[:-1, None] + inside,
+        tokens_index=row * width + offset,
     )

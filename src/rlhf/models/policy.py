@@ -31,7 +31,7 @@ class TorchPolicy(TrainableModel):
     def __init__(self, cfg, model_cfg, train_cfg, total_optimizer_steps: int, device: torch.device) -> None:
         self.cfg, self.train_cfg = cfg, train_cfg
         model = load_causal_lm(model_cfg.name_or_path, "float32", model_cfg.revision, model_cfg.trust_remote_code, device)
-        self.packs = packing.enable(model)
+        packing.enable(model)
         self.lora = cfg.lora if lora.enabled(cfg.lora) else None
         if self.lora is not None:
             model = lora.add_adapters(model, self.lora)
@@ -55,9 +55,13 @@ class TorchPolicy(TrainableModel):
             f"{counts['optimizer_state_bytes'] / 2**20:.2f} MiB" + (" on this rank" if self.strategy.world_size > 1 else "")
             + f"; weight sync per step: {sync}"
             + (f"; {self.compiled_blocks} decoder blocks compiled (policy.compile)" if self.compiled_blocks else "")
-            + ("; micro batches packed (no token-wise layer computes padding)" if self.packs else
+            + ("; micro batches packed (no token-wise layer computes padding)" if self.packs() else
                "; rows padded per micro batch (this model's attention takes no packed rows)")
         )
+
+    def packs(self) -> bool:
+        """Whether the training forwards pack each micro batch's rows end to end (`rlhf.models.packing`)."""
+        return packing.packs(self.module)
 
     def logprobs(self, batch: Trajectories, temperature: float, with_entropy: bool = False, entropy_grad: bool = True):
         """(logprobs (B, T), entropy or None) of the action window, with gradients enabled, in float32."""
