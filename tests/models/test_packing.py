@@ -129,6 +129,21 @@ def test_a_packing_model_continues_from_a_cache_as_sdpa_does():
     torch.testing.assert_close(out[1], out[0], rtol=0, atol=0)
 
 
+def test_the_packed_mask_is_skipped_only_for_a_fresh_unmasked_forward(monkeypatch):
+    """`packed_mask` with transformers 5's arguments and with 4.x's (no ``q_length``: the queries are the
+    ``cache_position`` entries): no mask for N queries over the same N keys; SDPA's own mask otherwise."""
+    monkeypatch.setattr(packing, "sdpa_mask", lambda *args, **kwargs: "sdpa's mask")
+    fresh_5 = {"q_length": 6, "kv_length": 6, "q_offset": 0, "kv_offset": 0}
+    fresh_4 = {"cache_position": torch.arange(6), "kv_length": 6, "kv_offset": 0}
+    assert packing.packed_mask(batch_size=1, **fresh_5) is None
+    assert packing.packed_mask(batch_size=1, **fresh_4) is None
+    cached_5 = {**fresh_5, "kv_length": 10, "q_offset": 4}
+    cached_4 = {"cache_position": torch.arange(4, 10), "kv_length": 10, "kv_offset": 0}
+    for kwargs in (cached_5, cached_4):
+        assert packing.packed_mask(batch_size=1, **kwargs) == "sdpa's mask"
+    assert packing.packed_mask(batch_size=1, attention_mask=torch.ones(1, 6), **fresh_4) == "sdpa's mask"
+
+
 def test_attention_arguments_the_packed_path_cannot_honour_are_refused():
     model = packing_model()
     batch = packing.pack(rows([3, 6], [5, 1]))
