@@ -140,7 +140,7 @@ def grpo_steps(device, folder, shape, model_cfg, algo_cfg, gen_cfg, checkpointin
     generator.update_weights(policy.state_dict())
     algorithm = build_algorithm(algo_cfg, new_tokens)
     c = SimpleNamespace(policy=policy, reference=reference, critic=None, algorithm=algorithm, device=device, gap_watch=None,
-                        shuffle=torch.Generator().manual_seed(0))
+                        policy_packs=policy.packs(), shuffle=torch.Generator().manual_seed(0))
     vocab = shape["vocab_size"]
     times: dict[str, float] = {}
     if device.type == "cuda":
