@@ -275,8 +275,8 @@ def test_token_budget_loss_and_gradients_equal_the_padded_path(policy, tokenizer
 def one_step(policy, reference, algo, batch, from_training: bool, train) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     """`prepare` then `update_policy` on a fresh seed-0 policy; (prepare and update metrics, weights after)."""
     model = policy(micro_batch_size=train.get("micro_batch_size", 8), max_tokens_per_micro_batch=train.get("tokens"))
-    c = SimpleNamespace(policy=model, reference=reference, critic=None, algorithm=algo, device=CPU, gap_watch=None, policy_packs=True,
-                        shuffle=torch.Generator().manual_seed(0))
+    c = SimpleNamespace(policy=model, reference=reference, critic=None, algorithm=algo, device=CPU, gap_watch=None,
+                        policy_packs=model.packs(), shuffle=torch.Generator().manual_seed(0))
     scored = stages.Scored(batch, [""] * len(batch), [""] * len(batch), {})
     budget = Budget(model.train_cfg.micro_batch_size, model.train_cfg.max_tokens_per_micro_batch)
     prepared, metrics = stages.prepare(c, scored, 1.0, budget, from_training)

@@ -97,8 +97,8 @@ def test_prepare_and_update_train_only_the_actions(policy_cfg, model_cfg, train_
     train = train_cfg(lr=1e-2, micro_batch_size=1)
     policy = TorchPolicy(policy_cfg, model_cfg, train, total_optimizer_steps=1, device=CPU)
     algorithm = build_algorithm(algorithm_cfg("grpo", num_samples_per_prompt=2), max_new_tokens=8)
-    c = SimpleNamespace(policy=policy, reference=None, critic=None, algorithm=algorithm, device=CPU, gap_watch=None, policy_packs=True,
-                        shuffle=torch.Generator().manual_seed(0))
+    c = SimpleNamespace(policy=policy, reference=None, critic=None, algorithm=algorithm, device=CPU, gap_watch=None,
+                        policy_packs=policy.packs(), shuffle=torch.Generator().manual_seed(0))
     batch, texts = multiturn(tokenizer)
     scored = stages.Scored(replace(batch, scores=torch.tensor([1.0, 0.0])), ["1+2="] * 2, texts, {})
     trained, metrics = stages.prepare(c, scored, temperature=1.0, micro=1)

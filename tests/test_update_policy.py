@@ -192,7 +192,8 @@ class Setup:
 
         self.algorithm.policy_loss = loss
         self.policy.backward = backward
-        self.c = SimpleNamespace(policy=self.policy, critic=None, algorithm=self.algorithm, policy_packs=True, shuffle=torch.Generator().manual_seed(0))
+        self.c = SimpleNamespace(policy=self.policy, critic=None, algorithm=self.algorithm, policy_packs=self.policy.packs(),
+                                 shuffle=torch.Generator().manual_seed(0))
 
 
 def test_nan_mini_batches_change_nothing_and_good_ones_train(policy_cfg, model_cfg, train_cfg, tokenizer):
@@ -306,7 +307,8 @@ def test_ppo_non_finite_gradient_skips_only_that_model(policy_cfg, model_cfg, tr
     owner.backward = poisoned_backward
     before = {"policy": weights(policy.model), "critic": weights(critic.model)}
     guard = NonFiniteGuard(max_in_row=3)
-    c = SimpleNamespace(policy=policy, critic=critic, algorithm=algorithm, policy_packs=True, shuffle=torch.Generator().manual_seed(0))
+    c = SimpleNamespace(policy=policy, critic=critic, algorithm=algorithm, policy_packs=policy.packs(),
+                        shuffle=torch.Generator().manual_seed(0))
     assert update_policy(c, batch, train, 1.0, guard) == {}
     assert guard.total == 1
     healthy = "policy" if poisoned == "critic" else "critic"
@@ -321,7 +323,8 @@ def test_ppo_non_finite_critic_loss_moves_neither(policy_cfg, model_cfg, train_c
     algorithm.value_loss = lambda micro, out, d: (real_value_loss(micro, out, d)[0] * NAN, {})
     before = {"policy": weights(policy.model), "critic": weights(critic.model)}
     guard = NonFiniteGuard(max_in_row=3)
-    c = SimpleNamespace(policy=policy, critic=critic, algorithm=algorithm, policy_packs=True, shuffle=torch.Generator().manual_seed(0))
+    c = SimpleNamespace(policy=policy, critic=critic, algorithm=algorithm, policy_packs=policy.packs(),
+                        shuffle=torch.Generator().manual_seed(0))
     assert update_policy(c, batch, train, 1.0, guard) == {}
     assert guard.total == 1
     assert same_weights(weights(policy.model), before["policy"])
