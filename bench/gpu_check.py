@@ -22,14 +22,12 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from omegaconf import OmegaConf
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from cli_runs import matmul_peak, train_flops
-from rlhf import stages
 from rlhf.algorithms import build_algorithm
 from rlhf.config.schema import AlgorithmConfig, GeneratorConfig, ModelConfig, PolicyConfig, ReferenceConfig, StrategyConfig
 from rlhf.config import compose_config
@@ -41,6 +39,8 @@ from rlhf.models.reference import FrozenReference
 from rlhf.models.tiny import build_char_tokenizer
 from rlhf.plan import make_plan, memory
 from rlhf.schedules.common import NonFiniteGuard
+from rlhf.step.learner import Learner
+from rlhf.step.scored import Scored, with_groups
 
 SECTIONS = ("peak", "learn", "throughput", "hybrid", "strategies")
 QWEN2_5_0_5B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -139,8 +139,8 @@ def grpo_steps(device, folder, shape, model_cfg, algo_cfg, gen_cfg, checkpointin
     generator = HFGenerator(gen_cfg, model_cfg, tokenizer, device)
     generator.update_weights(policy.state_dict())
     algorithm = build_algorithm(algo_cfg, new_tokens)
-    c = SimpleNamespace(policy=policy, reference=reference, critic=None, algorithm=algorithm, device=device, gap_watch=None,
-                        policy_packs=policy.packs(), shuffle=torch.Generator().manual_seed(0))
+    learner = Learner(policy, reference, None, algorithm, train_cfg, 1.0, device, torch.Generator().manual_seed(0),
+                      policy_packs=policy.packs())
     vocab = shape["vocab_size"]
     times: dict[str, float] = {}
     if device.type == "cuda":
@@ -150,10 +150,10 @@ def grpo_steps(device, folder, shape, model_cfg, algo_cfg, gen_cfg, checkpointin
         repeated = [p for p in prompt_ids for _ in range(samples)]
         sampling = SamplingParams(new_tokens, temperature=1.0)
         batch, gen_s = timed(device, lambda: generator.generate(repeated, sampling))
-        batch = replace(stages.with_groups(batch, samples), scores=torch.randn(len(repeated)))
-        scored = stages.Scored(batch.to("cpu"), [""] * len(repeated), [""] * len(repeated), {})
-        (trained, _), logp_s = timed(device, lambda: stages.prepare(c, scored, 1.0, micro))
-        update = lambda: stages.update_policy(c, trained, train_cfg, 1.0, NonFiniteGuard(3))  # noqa: E731
+        batch = replace(with_groups(batch, samples), scores=torch.randn(len(repeated)))
+        scored = Scored(batch.to("cpu"), [""] * len(repeated), [""] * len(repeated), {})
+        (trained, _), logp_s = timed(device, lambda: learner.prepare(scored))
+        update = lambda: learner.train(trained, NonFiniteGuard(3))  # noqa: E731
         if profile and step == 2 and not checkpointing:
             with torch.profiler.profile() as prof:
                 update()

@@ -12,10 +12,11 @@ import torch
 from rlhf.algorithms import build_algorithm
 from rlhf.functional import entropy_from_logits, logprobs_from_logits
 from rlhf.config.schema import AlgorithmConfig
-from rlhf.micro_batches import Budget, padded_tokens, plan, split_to, window_outputs
+from rlhf.micro_batches import Budget, as_budget, padded_tokens, plan, split_to, window_outputs
 from rlhf.models.policy import TorchPolicy
 from rlhf.models.reference import FrozenReference
-from rlhf import stages
+from rlhf.step.learner import Learner, accumulate
+from rlhf.step.scored import Scored
 from rlhf.schedules.common import NonFiniteGuard
 from rlhf.trajectory import Forward, Trajectories, from_completions
 
@@ -239,7 +240,7 @@ def test_window_outputs_restore_row_order():
 def loss_and_grads(model, algo, batch, micro) -> tuple[float, dict[str, torch.Tensor]]:
     """One accumulation of the policy loss over ``batch``; (summed loss, gradients), gradients then cleared."""
     denominator = algo.denominator(batch)
-    finite, metrics, _ = model.accumulate(algo.policy_loss, batch, denominator, micro, 1.0)
+    finite, metrics, _ = accumulate(model, batch, algo.policy_loss, denominator, as_budget(micro), 1.0, False, False)
     assert finite
     grads = {name: p.grad.clone() for name, p in model.model.named_parameters() if p.grad is not None}
     model.zero_grad()
@@ -257,7 +258,8 @@ def test_token_budget_loss_and_gradients_equal_the_padded_path(policy, tokenizer
         old, _ = model.logprobs(rollout, 1.0)
     batch, _ = algo.build_batch(replace(rollout, old_logp=old + 0.05 * rollout.loss_mask))  # ratios != 1: clipping counts
     denominator = algo.denominator(batch)
-    loss, _, _ = model.micro_loss(algo.policy_loss, batch, denominator, 1.0, False)
+    micro, forward, _ = model.train_forward(batch, 1.0, False)
+    loss, _ = algo.policy_loss(micro, forward, denominator)
     loss.backward()
     padded = {name: p.grad.clone() for name, p in model.model.named_parameters() if p.grad is not None}
     model.zero_grad()
@@ -273,15 +275,15 @@ def test_token_budget_loss_and_gradients_equal_the_padded_path(policy, tokenizer
 
 
 def one_step(policy, reference, algo, batch, from_training: bool, train) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
-    """`prepare` then `update_policy` on a fresh seed-0 policy; (prepare and update metrics, weights after)."""
+    """A real Learner's `prepare` then `train` on a fresh seed-0 policy; (prepare and update metrics, weights after).
+    ``algo`` must say whether the old logprobs may come from the training forward (`reuse_training_logprobs`)."""
     model = policy(micro_batch_size=train.get("micro_batch_size", 8), max_tokens_per_micro_batch=train.get("tokens"))
-    c = SimpleNamespace(policy=model, reference=reference, critic=None, algorithm=algo, device=CPU, gap_watch=None,
-                        policy_packs=model.packs(), shuffle=torch.Generator().manual_seed(0))
-    scored = stages.Scored(batch, [""] * len(batch), [""] * len(batch), {})
-    budget = Budget(model.train_cfg.micro_batch_size, model.train_cfg.max_tokens_per_micro_batch)
-    prepared, metrics = stages.prepare(c, scored, 1.0, budget, from_training)
+    learner = Learner(model, reference, None, algo, model.train_cfg, 1.0, CPU, torch.Generator().manual_seed(0),
+                      policy_packs=model.packs())
+    assert learner.old_logprobs_from_training() == from_training
+    prepared, metrics = learner.prepare(Scored(batch, [""] * len(batch), [""] * len(batch), {}))
     assert (prepared.old_logp is None) == from_training
-    metrics |= stages.update_policy(c, prepared, model.train_cfg, 1.0, NonFiniteGuard(1))
+    metrics |= learner.train(prepared, NonFiniteGuard(1))
     return metrics, {k: v.clone() for k, v in model.model.state_dict().items()}
 
 
@@ -292,7 +294,9 @@ def test_old_logprobs_from_the_training_forward_change_nothing(policy, reference
     reference = FrozenReference(reference_cfg(), model_cfg, CPU)
     batch = ragged_rows(len(tokenizer))
     batch = replace(batch, gen_logp=-0.5 * batch.loss_mask)
-    separate, after_separate = one_step(policy, reference, algorithm(beta=0.1, entropy_coef=0.01), batch, False, train)
+    separate, after_separate = one_step(
+        policy, reference, algorithm(beta=0.1, entropy_coef=0.01, reuse_training_logprobs=False), batch, False, train
+    )
     fused, after_fused = one_step(policy, reference, algorithm(beta=0.1, entropy_coef=0.01), batch, True, train)
     assert set(fused) == set(separate)
     for key in ("objective/entropy", "objective/kl", "checks/logprob_gap_mean", "train/kl_sample_train_v2", "loss/policy_avg",
@@ -310,7 +314,7 @@ def test_old_logprobs_need_their_own_pass_where_the_batch_reads_them(train_cfg):
     one = train_cfg()
 
     def fused(algo, train=one) -> bool:
-        return stages.old_logprobs_from_training(SimpleNamespace(algorithm=algo), train)
+        return Learner(None, None, None, algo, train, 1.0, CPU, torch.Generator()).old_logprobs_from_training()
 
     assert fused(algorithm()) and fused(algorithm(beta=0.1))
     assert not fused(algorithm(beta=0.1, kl_in_reward=True))
@@ -327,7 +331,7 @@ def test_the_training_forward_records_in_row_order(policy, tokenizer):
     with torch.no_grad():
         old, entropy = model.logprobs(rollout, 1.0, with_entropy=True)
     batch, _ = algo.build_batch(replace(rollout, old_logp=old))
-    _, _, recorded = model.accumulate(algo.policy_loss, batch, algo.denominator(batch), Budget(8, 24), 1.0, False, True)
+    _, _, recorded = accumulate(model, batch, algo.policy_loss, algo.denominator(batch), Budget(8, 24), 1.0, False, True)
     assert isinstance(recorded, Forward)
     torch.testing.assert_close(recorded.logp, old, rtol=0, atol=1e-5)
     torch.testing.assert_close(recorded.entropy, entropy, rtol=0, atol=1e-5)

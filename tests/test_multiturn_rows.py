@@ -5,16 +5,16 @@ Observation tokens are context, never trained on."""
 from __future__ import annotations
 
 from dataclasses import replace
-from types import SimpleNamespace
 
 import torch
 
-from rlhf import stages
 from rlhf.algorithms import build_algorithm
 from rlhf.generators.hf import left_pad
 from rlhf.models.policy import TorchPolicy
 from rlhf.models.value import load_value_model, sequence_scores
 from rlhf.schedules.common import NonFiniteGuard
+from rlhf.step.learner import Learner
+from rlhf.step.scored import Scored
 from rlhf.trajectory import Trajectories, from_completions
 from test_update_policy import algorithm_cfg
 
@@ -97,16 +97,16 @@ def test_prepare_and_update_train_only_the_actions(policy_cfg, model_cfg, train_
     train = train_cfg(lr=1e-2, micro_batch_size=1)
     policy = TorchPolicy(policy_cfg, model_cfg, train, total_optimizer_steps=1, device=CPU)
     algorithm = build_algorithm(algorithm_cfg("grpo", num_samples_per_prompt=2), max_new_tokens=8)
-    c = SimpleNamespace(policy=policy, reference=None, critic=None, algorithm=algorithm, device=CPU, gap_watch=None,
-                        policy_packs=policy.packs(), shuffle=torch.Generator().manual_seed(0))
+    learner = Learner(policy, None, None, algorithm, train, 1.0, CPU, torch.Generator().manual_seed(0),
+                      policy_packs=policy.packs())
     batch, texts = multiturn(tokenizer)
-    scored = stages.Scored(replace(batch, scores=torch.tensor([1.0, 0.0])), ["1+2="] * 2, texts, {})
-    trained, metrics = stages.prepare(c, scored, temperature=1.0, micro=1)
+    scored = Scored(replace(batch, scores=torch.tensor([1.0, 0.0])), ["1+2="] * 2, texts, {})
+    trained, metrics = learner.prepare(scored)
     observations = trained.loss_mask == 0
     assert (trained.advantages[observations] == 0).all()
     assert (trained.advantages[0][~observations[0]] > 0).all() and (trained.advantages[1][~observations[1]] < 0).all()
     assert metrics["val/sequence_lengths"] == 3.5  # action tokens: 3 and 4 (EOS included), observations excluded
     before = {k: v.clone() for k, v in policy.model.state_dict().items()}
-    stats = stages.update_policy(c, trained, train, temperature=1.0, guard=NonFiniteGuard(1))
+    stats = learner.train(trained, guard=NonFiniteGuard(1))
     assert stats["policy/grad_norm"] > 0
     assert any(not torch.equal(before[k], v) for k, v in policy.model.state_dict().items())

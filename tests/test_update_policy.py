@@ -1,4 +1,4 @@
-"""Skipping non-finite optimiser steps: `clip_and_step` and `rlhf.stages.update_policy` with a real tiny policy."""
+"""Skipping non-finite optimiser steps: `clip_and_step` and `Learner.train` with a real tiny policy."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from rlhf.models.critic import TorchCritic
 from rlhf.models.optim import clip_and_step, make_optimizer
 from rlhf.models.policy import TorchPolicy
 from rlhf.schedules.common import NonFiniteError, NonFiniteGuard
-from rlhf.stages import update_policy, with_groups
+from rlhf.step.learner import Learner
+from rlhf.step.scored import with_groups
 from rlhf.trajectory import Trajectories, from_completions
 
 CPU = torch.device("cpu")
@@ -104,7 +105,7 @@ def test_clip_and_step_with_non_finite_grads_changes_nothing(train_cfg, bad):
     assert scheduler.last_epoch == before["last_epoch"] + 1
 
 
-# --- update_policy ------------------------------------------------------------------------------------
+# --- Learner.train -------------------------------------------------------------------------------------
 
 
 def make_rollout(tokenizer, pairs: list[tuple[str, str]]) -> Trajectories:
@@ -155,7 +156,7 @@ class Setup:
     ``nan_calls`` are 0-based indices of `policy_loss` calls (one per micro batch) that return a NaN policy loss.
     Each call records the policy's weights as they were at that call and, for good calls, its metrics; each
     backward records the global norm of the accumulated gradients (with one micro batch per mini batch, the
-    norm `update_policy` reports for that mini batch).
+    norm `Learner.train` reports for that mini batch).
     """
 
     def __init__(self, policy_cfg, model_cfg, train, tokenizer, nan_calls=()) -> None:
@@ -192,8 +193,14 @@ class Setup:
 
         self.algorithm.policy_loss = loss
         self.policy.backward = backward
-        self.c = SimpleNamespace(policy=self.policy, critic=None, algorithm=self.algorithm, policy_packs=self.policy.packs(),
-                                 shuffle=torch.Generator().manual_seed(0))
+        self.learner = make_learner(self.policy, self.algorithm, train)
+
+
+def make_learner(policy, algorithm, train, critic=None) -> Learner:
+    """A real Learner of ``policy`` (and ``critic``) without a reference, sampling temperature 1, mini batches
+    shuffled by seed 0."""
+    return Learner(policy, None, critic, algorithm, train, 1.0, CPU, torch.Generator().manual_seed(0),
+                   policy_packs=policy.packs())
 
 
 def test_nan_mini_batches_change_nothing_and_good_ones_train(policy_cfg, model_cfg, train_cfg, tokenizer):
@@ -201,7 +208,7 @@ def test_nan_mini_batches_change_nothing_and_good_ones_train(policy_cfg, model_c
     train = train_cfg(lr=1e-2, num_mini_batches=4, micro_batch_size=1)
     s = Setup(policy_cfg, model_cfg, train, tokenizer, nan_calls={1, 2})
     guard = NonFiniteGuard(max_in_row=3)
-    metrics = update_policy(s.c, s.batch, train, 1.0, guard)
+    metrics = s.learner.train(s.batch, guard)
 
     after = [*s.weights_at_call[1:], weights(s.policy.model)]  # weights after each mini batch
     changed = [not same_weights(b, a) for b, a in zip(s.weights_at_call, after)]
@@ -226,7 +233,7 @@ def test_nan_in_a_later_micro_batch_discards_the_earlier_gradients(policy_cfg, m
     s = Setup(policy_cfg, model_cfg, train, tokenizer, nan_calls={1})
     before = weights(s.policy.model)
     guard = NonFiniteGuard(max_in_row=3)
-    assert update_policy(s.c, s.batch, train, 1.0, guard) == {}
+    assert s.learner.train(s.batch, guard) == {}
     assert len(s.weights_at_call) == 2 and len(s.grad_norms) == 1  # the first micro batch did run backward
     assert same_weights(weights(s.policy.model), before)
     assert all(p.grad is None for p in s.policy.model.parameters())
@@ -241,7 +248,7 @@ def test_non_finite_gradient_with_finite_loss_is_skipped(policy_cfg, model_cfg, 
     s = Setup(policy_cfg, model_cfg, train, tokenizer)
     s.poison_backward = {0}  # the first mini batch's gradient turns NaN after a finite loss
     guard = NonFiniteGuard(max_in_row=3)
-    metrics = update_policy(s.c, s.batch, train, 1.0, guard)
+    metrics = s.learner.train(s.batch, guard)
 
     assert math.isnan(s.grad_norms[0]) and math.isfinite(s.grad_norms[1])
     assert same_weights(s.weights_at_call[0], s.weights_at_call[1])  # the poisoned mini batch moved nothing
@@ -259,7 +266,7 @@ def test_too_many_nan_mini_batches_in_a_row_stop_the_update(policy_cfg, model_cf
     before = weights(s.policy.model)
     guard = NonFiniteGuard(max_in_row=3)
     with pytest.raises(NonFiniteError, match="train.max_skipped_steps_in_row=3"):
-        update_policy(s.c, s.batch, train, 1.0, guard)
+        s.learner.train(s.batch, guard)
     assert len(s.weights_at_call) == 3  # stopped before the 4th mini batch
     assert same_weights(weights(s.policy.model), before)
     assert guard.total == 3
@@ -270,7 +277,7 @@ def test_all_good_mini_batches_with_several_epochs(policy_cfg, model_cfg, train_
     train = train_cfg(lr=1e-2, num_mini_batches=2, micro_batch_size=2, num_epochs=2)
     s = Setup(policy_cfg, model_cfg, train, tokenizer)
     guard = NonFiniteGuard(max_in_row=1)
-    metrics = update_policy(s.c, s.batch, train, 1.0, guard)
+    metrics = s.learner.train(s.batch, guard)
     assert len(s.grad_norms) == 4 and s.policy.scheduler.last_epoch == 4
     assert (guard.total, guard.in_row) == (0, 0)
     assert metrics["policy/grad_norm"] == pytest.approx(sum(s.grad_norms) / 4)
@@ -307,9 +314,7 @@ def test_ppo_non_finite_gradient_skips_only_that_model(policy_cfg, model_cfg, tr
     owner.backward = poisoned_backward
     before = {"policy": weights(policy.model), "critic": weights(critic.model)}
     guard = NonFiniteGuard(max_in_row=3)
-    c = SimpleNamespace(policy=policy, critic=critic, algorithm=algorithm, policy_packs=policy.packs(),
-                        shuffle=torch.Generator().manual_seed(0))
-    assert update_policy(c, batch, train, 1.0, guard) == {}
+    assert make_learner(policy, algorithm, train, critic).train(batch, guard) == {}
     assert guard.total == 1
     healthy = "policy" if poisoned == "critic" else "critic"
     assert same_weights(weights(owner.model), before[poisoned])
@@ -323,9 +328,7 @@ def test_ppo_non_finite_critic_loss_moves_neither(policy_cfg, model_cfg, train_c
     algorithm.value_loss = lambda micro, out, d: (real_value_loss(micro, out, d)[0] * NAN, {})
     before = {"policy": weights(policy.model), "critic": weights(critic.model)}
     guard = NonFiniteGuard(max_in_row=3)
-    c = SimpleNamespace(policy=policy, critic=critic, algorithm=algorithm, policy_packs=policy.packs(),
-                        shuffle=torch.Generator().manual_seed(0))
-    assert update_policy(c, batch, train, 1.0, guard) == {}
+    assert make_learner(policy, algorithm, train, critic).train(batch, guard) == {}
     assert guard.total == 1
     assert same_weights(weights(policy.model), before["policy"])
     assert same_weights(weights(critic.model), before["critic"])

@@ -26,6 +26,7 @@ from rlhf.distributed.cluster import start
 from rlhf.distributed.layout import reference_is_base, used_roles
 from rlhf.envs.base import seed_tasks
 from rlhf.envs.loop import EpisodeRunner
+from rlhf.generators.base import SamplingParams
 from rlhf.envs.templates import check as check_template
 from rlhf.generators.hf import stop_token_id
 from rlhf.models.lora import AdaptersOff, check_not_adapter, check_targets
@@ -36,6 +37,8 @@ from rlhf.models.trainable import check_compilable
 from rlhf.parity import GapWatch
 from rlhf.rewards.combine import RewardSet
 from rlhf.rewards.model import RewardModelScorer
+from rlhf.step.collector import Collector
+from rlhf.step.learner import Learner
 from rlhf.weight_sync import verified
 
 log = logging.getLogger(__name__)
@@ -43,24 +46,52 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Components:
-    """The parts the schedules wire together."""
+    """What a run is made of: the step's two pieces (`Collector`, `Learner`), the evaluation prompts, and what
+    checkpoints and exports reach through them."""
 
     device: torch.device
     tokenizer: Any
-    prompts: PromptStream
+    collector: Collector  # prompts, generator, rewards, environment
+    learner: Learner  # policy, reference, critic, algorithm, mini-batch order
     eval_examples: list[PromptExample]
-    rewards: RewardSet
-    algorithm: Any  # the composed RL algorithm (rlhf.algorithms): advantages, losses, KL coefficient
-    generator: Any
-    policy: Any
-    reference: Any | None
-    critic: Any | None = None
-    shuffle: torch.Generator | None = None  # orders mini batches; its state is checkpointed
     data_report: dict | None = None  # what dataset loading kept and dropped, per source
     backend: Any | None = None  # the Ray backend's actors and placement groups (cluster.backend=ray)
-    env: EpisodeRunner | None = None  # plays multi-turn episodes (env.name set); None = single-turn prompts
-    gap_watch: GapWatch | None = None  # watches each step's generator-trainer logprob gap for jumps (rlhf.parity)
-    policy_packs: bool = False  # the policy's training forwards pack their micro batches (`perf/padding_fraction`)
+
+    @property
+    def generator(self):
+        return self.collector.generator
+
+    @property
+    def prompts(self) -> PromptStream:
+        return self.collector.prompts
+
+    @property
+    def rewards(self) -> RewardSet:
+        return self.collector.rewards
+
+    @property
+    def env(self) -> EpisodeRunner | None:
+        return self.collector.env
+
+    @property
+    def policy(self):
+        return self.learner.policy
+
+    @property
+    def reference(self):
+        return self.learner.reference
+
+    @property
+    def critic(self):
+        return self.learner.critic
+
+    @property
+    def algorithm(self):
+        return self.learner.algorithm
+
+    @property
+    def shuffle(self) -> torch.Generator:
+        return self.learner.shuffle
 
     def close(self) -> None:
         """Release remote workers and placement groups (a no-op for the local backend)."""
@@ -180,24 +211,19 @@ def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
     packs = getattr(policy, "packs", None)  # a registered policy of the user's may not say: counted as padded
     if push:
         generator.update_weights(policy.state_dict())
-    return Components(
-        device=device,
-        tokenizer=tokenizer,
-        prompts=PromptStream(splits.train, seed=cfg.seed),
-        eval_examples=splits.eval,
-        rewards=rewards,
-        algorithm=algorithm,
-        generator=generator,
-        policy=policy,
-        reference=models["reference"],
-        critic=models["critic"],
-        shuffle=torch.Generator().manual_seed(cfg.seed),
-        data_report=splits.report,
-        backend=backend,
-        env=runner,
-        gap_watch=GapWatch.from_config(cfg),
-        policy_packs=bool(packs()) if callable(packs) else False,
+    prompts = PromptStream(splits.train, seed=cfg.seed)
+    gen = cfg.generator
+    collector = Collector(
+        generator, tokenizer, rewards, prompts, SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p),
+        prompts_per_step=cfg.train.prompts_per_step, samples_per_prompt=cfg.algorithm.num_samples_per_prompt,
+        max_resample_rounds=cfg.algorithm.max_resample_rounds if cfg.algorithm.filter_groups else None,
+        greedy_baseline=algorithm.needs_greedy_baseline, env=runner,
     )
+    learner = Learner(
+        policy, models["reference"], models["critic"], algorithm, cfg.train, gen.temperature, device,
+        torch.Generator().manual_seed(cfg.seed), GapWatch.from_config(cfg), bool(packs()) if callable(packs) else False,
+    )
+    return Components(device, tokenizer, collector, learner, splits.eval, splits.report, backend)
 
 
 def build_env(factory, cfg, tokenizer, rewards: RewardSet) -> EpisodeRunner:

@@ -4,7 +4,7 @@ Before the first step (`gate`) the generator samples a small probe batch (`check
 response each, the training sampling settings) and the trainer scores the same tokens. Mean and max |Δ log p| and the
 k3 KL are printed; a mean above `checks.max_logprob_gap` (by default 0.01 under float32, 0.1 under bfloat16 and
 float16) refuses the run (exit 2) and names the usual causes. During training every step logs the same figures from
-data it already has (`stages.sample_train_gap`), and `GapWatch` warns when the mean jumps past
+data it already has (`rlhf.step.learner.sample_train_gap`), and `GapWatch` warns when the mean jumps past
 `checks.gap_jump_factor` times its running level; `checks.stop_on_gap=true` stops the run instead.
 """
 
@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 
 import torch
 
-from rlhf import stages
 from rlhf.errors import ConfigError
 from rlhf.functional.kl import logprob_gap
+from rlhf.generators.base import SamplingParams
 
 log = logging.getLogger("rlhf")
 
@@ -45,7 +44,7 @@ def max_gap(cfg) -> float:
 
 def short_sampling(gen_cfg):
     """The run's sampling settings with at most PROBE_TOKENS new tokens (the probe's, and preflight's)."""
-    return replace(stages.sampling_params(gen_cfg), max_new_tokens=min(PROBE_TOKENS, gen_cfg.max_new_tokens))
+    return SamplingParams(min(PROBE_TOKENS, gen_cfg.max_new_tokens), gen_cfg.temperature, gen_cfg.top_p)
 
 
 def probe(c, cfg) -> dict[str, float]:
@@ -60,7 +59,7 @@ def probe(c, cfg) -> dict[str, float]:
         if c.env is None:  # plain prompts need no scoring
             batch = c.generator.generate([list(ex.token_ids) for ex in examples], sampling).to(c.device)
         else:  # an environment's episodes are played (and scored) to build the rows
-            batch = stages.play(c, examples, 1, sampling, c.generator).batch.to(c.device)
+            batch = c.collector.play(examples, 1, sampling).batch.to(c.device)
         train_logp, _ = c.policy.rollout_logprobs(batch, cfg.generator.temperature, cfg.train.micro_batch_size)
     return logprob_gap(batch.gen_logp, train_logp, batch.loss_mask)
 

@@ -3,7 +3,7 @@
 Every stage of a real step runs, with the run's own models, strategies and schedule settings, on 2 prompts (the
 configured samples each) and at most as many new tokens as the parity probe (`rlhf.parity.short_sampling`): the checks made before any model loads, loading,
 the weight push (verified, `rlhf.weight_sync`), the log-prob parity probe (`rlhf.parity`), generation and scoring,
-logprobs/reference/values, the update, a hybrid engine's sleep and wake, the push of the updated weights,
+the update (logprobs, reference, values, advantages, optimiser steps), a hybrid engine's sleep and wake, the push of the updated weights,
 evaluation, a checkpoint saved and reloaded (in a temporary folder beside the run's checkpoints) and the export.
 The report gives each stage's outcome (ok, or the error with its fix), seconds and peak memory: the fast answer to
 "will my long job survive its first step?". The run folder receives nothing but the log.
@@ -18,14 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
-from rlhf import checkpoint, exits, hub, parity, plan, preflight, stages
+from rlhf import checkpoint, exits, hub, parity, plan, preflight
 from rlhf.build import build_components
 from rlhf.config import ConfigError, validate
 from rlhf.distributed.remote import WorkerError
-from rlhf.micro_batches import Budget
 from rlhf.schedules.common import NonFiniteGuard, RunState
+from rlhf.schedules.hybrid import wake
 from rlhf.seeding import seed_everything
 from rlhf.weight_sync import first_difference, fingerprint
 
@@ -81,7 +80,7 @@ class Rehearsal:
     def __init__(self, cfg, out: Path) -> None:
         self.cfg, self.out = cfg, out
         self.root = checkpoint.checkpoint_root(cfg, out)
-        self.c = self.sizes = self.scored = self.batch = None
+        self.c = self.sizes = self.scored = None
         self.sampling = parity.short_sampling(cfg.generator)
 
     def stages(self) -> list[tuple[str, object]]:
@@ -89,7 +88,7 @@ class Rehearsal:
         named = [
             ("config", self.config), ("models and data found", self.sources), ("memory plan", self.plan),
             ("output folders", self.outputs), ("load models and data", self.load), ("log-prob parity", self.parity),
-            ("generate and score", self.generate), ("logprobs, reference, values", self.prepare), ("update", self.update),
+            ("generate and score", self.collect), ("update", self.update),
         ]
         if self.cfg.schedule.name == "hybrid":
             named.append(("generator sleep and wake", self.sleep_and_wake))
@@ -130,29 +129,24 @@ class Rehearsal:
             return "skipped (checks.parity_prompts=0)"
         return f"mean |Δ log p| {figures['mean']:.2g}, max {figures['max']:.2g}, k3 KL {figures['k3']:.2g}"
 
-    def generate(self) -> str:
+    def collect(self) -> str:
+        """The run's `Collector.collect` on a few prompts, with the probe's short sampling."""
         examples = self.c.prompts.next_batch(REHEARSAL_PROMPTS)
-        n = self.cfg.algorithm.num_samples_per_prompt
-        self.scored = stages.generate_and_score(self.c, examples, n, self.sampling)
+        self.scored = self.c.collector.collect(examples, sampling=self.sampling)
         return f"{len(self.scored.batch)} responses, mean score {self.scored.scores.mean().item():.3g}"
 
-    def prepare(self) -> str:
-        train = self.cfg.train
-        from_training = stages.old_logprobs_from_training(self.c, train)
-        self.batch, _ = stages.prepare(self.c, self.scored, self.cfg.generator.temperature, Budget.of(train), from_training)
-        return f"{len(self.batch)} rows"
-
     def update(self) -> str:
+        """The run's `Learner.update`: logprobs, reference, values, advantages, the optimiser steps."""
         guard = NonFiniteGuard(self.cfg.train.max_skipped_steps_in_row)
-        metrics = stages.update_policy(self.c, self.batch, self.cfg.train, self.cfg.generator.temperature, guard)
-        if not metrics:
+        metrics = self.c.learner.update(self.scored, guard)
+        if "policy/grad_norm" not in metrics:
             raise FloatingPointError("every optimiser step was skipped: the loss or gradient norm was not finite")
-        return f"policy grad norm {metrics['policy/grad_norm']:.3g}"
+        return f"{len(self.scored.batch)} rows, policy grad norm {metrics['policy/grad_norm']:.3g}"
 
     def sleep_and_wake(self) -> str:
         self.c.generator.sleep()
         freed = self.c.generator.freed_bytes
-        self.c.generator.update_weights(self.c.policy.state_dict())
+        wake(self.c)
         return f"{freed / 2**20:.0f} MiB freed asleep"
 
     def push(self) -> str:
@@ -163,8 +157,7 @@ class Rehearsal:
         examples = self.c.eval_examples[:REHEARSAL_PROMPTS]
         if not examples:
             return "skipped: no evaluation prompts"
-        short = OmegaConf.merge(self.cfg.generator, {"max_new_tokens": self.sampling.max_new_tokens})
-        metrics, _ = stages.evaluate(self.c, examples, short, self.cfg.eval)
+        metrics, _ = self.c.collector.evaluate(examples, self.cfg.eval, self.sampling)
         return ", ".join(f"{k} {v:.3g}" for k, v in metrics.items() if k.endswith("_scores"))
 
     def checkpoint(self) -> str:

@@ -1,5 +1,5 @@
 """DAPO's dynamic sampling: groups whose scores all tie are dropped and refilled from more prompts, within
-`algorithm.max_resample_rounds`. Unit tests drive `generate_groups` with hand-made scored batches; two tiny in-process
+`algorithm.max_resample_rounds`. Unit tests drive `Collector.collect` with hand-made scored batches; two tiny in-process
 runs check what reaches the update and the logged metrics (config errors: tests/config/test_config.py)."""
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlhf import dynamic_sampling, stages
+from rlhf.step.collector import Collector
+from rlhf.step.learner import Learner
+from rlhf.step.scored import Scored, with_groups
 from rlhf.config import compose_config
 from rlhf.train import train
 from rlhf.trajectory import from_completions
@@ -20,7 +22,7 @@ from rlhf.trajectory import from_completions
 PAD = 0
 
 
-def scored_batch(groups: list[list[float]], width: int = 3, tag: str = "r") -> stages.Scored:
+def scored_batch(groups: list[list[float]], width: int = 3, tag: str = "r") -> Scored:
     """One Scored whose group k holds rows scored ``groups[k]``; responses of ``width`` tokens, group ids 0..,
     a row-aligned `baseline_scores` extra equal to the scores, prompts ``{tag}{k}``."""
     scores = torch.tensor([s for group in groups for s in group], dtype=torch.float)
@@ -29,22 +31,21 @@ def scored_batch(groups: list[list[float]], width: int = 3, tag: str = "r") -> s
         torch.ones(n, 2, dtype=torch.long), torch.ones(n, 2, dtype=torch.long), torch.full((n, width), 5),
         torch.ones(n, width), torch.zeros(n, width), torch.ones(n, dtype=torch.bool),
     )
-    batch = stages.with_groups(batch, size)
+    batch = with_groups(batch, size)
     batch.scores, batch.extras = scores, {"baseline_scores": scores.clone()}
     prompts = [f"{tag}{k}" for k in range(len(groups)) for _ in range(size)]
-    return stages.Scored(batch, prompts, [f"{tag}{k}/{i}" for k in range(len(groups)) for i in range(size)],
+    return Scored(batch, prompts, [f"{tag}{k}/{i}" for k in range(len(groups)) for i in range(size)],
                          {"reward/x": float(len(groups)), "time/greedy_baseline": 1.0})
 
 
 class FakeRun:
-    """Stands in for `stages.generate_and_score` (returns the given batches in turn) and the prompt stream."""
+    """A Collector whose `sample` returns the given batches in turn, and a prompt stream of counted draws."""
 
-    def __init__(self, monkeypatch, batches: list[stages.Scored]) -> None:
+    def __init__(self, monkeypatch, batches: list[Scored]) -> None:
         self.batches, self.generated, self.drawn = list(batches), [], []
-        monkeypatch.setattr(stages, "generate_and_score", self.generate_and_score)
-        self.c = SimpleNamespace(tokenizer=SimpleNamespace(pad_token_id=PAD))
+        self.tokenizer = SimpleNamespace(pad_token_id=PAD)
 
-    def generate_and_score(self, c, examples, samples, sampling, training=True, generator=None):
+    def sample(self, examples, samples, sampling, training=True, generator=None):
         self.generated.append((len(examples), samples, training, generator))
         return self.batches.pop(0)
 
@@ -52,9 +53,13 @@ class FakeRun:
         self.drawn.append(n)
         return list(range(n))
 
-    def run(self, prompts: int, max_rounds: int = 3, filter_groups: bool = True, generator=None) -> stages.Scored:
-        algo = SimpleNamespace(num_samples_per_prompt=2, filter_groups=filter_groups, max_resample_rounds=max_rounds)
-        return dynamic_sampling.generate_groups(self.c, algo, list(range(prompts)), self.draw, None, generator=generator)
+    def run(self, prompts: int, max_rounds: int = 3, filter_groups: bool = True, generator=None) -> Scored:
+        collector = Collector(
+            None, self.tokenizer, None, None, None, prompts_per_step=prompts, samples_per_prompt=2,
+            max_resample_rounds=max_rounds if filter_groups else None,
+        )
+        collector.sample = self.sample
+        return collector.collect(list(range(prompts)), draw=self.draw, generator=generator)
 
 
 def test_tied_groups_are_dropped_and_the_step_filled_from_a_second_draw(monkeypatch):
@@ -153,13 +158,13 @@ def run(tmp_path: Path, monkeypatch, *overrides: str) -> tuple[dict[int, dict], 
     (tmp_path / "tie_rewards.py").write_text(HALF_TIED)
     monkeypatch.syspath_prepend(str(tmp_path))
     updated = []
-    update_policy = stages.update_policy
+    train_batch = Learner.train
 
-    def recording(c, batch, *args):
+    def recording(learner, batch, guard):
         updated.append(batch.to("cpu"))
-        return update_policy(c, batch, *args)
+        return train_batch(learner, batch, guard)
 
-    monkeypatch.setattr(stages, "update_policy", recording)
+    monkeypatch.setattr(Learner, "train", recording)
     train(compose_config([*TINY, *overrides]), tmp_path / "run")
     by_step: dict[int, dict] = {}
     for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf.stages import sample_train_gap
+from rlhf.step.learner import sample_train_gap
 
 
 def test_gap_mean_and_max_over_action_tokens_only():

@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import signal
 import time
+from dataclasses import replace
 
 import pytest
 import ray
 import torch
 from conftest import compose, max_weight_diff
 
-from rlhf import checkpoint, stages, weight_sync
+from rlhf import checkpoint, weight_sync
 from rlhf.algorithms import build_algorithm
 from rlhf.build import build_components
 from rlhf.errors import ConfigError
@@ -105,13 +106,13 @@ def test_generator_samples_from_the_pushed_weights_not_stale_ones(ray_cluster):
     cfg, c = sync_components("policy.strategy.name=fsdp2")
     try:
         prompts = [list(ex.token_ids) for ex in c.eval_examples[:16]]
-        greedy = stages.sampling_params(cfg.generator, greedy=True)
+        greedy = replace(c.collector.sampling, greedy=True)
         before = c.generator.generate(prompts, greedy)
         state = RunState()
         for _ in range(3):
-            metrics, _ = train_step(c, cfg, state)
+            metrics, _ = train_step(c, state)
         assert metrics["val/generator_logprob_diff"] < 1e-4  # sampled by the weights the trainer scored with
-        assert c.policy_packs and metrics["perf/padding_fraction"] == 0.0  # the remote policy said it packs
+        assert c.learner.policy_packs and metrics["perf/padding_fraction"] == 0.0  # the remote policy said it packs
         after = c.generator.generate(prompts, greedy)
         local = HFGenerator(cfg.generator, cfg.model, load_tokenizer(cfg.model.name_or_path), torch.device("cpu"))
         local.update_weights(ray.get(c.policy.state_dict()))
@@ -129,7 +130,7 @@ def test_episodes_play_on_ray_with_two_generator_ranks_on_the_trainers_weights(r
     try:
         state = RunState()
         for _ in range(2):
-            metrics, scored = train_step(c, cfg, state)
+            metrics, scored = train_step(c, state)
             assert metrics["env/num_episodes"] == 32 and metrics["env/failed_episodes"] == 0
             assert metrics["val/generator_logprob_diff"] < 1e-4
         assert 1.0 <= metrics["env/num_turns_per_episode"] <= 2.0 and any("[user]" in r for r in scored.responses)
@@ -144,10 +145,10 @@ def test_a_stale_push_to_ray_generators_stops_the_run(ray_cluster, monkeypatch):
     cfg, c = sync_components("cluster.roles.generator.devices_per_node=2")
     try:
         state = RunState()
-        train_step(c, cfg, state)
+        train_step(c, state)
         assert len(c.generator.weight_fingerprints()) == 2  # verified on both ranks after step 1
         with pytest.raises(WeightSyncError, match=r"push after step 2: the generator \(engine worker 0 of 2\) holds a different"):
-            train_step(c, cfg, state)
+            train_step(c, state)
     finally:
         c.close()
 
@@ -158,11 +159,11 @@ def test_checkpoint_round_trip_through_the_workers(ray_cluster, tmp_path, strate
     cfg, c = sync_components(f"policy.strategy.name={strategy}")
     try:
         state = RunState()
-        train_step(c, cfg, state)
+        train_step(c, state)
         saved = ray.get(c.policy.state_dict())
         path = checkpoint.save(c, tmp_path, 1, state.to_dict(), keep_last=0)
         assert (path / "policy" / "model" / "model.safetensors").is_file()
-        train_step(c, cfg, state)
+        train_step(c, state)
         assert max_weight_diff(ray.get(c.policy.state_dict()), saved) > 1e-4  # training moved on
         checkpoint.load(c, path)
         assert max_weight_diff(ray.get(c.policy.state_dict()), saved) == 0.0

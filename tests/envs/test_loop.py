@@ -10,13 +10,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlhf import stages
-from rlhf.data.prompts import PromptExample
+from rlhf.data.prompts import PromptExample, PromptStream
 from rlhf.envs.base import BASE_KEYS
 from rlhf.envs.loop import EpisodeRunner, drop_failed_groups
 from rlhf.envs.rows import episode_rows
 from rlhf.generators.base import SamplingParams
 from rlhf.models.policy import TorchPolicy
+from rlhf.step.collector import Collector
+from rlhf.step.learner import sample_train_gap
 
 CPU = torch.device("cpu")
 
@@ -126,7 +127,7 @@ def test_trained_tokens_and_logprobs_are_the_sampled_ones(make_generator, tiny_m
     # the trainer's own logprobs on the assembled rows (whole history as context) match the generator's
     policy = TorchPolicy(policy_cfg, model_cfg, train_cfg(), total_optimizer_steps=1, device=CPU)
     trained, _ = policy.rollout_logprobs(batch, temperature=1.0, chunk=8)
-    gap = stages.sample_train_gap(batch.gen_logp, trained, batch.loss_mask)
+    gap = sample_train_gap(batch.gen_logp, trained, batch.loss_mask)
     assert gap["val/generator_logprob_diff"] < 1e-4, gap
 
 
@@ -165,10 +166,11 @@ def test_a_hung_step_times_out(make_generator, tiny_model_dir, tokenizer):
 
 def test_every_episode_failing_stops_the_run(make_generator, tiny_model_dir, tokenizer):
     runner = EpisodeRunner(Maker({i: "raise" for i in range(4)}), env_cfg(), tokenizer, tokenizer.eos_token_id)
-    c = SimpleNamespace(env=runner, prompts=SimpleNamespace(seed=1), tokenizer=tokenizer)
-    tasks = [SimpleNamespace(ground_truth=s) for s in (5, 6)]
+    tasks = [PromptExample("", (), ground_truth=s) for s in (5, 6)]
+    collector = Collector(make_generator(tiny_model_dir), tokenizer, None, PromptStream(tasks, seed=1), SamplingParams(4),
+                          prompts_per_step=2, samples_per_prompt=2, env=runner)
     with pytest.raises(RuntimeError, match="every episode of the batch failed.*KeyError"):
-        stages.play(c, tasks, 2, SamplingParams(4), make_generator(tiny_model_dir))
+        collector.collect()
 
 
 def test_token_budget_truncates_the_action_and_ends_the_episode(make_generator, tiny_model_dir, tokenizer):

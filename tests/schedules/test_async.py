@@ -21,6 +21,8 @@ from rlhf.config.compose import compose_config
 from rlhf.generators.hf import HFGenerator
 from rlhf.schedules import asynchronous
 from rlhf.schedules.asynchronous import THREAD_NAME, VersionedGenerator, staleness_metrics
+from rlhf.step.collector import Collector
+from rlhf.step.learner import Learner
 from rlhf.train import train
 
 FAST = ["train.prompts_per_step=4", "algorithm.num_samples_per_prompt=4", "train.micro_batch_size=16",
@@ -107,7 +109,7 @@ def test_versioned_generator_loads_published_weights_between_generate_calls(make
 
 def test_slow_trainer_keeps_the_generator_exactly_the_bound_ahead(tmp_path, monkeypatch):
     """Training is slow: every batch after the first was generated one version behind, never more."""
-    slow_down(monkeypatch, asynchronous, "learn", 0.5)
+    slow_down(monkeypatch, Learner, "update", 0.5)
     records = run(tmp_path, "train.num_steps=6")
     assert [r["async/staleness_max"] for r in records] == [0, 1, 1, 1, 1, 1]
     assert all(r["async/policy_version"] == r["step"] - 1 for r in records)
@@ -117,7 +119,7 @@ def test_slow_trainer_keeps_the_generator_exactly_the_bound_ahead(tmp_path, monk
 
 def test_larger_bound_is_reached_but_never_exceeded(tmp_path, monkeypatch):
     """max_staleness=2 with a slow trainer: the producer runs two versions ahead, and no further."""
-    slow_down(monkeypatch, asynchronous, "learn", 0.5)
+    slow_down(monkeypatch, Learner, "update", 0.5)
     records = run(tmp_path, "train.num_steps=6", "schedule.max_staleness=2")
     staleness = [r["async/staleness_max"] for r in records]
     assert max(staleness) == 2 and staleness[:2] == [0, 1]
@@ -133,7 +135,7 @@ def test_slow_generator_makes_the_trainer_wait_within_the_bound(tmp_path, monkey
 
 
 def test_zero_staleness_is_on_policy(tmp_path, monkeypatch):
-    slow_down(monkeypatch, asynchronous, "learn", 0.1)
+    slow_down(monkeypatch, Learner, "update", 0.1)
     records = run(tmp_path, "train.num_steps=4", "schedule.max_staleness=0")
     assert [r["async/staleness_max"] for r in records] == [0, 0, 0, 0]
 
@@ -154,7 +156,7 @@ def test_version_tags_are_the_weights_that_sampled(tmp_path, monkeypatch):
 
     monkeypatch.setattr(HFGenerator, "update_weights", counting_update)
     monkeypatch.setattr(HFGenerator, "generate", recording_generate)
-    slow_down(monkeypatch, asynchronous, "learn", 0.15)
+    slow_down(monkeypatch, Learner, "update", 0.15)
     records = run(tmp_path, "train.num_steps=5", "eval.num_samples=0")
     tags = [r["async/policy_version"] - r["async/staleness_max"] for r in records]
     assert tags == seen[: len(tags)]
@@ -176,7 +178,7 @@ def builtin_reward_model(tmp_path) -> str:
 def test_checkpoint_records_the_prompts_and_reward_statistics_actually_trained(tmp_path, monkeypatch, builtin_reward_model):
     """The producer draws and scores ahead; a checkpoint after step 2 still points at the prompts of step 3, and its
     reward-normalisation statistics count the scores of steps 1 and 2 only (4 prompts x 4 samples each)."""
-    slow_down(monkeypatch, asynchronous, "learn", 0.5)
+    slow_down(monkeypatch, Learner, "update", 0.5)
     records = run(tmp_path, "train.num_steps=4", "checkpoint.every=2", "checkpoint.keep_last=0", f"reward.path={builtin_reward_model}",
                   "reward.normalize=true")
     state = json.loads((tmp_path / "run" / "checkpoints" / "step_00000002" / STATE_FILE).read_text())
@@ -197,7 +199,7 @@ def test_evaluation_is_not_disturbed_by_the_producer(tmp_path, monkeypatch):
     from rlhf.schedules.loop import run_eval
     from rlhf.tracking.tracker import Tracker
 
-    slow_down(monkeypatch, asynchronous.stages, "evaluate", 0.3)
+    slow_down(monkeypatch, Collector, "evaluate", 0.3)
     overrides = ["schedule=async", *FAST, "train.num_steps=4", "eval.every=2", "checkpoint.every=2", "checkpoint.keep_last=0"]
     train(compose_config(overrides), tmp_path / "run")
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -249,7 +251,7 @@ def test_async_learns_the_builtin_task(tmp_path):
 def test_resumed_async_run_continues_from_the_checkpoint(tmp_path, monkeypatch):
     """Stop-and-resume under async: the resumed run starts at the checkpoint's step with its weights as version k,
     so its first batch is on-policy (staleness 0), and it trains to the end."""
-    slow_down(monkeypatch, asynchronous, "learn", 0.1)
+    slow_down(monkeypatch, Learner, "update", 0.1)
     run(tmp_path, "train.num_steps=3", "checkpoint.every=3")
     checkpoint = tmp_path / "run" / "checkpoints" / "step_00000003"
     out = tmp_path / "resumed"

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from rlhf.config.compose import compose_config
-from rlhf.schedules import hybrid
 from rlhf.train import train
 
 FAST = ["train.num_steps=6", "train.prompts_per_step=4", "algorithm.num_samples_per_prompt=4", "train.micro_batch_size=16",
@@ -43,14 +42,23 @@ def test_hybrid_reproduces_the_sync_run(tmp_path, offload):
 
 def test_generator_holds_no_weights_while_training(tmp_path, monkeypatch, tiny_model_dir):
     """During every training phase the generator is asleep and holds 0 weight bytes; it reports what it freed."""
-    seen = []
-    original = hybrid.learn
+    from rlhf.generators.hf import HFGenerator
+    from rlhf.step.learner import Learner
 
-    def watching(c, *args):
-        seen.append((c.generator.asleep, c.generator.resident_bytes()))
-        return original(c, *args)
+    seen, sleeping = [], []
+    sleep, update = HFGenerator.sleep, Learner.update
 
-    monkeypatch.setattr(hybrid, "learn", watching)
+    def sleep_and_note(generator):
+        sleeping.append(generator)
+        return sleep(generator)
+
+    def watching(learner, *args):
+        generator = sleeping[-1]  # the one the step just put to sleep
+        seen.append((generator.asleep, generator.resident_bytes()))
+        return update(learner, *args)
+
+    monkeypatch.setattr(HFGenerator, "sleep", sleep_and_note)
+    monkeypatch.setattr(Learner, "update", watching)
     steps = run(tmp_path, "hybrid", "schedule=hybrid")
     assert seen == [(True, 0)] * 6
     freed = [steps[s]["memory/generator_freed_mb"] for s in range(1, 7)]

@@ -2,7 +2,7 @@
 (`policy_losses`), and the two shapes that wire them (`policy_gradient`, `pairwise`).
 
 `build_algorithm(cfg.algorithm, max_new_tokens)` checks the composition (names, pairwise vs per-token parts) and
-returns the algorithm object the stages call: `build_batch`, `denominator`, `policy_loss`, `value_loss`.
+returns the algorithm object the `Learner` calls: `build_batch`, `denominator`, `policy_loss`, `value_loss`.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ class PolicyGradient:
     @property
     def batch_reads_old_logprobs(self) -> bool:
         """Whether `build_batch` needs the pre-update logprobs (a KL penalty in the reward, a rollout correction), so
-        they cannot come from the training forward afterwards (`rlhf.stages.old_logprobs_from_training`)."""
+        they cannot come from the training forward afterwards (`Learner.old_logprobs_from_training`)."""
         return (self.cfg.kl_in_reward and self.needs_reference) or self.correction is not None
 
     def build_batch(self, batch: Trajectories) -> tuple[Trajectories, dict[str, float]]:

@@ -10,14 +10,12 @@ the run at once with a `WorkerError` naming the role, the rank and the error; th
 from __future__ import annotations
 
 import time
-from dataclasses import fields
 from pathlib import Path
 
 import torch
 
 from rlhf.generators.base import SamplingParams
-from rlhf.models.optim import is_share
-from rlhf.trajectory import Forward, Trajectories, concat
+from rlhf.trajectory import Trajectories, concat
 
 
 class WorkerError(RuntimeError):
@@ -143,9 +141,9 @@ class ActorGroup:
 class RemoteTrainer:
     """A trained model (policy or critic) sharded over a group of training ranks, standing in for the local
     `TorchPolicy` / `TorchCritic`. Calls that split rows or mini-batch units over the ranks are defined here (rows
-    divide evenly, so every rank runs the same number of forwards and collectives); any other method runs on every
-    rank (ranks share collectives) and answers with rank 0's result, so a method added to the trainer needs no copy
-    here."""
+    divide evenly, so every rank runs the same number of forwards and collectives); `shares` runs a function of the
+    Learner's on every rank's share; any other method runs on every rank (ranks share collectives) and answers with
+    rank 0's result, so a method added to the trainer needs no copy here."""
 
     def __init__(self, group: ActorGroup) -> None:
         self.group = group
@@ -170,26 +168,15 @@ class RemoteTrainer:
     def rollout_values(self, batch: Trajectories, chunk: int) -> torch.Tensor:
         return torch.cat(self._split_rows(batch, "rollout_values", chunk))
 
-    def accumulate(self, loss_fn, mini: Trajectories, denominator: torch.Tensor, micro, *forward_args):
-        """Each rank accumulates its share of the mini batch; loss shares add up over ranks, other metrics average;
-        recorded forwards (see `TrainableModel.accumulate`) are stacked in rank order, which is row order."""
-        ranks = len(self.group)
+    def shares(self, fn, mini: Trajectories, *args) -> list:
+        """``fn(model, share, *args)`` on every rank, each with its near-even share of ``mini``'s units (consecutive,
+        so rank order is row order); results by rank. The ranks run it in step: their collectives meet inside it."""
         units = torch.arange(mini.num_units)
-        per_rank = {rank: (loss_fn, mini.select_units(units[sl]), denominator, micro, *forward_args)
-                    for rank, sl in enumerate(even_slices(mini.num_units, ranks))}
-        results = self.group.call("accumulate", per_rank)
-        if not all(results[rank][0] for rank in range(ranks)):
-            return False, {}, None
-        keys = results[0][1].keys()
-        metrics = {key: sum(results[rank][1][key] for rank in range(ranks)) for key in keys}
-        recorded = None
-        if results[0][2] is not None:
-            recorded = Forward(**{
-                f.name: None if getattr(results[0][2], f.name) is None
-                else torch.cat([getattr(results[rank][2], f.name) for rank in range(ranks)])
-                for f in fields(Forward)
-            })
-        return True, {key: value if is_share(key) else value / ranks for key, value in metrics.items()}, recorded
+        slices = even_slices(mini.num_units, len(self.group))
+        refs = {rank: self.group.actors[rank].apply.remote(fn, mini.select_units(units[sl]), *args)
+                for rank, sl in enumerate(slices)}
+        results = self.group.wait(refs, getattr(fn, "__name__", "apply"))
+        return [results[rank] for rank in range(len(self.group))]
 
     def state_dict(self, adapted_only: bool = False):
         """A Ray object reference to the weights the generators load (gathered from the shards by rank 0; with

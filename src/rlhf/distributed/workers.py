@@ -83,6 +83,11 @@ class RoleWorker:
         attr = getattr(self.obj, method)
         return attr(*args, **kwargs) if callable(attr) else attr
 
+    def apply(self, fn, *args):
+        """``fn(component, *args)``: a function of the driver's (the Learner's `accumulate`) run on this rank's
+        component."""
+        return fn(self.obj, *args)
+
     def run_and_put(self, method: str, *args, **kwargs):
         """`run`, with a non-None result placed in the Ray object store; returns [ref] or [None].
 

@@ -2,7 +2,7 @@
 
 A factory registered as kind ``critic`` is called as ``factory(cfg=<critic config>, model_cfg=...,
 init_path=str, train_cfg=..., total_optimizer_steps=int, device=...)`` and returns an object with
-``values(batch)``, ``rollout_values(batch, chunk)``, ``micro_loss`` and the optimisation methods of
+``values(batch)``, ``rollout_values(batch, chunk)``, ``train_forward`` and the optimisation methods of
 `TrainableModel`.
 """
 
@@ -46,11 +46,8 @@ class TorchCritic(TrainableModel):
         """`values` without gradients, micro batches of ``chunk`` rows (or a `Budget`). Shape: (B, T)."""
         return window_outputs(self.values, batch, chunk, equal_count=True)
 
-    def micro_loss(
-        self, loss_fn, micro: Trajectories, denominator: torch.Tensor, temperature: float, with_entropy: bool, record: bool = False
-    ):
-        """``loss_fn(micro, Forward(values=...), denominator)``: (loss share, metrics, the values detached when
-        ``record``, else None), with gradients."""
+    def train_forward(self, micro: Trajectories, temperature: float, with_entropy: bool, record: bool = False):
+        """(micro, Forward(values) with gradients, the values detached when ``record`` or None): the training forward
+        of `rlhf.step.learner.accumulate` (``temperature`` and ``with_entropy`` concern the policy only)."""
         values = self.values(micro)
-        loss, metrics = loss_fn(micro, Forward(values=values), denominator)
-        return loss, metrics, Forward(values=values.detach()) if record else None
+        return micro, Forward(values=values), Forward(values=values.detach()) if record else None

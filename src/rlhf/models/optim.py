@@ -102,8 +102,3 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, to: torch.device | di
                 before[(index, key)] = value.device
                 state[key] = value.to(to.get((index, key), value.device) if isinstance(to, dict) else to)
     return before
-
-
-def is_share(key: str) -> bool:
-    """Loss metrics are each micro batch's share of the mini-batch loss (summed); others are averaged."""
-    return key.startswith("loss/") or key == "objective/loss"

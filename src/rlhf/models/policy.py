@@ -2,7 +2,7 @@
 
 A factory registered as kind ``policy`` is called as
 ``factory(cfg=<policy config>, model_cfg=..., train_cfg=..., total_optimizer_steps=int, device=...)`` and
-returns an object with the methods of `TorchPolicy` used by `rlhf.stages`.
+returns an object with the methods of `TorchPolicy` used by `rlhf.step.learner` and `rlhf.parity`.
 """
 
 from __future__ import annotations
@@ -80,21 +80,19 @@ class TorchPolicy(TrainableModel):
         with self.model.disable_adapter():
             return self.rollout_logprobs(batch, temperature, chunk)[0]
 
-    def micro_loss(
-        self, loss_fn, micro: Trajectories, denominator: torch.Tensor, temperature: float, with_entropy: bool, record: bool = False
-    ):
-        """``loss_fn(micro, Forward(logp, entropy), denominator)``: (loss share, metrics, record), with gradients.
+    def train_forward(self, micro: Trajectories, temperature: float, with_entropy: bool, record: bool = False):
+        """(micro, Forward(logp, entropy when ``with_entropy``) with gradients, the forward detached or None): the
+        training forward of `rlhf.step.learner.accumulate`.
 
         ``record``: also return the forward's logprobs and entropy, detached (the entropy then computed outside the
         graph unless the loss uses it). A micro batch without ``old_logp`` takes this forward's own, detached: one
-        optimiser step per batch, so they are the pre-update logprobs (`rlhf.stages.old_logprobs_from_training`).
+        optimiser step per batch, so they are the pre-update logprobs (`Learner.old_logprobs_from_training`).
         """
         logp, entropy = self.logprobs(micro, temperature, with_entropy or record, entropy_grad=with_entropy)
         if micro.old_logp is None:
             micro = replace(micro, old_logp=logp.detach())
-        loss, metrics = loss_fn(micro, Forward(logp=logp, entropy=entropy if with_entropy else None), denominator)
-        kept = Forward(logp=logp.detach(), entropy=entropy.detach()) if record else None
-        return loss, metrics, kept
+        recorded = Forward(logp=logp.detach(), entropy=entropy.detach()) if record else None
+        return micro, Forward(logp=logp, entropy=entropy if with_entropy else None), recorded
 
     def export(self, path: Path, tokenizer) -> None:
         """The policy as a plain Hugging Face folder (safetensors, config, tokenizer), adapters merged in; with LoRA

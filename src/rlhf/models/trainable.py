@@ -7,12 +7,10 @@ from pathlib import Path
 import torch
 
 from rlhf.config.schema import StrategyConfig
-from rlhf.distributed.strategies import all_ranks_true, build_strategy, shard_units
+from rlhf.distributed.strategies import build_strategy, shard_units
 from rlhf.errors import ConfigError
-from rlhf.micro_batches import Budget, in_row_order, plan
 from rlhf.models.loading import meta_causal_lm
-from rlhf.models.optim import is_share, move_optimizer_state
-from rlhf.trajectory import Forward
+from rlhf.models.optim import move_optimizer_state
 
 
 class TrainableModel:
@@ -49,36 +47,10 @@ class TrainableModel:
         """Drop accumulated gradients without stepping (a skipped step)."""
         self.strategy.zero_grad()
 
-    def accumulate(
-        self, loss_fn, mini, denominator: torch.Tensor, micro: int | Budget, temperature: float, with_entropy: bool = False,
-        record: bool = False,
-    ):
-        """Forward and backward each micro batch of ``mini``, this rank's share of a mini batch: ``micro`` units each,
-        or a `Budget` of rows and tokens (`rlhf.micro_batches`: longest units first, padding columns trimmed).
-
-        ``loss_fn(micro, Forward, denominator) -> (loss share, metrics)`` is the algorithm's loss for this model
-        (`policy_loss` or `value_loss`); ``temperature`` and ``with_entropy`` shape the policy's forward. Returns
-        (finite, metrics, recorded): with ``record``, the forwards' outputs detached as one `Forward` of (B, T)
-        tensors in ``mini``'s row order, else None. As soon as a loss is non-finite on any rank, every rank stops
-        before that backward and returns False (the caller drops the gradients). Metrics named `loss/...` or
-        `objective/loss` are summed over micro batches (they are shares of the mini-batch loss); the others are
-        averaged.
-        """
-        metrics: dict[str, float] = {}
-        budget = micro if isinstance(micro, Budget) else Budget(rows=micro * mini.rows_per_unit)
-        micro_ids = plan(mini, budget, equal_count=True)
-        kept: list[tuple[torch.Tensor, Forward]] = []
-        for ids in micro_ids:
-            part = mini.select_units(ids).trimmed()
-            loss, micro_metrics, forward = self.micro_loss(loss_fn, part, denominator, temperature, with_entropy, record)
-            if not all_ranks_true(bool(torch.isfinite(loss).item())):
-                return False, {}, None  # no backward: a NaN must not reach the gradients
-            self.backward(loss)
-            if forward is not None:
-                kept.append((mini.rows_of(ids), forward))
-            for key, value in micro_metrics.items():
-                metrics[key] = metrics.get(key, 0.0) + float(value) * (1.0 if is_share(key) else 1.0 / len(micro_ids))
-        return True, metrics, in_row_order(kept, mini.loss_mask.shape[1]) if record else None
+    def shares(self, fn, mini, *args) -> list:
+        """``[fn(self, mini, *args)]``: the one rank's share of a mini batch is all of it (`RemoteTrainer.shares`
+        splits a mini batch over the ranks of a Ray group)."""
+        return [fn(self, mini, *args)]
 
     def optimizer_step(self) -> float:
         """Clip, step (unless the norm is non-finite), clear grads; returns the pre-clip gradient norm."""

@@ -17,15 +17,15 @@ import queue
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from rlhf import checkpoint, dynamic_sampling, stages
-from rlhf.generators.base import SamplingParams
+from rlhf import checkpoint
 from rlhf.registry import register
 from rlhf.schedules.common import RunState
-from rlhf.schedules.loop import learn, run_steps, timed
+from rlhf.schedules.loop import one_step, push_to_generator, run_steps, timed
+from rlhf.step.scored import Scored
 from rlhf.trajectory import Trajectories
 
 log = logging.getLogger("rlhf")
@@ -89,7 +89,7 @@ class Produced:
     """One generated and scored batch, with what the trainer needs to know about it."""
 
     index: int  # the training step that will consume it
-    scored: stages.Scored  # with `versions`, the policy version that generated each row
+    scored: Scored  # with `versions`, the policy version that generated each row
     generation_s: float  # seconds spent generating and scoring it
 
 
@@ -100,10 +100,10 @@ class RolloutProducer:
     checkpoint can rewind past batches drawn, sampled and scored ahead of training.
     """
 
-    def __init__(self, c, cfg, generator: VersionedGenerator, first: int, last: int) -> None:
-        self.c, self.cfg, self.generator = c, cfg, generator
+    def __init__(self, collector, generator: VersionedGenerator, first: int, last: int, max_staleness: int) -> None:
+        self.collector, self.generator = collector, generator
         self.first, self.last = first, last
-        self.max_staleness = cfg.schedule.max_staleness
+        self.max_staleness = max_staleness
         self.ready: queue.Queue[Produced] = queue.Queue()
         self.stopping = threading.Event()
         self.error: BaseException | None = None
@@ -119,8 +119,6 @@ class RolloutProducer:
         return not self.stopping.is_set()
 
     def _run(self) -> None:
-        cfg = self.cfg
-        sampling = stages.sampling_params(cfg.generator)
         try:
             for index in range(self.first, self.last + 1):
                 if not self._wait_for_version(index - 1 - self.max_staleness):
@@ -128,28 +126,27 @@ class RolloutProducer:
                 start = time.perf_counter()
                 with self.positions_lock:
                     self.positions[index] = self._states()
-                    examples = self.c.prompts.next_batch(cfg.train.prompts_per_step)
-                scored, version = self._produce(examples, sampling)
+                    examples = self.collector.prompts.next_batch(self.collector.prompts_per_step)
+                scored, version = self._produce(examples)
                 scored.versions = torch.full((len(scored.batch),), version, dtype=torch.long)
                 self.ready.put(Produced(index, scored, time.perf_counter() - start))
         except BaseException as err:  # handed to the trainer thread, which re-raises it
             self.error = err
 
-    def _produce(self, examples, sampling) -> tuple[stages.Scored, int]:
+    def _produce(self, examples) -> tuple[Scored, int]:
         """One scored batch of ``examples`` (and of resampled prompts, `algorithm.filter_groups`) and the policy version
         that generated all of it."""
         with self.generator.pinned() as (generator, version):  # one version for every generate call of the batch
-            scored = dynamic_sampling.generate_groups(self.c, self.cfg.algorithm, examples, self._draw, sampling, generator=generator)
-            return scored, version
+            return self.collector.collect(examples, draw=self._draw, generator=generator), version
 
     def _draw(self, size: int) -> list:
         """``size`` more prompts for a resampling round, drawn under the lock that records stream positions."""
         with self.positions_lock:
-            return self.c.prompts.next_batch(size)
+            return self.collector.prompts.next_batch(size)
 
     def _states(self) -> dict:
         # the RNGs too: the producer samples from the global generators while the trainer may be saving them
-        prompts, rewards = self.c.prompts.state_dict(), self.c.rewards.state_dict()
+        prompts, rewards = self.collector.prompts.state_dict(), self.collector.rewards.state_dict()
         return {"prompts": prompts, "rewards": rewards, "rng": checkpoint.rng_states()}
 
     def take(self, index: int) -> Produced:
@@ -208,19 +205,22 @@ def staleness_metrics(versions: torch.Tensor, trainer_version: int, bound: int) 
     }
 
 
-def async_step(c, cfg, state: RunState, producer: RolloutProducer, step: int) -> tuple[dict[str, float], stages.Scored]:
+def async_step(c, cfg, state: RunState, producer: RolloutProducer, step: int) -> tuple[dict[str, float], Scored]:
     """Train on the batch the producer made for ``step``, then push the weights as version ``step``."""
-    times: dict[str, float] = {}
-    with timed(times, "step"):
-        with timed(times, "wait_for_rollout"):
-            produced = producer.take(step)
-        scored = produced.scored
-        metrics = staleness_metrics(scored.versions, step - 1, cfg.schedule.max_staleness)
-        metrics |= learn(c, cfg, scored, state, times)
-        with timed(times, "weight_sync"):
-            metrics |= stages.push_weights(c, version=step)
+    return one_step(
+        lambda times: take(producer, step, cfg.schedule.max_staleness, times), c.learner, state.guard,
+        lambda: push_to_generator(c, version=step),
+    )
+
+
+def take(producer: RolloutProducer, step: int, max_staleness: int, times: dict[str, float]) -> Scored:
+    """The producer's batch for ``step`` (the wait in `time/wait_for_rollout`, its making in `time/generation`), with
+    its staleness metrics."""
+    with timed(times, "wait_for_rollout"):
+        produced = producer.take(step)
     times["time/generation"] = produced.generation_s
-    return metrics | scored.metrics | times, scored
+    scored = produced.scored
+    return replace(scored, metrics=staleness_metrics(scored.versions, step - 1, max_staleness) | scored.metrics)
 
 
 @register("schedule", "async")
@@ -229,9 +229,10 @@ def run(c, cfg, sizes, tracker, state: RunState, stop) -> RunState:
     if cfg.cluster.backend == "local":
         log.warning("schedule=async on the local backend: generation and training share this process and its devices, "
                     "so they overlap little; cluster=ray_local (or ray) gives the generator its own devices")
-    generator = VersionedGenerator(c.generator, version=state.step)
-    c.generator = generator
-    producer = RolloutProducer(c, cfg, generator, state.step + 1, cfg.train.num_steps)
+    collector = c.collector
+    generator = VersionedGenerator(collector.generator, version=state.step)
+    collector.generator = generator
+    producer = RolloutProducer(collector, generator, state.step + 1, cfg.train.num_steps, cfg.schedule.max_staleness)
     try:
         return run_steps(
             c, cfg, sizes, tracker, state, stop, lambda step: async_step(c, cfg, state, producer, step),
@@ -239,7 +240,7 @@ def run(c, cfg, sizes, tracker, state: RunState, stop) -> RunState:
         )
     finally:
         producer.close()
-        c.generator = generator.inner
+        collector.generator = generator.inner
 
 
 run.config_keys = ("max_staleness",)  # the `schedule.*` keys it reads

@@ -46,7 +46,6 @@ class RunState:
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     preempted: bool = False
     elapsed: float = 0.0  # seconds the run took (not checkpointed)
-    update_began: bool = False  # the current step reached its optimiser update (`loop.learn`); not checkpointed
 
     def to_dict(self) -> dict:
         return {

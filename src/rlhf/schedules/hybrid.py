@@ -7,56 +7,68 @@ cache; elsewhere the weights are freed) so training has the memory, then wakes i
 
 from __future__ import annotations
 
-from rlhf import stages
+from contextlib import contextmanager
+
 from rlhf.errors import ConfigError
 from rlhf.registry import register
 from rlhf.schedules.common import RunState
-from rlhf.schedules.loop import generate, learn, run_steps, timed
+from rlhf.schedules.loop import collect_next, one_step, run_steps, timed
 
 MIB = float(1 << 20)
 
 
-def hybrid_step(c, cfg, state: RunState) -> tuple[dict[str, float], stages.Scored]:
+@contextmanager
+def generator_asleep(c, offload: bool, metrics: dict[str, float], times: dict[str, float]):
+    """The update's surroundings: the generator asleep (what it freed in ``metrics``), the optimiser state on the
+    device (``offload``: back on the CPU afterwards), the allocator's cached blocks released for the waking
+    generator."""
+    with timed(times, "generator_sleep"):
+        c.collector.generator.sleep()
+    metrics["memory/generator_freed_mb"] = c.collector.generator.freed_bytes / MIB
+    if offload:
+        with timed(times, "optimizer_reload"):
+            for _, model in c.learner.trained:
+                model.reload_optimizer()
+    yield
+    with timed(times, "optimizer_offload"):
+        for _, model in c.learner.trained:
+            if offload:
+                model.offload_optimizer()
+            model.release_cached_memory()  # cached blocks of activations (and offloaded state), for the waking generator
+
+
+def wake(c) -> dict[str, float]:
+    """Wake the generator with the policy's whole new weights (asleep, it holds none)."""
+    c.collector.generator.update_weights(c.learner.policy.state_dict())
+    return {}
+
+
+def hybrid_step(c, cfg, state: RunState):
     """Generate (optimiser state offloaded if asked), sleep the generator, train, wake it with the new weights."""
     offload = cfg.schedule.offload_optimizer
-    times: dict[str, float] = {}
-    with timed(times, "step"):
-        scored = generate(c, cfg, times)
-        with timed(times, "generator_sleep"):
-            c.generator.sleep()
-        metrics = {"memory/generator_freed_mb": c.generator.freed_bytes / MIB}
-        if offload:
-            with timed(times, "optimizer_reload"):
-                for _, model in stages.trained_models(c):
-                    model.reload_optimizer()
-        metrics |= learn(c, cfg, scored, state, times)
-        with timed(times, "optimizer_offload"):
-            for _, model in stages.trained_models(c):
-                if offload:
-                    model.offload_optimizer()
-                model.release_cached_memory()  # cached blocks of activations (and offloaded state), for the waking generator
-        with timed(times, "weight_sync"):
-            c.generator.update_weights(c.policy.state_dict())  # wakes the generator with the new weights
-    return metrics | scored.metrics | times, scored
+    return one_step(
+        lambda times: collect_next(c, times), c.learner, state.guard, lambda: wake(c),
+        around_update=lambda metrics, times: generator_asleep(c, offload, metrics, times),
+    )
 
 
 @register("schedule", "hybrid")
 def run(c, cfg, sizes, tracker, state: RunState, stop) -> RunState:
     """Train from ``state.step`` to `train.num_steps`, generator and trainer taking turns on the same devices."""
-    if not callable(getattr(c.generator, "sleep", None)):
+    if not callable(getattr(c.collector.generator, "sleep", None)):
         raise ConfigError(
             f"schedule=hybrid needs a generator that can sleep; generator.name={cfg.generator.name} has no sleep() "
             f"(see rlhf.generators.base.SleepingGenerator), use schedule=sync"
         )
     if cfg.schedule.offload_optimizer:
-        for _, model in stages.trained_models(c):
+        for _, model in c.learner.trained:
             model.offload_optimizer()  # a resumed run's state starts on the device
             model.release_cached_memory()
     try:
         return run_steps(c, cfg, sizes, tracker, state, stop, lambda step: hybrid_step(c, cfg, state))
     finally:
         if cfg.schedule.offload_optimizer:
-            for _, model in stages.trained_models(c):
+            for _, model in c.learner.trained:
                 model.reload_optimizer()  # checkpoints and exports expect the state where training keeps it
 
 

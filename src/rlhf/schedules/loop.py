@@ -1,23 +1,25 @@
 """The loop every schedule shares: run a step, log, sample texts, evaluate and checkpoint on schedule, stop on a signal.
 
-A schedule supplies only ``step_fn(step) -> (metrics, scored)``; what happens between steps is the same for all.
+`one_step` is the RL step, written once: the Collector's batch, the Learner's update, the weights pushed. A schedule
+supplies only ``step_fn(step) -> (metrics, scored)``, built on `one_step` with its own collect, push and what wraps
+the update; what happens between steps is the same for all.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from rlhf import checkpoint, dynamic_sampling, stages
+from rlhf import checkpoint
 from rlhf.data.prompts import epochs_done
 from rlhf.distributed.remote import WorkerError
-from rlhf.micro_batches import Budget
 from rlhf.schedules.common import RunState
+from rlhf.step.scored import Scored, group_rows
 
 log = logging.getLogger("rlhf")
 
@@ -35,7 +37,7 @@ def run_eval(c, cfg, tracker, step: int) -> dict[str, float]:
     devices = list(range(torch.cuda.device_count())) if c.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(cfg.seed * 1_000_003 + step)
-        metrics, results = stages.evaluate(c, c.eval_examples, cfg.generator, cfg.eval)
+        metrics, results = c.collector.evaluate(c.eval_examples, cfg.eval)
     if metrics:
         tracker.log(step, metrics)
         log.info("eval @ step %d: %s", step, ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
@@ -48,7 +50,7 @@ def run_eval(c, cfg, tracker, step: int) -> dict[str, float]:
 
 
 def run_steps(
-    c, cfg, sizes, tracker, state: RunState, stop, step_fn: Callable[[int], tuple[dict, stages.Scored]],
+    c, cfg, sizes, tracker, state: RunState, stop, step_fn: Callable[[int], tuple[dict, Scored]],
     stream_states: Callable[[int], dict] | None = None, guard=None,
 ) -> RunState:
     """Train from ``state.step`` to `train.num_steps` with ``step_fn``, evaluating and checkpointing on schedule.
@@ -73,11 +75,11 @@ def run_steps(
             state.first_eval = run_eval(c, cfg, tracker, 0)
     for step in range(state.step + 1, train.num_steps + 1):
         before = StepStart.record(c)
-        state.update_began = False  # set by `learn`
+        updates = c.learner.updates  # an update begun in this step may have changed the models
         try:
             metrics, scored = step_fn(step)
         except Exception as err:
-            if state.update_began:
+            if c.learner.updates != updates:
                 log.error("step %d failed during its update: the models are mid-update, so nothing more is saved", step)
             else:
                 before.rewind(c)
@@ -101,7 +103,7 @@ def run_steps(
     return state
 
 
-def record_step(c, cfg, sizes, tracker, state: RunState, metrics: dict, scored: stages.Scored, states, guard) -> None:
+def record_step(c, cfg, sizes, tracker, state: RunState, metrics: dict, scored: Scored, states, guard) -> None:
     """Log step ``state.step``'s metrics and sample texts, and evaluate when the schedule says so."""
     step, train = state.step, cfg.train
     metrics |= {
@@ -122,9 +124,9 @@ def record_step(c, cfg, sizes, tracker, state: RunState, metrics: dict, scored: 
             state.last_eval = run_eval(c, cfg, tracker, step)
 
 
-def trained_prompts(scored: stages.Scored) -> list[str]:
+def trained_prompts(scored: Scored) -> list[str]:
     """The prompt of each group ``scored`` trains on, in batch order (one per prompt, not per sample)."""
-    return [scored.prompts[rows[0]] for rows in dynamic_sampling.group_rows(scored.batch.group_id)]
+    return [scored.prompts[rows[0]] for rows in group_rows(scored.batch.group_id)]
 
 
 @dataclass
@@ -180,20 +182,30 @@ def save_on_failure(c, cfg, root, state: RunState, step: int, streams: dict | No
     )
 
 
-def learn(c, cfg, scored: stages.Scored, state: RunState, times: dict[str, float]) -> dict[str, float]:
-    """Score-to-update half of a step: logprobs, values and the algorithm's batch, then the optimiser steps."""
-    train = cfg.train
-    with timed(times, "logprobs"):
-        from_training = stages.old_logprobs_from_training(c, train)
-        batch, metrics = stages.prepare(c, scored, cfg.generator.temperature, Budget.of(train), from_training)
-    state.update_began = True  # from here the models may differ from the last complete step (see `run_steps`)
-    with timed(times, "training"):
-        metrics |= stages.update_policy(c, batch, train, cfg.generator.temperature, state.guard)
-    return metrics
+def one_step(
+    collect: Callable[[dict[str, float]], Scored], learner, guard, push: Callable[[], dict[str, float]],
+    around_update: Callable[[dict[str, float], dict[str, float]], AbstractContextManager] | None = None,
+) -> tuple[dict[str, float], Scored]:
+    """One RL step: ``collect(times)`` a scored batch, `Learner.update` on it (inside ``around_update(metrics,
+    times)`` when given: the hybrid schedule's sleep and wake), then ``push()`` the new weights to the generator.
+    Returns the step's metrics (the update's, the batch's, `time/*`) and the batch."""
+    times: dict[str, float] = {}
+    metrics: dict[str, float] = {}
+    with timed(times, "step"):
+        scored = collect(times)
+        with around_update(metrics, times) if around_update is not None else nullcontext():
+            metrics |= learner.update(scored, guard)
+        with timed(times, "weight_sync"):
+            metrics |= push()
+    return metrics | scored.metrics | times, scored
 
 
-def generate(c, cfg, times: dict[str, float]) -> stages.Scored:
-    """Draw the step's prompts, sample and score their responses (`algorithm.filter_groups`: see `dynamic_sampling`)."""
+def collect_next(c, times: dict[str, float]) -> Scored:
+    """The step's batch from the run's Collector, drawn, sampled and scored now (sync and hybrid schedules)."""
     with timed(times, "generation"):
-        examples = c.prompts.next_batch(cfg.train.prompts_per_step)
-        return dynamic_sampling.generate_groups(c, cfg.algorithm, examples, c.prompts.next_batch, stages.sampling_params(cfg.generator))
+        return c.collector.collect()
+
+
+def push_to_generator(c, version: int | None = None) -> dict[str, float]:
+    """The Learner's new weights into the Collector's generator (as ``version``: the async schedule's)."""
+    return c.collector.load_weights(c.learner.weights(), version)

@@ -1,8 +1,9 @@
-"""Dynamic sampling (DAPO, Yu et al. 2025, arXiv:2503.14476, section 3.2): train only on groups with a signal.
+"""A scored batch (`Scored`), and the group arithmetic of dynamic sampling (DAPO, Yu et al. 2025, arXiv:2503.14476,
+section 3.2: train only on groups with a signal).
 
 A group whose samples all scored exactly the same has a group-relative advantage of 0 for every sample: it costs a
 forward and backward pass and teaches nothing, and the share of such groups grows as the policy gets better (all
-right) or stays bad (all wrong). With `algorithm.filter_groups` a step drops those groups and draws
+right) or stays bad (all wrong). With `algorithm.filter_groups` the `Collector` drops those groups and draws
 `train.prompts_per_step` more prompts, up to `algorithm.max_resample_rounds` times, until it holds prompts_per_step
 groups with a signal (any surplus from the last round is cut). When the rounds run out it trains on the groups it
 kept, or, if it kept none, on its last batch as it is (its advantages are all 0), and warns.
@@ -14,60 +15,33 @@ summed over rounds), `dynamic_sampling/rounds` (generate calls), `dynamic_sampli
 
 from __future__ import annotations
 
-import logging
-from dataclasses import replace
-from typing import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
-from rlhf import stages
-from rlhf.data.prompts import PromptExample
-from rlhf.generators.base import SamplingParams
-from rlhf.trajectory import concat
-
-log = logging.getLogger("rlhf")
+from rlhf.trajectory import Trajectories, concat
 
 
-def generate_groups(
-    c, algo, examples: list[PromptExample], draw: Callable[[int], list[PromptExample]], sampling: SamplingParams,
-    generator=None,
-) -> stages.Scored:
-    """The step's scored groups for ``examples``: `stages.generate_and_score`, or with `algorithm.filter_groups`
-    only groups with a signal (see the module docstring). ``draw(n)`` gives n more prompts for a resampling round;
-    ``generator`` (default: the run's) generates every round."""
-    samples = algo.num_samples_per_prompt
-    if not algo.filter_groups:
-        return stages.generate_and_score(c, examples, samples, sampling, generator=generator)
-    wanted = len(examples)
-    rounds: list[stages.Scored] = []
-    kept: list[stages.Scored] = []
-    num_kept = generated = 0
-    while True:
-        scored = stages.generate_and_score(c, examples, samples, sampling, training=True, generator=generator)
-        rounds.append(scored)
-        groups = group_rows(scored.batch.group_id)
-        signal = groups_with_signal(scored.scores, groups)
-        generated += len(groups)
-        kept.append(take_groups(scored, signal[: wanted - num_kept]))
-        num_kept += len(signal)
-        if num_kept >= wanted or len(rounds) > algo.max_resample_rounds:
-            break
-        examples = draw(wanted)
-    trained = min(num_kept, wanted)
-    if trained < wanted:
-        log.warning(
-            "dynamic sampling: %d of %d groups had a signal after %d generate calls; training on %s. Raise "
-            "algorithm.max_resample_rounds=%d (or train.prompts_per_step) to fill the step",
-            trained, wanted, len(rounds), f"those {trained}" if trained else "the last batch as is (all advantages 0)",
-            algo.max_resample_rounds,
-        )
-    result = join(kept, int(c.tokenizer.pad_token_id)) if trained else rounds[-1]
-    metrics = round_metrics(rounds) | {
-        "dynamic_sampling/rounds": float(len(rounds)),
-        "dynamic_sampling/kept_share": num_kept / max(generated, 1),
-        "dynamic_sampling/kept_groups": float(trained),
-    }
-    return replace(result, metrics=metrics)
+@dataclass
+class Scored:
+    """Generated trajectories with their scores (``batch.scores``) and decoded texts."""
+
+    batch: Trajectories  # on the CPU, with group ids and scores
+    prompts: list[str]  # (B,) prompt texts, each repeated num_samples_per_prompt times in a row
+    responses: list[str]  # (B,) decoded completions, special tokens removed
+    metrics: dict[str, float]  # per-function reward means and the verifiable correct rate
+    versions: torch.Tensor | None = None  # (B,) policy version that generated each row (async schedule), else None
+
+    @property
+    def scores(self) -> torch.Tensor:
+        """(B,) summed reward after the non-stop penalty."""
+        return self.batch.scores
+
+
+def with_groups(batch: Trajectories, samples_per_prompt: int) -> Trajectories:
+    """The rows' group ids: each run of ``samples_per_prompt`` consecutive rows shares a prompt."""
+    groups = torch.arange(len(batch) // samples_per_prompt, device=batch.group_id.device)
+    return replace(batch, group_id=groups.repeat_interleave(samples_per_prompt))
 
 
 def group_rows(group_id: torch.Tensor) -> list[list[int]]:
@@ -83,12 +57,12 @@ def groups_with_signal(scores: torch.Tensor, groups: list[list[int]]) -> list[li
     return [rows for rows in groups if bool((scores[rows] != scores[rows[0]]).any())]
 
 
-def take_groups(scored: stages.Scored, groups: list[list[int]]) -> stages.Scored:
+def take_groups(scored: Scored, groups: list[list[int]]) -> Scored:
     """The rows of ``groups`` (row indices per group), each group's rows together, group ids renumbered 0.."""
     rows = torch.tensor([row for group in groups for row in group], dtype=torch.long)
     sizes = torch.tensor([len(group) for group in groups], dtype=torch.long)
     batch = replace(scored.batch.select(rows), group_id=torch.arange(len(groups)).repeat_interleave(sizes))
-    return stages.Scored(
+    return Scored(
         batch=batch,
         prompts=[scored.prompts[row] for row in rows.tolist()],
         responses=[scored.responses[row] for row in rows.tolist()],
@@ -97,7 +71,7 @@ def take_groups(scored: stages.Scored, groups: list[list[int]]) -> stages.Scored
     )
 
 
-def join(parts: list[stages.Scored], pad_id: int) -> stages.Scored:
+def join(parts: list[Scored], pad_id: int) -> Scored:
     """The non-empty ``parts`` as one Scored, in order, group ids renumbered 0.. across them (each part's ids are
     0..; rows keep their extras). Metrics are the first part's."""
     parts = [part for part in parts if len(part.batch)]
@@ -106,7 +80,7 @@ def join(parts: list[stages.Scored], pad_id: int) -> stages.Scored:
         batches.append(replace(part.batch, group_id=part.batch.group_id + offset))
         offset += len(group_rows(part.batch.group_id))
     versions = [part.versions for part in parts]
-    return stages.Scored(
+    return Scored(
         batch=concat(batches, pad_id),
         prompts=[prompt for part in parts for prompt in part.prompts],
         responses=[response for part in parts for response in part.responses],
@@ -115,7 +89,7 @@ def join(parts: list[stages.Scored], pad_id: int) -> stages.Scored:
     )
 
 
-def round_metrics(rounds: list[stages.Scored]) -> dict[str, float]:
+def round_metrics(rounds: list[Scored]) -> dict[str, float]:
     """The first round's metrics, with every `time/*` summed over the rounds."""
     metrics = dict(rounds[0].metrics)
     for scored in rounds[1:]:

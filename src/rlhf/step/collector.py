@@ -1,0 +1,200 @@
+"""The Collector: prompts or tasks in, a scored batch out.
+
+It owns what a step needs before any training: the prompt stream, the generator, the reward functions and, for
+multi-turn runs, the environment. `collect` draws the step's prompts, samples a group of responses per prompt (or
+plays a group of episodes per task), scores them, keeps only groups with a signal when asked (dynamic sampling,
+`rlhf.step.scored`) and adds the greedy baseline an advantage such as ReMax needs. `evaluate` runs the same sampling
+and scoring on held-out prompts. Everything the update needs arrives in one `Scored`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from dataclasses import replace
+from typing import Callable
+
+from rlhf.data.prompts import PromptExample, PromptStream
+from rlhf.envs.loop import EpisodeRunner, drop_failed_groups
+from rlhf.envs.rows import episode_metrics, episode_rows, transcript
+from rlhf.generators.base import SamplingParams
+from rlhf.models.dtypes import tensor_bytes
+from rlhf.step.scored import Scored, group_rows, groups_with_signal, join, round_metrics, take_groups, with_groups
+from rlhf.trajectory import Trajectories
+
+log = logging.getLogger("rlhf")
+
+ENV_METRICS = ("success_rate", "first_turn_success_rate", "later_turn_success_rate", "episode_return", "num_turns_per_episode")
+
+
+class Collector:
+    """Prompts (or tasks) -> generated, scored groups, ready for the `Learner`.
+
+    ``sampling`` is the training sampling (`generator.*`); ``samples_per_prompt`` responses (or episodes) form a group.
+    ``max_resample_rounds`` >= 0 turns on dynamic sampling (`algorithm.filter_groups`), None leaves it off.
+    ``greedy_baseline``: also score one greedy response per prompt (ReMax's baseline).
+    """
+
+    def __init__(
+        self, generator, tokenizer, rewards, prompts: PromptStream, sampling: SamplingParams, *, prompts_per_step: int,
+        samples_per_prompt: int, max_resample_rounds: int | None = None, greedy_baseline: bool = False,
+        env: EpisodeRunner | None = None,
+    ) -> None:
+        self.generator, self.tokenizer, self.rewards, self.prompts = generator, tokenizer, rewards, prompts
+        self.sampling, self.env = sampling, env
+        self.prompts_per_step, self.samples_per_prompt = prompts_per_step, samples_per_prompt
+        self.max_resample_rounds, self.greedy_baseline = max_resample_rounds, greedy_baseline
+
+    @property
+    def pad_id(self) -> int:
+        return int(self.tokenizer.pad_token_id)
+
+    def collect(
+        self, examples: list[PromptExample] | None = None, draw: Callable[[int], list[PromptExample]] | None = None,
+        generator=None, sampling: SamplingParams | None = None,
+    ) -> Scored:
+        """One step's scored groups: for `train.prompts_per_step` prompts from the stream (or ``examples``),
+        ``samples_per_prompt`` responses each, scored; with dynamic sampling only groups with a signal, more prompts
+        drawn with ``draw(n)`` (default: from the stream) for each resampling round. ``generator`` (default: the
+        run's) generates every round, ``sampling`` (default: the training sampling) sets its limits."""
+        draw = draw if draw is not None else self.prompts.next_batch
+        examples = examples if examples is not None else draw(self.prompts_per_step)
+        sampling = sampling if sampling is not None else self.sampling
+        if self.max_resample_rounds is None:
+            return self.sample(examples, self.samples_per_prompt, sampling, generator=generator)
+        return self.filtered(examples, draw, sampling, generator)
+
+    def filtered(self, examples: list[PromptExample], draw, sampling: SamplingParams, generator) -> Scored:
+        """`collect` under dynamic sampling (`rlhf.step.scored`): rounds of ``len(examples)`` prompts until that many
+        groups have a signal or `algorithm.max_resample_rounds` extra rounds are spent."""
+        wanted = len(examples)
+        rounds: list[Scored] = []
+        kept: list[Scored] = []
+        num_kept = generated = 0
+        while True:
+            scored = self.sample(examples, self.samples_per_prompt, sampling, generator=generator)
+            rounds.append(scored)
+            groups = group_rows(scored.batch.group_id)
+            signal = groups_with_signal(scored.scores, groups)
+            generated += len(groups)
+            kept.append(take_groups(scored, signal[: wanted - num_kept]))
+            num_kept += len(signal)
+            if num_kept >= wanted or len(rounds) > self.max_resample_rounds:
+                break
+            examples = draw(wanted)
+        trained = min(num_kept, wanted)
+        if trained < wanted:
+            log.warning(
+                "dynamic sampling: %d of %d groups had a signal after %d generate calls; training on %s. Raise "
+                "algorithm.max_resample_rounds=%d (or train.prompts_per_step) to fill the step",
+                trained, wanted, len(rounds), f"those {trained}" if trained else "the last batch as is (all advantages 0)",
+                self.max_resample_rounds,
+            )
+        result = join(kept, self.pad_id) if trained else rounds[-1]
+        metrics = round_metrics(rounds) | {
+            "dynamic_sampling/rounds": float(len(rounds)),
+            "dynamic_sampling/kept_share": num_kept / max(generated, 1),
+            "dynamic_sampling/kept_groups": float(trained),
+        }
+        return replace(result, metrics=metrics)
+
+    def sample(
+        self, examples: list[PromptExample], samples_per_prompt: int, sampling: SamplingParams, training: bool = True,
+        generator=None,
+    ) -> Scored:
+        """``samples_per_prompt`` responses per prompt (grouped in a row), decoded and scored; with an environment,
+        that many episodes of each task (`play`). When training with ``greedy_baseline``, one greedy response per
+        prompt is generated and scored too (`with_greedy_baseline`). ``generator`` defaults to the run's."""
+        generator = generator if generator is not None else self.generator
+        if self.env is not None:
+            return self.play(examples, samples_per_prompt, sampling, generator)
+        repeated = [ex for ex in examples for _ in range(samples_per_prompt)]
+        batch = generator.generate([list(ex.token_ids) for ex in repeated], sampling)
+        scored = self.score(repeated, with_groups(batch, samples_per_prompt), training)
+        if training and self.greedy_baseline:
+            scored = self.with_greedy_baseline(examples, scored, sampling, generator)
+        return scored
+
+    def with_greedy_baseline(self, examples: list[PromptExample], scored: Scored, sampling: SamplingParams, generator) -> Scored:
+        """``scored`` with each row's baseline, the score of its prompt's greedy response (ReMax), as
+        ``batch.extras['baseline_scores']`` (B,); its cost is logged as `time/greedy_baseline`."""
+        start = time.perf_counter()
+        greedy = generator.generate([list(ex.token_ids) for ex in examples], replace(sampling, greedy=True))
+        baseline = self.score(examples, with_groups(greedy, 1), training=False).scores
+        per_row = baseline.repeat_interleave(len(scored.batch) // len(examples))
+        batch = replace(scored.batch, extras=dict(scored.batch.extras, baseline_scores=per_row))
+        metrics = scored.metrics | {
+            "objective/greedy_baseline_scores": baseline.mean().item(),
+            "time/greedy_baseline": time.perf_counter() - start,
+        }
+        return replace(scored, batch=batch, metrics=metrics)
+
+    def play(self, examples: list[PromptExample], group_size: int, sampling: SamplingParams, generator=None) -> Scored:
+        """``group_size`` episodes of each task, as trajectory rows scored by the environment.
+
+        Groups with a failed episode are dropped (their baseline would be biased) and counted; a batch in which every
+        episode failed stops the run, naming the first error.
+        """
+        runner = self.env
+        generator = generator if generator is not None else self.generator
+        tasks = examples if runner.maker.uses_dataset else [None] * len(examples)
+        seeds = [task_seed(ex, runner.maker.uses_dataset, self.prompts.seed) for ex in examples]
+        episodes = runner.run(generator, tasks, seeds, group_size, sampling)
+        kept, failed = drop_failed_groups(episodes)
+        if not kept:
+            first = next(ep.error for ep in episodes if ep.failed)
+            raise RuntimeError(f"every episode of the batch failed in environment {runner.cfg.name!r}; the first: {first}")
+        batch = episode_rows(kept, runner.cfg.reward_reduce, self.pad_id)
+        return Scored(batch, [ep.turns[0].observation for ep in kept], [transcript(ep) for ep in kept], episode_metrics(kept, failed))
+
+    def score(self, repeated: list[PromptExample], batch: Trajectories, training: bool = True) -> Scored:
+        """Decode and score trajectories of the prompts ``repeated`` (one row each)."""
+        responses = self.tokenizer.batch_decode(batch.window_ids, skip_special_tokens=True)
+        prompts = [ex.text for ex in repeated]
+        scores, metrics = self.rewards.score(prompts, responses, [ex.ground_truth for ex in repeated], batch, training)
+        return Scored(replace(batch, scores=scores).to("cpu"), prompts, responses, metrics)
+
+    def evaluate(
+        self, examples: list[PromptExample], eval_cfg, sampling: SamplingParams | None = None
+    ) -> tuple[dict[str, float], dict[str, Scored]]:
+        """Metrics and scored completions on ``examples`` (at most `eval.max_prompts`): greedy (`eval.greedy`) and
+        `eval.num_samples` sampled at the training temperature (or with ``sampling``'s limits)."""
+        if eval_cfg.max_prompts is not None:
+            examples = examples[: eval_cfg.max_prompts]
+        sampling = sampling if sampling is not None else self.sampling
+        metrics: dict[str, float] = {}
+        results: dict[str, Scored] = {}
+        runs = [("greedy", 1, True)] if eval_cfg.greedy else []
+        if eval_cfg.num_samples > 0:
+            runs.append(("sampled", eval_cfg.num_samples, False))
+        for name, n, greedy in runs:
+            scored = self.sample(examples, n, replace(sampling, greedy=greedy), training=False)
+            metrics[f"eval/{name}_scores"] = scored.scores.mean().item()
+            if "objective/verifiable_correct_rate" in scored.metrics:
+                metrics[f"eval/{name}_correct_rate"] = scored.metrics["objective/verifiable_correct_rate"]
+            for key in ENV_METRICS:
+                if f"env/{key}" in scored.metrics:
+                    metrics[f"eval/{name}_{key}"] = scored.metrics[f"env/{key}"]
+            if "reward/model" in scored.metrics:
+                metrics[f"eval/{name}_reward_model"] = scored.metrics["reward/model"]
+            metrics[f"eval/{name}_sequence_lengths"] = scored.batch.action_lengths.mean().item()
+            results[name] = scored
+        return metrics, results
+
+    def load_weights(self, weights, version: int | None = None) -> dict[str, float]:
+        """Hand new policy weights (from `Learner.weights`) to the generator, as ``version`` when given (the async
+        schedule's). Returns `perf/weight_sync_mb`, the push's size, when the weights pass through this process (the
+        Ray backend sends them through the object store instead)."""
+        self.generator.update_weights(weights, **({} if version is None else {"version": version}))
+        if not isinstance(weights, dict):
+            return {}
+        return {"perf/weight_sync_mb": tensor_bytes(weights.values()) / 2**20}
+
+
+def task_seed(example: PromptExample, uses_dataset: bool, run_seed: int) -> int:
+    """An episode's reset seed: the task instance itself for environments without a dataset (its ground truth),
+    else fixed by the prompt text and the run's seed."""
+    if not uses_dataset:
+        return int(example.ground_truth)
+    return (zlib.crc32(example.text.encode()) + 7919 * run_seed) % 2**31

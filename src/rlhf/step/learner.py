@@ -1,0 +1,262 @@
+"""The Learner: a scored batch in, one policy update out.
+
+`update` reads top to bottom as the step's second half:
+
+1. `prepare`: the pre-update policy's logprobs (unless the training forward supplies them), the reference's
+   logprobs, the critic's values, then the algorithm's batch (advantages, returns, correction weights).
+2. `train`: `train.num_epochs` passes over the batch in shuffled mini batches; each trained model (the policy, and
+   the critic for PPO) runs `accumulate` on every micro batch of a mini batch (forward, the algorithm's loss,
+   backward), then takes one optimiser step.
+3. `weights`: what the generator loads next.
+
+On the Ray backend each training rank runs `accumulate` on its share of a mini batch (`shares`: SPMD, the ranks'
+collectives inside the strategy); here it runs in this process.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import fields, replace
+
+import torch
+
+from rlhf.distributed.strategies import all_ranks_true
+from rlhf.functional import masked_mean, masked_sum
+from rlhf.functional.kl import logprob_gap
+from rlhf.micro_batches import Budget, in_row_order, padded_tokens, place, plan
+from rlhf.step.scored import Scored
+from rlhf.trajectory import Forward, Trajectories
+
+
+def is_share(key: str) -> bool:
+    """Whether metric ``key`` is a share of the mini-batch loss (summed over micro batches and ranks) rather than a
+    mean (averaged)."""
+    return key.startswith("loss/") or key == "objective/loss"
+
+
+class Learner:
+    """Scored batches -> policy updates, for the policy and (PPO) the critic; ``reference`` is None without a KL term.
+
+    ``temperature`` is the generator's sampling temperature, at which every logprob is taken; ``shuffle`` orders the
+    mini batches (checkpointed); ``gap_watch`` observes each step's generator-trainer logprob gap (`rlhf.parity`).
+    ``updates`` counts the updates begun: a step whose count moved may have changed the models.
+    """
+
+    def __init__(
+        self, policy, reference, critic, algorithm, train_cfg, temperature: float, device: torch.device,
+        shuffle: torch.Generator, gap_watch=None, policy_packs: bool = False,
+    ) -> None:
+        self.policy, self.reference, self.critic, self.algorithm = policy, reference, critic, algorithm
+        self.train_cfg, self.temperature, self.device = train_cfg, temperature, device
+        self.shuffle, self.gap_watch, self.policy_packs = shuffle, gap_watch, policy_packs
+        self.budget = Budget.of(train_cfg)
+        self.updates = 0
+
+    @property
+    def trained(self) -> list[tuple[str, object]]:
+        """(name, model) of every model the run trains: the policy, and the critic when there is one."""
+        return [("policy", self.policy)] + ([("critic", self.critic)] if self.critic is not None else [])
+
+    def update(self, scored: Scored, guard) -> dict[str, float]:
+        """One update on ``scored``: `prepare`, then `train`. ``guard`` (a `NonFiniteGuard`) counts skipped steps.
+        Their seconds are `time/logprobs` and `time/training`."""
+        start = time.perf_counter()
+        batch, metrics = self.prepare(scored)
+        prepared = time.perf_counter()
+        self.updates += 1  # from here the models may differ from the last complete step
+        metrics |= self.train(batch, guard)
+        return metrics | {"time/logprobs": prepared - start, "time/training": time.perf_counter() - prepared}
+
+    def old_logprobs_from_training(self) -> bool:
+        """Whether the pre-update logprobs can come from the training forward itself (detached) instead of a pass of
+        their own: the step makes one optimiser step (`train.num_epochs` = `train.num_mini_batches` = 1), so the
+        training forward runs on exactly the pre-update weights, and the algorithm builds its batch without them
+        (`PolicyGradient.batch_reads_old_logprobs`). `algorithm.reuse_training_logprobs=false` turns it off."""
+        algorithm, train = self.algorithm, self.train_cfg
+        return (
+            not algorithm.pairwise
+            and algorithm.needs_old_logprobs
+            and bool(algorithm.cfg.reuse_training_logprobs)
+            and not algorithm.batch_reads_old_logprobs
+            and train.num_epochs == 1
+            and train.num_mini_batches == 1
+        )
+
+    def prepare(self, scored: Scored) -> tuple[Trajectories, dict[str, float]]:
+        """Pre-update policy logprobs, reference logprobs and critic values, then the algorithm's training batch;
+        forwards in micro batches of the token budget. Without a pass for the pre-update logprobs
+        (`old_logprobs_from_training`), `train` takes them from its own forward."""
+        batch = scored.batch.to(self.device)
+        metrics = {
+            "objective/scores": batch.scores.mean().item(),
+            "val/sequence_lengths": batch.action_lengths.mean().item(),
+            "val/num_stop_token_ids": batch.stopped.sum().item(),
+            "val/stop_rate": batch.stopped.float().mean().item(),
+        }
+        if self.algorithm.needs_old_logprobs and not self.old_logprobs_from_training():
+            old_logp, entropy = self.policy.rollout_logprobs(batch, self.temperature, self.budget, with_entropy=True)
+            batch = replace(batch, old_logp=old_logp)
+            metrics |= self.old_logprob_metrics(batch, entropy)
+        if self.reference is not None:
+            batch = replace(batch, ref_logp=self.reference.rollout_logprobs(batch, self.temperature, self.budget))
+        if self.critic is not None:
+            batch = replace(batch, values=self.critic.rollout_values(batch, self.budget))
+        batch, algorithm_metrics = self.algorithm.build_batch(batch)
+        return batch, metrics | algorithm_metrics
+
+    def train(self, batch: Trajectories, guard) -> dict[str, float]:
+        """`train.num_epochs` passes over the batch in shuffled mini batches, accumulating micro batches.
+
+        Micro batches hold at most `train.micro_batch_size` samples and `train.max_tokens_per_micro_batch` tokens
+        (`rlhf.micro_batches`); for pairwise algorithms (DPO) they hold whole pairs. A non-finite loss in any trained
+        model drops every model's gradients for that mini batch; a non-finite gradient norm skips that model's
+        update. Either way ``guard`` counts the mini batch and stops the run after too many in a row. When
+        ``batch.old_logp`` is None (see `prepare`), the policy's forward supplies them and the metrics they feed.
+        Returns the algorithm's metrics averaged over mini batches, gradient norms, and `perf/total_num_tokens` (real
+        tokens of the batch) and `perf/padding_fraction` (the share of padding in what the training forwards'
+        token-wise layers computed, packed or not as the policy runs them: `micro_batches.padded_tokens`).
+        """
+        train, algorithm = self.train_cfg, self.algorithm
+        units = batch.num_units
+        mini_units = max(1, units // train.num_mini_batches)  # an environment batch may have lost failed groups
+        micro_units = min(mini_units, max(1, train.micro_batch_size // batch.rows_per_unit))
+        micro = Budget(micro_units * batch.rows_per_unit, train.max_tokens_per_micro_batch)
+        losses = {"policy": "policy_loss", "critic": "value_loss"}  # the algorithm's loss for each trained model
+        from_training = batch.old_logp is None and algorithm.needs_old_logprobs
+        sums: dict[str, float] = {}
+        late: dict[str, float] = {}
+        count = 0
+        computed = real = 0  # tokens the training forwards run on and the real ones among them, as one process cuts them
+        for _ in range(train.num_epochs):
+            for mini_ids in torch.randperm(units, generator=self.shuffle).split(mini_units):
+                mini = batch.select_units(mini_ids)
+                mini_computed, mini_real = padded_tokens(mini, micro, self.policy_packs)
+                computed, real = computed + mini_computed, real + mini_real
+                denominator = algorithm.denominator(mini)
+                results = [
+                    accumulate_mini(
+                        model, mini, getattr(algorithm, losses[name]), denominator, micro, self.temperature,
+                        algorithm.needs_entropy, from_training and name == "policy",
+                    )
+                    for name, model in self.trained
+                ]
+                if not all(finite for finite, _, _ in results):
+                    for _, model in self.trained:
+                        model.zero_grad()
+                    guard.record(True, "loss")
+                    continue
+                if from_training:
+                    late = self.logprobs_from_training(batch, batch.rows_of(mini_ids), results[0][2])
+                step = {key: value for _, metrics, _ in results for key, value in metrics.items()}
+                for name, model in self.trained:
+                    step[f"{name}/grad_norm"] = model.optimizer_step()
+                finite = all(math.isfinite(step[f"{name}/grad_norm"]) for name, _ in self.trained)
+                guard.record(not finite, "gradient")
+                if finite:
+                    for key, value in step.items():
+                        sums[key] = sums.get(key, 0.0) + value
+                    count += 1
+        if not count:
+            return late
+        perf = {"perf/total_num_tokens": float(batch.attention_mask.sum()), "perf/padding_fraction": 1 - real / max(computed, 1)}
+        return {key: value / count for key, value in sums.items()} | late | perf
+
+    def weights(self):
+        """The policy's weights for the generator: only the tensors a step changes (every weight under full
+        fine-tuning; a LoRA policy's adapted layers, merged), as a dict or a Ray object reference."""
+        return self.policy.state_dict(adapted_only=True)
+
+    def old_logprob_metrics(self, batch: Trajectories, entropy: torch.Tensor) -> dict[str, float]:
+        """What the pre-update logprobs tell (``batch.old_logp``, with their entropy (B, T)): `objective/entropy` and
+        the generator-trainer gap, which the gap watch observes."""
+        mask = batch.loss_mask
+        metrics = {"objective/entropy": masked_sum(entropy, mask, dim=1).mean().item()}
+        metrics |= sample_train_gap(batch.gen_logp, batch.old_logp, mask)
+        if self.gap_watch is not None:
+            self.gap_watch.observe(metrics["checks/logprob_gap_mean"])
+        return metrics
+
+    def logprobs_from_training(self, batch: Trajectories, rows: torch.Tensor, forward: Forward) -> dict[str, float]:
+        """The metrics of the pre-update logprobs, from the training forward's (``forward``: detached, rows ``rows``
+        of ``batch`` in that order), exactly as `prepare` computes them from a pass of their own."""
+        width = batch.loss_mask.shape[1]
+        device = batch.loss_mask.device
+        old_logp, entropy = (place([t.to(device)], [rows], width) for t in (forward.logp, forward.entropy))
+        filled = replace(batch, old_logp=old_logp)
+        return self.old_logprob_metrics(filled, entropy) | self.algorithm.old_logprob_metrics(filled)
+
+
+def accumulate_mini(
+    model, mini: Trajectories, loss_fn, denominator: torch.Tensor, budget: Budget, temperature: float,
+    with_entropy: bool = False, record: bool = False,
+) -> tuple[bool, dict[str, float], Forward | None]:
+    """`accumulate` on each rank's share of the mini batch ``mini`` (``model.shares``: all of it in one process),
+    the ranks' results merged (`merge_shares`)."""
+    return merge_shares(model.shares(accumulate, mini, loss_fn, denominator, budget, temperature, with_entropy, record))
+
+
+def accumulate(
+    model, mini: Trajectories, loss_fn, denominator: torch.Tensor, budget: Budget, temperature: float,
+    with_entropy: bool, record: bool,
+) -> tuple[bool, dict[str, float], Forward | None]:
+    """Forward, loss and backward of each micro batch of ``mini`` (this rank's share of a mini batch: ``budget``'s
+    rows and tokens each, longest units first, padding columns trimmed) on ``model``, gradients accumulating.
+
+    ``loss_fn(micro, Forward, denominator) -> (loss share, metrics)`` is the algorithm's loss for ``model``;
+    ``temperature`` and ``with_entropy`` shape the policy's forward. Returns (finite, metrics, recorded): with
+    ``record``, the forwards' outputs detached as one `Forward` of (B, T) tensors in ``mini``'s row order. As soon as
+    a loss is non-finite on any rank, every rank stops before that backward and returns False (the caller drops the
+    gradients). Loss shares (`is_share`) are summed over micro batches, the other metrics averaged.
+    """
+    metrics: dict[str, float] = {}
+    micro_ids = plan(mini, budget, equal_count=True)
+    kept: list[tuple[torch.Tensor, Forward]] = []
+    for ids in micro_ids:
+        micro = mini.select_units(ids).trimmed()
+        micro, forward, recorded = model.train_forward(micro, temperature, with_entropy, record)
+        loss, micro_metrics = loss_fn(micro, forward, denominator)
+        if not all_ranks_true(bool(torch.isfinite(loss).item())):
+            return False, {}, None  # no backward: a NaN must not reach the gradients
+        model.backward(loss)
+        if recorded is not None:
+            kept.append((mini.rows_of(ids), recorded))
+        for key, value in micro_metrics.items():
+            metrics[key] = metrics.get(key, 0.0) + float(value) * (1.0 if is_share(key) else 1.0 / len(micro_ids))
+    return True, metrics, in_row_order(kept, mini.loss_mask.shape[1]) if record else None
+
+
+def merge_shares(results: list[tuple[bool, dict[str, float], Forward | None]]) -> tuple[bool, dict[str, float], Forward | None]:
+    """The ranks' `accumulate` results (rank order, which is row order) as one: loss shares add up over ranks, other
+    metrics average, recorded forwards are stacked."""
+    ranks = len(results)
+    if not all(finite for finite, _, _ in results):
+        return False, {}, None
+    metrics = {key: sum(result[1][key] for result in results) for key in results[0][1]}
+    metrics = {key: value if is_share(key) else value / ranks for key, value in metrics.items()}
+    recorded = None
+    if results[0][2] is not None:
+        recorded = Forward(**{
+            f.name: None if getattr(results[0][2], f.name) is None else torch.cat([getattr(r[2], f.name) for r in results])
+            for f in fields(Forward)
+        })
+    return True, metrics, recorded
+
+
+def sample_train_gap(gen_logp: torch.Tensor, train_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the generator's logprobs are from the trainer's on the same tokens (mean and largest |gen - train|
+    per token and the k3 KL, as `rlhf.parity` reports them; the v1/v2 estimators of the Tinker cookbook's
+    sampler-trainer KL).
+
+    Shapes: (B, T) each. v1 = mean(gen - train), v2 = mean((gen - train)^2) / 2, over action tokens.
+    """
+    diff = gen_logp - train_logp
+    gap = logprob_gap(gen_logp, train_logp, mask)
+    return {
+        "val/generator_logprob_diff": gap["mean"],
+        "checks/logprob_gap_mean": gap["mean"],
+        "checks/logprob_gap_max": gap["max"],
+        "checks/logprob_gap_k3": gap["k3"],
+        "train/kl_sample_train_v1": masked_mean(diff, mask).item(),
+        "train/kl_sample_train_v2": 0.5 * masked_mean(diff.square(), mask).item(),
+    }
