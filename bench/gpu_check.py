@@ -139,7 +139,7 @@ def grpo_steps(device, folder, shape, model_cfg, algo_cfg, gen_cfg, checkpointin
     generator = HFGenerator(gen_cfg, model_cfg, tokenizer, device)
     generator.update_weights(policy.state_dict())
     algorithm = build_algorithm(algo_cfg, new_tokens)
-    learner = Learner(policy, reference, None, algorithm, train_cfg, 1.0, device, torch.Generator().manual_seed(0),
+    learner = Learner(policy, reference, None, algorithm, train_cfg, device, torch.Generator().manual_seed(0),
                       policy_packs=policy.packs())
     vocab = shape["vocab_size"]
     times: dict[str, float] = {}
@@ -215,7 +215,7 @@ def hybrid(device: torch.device, tiny: bool, work: Path) -> dict:
     generator.update_weights(weights)
     out["woken_mib"] = allocated(device)
     batch = generator.generate([[1, 5, 6]] * 2, SamplingParams(4))  # one optimiser step, so Adam's state exists
-    logp, _ = policy.logprobs(replace(batch, group_id=torch.zeros(2, dtype=torch.long)).to(device), 1.0)
+    logp, _ = policy.logprobs(replace(batch, group_id=torch.zeros(2, dtype=torch.long)).to(device))
     policy.backward(-logp.sum())
     policy.optimizer_step()
     out["with_optimizer_state_mib"] = allocated(device)

@@ -315,7 +315,7 @@ def train_step(model_owner, loss_fn) -> None:
 
 def policy_loss(policy, rollout):
     """A loss raising the likelihood of the rollout's responses."""
-    logp, _ = policy.logprobs(rollout, temperature=1.0)
+    logp, _ = policy.logprobs(rollout)
     return -(logp * rollout.loss_mask).sum()
 
 

@@ -126,10 +126,10 @@ def padded_forward(model, batch: Trajectories) -> tuple[torch.Tensor, torch.Tens
 def test_trimmed_rows_give_the_full_rows_logprobs(policy, tokenizer):
     model = policy()
     batch = ragged_rows(len(tokenizer))
-    full, entropy = model.rollout_logprobs(batch, 1.0, len(batch), with_entropy=True)  # one forward: rows sorted, no trim
+    full, entropy = model.rollout_logprobs(batch, len(batch), with_entropy=True)  # one forward: rows sorted, no trim
     padded, padded_entropy = padded_forward(model.model, batch)
     for budget in (Budget(rows=1), Budget(rows=3), Budget(rows=8, tokens=30)):
-        logp, ent = model.rollout_logprobs(batch, 1.0, budget, with_entropy=True)
+        logp, ent = model.rollout_logprobs(batch, budget, with_entropy=True)
         torch.testing.assert_close(logp, padded, rtol=0, atol=1e-5)
         torch.testing.assert_close(ent, padded_entropy, rtol=0, atol=1e-5)
     torch.testing.assert_close(full, padded, rtol=0, atol=1e-5)
@@ -240,7 +240,7 @@ def test_window_outputs_restore_row_order():
 def loss_and_grads(model, algo, batch, micro) -> tuple[float, dict[str, torch.Tensor]]:
     """One accumulation of the policy loss over ``batch``; (summed loss, gradients), gradients then cleared."""
     denominator = algo.denominator(batch)
-    finite, metrics, _ = accumulate(model, batch, algo.policy_loss, denominator, as_budget(micro), 1.0, False, False)
+    finite, metrics, _ = accumulate(model, batch, algo.policy_loss, denominator, as_budget(micro), False, False)
     assert finite
     grads = {name: p.grad.clone() for name, p in model.model.named_parameters() if p.grad is not None}
     model.zero_grad()
@@ -255,10 +255,10 @@ def test_token_budget_loss_and_gradients_equal_the_padded_path(policy, tokenizer
     algo = algorithm(loss_agg=loss_agg)
     rollout = ragged_rows(len(tokenizer))
     with torch.no_grad():
-        old, _ = model.logprobs(rollout, 1.0)
+        old, _ = model.logprobs(rollout)
     batch, _ = algo.build_batch(replace(rollout, old_logp=old + 0.05 * rollout.loss_mask))  # ratios != 1: clipping counts
     denominator = algo.denominator(batch)
-    micro, forward, _ = model.train_forward(batch, 1.0, False)
+    micro, forward, _ = model.train_forward(batch, False)
     loss, _ = algo.policy_loss(micro, forward, denominator)
     loss.backward()
     padded = {name: p.grad.clone() for name, p in model.model.named_parameters() if p.grad is not None}
@@ -278,7 +278,7 @@ def one_step(policy, reference, algo, batch, from_training: bool, train) -> tupl
     """A real Learner's `prepare` then `train` on a fresh seed-0 policy; (prepare and update metrics, weights after).
     ``algo`` must say whether the old logprobs may come from the training forward (`reuse_training_logprobs`)."""
     model = policy(micro_batch_size=train.get("micro_batch_size", 8), max_tokens_per_micro_batch=train.get("tokens"))
-    learner = Learner(model, reference, None, algo, model.train_cfg, 1.0, CPU, torch.Generator().manual_seed(0),
+    learner = Learner(model, reference, None, algo, model.train_cfg, CPU, torch.Generator().manual_seed(0),
                       policy_packs=model.packs())
     assert learner.old_logprobs_from_training() == from_training
     prepared, metrics = learner.prepare(Scored(batch, [""] * len(batch), [""] * len(batch), {}))
@@ -314,7 +314,7 @@ def test_old_logprobs_need_their_own_pass_where_the_batch_reads_them(train_cfg):
     one = train_cfg()
 
     def fused(algo, train=one) -> bool:
-        return Learner(None, None, None, algo, train, 1.0, CPU, torch.Generator()).old_logprobs_from_training()
+        return Learner(None, None, None, algo, train, CPU, torch.Generator()).old_logprobs_from_training()
 
     assert fused(algorithm()) and fused(algorithm(beta=0.1))
     assert not fused(algorithm(beta=0.1, kl_in_reward=True))
@@ -329,9 +329,9 @@ def test_the_training_forward_records_in_row_order(policy, tokenizer):
     algo = algorithm()
     rollout = ragged_rows(len(tokenizer))
     with torch.no_grad():
-        old, entropy = model.logprobs(rollout, 1.0, with_entropy=True)
+        old, entropy = model.logprobs(rollout, with_entropy=True)
     batch, _ = algo.build_batch(replace(rollout, old_logp=old))
-    _, _, recorded = accumulate(model, batch, algo.policy_loss, algo.denominator(batch), Budget(8, 24), 1.0, False, True)
+    _, _, recorded = accumulate(model, batch, algo.policy_loss, algo.denominator(batch), Budget(8, 24), False, True)
     assert isinstance(recorded, Forward)
     torch.testing.assert_close(recorded.logp, old, rtol=0, atol=1e-5)
     torch.testing.assert_close(recorded.entropy, entropy, rtol=0, atol=1e-5)

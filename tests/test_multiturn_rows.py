@@ -70,14 +70,14 @@ def single_turn_twin(tokenizer, batch: Trajectories, row: int, last_action_token
 def test_logprobs_score_actions_in_context_and_skip_observations(policy_cfg, model_cfg, train_cfg, tokenizer):
     policy = TorchPolicy(policy_cfg, model_cfg, train_cfg(), total_optimizer_steps=1, device=CPU)
     batch, _ = multiturn(tokenizer)
-    logp, entropy = policy.rollout_logprobs(batch, temperature=1.0, chunk=1, with_entropy=True)
+    logp, entropy = policy.rollout_logprobs(batch, chunk=1, with_entropy=True)
     assert logp.shape == batch.loss_mask.shape
     assert (logp[batch.loss_mask == 0] == 0).all() and (entropy[batch.loss_mask == 0] == 0).all()
     assert (logp[batch.loss_mask == 1] < 0).all()
     # the last action (+ EOS) scored after the observation equals the same tokens scored as a plain response
     for row, width in ((0, 2), (1, 2)):
         twin = single_turn_twin(tokenizer, batch, row, width)
-        twin_logp, _ = policy.rollout_logprobs(twin, temperature=1.0, chunk=1)
+        twin_logp, _ = policy.rollout_logprobs(twin, chunk=1)
         actions = logp[row][batch.loss_mask[row].bool()]
         torch.testing.assert_close(actions[-width:], twin_logp[0], rtol=0, atol=1e-5)
 
@@ -97,7 +97,7 @@ def test_prepare_and_update_train_only_the_actions(policy_cfg, model_cfg, train_
     train = train_cfg(lr=1e-2, micro_batch_size=1)
     policy = TorchPolicy(policy_cfg, model_cfg, train, total_optimizer_steps=1, device=CPU)
     algorithm = build_algorithm(algorithm_cfg("grpo", num_samples_per_prompt=2), max_new_tokens=8)
-    learner = Learner(policy, None, None, algorithm, train, 1.0, CPU, torch.Generator().manual_seed(0),
+    learner = Learner(policy, None, None, algorithm, train, CPU, torch.Generator().manual_seed(0),
                       policy_packs=policy.packs())
     batch, texts = multiturn(tokenizer)
     scored = Scored(replace(batch, scores=torch.tensor([1.0, 0.0])), ["1+2="] * 2, texts, {})

@@ -164,7 +164,7 @@ class Setup:
         self.algorithm = build_algorithm(algorithm_cfg("grpo", num_samples_per_prompt=2), max_new_tokens=8)
         rollout = with_groups(make_rollout(tokenizer, PAIRS), 2)
         with torch.no_grad():
-            old_logp, _ = self.policy.logprobs(rollout, temperature=1.0)
+            old_logp, _ = self.policy.logprobs(rollout)
         self.batch, _ = self.algorithm.build_batch(replace(rollout, scores=SCORES, old_logp=old_logp))
         assert (self.batch.advantages.abs().sum(dim=1) > 0).all()
         self.nan_calls = set(nan_calls)
@@ -199,7 +199,7 @@ class Setup:
 def make_learner(policy, algorithm, train, critic=None) -> Learner:
     """A real Learner of ``policy`` (and ``critic``) without a reference, sampling temperature 1, mini batches
     shuffled by seed 0."""
-    return Learner(policy, None, critic, algorithm, train, 1.0, CPU, torch.Generator().manual_seed(0),
+    return Learner(policy, None, critic, algorithm, train, CPU, torch.Generator().manual_seed(0),
                    policy_packs=policy.packs())
 
 
@@ -291,7 +291,7 @@ def ppo_setup(policy_cfg, model_cfg, train_cfg, tokenizer, tiny_model_dir):
     algorithm = build_algorithm(algorithm_cfg("gae", num_samples_per_prompt=1), max_new_tokens=8)
     rollout = with_groups(make_rollout(tokenizer, PAIRS), 1)
     with torch.no_grad():
-        old_logp, _ = policy.logprobs(rollout, temperature=1.0)
+        old_logp, _ = policy.logprobs(rollout)
         values = critic.values(rollout)
     batch, _ = algorithm.build_batch(replace(rollout, scores=SCORES, old_logp=old_logp, values=values))
     return train, policy, critic, algorithm, batch

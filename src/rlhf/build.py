@@ -220,8 +220,7 @@ def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
         greedy_baseline=algorithm.needs_greedy_baseline, env=runner,
     )
     learner = Learner(
-        policy, models["reference"], models["critic"], algorithm, cfg.train, gen.temperature, device,
-        torch.Generator().manual_seed(cfg.seed), GapWatch.from_config(cfg), bool(packs()) if callable(packs) else False,
+        policy, models["reference"], models["critic"], algorithm, cfg.train, device, torch.Generator().manual_seed(cfg.seed), GapWatch.from_config(cfg), bool(packs()) if callable(packs) else False,
     )
     return Components(device, tokenizer, collector, learner, splits.eval, splits.report, backend)
 

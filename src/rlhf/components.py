@@ -24,7 +24,7 @@ def build_model(role: str, cfg, device: torch.device, total_optimizer_steps: int
     if role == "actor":
         return registry.build(
             "policy", cfg.policy.name, key="policy.name", cfg=cfg.policy, model_cfg=model, train_cfg=cfg.train,
-            total_optimizer_steps=total_optimizer_steps, device=device,
+            total_optimizer_steps=total_optimizer_steps, device=device, temperature=cfg.generator.temperature,
         )
     if role == "critic":
         return registry.build(
@@ -32,7 +32,10 @@ def build_model(role: str, cfg, device: torch.device, total_optimizer_steps: int
             train_cfg=cfg.train, total_optimizer_steps=total_optimizer_steps, device=device,
         )
     if role == "ref":
-        return registry.build("reference", cfg.reference.name, key="reference.name", cfg=cfg.reference, model_cfg=model, device=device)
+        return registry.build(
+            "reference", cfg.reference.name, key="reference.name", cfg=cfg.reference, model_cfg=model, device=device,
+            temperature=cfg.generator.temperature,
+        )
     if role == "reward":
         return RewardModelScorer(cfg.reward, model.dtype, device, cfg.train.micro_batch_size)
     if role == "generator":

@@ -52,14 +52,14 @@ def lora_step():
     assert batch.ref_logp is not None
     initial = weights_of(c.policy)
     denominator = c.algorithm.denominator(batch)
-    finite, metrics, _ = accumulate_mini(c.policy, batch, c.algorithm.policy_loss, denominator, as_budget(8), 1.0)
+    finite, metrics, _ = accumulate_mini(c.policy, batch, c.algorithm.policy_loss, denominator, as_budget(8))
     assert finite
     norm = c.policy.optimizer_step()
     after_one = weights_of(c.policy)
-    base_logp = c.policy.base_logprobs(batch, 1.0, 8)
+    base_logp = c.policy.base_logprobs(batch, 8)
     # the base model did not move: its logprobs are still the batch's reference logprobs
     torch.testing.assert_close(base_logp, batch.ref_logp, rtol=0, atol=1e-6)
-    assert accumulate_mini(c.policy, batch, c.algorithm.policy_loss, denominator, as_budget(8), 1.0)[0]
+    assert accumulate_mini(c.policy, batch, c.algorithm.policy_loss, denominator, as_budget(8))[0]
     c.policy.optimizer_step()
     return {
         "batch": batch, "algorithm": c.algorithm, "denominator": denominator, "metrics": metrics, "norm": norm,
@@ -107,7 +107,7 @@ def test_lora_step_reference_and_checkpoint_agree(started, lora_step, tmp_path, 
 
     # 1. the same step as the single process
     trainer = started.trainer(cfg, ranks)
-    finite, remote_metrics, _ = accumulate_mini(trainer, batch, algorithm.policy_loss, denominator, as_budget(8), 1.0)
+    finite, remote_metrics, _ = accumulate_mini(trainer, batch, algorithm.policy_loss, denominator, as_budget(8))
     assert finite
     assert remote_metrics["loss/policy_avg"] == pytest.approx(s["metrics"]["loss/policy_avg"], abs=1e-6)
     assert remote_metrics["loss/kl_avg"] == pytest.approx(s["metrics"]["loss/kl_avg"], abs=1e-6)
@@ -120,7 +120,7 @@ def test_lora_step_reference_and_checkpoint_agree(started, lora_step, tmp_path, 
     assert set(pushed) < set(after_one) and max_weight_diff(pushed, {k: after_one[k] for k in pushed}) == 0
 
     # 2. the reference: the base weights with the adapters off (under fsdp2 and ZeRO-3 the base weights are sharded too)
-    torch.testing.assert_close(trainer.base_logprobs(batch, 1.0, 8), s["base_logp"], rtol=0, atol=TOLERANCE)
+    torch.testing.assert_close(trainer.base_logprobs(batch, 8), s["base_logp"], rtol=0, atol=TOLERANCE)
 
     # 3. checkpoint: adapters (and their optimiser state) only
     path = tmp_path / "ckpt"
@@ -130,7 +130,7 @@ def test_lora_step_reference_and_checkpoint_agree(started, lora_step, tmp_path, 
         base_elements = sum(t.numel() for t in s["initial"].values())
         assert deepspeed_weight_elements(path / "deepspeed") < base_elements / 4, "the frozen base weights were saved"
         assert folder_bytes(path / "deepspeed") < 4 * base_elements  # all of it, optimiser state included
-    assert accumulate_mini(trainer, batch, algorithm.policy_loss, denominator, as_budget(8), 1.0)[0]
+    assert accumulate_mini(trainer, batch, algorithm.policy_loss, denominator, as_budget(8))[0]
     trainer.optimizer_step()
     after_two = ray.get(trainer.state_dict())
     assert max_weight_diff(after_two, s["after_two"]) < TOLERANCE
@@ -142,7 +142,7 @@ def test_lora_step_reference_and_checkpoint_agree(started, lora_step, tmp_path, 
     resumed.load_checkpoint(path)
     assert max_weight_diff(ray.get(resumed.state_dict()), after_one) < 1e-6
     assert resumed.lr == pytest.approx(trainer.lr)
-    assert accumulate_mini(resumed, batch, algorithm.policy_loss, denominator, as_budget(8), 1.0)[0]
+    assert accumulate_mini(resumed, batch, algorithm.policy_loss, denominator, as_budget(8))[0]
     resumed.optimizer_step()
     assert max_weight_diff(ray.get(resumed.state_dict()), after_two) < 1e-6
 
@@ -160,14 +160,14 @@ def test_a_lora_critic_takes_the_same_value_step_under_ddp(started, tmp_path):
     scored = c.collector.collect(examples)
     batch, _ = c.learner.prepare(scored)
     denominator = c.algorithm.denominator(batch)
-    finite, metrics, _ = accumulate_mini(c.critic, batch, c.algorithm.value_loss, denominator, as_budget(8), 1.0)
+    finite, metrics, _ = accumulate_mini(c.critic, batch, c.algorithm.value_loss, denominator, as_budget(8))
     assert finite
     norm = c.critic.optimizer_step()
     local = {k: v.detach().clone() for k, v in c.critic.full_state_dict().items()}
 
     remote_cfg = compose(*ppo, "critic.strategy.name=ddp", "cluster.roles.critic.devices_per_node=2")
     critic = started.trainer(remote_cfg, 2, role="critic")
-    finite, remote_metrics, _ = accumulate_mini(critic, batch, c.algorithm.value_loss, denominator, as_budget(8), 1.0)
+    finite, remote_metrics, _ = accumulate_mini(critic, batch, c.algorithm.value_loss, denominator, as_budget(8))
     assert finite
     assert remote_metrics["loss/value_avg"] == pytest.approx(metrics["loss/value_avg"], abs=1e-6)
     assert critic.optimizer_step() == pytest.approx(norm, rel=1e-4)

@@ -43,7 +43,7 @@ def reference_step():
     scored = c.collector.collect(examples)
     batch, _ = c.learner.prepare(scored)
     denominator = c.algorithm.denominator(batch)
-    finite, metrics, _ = accumulate_mini(c.policy, batch, c.algorithm.policy_loss, denominator, as_budget(8), cfg.generator.temperature)
+    finite, metrics, _ = accumulate_mini(c.policy, batch, c.algorithm.policy_loss, denominator, as_budget(8))
     assert finite
     norm = c.policy.optimizer_step()
     weights = {k: v.detach().clone() for k, v in c.policy.state_dict().items()}
@@ -56,7 +56,7 @@ def test_one_rl_step_agrees_with_single_process(started, reference_step, name, r
     batch, algorithm, denominator, metrics, norm, weights = reference_step
     cfg = compose("train.lr=1e-2", "train.adam_eps=1e-4", "algorithm.beta=0.05", "algorithm.kl_in_reward=false", *strategy_overrides(name, ranks))
     trainer = started.trainer(cfg, ranks)
-    finite, remote_metrics, _ = accumulate_mini(trainer, batch, algorithm.policy_loss, denominator, as_budget(8), 1.0)
+    finite, remote_metrics, _ = accumulate_mini(trainer, batch, algorithm.policy_loss, denominator, as_budget(8))
     assert finite
     assert remote_metrics["loss/policy_avg"] == pytest.approx(metrics["loss/policy_avg"], abs=1e-6)
     assert remote_metrics["loss/kl_avg"] == pytest.approx(metrics["loss/kl_avg"], abs=1e-6)
@@ -86,14 +86,14 @@ def test_a_token_budget_gives_every_rank_as_many_micro_batches(started, referenc
         None,
     )
     assert budget is not None, "some budget should give the two ranks plans of different lengths"
-    finite, remote_metrics, _ = accumulate_mini(trainer, batch, algorithm.policy_loss, denominator, as_budget(budget), 1.0)
+    finite, remote_metrics, _ = accumulate_mini(trainer, batch, algorithm.policy_loss, denominator, as_budget(budget))
     assert finite
     assert remote_metrics["loss/policy_avg"] == pytest.approx(metrics["loss/policy_avg"], abs=1e-6)
     assert trainer.optimizer_step() == pytest.approx(norm, rel=1e-4)
     import ray
 
     assert max_weight_diff(ray.get(trainer.state_dict()), weights) < 1e-5
-    finite, _, _ = accumulate_mini(trainer, uneven, algorithm.policy_loss, denominator, as_budget(budget), 1.0)
+    finite, _, _ = accumulate_mini(trainer, uneven, algorithm.policy_loss, denominator, as_budget(budget))
     assert finite  # 16 and 15 rows, each rank's plan of its own length: no collective left waiting
     trainer.zero_grad()
 
@@ -108,7 +108,7 @@ def test_deepspeed_offload_and_fsdp2_offload_step_too(started, reference_step):
     ):
         cfg = compose("train.lr=1e-2", "train.adam_eps=1e-4", "algorithm.beta=0.05", "algorithm.kl_in_reward=false", *extra)
         trainer = started.trainer(cfg, 2)
-        assert accumulate_mini(trainer, batch, algorithm.policy_loss, denominator, as_budget(8), 1.0)[0]
+        assert accumulate_mini(trainer, batch, algorithm.policy_loss, denominator, as_budget(8))[0]
         assert trainer.optimizer_step() == pytest.approx(norm, rel=1e-4)
         import ray
 

@@ -126,7 +126,7 @@ def test_trained_tokens_and_logprobs_are_the_sampled_ones(make_generator, tiny_m
         assert all(lp == 0.0 for m, lp in zip(mask, logp) if m == 0.0)
     # the trainer's own logprobs on the assembled rows (whole history as context) match the generator's
     policy = TorchPolicy(policy_cfg, model_cfg, train_cfg(), total_optimizer_steps=1, device=CPU)
-    trained, _ = policy.rollout_logprobs(batch, temperature=1.0, chunk=8)
+    trained, _ = policy.rollout_logprobs(batch, chunk=8)
     gap = sample_train_gap(batch.gen_logp, trained, batch.loss_mask)
     assert gap["val/generator_logprob_diff"] < 1e-4, gap
 

@@ -19,7 +19,7 @@ def accumulate(policy: TorchPolicy, parts) -> list[torch.Tensor]:
     """Forward and backward every part (-mean logprob of its response tokens); returns the logprobs, detached."""
     out = []
     for part in parts:
-        logp, _ = policy.logprobs(part, temperature=1.0)
+        logp, _ = policy.logprobs(part)
         policy.backward(-logp.sum() / part.loss_mask.sum())
         out.append(logp.detach())
     return out
@@ -58,8 +58,8 @@ def test_compiled_blocks_give_the_eager_logprobs_gradients_and_step(policy_cfg, 
     for name, tensor in eager.model.state_dict().items():
         torch.testing.assert_close(compiled.model.state_dict()[name], tensor, atol=1e-5, rtol=1e-5)
     with torch.no_grad():  # the pre-update pass (no gradients) compiles its own graph and agrees too
-        want, _ = eager.rollout_logprobs(rollout, 1.0, chunk=2)
-        got, _ = compiled.rollout_logprobs(rollout, 1.0, chunk=2)
+        want, _ = eager.rollout_logprobs(rollout, chunk=2)
+        got, _ = compiled.rollout_logprobs(rollout, chunk=2)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

@@ -38,7 +38,7 @@ def nudge_adapters(policy: TorchPolicy, seed: int = 0) -> None:
 
 
 def learn_once(policy: TorchPolicy, rollout) -> None:
-    logp, _ = policy.logprobs(rollout, temperature=1.0)
+    logp, _ = policy.logprobs(rollout)
     policy.backward(-logp.sum() / rollout.loss_mask.sum())
     policy.optimizer_step()
 
@@ -83,10 +83,10 @@ def test_an_adapted_only_push_carries_the_siblings_an_engine_fuses(model_cfg, tr
 
 def test_the_reference_is_the_base_model_with_adapters_off(model_cfg, train_cfg, rollout):
     policy = lora_policy(model_cfg, train_cfg)
-    base = FrozenReference(OmegaConf.create({"name_or_path": None}), model_cfg, CPU).rollout_logprobs(rollout, 1.0, 8)
+    base = FrozenReference(OmegaConf.create({"name_or_path": None}), model_cfg, CPU).rollout_logprobs(rollout, 8)
     learn_once(policy, rollout)
-    assert torch.allclose(policy.base_logprobs(rollout, 1.0, 8), base, atol=1e-6)
-    trained = policy.rollout_logprobs(rollout, 1.0, 8)[0]
+    assert torch.allclose(policy.base_logprobs(rollout, 8), base, atol=1e-6)
+    trained = policy.rollout_logprobs(rollout, 8)[0]
     assert (trained - base).abs().max() > 1e-3  # the adapters do change the policy; the reference ignores them
 
 

@@ -17,9 +17,9 @@ from rlhf.models.reference import FrozenReference
 CPU = torch.device("cpu")
 
 
-def reference_logprobs(reference: FrozenReference, batch, temperature: float) -> torch.Tensor:
+def reference_logprobs(reference: FrozenReference, batch) -> torch.Tensor:
     """The reference's logprobs of the whole batch in one forward, without gradients. Shape: (B, T)."""
-    return reference.rollout_logprobs(batch, temperature, chunk=len(batch))
+    return reference.rollout_logprobs(batch, chunk=len(batch))
 
 
 def make_policy(policy_cfg, model_cfg, train_cfg, total_steps: int = 10, **train_overrides) -> TorchPolicy:
@@ -30,7 +30,7 @@ def make_policy(policy_cfg, model_cfg, train_cfg, total_steps: int = 10, **train
 
 def train_step(policy: TorchPolicy, rollout) -> float:
     """One step raising the likelihood of the rollout's responses; returns the gradient norm."""
-    logprobs, _ = policy.logprobs(rollout, temperature=1.0)
+    logprobs, _ = policy.logprobs(rollout)
     policy.backward(-logprobs.sum() / rollout.loss_mask.sum())
     return policy.optimizer_step()
 
@@ -83,7 +83,7 @@ def test_optimizer_step_changes_weights_and_returns_grad_norm(policy_cfg, model_
     """A step moves the weights, clears the gradients and returns the finite pre-clip gradient norm."""
     policy = make_policy(policy_cfg, model_cfg, train_cfg, lr=1e-2, max_grad_norm=1e-3)
     before = {k: v.clone() for k, v in policy.state_dict().items()}
-    logprobs, _ = policy.logprobs(rollout, temperature=1.0)
+    logprobs, _ = policy.logprobs(rollout)
     policy.backward(-logprobs.sum())
     expected_norm = torch.linalg.vector_norm(
         torch.stack([p.grad.norm() for p in policy.model.parameters() if p.grad is not None])
@@ -100,11 +100,11 @@ def test_training_raises_likelihood_of_rollout(policy_cfg, model_cfg, train_cfg,
     """A few steps on -logprob make the rollout's responses more likely."""
     policy = make_policy(policy_cfg, model_cfg, train_cfg, lr=1e-2)
     with torch.no_grad():
-        start = policy.logprobs(rollout, 1.0)[0].sum()
+        start = policy.logprobs(rollout)[0].sum()
     for _ in range(3):
         train_step(policy, rollout)
     with torch.no_grad():
-        assert policy.logprobs(rollout, 1.0)[0].sum() > start
+        assert policy.logprobs(rollout)[0].sum() > start
 
 
 def test_policy_lr_follows_schedule(policy_cfg, model_cfg, train_cfg, rollout):
@@ -120,7 +120,7 @@ def test_policy_lr_follows_schedule(policy_cfg, model_cfg, train_cfg, rollout):
 def test_policy_logprobs_have_gradients_and_entropy(policy_cfg, model_cfg, train_cfg, rollout):
     """Policy logprobs carry gradients, are 0 outside the response mask, and entropy is returned on request."""
     policy = make_policy(policy_cfg, model_cfg, train_cfg)
-    logprobs, entropy = policy.logprobs(rollout, temperature=1.0, with_entropy=True)
+    logprobs, entropy = policy.logprobs(rollout, with_entropy=True)
     assert logprobs.requires_grad and logprobs.shape == rollout.window_ids.shape
     assert logprobs[rollout.loss_mask == 0].eq(0).all()
     assert entropy.shape == logprobs.shape and entropy[rollout.loss_mask.bool()].gt(0).all()
@@ -136,10 +136,24 @@ def test_generator_sync_after_policy_step(policy_cfg, model_cfg, train_cfg, make
     generator.update_weights(policy.state_dict())
     fresh = generator.generate(encode(["1+2=", "33+4=", "5"]) * 3, sampling)
     with torch.no_grad():
-        expected, _ = policy.logprobs(fresh, 0.8)
+        expected, _ = window_logprobs(policy.model, fresh, 0.8)
         stale, _ = window_logprobs(make_generator(tiny_model_dir).model, fresh, 0.8)
     torch.testing.assert_close(fresh.gen_logp, expected, atol=1e-4, rtol=0)
     assert (fresh.gen_logp - stale).abs().max() > 1e-3
+
+
+def test_policy_and_reference_take_logprobs_at_the_sampling_temperature(policy_cfg, model_cfg, train_cfg, reference_cfg, rollout):
+    """Built with the generator's temperature (`generator.temperature`), the policy and the reference score at it:
+    the logits divided by 0.7, not the model's plain distribution."""
+    policy = TorchPolicy(policy_cfg, model_cfg, train_cfg(), total_optimizer_steps=1, device=CPU, temperature=0.7)
+    reference = FrozenReference(reference_cfg(), model_cfg, CPU, temperature=0.7)
+    with torch.no_grad():
+        expected, _ = window_logprobs(policy.model, rollout, 0.7)
+        plain, _ = window_logprobs(policy.model, rollout, 1.0)
+        torch.testing.assert_close(policy.logprobs(rollout)[0], expected, atol=1e-6, rtol=0)
+        torch.testing.assert_close(policy.rollout_logprobs(rollout, chunk=2)[0], expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(reference_logprobs(reference, rollout), expected, atol=1e-5, rtol=0)
+    assert (expected - plain).abs().max() > 1e-3
 
 
 # --- FrozenReference ----------------------------------------------------------------------------------
@@ -151,21 +165,21 @@ def test_reference_is_frozen_and_unaffected_by_training(policy_cfg, model_cfg, t
     assert not any(p.requires_grad for p in reference.model.parameters())
     assert not reference.model.training
     policy = make_policy(policy_cfg, model_cfg, train_cfg, lr=1e-2)
-    ref_before = reference_logprobs(reference, rollout, 1.0)
+    ref_before = reference_logprobs(reference, rollout)
     with torch.no_grad():
-        torch.testing.assert_close(policy.logprobs(rollout, 1.0)[0], ref_before, atol=1e-5, rtol=0)
+        torch.testing.assert_close(policy.logprobs(rollout)[0], ref_before, atol=1e-5, rtol=0)
     assert not ref_before.requires_grad
     for _ in range(3):
         train_step(policy, rollout)
-    torch.testing.assert_close(reference_logprobs(reference, rollout, 1.0), ref_before, atol=0, rtol=0)
+    torch.testing.assert_close(reference_logprobs(reference, rollout), ref_before, atol=0, rtol=0)
     with torch.no_grad():
-        assert (policy.logprobs(rollout, 1.0)[0] - ref_before).abs().max() > 1e-3
+        assert (policy.logprobs(rollout)[0] - ref_before).abs().max() > 1e-3
 
 
 def test_reference_loads_its_own_weights_when_named(model_cfg, reference_cfg, other_model_dir, tiny_model_dir, rollout):
     """reference.name_or_path picks other weights than the policy's starting point."""
-    own = reference_logprobs(FrozenReference(reference_cfg(), model_cfg, CPU), rollout, 1.0)
-    other = reference_logprobs(FrozenReference(reference_cfg(name_or_path=other_model_dir), model_cfg, CPU), rollout, 1.0)
-    same = reference_logprobs(FrozenReference(reference_cfg(name_or_path=tiny_model_dir), model_cfg, CPU), rollout, 1.0)
+    own = reference_logprobs(FrozenReference(reference_cfg(), model_cfg, CPU), rollout)
+    other = reference_logprobs(FrozenReference(reference_cfg(name_or_path=other_model_dir), model_cfg, CPU), rollout)
+    same = reference_logprobs(FrozenReference(reference_cfg(name_or_path=tiny_model_dir), model_cfg, CPU), rollout)
     torch.testing.assert_close(same, own, atol=0, rtol=0)
     assert (other - own).abs().max() > 1e-2

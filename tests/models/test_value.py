@@ -186,7 +186,7 @@ def test_critic_step_changes_critic_weights_only(policy_cfg, model_cfg, train_cf
     reward_before = scorer.raw_scores(rollout)
     policy_before, critic_before = snapshot(policy.model), snapshot(critic.model)
 
-    logp, _ = policy.logprobs(rollout, 1.0)
+    logp, _ = policy.logprobs(rollout)
     policy.backward(-logp.sum())
     policy_grads = {n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None}
     critic_step(critic, rollout)

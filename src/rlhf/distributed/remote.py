@@ -156,14 +156,14 @@ class RemoteTrainer:
     def _split_rows(self, batch: Trajectories, method: str, *args) -> list:
         return self.group.call_split(method, len(batch), batch.select, *args, every_rank=True)
 
-    def rollout_logprobs(self, batch: Trajectories, temperature: float, chunk: int, with_entropy: bool = False):
-        parts = self._split_rows(batch, "rollout_logprobs", temperature, chunk, with_entropy)
+    def rollout_logprobs(self, batch: Trajectories, chunk: int, with_entropy: bool = False):
+        parts = self._split_rows(batch, "rollout_logprobs", chunk, with_entropy)
         entropy = torch.cat([p[1] for p in parts]) if with_entropy else None
         return torch.cat([p[0] for p in parts]), entropy
 
-    def base_logprobs(self, batch: Trajectories, temperature: float, chunk: int) -> torch.Tensor:
+    def base_logprobs(self, batch: Trajectories, chunk: int) -> torch.Tensor:
         """A LoRA policy's base-model logprobs (B, T), adapters off: the reference (`rlhf.models.lora.AdaptersOff`)."""
-        return torch.cat(self._split_rows(batch, "base_logprobs", temperature, chunk))
+        return torch.cat(self._split_rows(batch, "base_logprobs", chunk))
 
     def rollout_values(self, batch: Trajectories, chunk: int) -> torch.Tensor:
         return torch.cat(self._split_rows(batch, "rollout_values", chunk))
@@ -195,9 +195,9 @@ class RemoteReplicas:
     def __init__(self, group: ActorGroup) -> None:
         self.group = group
 
-    def rollout_logprobs(self, batch: Trajectories, temperature: float, chunk: int) -> torch.Tensor:
+    def rollout_logprobs(self, batch: Trajectories, chunk: int) -> torch.Tensor:
         """The reference's logprobs (B, T)."""
-        return torch.cat(self.group.call_split("rollout_logprobs", len(batch), batch.select, temperature, chunk, every_rank=False))
+        return torch.cat(self.group.call_split("rollout_logprobs", len(batch), batch.select, chunk, every_rank=False))
 
     def raw_scores(self, batch: Trajectories) -> torch.Tensor:
         """The reward model's raw scores (B,)."""

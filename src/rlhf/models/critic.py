@@ -46,8 +46,8 @@ class TorchCritic(TrainableModel):
         """`values` without gradients, micro batches of ``chunk`` rows (or a `Budget`). Shape: (B, T)."""
         return window_outputs(self.values, batch, chunk, equal_count=True)
 
-    def train_forward(self, micro: Trajectories, temperature: float, with_entropy: bool, record: bool = False):
+    def train_forward(self, micro: Trajectories, with_entropy: bool, record: bool = False):
         """(micro, Forward(values) with gradients, the values detached when ``record`` or None): the training forward
-        of `rlhf.step.learner.accumulate` (``temperature`` and ``with_entropy`` concern the policy only)."""
+        of `rlhf.step.learner.accumulate` (``with_entropy`` concerns the policy only)."""
         values = self.values(micro)
         return micro, Forward(values=values), Forward(values=values.detach()) if record else None

@@ -34,9 +34,9 @@ class AdaptersOff:
         self.policy = policy
         log.info("reference: the policy's base weights with its LoRA adapters off (no second copy loaded)")
 
-    def rollout_logprobs(self, batch, temperature: float, chunk) -> torch.Tensor:
+    def rollout_logprobs(self, batch, chunk) -> torch.Tensor:
         """Logprobs (B, T) of the action window under the base model, no gradients."""
-        return self.policy.base_logprobs(batch, temperature, chunk)
+        return self.policy.base_logprobs(batch, chunk)
 
 
 def enabled(lora_cfg) -> bool:

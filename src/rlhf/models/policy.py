@@ -1,7 +1,7 @@
 """The trained policy: a causal LM under a training strategy (single process, or one rank of DDP/FSDP2/DeepSpeed).
 
 A factory registered as kind ``policy`` is called as
-``factory(cfg=<policy config>, model_cfg=..., train_cfg=..., total_optimizer_steps=int, device=...)`` and
+``factory(cfg=<policy config>, model_cfg=..., train_cfg=..., total_optimizer_steps=int, device=..., temperature=float)`` and
 returns an object with the methods of `TorchPolicy` used by `rlhf.step.learner` and `rlhf.parity`.
 """
 
@@ -26,10 +26,13 @@ from rlhf.trajectory import Forward, Trajectories
 
 @register("policy", "torch")
 class TorchPolicy(TrainableModel):
-    """A causal LM trained with AdamW under `policy.strategy`; see `TrainableModel` for the optimisation methods."""
+    """A causal LM trained with AdamW under `policy.strategy`; see `TrainableModel` for the optimisation methods.
+    Every logprob is taken at ``temperature``, the generator's sampling temperature (`generator.temperature`)."""
 
-    def __init__(self, cfg, model_cfg, train_cfg, total_optimizer_steps: int, device: torch.device) -> None:
-        self.cfg, self.train_cfg = cfg, train_cfg
+    def __init__(
+        self, cfg, model_cfg, train_cfg, total_optimizer_steps: int, device: torch.device, temperature: float = 1.0
+    ) -> None:
+        self.cfg, self.train_cfg, self.temperature = cfg, train_cfg, temperature
         model = load_causal_lm(model_cfg.name_or_path, "float32", model_cfg.revision, model_cfg.trust_remote_code, device)
         packing.enable(model)
         self.lora = cfg.lora if lora.enabled(cfg.lora) else None
@@ -63,24 +66,24 @@ class TorchPolicy(TrainableModel):
         """Whether the training forwards pack each micro batch's rows end to end (`rlhf.models.packing`)."""
         return packing.packs(self.module)
 
-    def logprobs(self, batch: Trajectories, temperature: float, with_entropy: bool = False, entropy_grad: bool = True):
+    def logprobs(self, batch: Trajectories, with_entropy: bool = False, entropy_grad: bool = True):
         """(logprobs (B, T), entropy or None) of the action window, with gradients enabled, in float32."""
         with self.autocast():
-            return window_logprobs(self.module, batch, temperature, with_entropy, entropy_grad)
+            return window_logprobs(self.module, batch, self.temperature, with_entropy, entropy_grad)
 
-    def rollout_logprobs(self, batch: Trajectories, temperature: float, chunk: int | Budget, with_entropy: bool = False):
+    def rollout_logprobs(self, batch: Trajectories, chunk: int | Budget, with_entropy: bool = False):
         """`logprobs` without gradients, micro batches of ``chunk`` rows (or a `Budget`): (logprobs (B, T), entropy
         (B, T) or None)."""
-        return window_outputs(lambda part: self.logprobs(part, temperature, with_entropy), batch, chunk, equal_count=True)
+        return window_outputs(lambda part: self.logprobs(part, with_entropy), batch, chunk, equal_count=True)
 
-    def base_logprobs(self, batch: Trajectories, temperature: float, chunk: int | Budget) -> torch.Tensor:
+    def base_logprobs(self, batch: Trajectories, chunk: int | Budget) -> torch.Tensor:
         """The base model's logprobs (B, T), adapters switched off, no gradients: the reference of a LoRA policy."""
         if self.lora is None:
             raise RuntimeError("base_logprobs needs policy.lora: without adapters the policy has no separate base model")
         with self.model.disable_adapter():
-            return self.rollout_logprobs(batch, temperature, chunk)[0]
+            return self.rollout_logprobs(batch, chunk)[0]
 
-    def train_forward(self, micro: Trajectories, temperature: float, with_entropy: bool, record: bool = False):
+    def train_forward(self, micro: Trajectories, with_entropy: bool, record: bool = False):
         """(micro, Forward(logp, entropy when ``with_entropy``) with gradients, the forward detached or None): the
         training forward of `rlhf.step.learner.accumulate`.
 
@@ -88,7 +91,7 @@ class TorchPolicy(TrainableModel):
         graph unless the loss uses it). A micro batch without ``old_logp`` takes this forward's own, detached: one
         optimiser step per batch, so they are the pre-update logprobs (`Learner.old_logprobs_from_training`).
         """
-        logp, entropy = self.logprobs(micro, temperature, with_entropy or record, entropy_grad=with_entropy)
+        logp, entropy = self.logprobs(micro, with_entropy or record, entropy_grad=with_entropy)
         if micro.old_logp is None:
             micro = replace(micro, old_logp=logp.detach())
         recorded = Forward(logp=logp.detach(), entropy=entropy.detach()) if record else None

@@ -1,7 +1,8 @@
 """The reference policy: a frozen model that only scores responses, for the KL term.
 
 A factory registered as kind ``reference`` is called as ``factory(cfg=<reference config>, model_cfg=...,
-device=...)`` and returns an object with ``rollout_logprobs(batch, temperature, chunk: rows or rlhf.micro_batches.Budget) -> (B, T)``.
+device=..., temperature=float)`` and returns an object with ``rollout_logprobs(batch, chunk: rows or
+rlhf.micro_batches.Budget) -> (B, T)``, logprobs at the generator's sampling ``temperature``.
 """
 
 from __future__ import annotations
@@ -18,14 +19,16 @@ from rlhf.trajectory import Trajectories
 
 @register("reference", "frozen")
 class FrozenReference:
-    """Weights from ``reference.name_or_path`` (default: the policy's start), eval mode, no gradients."""
+    """Weights from ``reference.name_or_path`` (default: the policy's start), eval mode, no gradients; logprobs at
+    ``temperature`` (`generator.temperature`)."""
 
-    def __init__(self, cfg, model_cfg, device: torch.device) -> None:
+    def __init__(self, cfg, model_cfg, device: torch.device, temperature: float = 1.0) -> None:
+        self.temperature = temperature
         path = cfg.name_or_path or model_cfg.name_or_path
         self.model = load_causal_lm(path, model_cfg.dtype, model_cfg.revision, model_cfg.trust_remote_code, device).eval()
         self.model.requires_grad_(False)
         packing.enable(self.model)
 
-    def rollout_logprobs(self, batch: Trajectories, temperature: float, chunk: int | Budget) -> torch.Tensor:
+    def rollout_logprobs(self, batch: Trajectories, chunk: int | Budget) -> torch.Tensor:
         """Logprobs of the action window, micro batches of ``chunk`` rows (or a `Budget`), no gradients. Shape: (B, T)."""
-        return window_outputs(lambda part: window_logprobs(self.model, part, temperature)[0], batch, chunk)
+        return window_outputs(lambda part: window_logprobs(self.model, part, self.temperature)[0], batch, chunk)

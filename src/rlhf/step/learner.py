@@ -38,17 +38,16 @@ def is_share(key: str) -> bool:
 class Learner:
     """Scored batches -> policy updates, for the policy and (PPO) the critic; ``reference`` is None without a KL term.
 
-    ``temperature`` is the generator's sampling temperature, at which every logprob is taken; ``shuffle`` orders the
-    mini batches (checkpointed); ``gap_watch`` observes each step's generator-trainer logprob gap (`rlhf.parity`).
+    ``shuffle`` orders the mini batches (checkpointed); ``gap_watch`` observes each step's generator-trainer logprob gap (`rlhf.parity`).
     ``updates`` counts the updates begun: a step whose count moved may have changed the models.
     """
 
     def __init__(
-        self, policy, reference, critic, algorithm, train_cfg, temperature: float, device: torch.device,
-        shuffle: torch.Generator, gap_watch=None, policy_packs: bool = False,
+        self, policy, reference, critic, algorithm, train_cfg, device: torch.device, shuffle: torch.Generator,
+        gap_watch=None, policy_packs: bool = False,
     ) -> None:
         self.policy, self.reference, self.critic, self.algorithm = policy, reference, critic, algorithm
-        self.train_cfg, self.temperature, self.device = train_cfg, temperature, device
+        self.train_cfg, self.device = train_cfg, device
         self.shuffle, self.gap_watch, self.policy_packs = shuffle, gap_watch, policy_packs
         self.budget = Budget.of(train_cfg)
         self.updates = 0
@@ -95,11 +94,11 @@ class Learner:
             "val/stop_rate": batch.stopped.float().mean().item(),
         }
         if self.algorithm.needs_old_logprobs and not self.old_logprobs_from_training():
-            old_logp, entropy = self.policy.rollout_logprobs(batch, self.temperature, self.budget, with_entropy=True)
+            old_logp, entropy = self.policy.rollout_logprobs(batch, self.budget, with_entropy=True)
             batch = replace(batch, old_logp=old_logp)
             metrics |= self.old_logprob_metrics(batch, entropy)
         if self.reference is not None:
-            batch = replace(batch, ref_logp=self.reference.rollout_logprobs(batch, self.temperature, self.budget))
+            batch = replace(batch, ref_logp=self.reference.rollout_logprobs(batch, self.budget))
         if self.critic is not None:
             batch = replace(batch, values=self.critic.rollout_values(batch, self.budget))
         batch, algorithm_metrics = self.algorithm.build_batch(batch)
@@ -136,8 +135,8 @@ class Learner:
                 denominator = algorithm.denominator(mini)
                 results = [
                     accumulate_mini(
-                        model, mini, getattr(algorithm, losses[name]), denominator, micro, self.temperature,
-                        algorithm.needs_entropy, from_training and name == "policy",
+                        model, mini, getattr(algorithm, losses[name]), denominator, micro, algorithm.needs_entropy,
+                        from_training and name == "policy",
                     )
                     for name, model in self.trained
                 ]
@@ -188,23 +187,22 @@ class Learner:
 
 
 def accumulate_mini(
-    model, mini: Trajectories, loss_fn, denominator: torch.Tensor, budget: Budget, temperature: float,
-    with_entropy: bool = False, record: bool = False,
+    model, mini: Trajectories, loss_fn, denominator: torch.Tensor, budget: Budget, with_entropy: bool = False,
+    record: bool = False,
 ) -> tuple[bool, dict[str, float], Forward | None]:
     """`accumulate` on each rank's share of the mini batch ``mini`` (``model.shares``: all of it in one process),
     the ranks' results merged (`merge_shares`)."""
-    return merge_shares(model.shares(accumulate, mini, loss_fn, denominator, budget, temperature, with_entropy, record))
+    return merge_shares(model.shares(accumulate, mini, loss_fn, denominator, budget, with_entropy, record))
 
 
 def accumulate(
-    model, mini: Trajectories, loss_fn, denominator: torch.Tensor, budget: Budget, temperature: float,
-    with_entropy: bool, record: bool,
+    model, mini: Trajectories, loss_fn, denominator: torch.Tensor, budget: Budget, with_entropy: bool, record: bool
 ) -> tuple[bool, dict[str, float], Forward | None]:
     """Forward, loss and backward of each micro batch of ``mini`` (this rank's share of a mini batch: ``budget``'s
     rows and tokens each, longest units first, padding columns trimmed) on ``model``, gradients accumulating.
 
     ``loss_fn(micro, Forward, denominator) -> (loss share, metrics)`` is the algorithm's loss for ``model``;
-    ``temperature`` and ``with_entropy`` shape the policy's forward. Returns (finite, metrics, recorded): with
+    ``with_entropy`` shapes the policy's forward. Returns (finite, metrics, recorded): with
     ``record``, the forwards' outputs detached as one `Forward` of (B, T) tensors in ``mini``'s row order. As soon as
     a loss is non-finite on any rank, every rank stops before that backward and returns False (the caller drops the
     gradients). Loss shares (`is_share`) are summed over micro batches, the other metrics averaged.
@@ -214,7 +212,7 @@ def accumulate(
     kept: list[tuple[torch.Tensor, Forward]] = []
     for ids in micro_ids:
         micro = mini.select_units(ids).trimmed()
-        micro, forward, recorded = model.train_forward(micro, temperature, with_entropy, record)
+        micro, forward, recorded = model.train_forward(micro, with_entropy, record)
         loss, micro_metrics = loss_fn(micro, forward, denominator)
         if not all_ranks_true(bool(torch.isfinite(loss).item())):
             return False, {}, None  # no backward: a NaN must not reach the gradients
