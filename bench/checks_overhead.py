@@ -28,11 +28,11 @@ import torch
 from cli_runs import save_random_llama, train_records
 
 from rlhf.models.loading import load_causal_lm
-from rlhf.weight_sync import fingerprint
+from rlhf.models.fingerprint import fingerprint
 
 WORK = ["eval.every=0", "eval.max_prompts=4", "logging.tensorboard=false", "checkpoint.save_final_model=false"]
 OFF = ["checks.weight_sync=off", "checks.parity_prompts=0"]
-PROBE_LINE = re.compile(r"log-prob parity .*, (\d+\.\d+) s\)")  # rlhf.parity.gate's line
+PROBE_LINE = re.compile(r"log-prob parity .*, (\d+\.\d+) s\)")  # rlhf.checks.parity.gate's line
 DEFAULT_RUN_STEPS = 200  # train.num_steps of the default run, for the probe's share
 
 

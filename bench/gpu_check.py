@@ -34,11 +34,11 @@ from rlhf.config import compose_config
 from rlhf.config.schema import TrainConfig
 from rlhf.generators.base import SamplingParams
 from rlhf.generators.hf import HFGenerator
-from rlhf.models.policy import TorchPolicy
+from rlhf.training.policy import TorchPolicy
 from rlhf.models.reference import FrozenReference
 from rlhf.models.tiny import build_char_tokenizer
 from rlhf.plan import make_plan, memory
-from rlhf.schedules.common import NonFiniteGuard
+from rlhf.run.state import NonFiniteGuard
 from rlhf.step.learner import Learner
 from rlhf.step.scored import Scored, with_groups
 

@@ -15,9 +15,9 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from rlhf.build import build_components
+from rlhf.run.build import build_components
 from rlhf.config import compose_config, validate
-from rlhf.schedules.common import RunState
+from rlhf.run.state import RunState
 from rlhf.schedules.sync import train_step
 from rlhf.seeding import seed_everything
 

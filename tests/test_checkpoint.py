@@ -16,15 +16,15 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rlhf import checkpoint
-from rlhf.checkpoint import STATE_FILE, STATE_KEYS, complete_checkpoints, resume_path
+from rlhf.run import checkpoint
+from rlhf.run.checkpoint import STATE_FILE, STATE_KEYS, complete_checkpoints, resume_path
 from rlhf.config.schema import AlgorithmConfig, CriticConfig, RewardConfig
 from rlhf.errors import ConfigError
 from rlhf.data.prompts import PromptExample, PromptStream
 from rlhf.algorithms import PolicyGradient, build_algorithm
-from rlhf.models import optim as optim_module
-from rlhf.models.critic import TorchCritic
-from rlhf.models.policy import TorchPolicy
+from rlhf.training import optim as optim_module
+from rlhf.training.critic import TorchCritic
+from rlhf.training.policy import TorchPolicy
 from rlhf.rewards.combine import RewardSet
 from rlhf.rewards.model import RunningMoments
 

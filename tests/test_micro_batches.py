@@ -13,11 +13,11 @@ from rlhf.algorithms import build_algorithm
 from rlhf.functional import entropy_from_logits, logprobs_from_logits
 from rlhf.config.schema import AlgorithmConfig
 from rlhf.micro_batches import Budget, as_budget, padded_tokens, plan, split_to, window_outputs
-from rlhf.models.policy import TorchPolicy
+from rlhf.training.policy import TorchPolicy
 from rlhf.models.reference import FrozenReference
 from rlhf.step.learner import Learner, accumulate
 from rlhf.step.scored import Scored
-from rlhf.schedules.common import NonFiniteGuard
+from rlhf.run.state import NonFiniteGuard
 from rlhf.trajectory import Forward, Trajectories, from_completions
 
 CPU = torch.device("cpu")

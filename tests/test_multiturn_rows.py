@@ -10,9 +10,9 @@ import torch
 
 from rlhf.algorithms import build_algorithm
 from rlhf.generators.hf import left_pad
-from rlhf.models.policy import TorchPolicy
+from rlhf.training.policy import TorchPolicy
 from rlhf.models.value import load_value_model, sequence_scores
-from rlhf.schedules.common import NonFiniteGuard
+from rlhf.run.state import NonFiniteGuard
 from rlhf.step.learner import Learner
 from rlhf.step.scored import Scored
 from rlhf.trajectory import Trajectories, from_completions

@@ -13,10 +13,10 @@ from omegaconf import OmegaConf
 from rlhf.config.schema import AlgorithmConfig, CriticConfig
 from rlhf.algorithms import build_algorithm
 from rlhf.generators.hf import left_pad
-from rlhf.models.critic import TorchCritic
-from rlhf.models.optim import clip_and_step, make_optimizer
-from rlhf.models.policy import TorchPolicy
-from rlhf.schedules.common import NonFiniteError, NonFiniteGuard
+from rlhf.training.critic import TorchCritic
+from rlhf.training.optim import clip_and_step, make_optimizer
+from rlhf.training.policy import TorchPolicy
+from rlhf.run.state import NonFiniteError, NonFiniteGuard
 from rlhf.step.learner import Learner
 from rlhf.step.scored import with_groups
 from rlhf.trajectory import Trajectories, from_completions

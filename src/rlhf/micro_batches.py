@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from rlhf.distributed.strategies import all_ranks_max
+from rlhf.collectives import all_ranks_max
 from rlhf.trajectory import Forward, Trajectories
 
 

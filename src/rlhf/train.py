@@ -23,16 +23,18 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from transformers.utils import logging as transformers_logging
 
-from rlhf import checkpoint, exits, hub, parity, plan, preflight, registry, rehearsal, sweep
-from rlhf.build import build_components
+from rlhf.run import checkpoint, preflight, rehearsal, sweep
+from rlhf import exits, plan, registry
+from rlhf.checks import hub, parity
+from rlhf.run.build import build_components
 from rlhf.config import ConfigError, register_schema, validate
 from rlhf.distributed.remote import WorkerError
-from rlhf.runlock import folder_lock
-from rlhf.schedules.common import NonFiniteError, NonFiniteGuard, RunState, StopSignals
+from rlhf.run.lock import folder_lock
+from rlhf.run.state import NonFiniteError, NonFiniteGuard, RunState, StopSignals
 from rlhf.seeding import seed_everything
 from rlhf.tracking.progress import wants_bar
 from rlhf.tracking.tracker import Tracker
-from rlhf.weight_sync import resumed
+from rlhf.checks.weight_sync import resumed
 
 log = logging.getLogger("rlhf")
 
@@ -42,8 +44,8 @@ register_schema()
 def train(cfg: DictConfig, out: Path):
     """Validate, build, resume if asked, run the schedule in folder ``out``, export. Returns the final RunState.
 
-    Before any model loads: every model and dataset can be found (`rlhf.hub`), the run fits its devices'
-    memory (`rlhf.plan`), and every folder it writes is writable with room for a checkpoint (`rlhf.preflight`)."""
+    Before any model loads: every model and dataset can be found (`rlhf.checks.hub`), the run fits its devices'
+    memory (`rlhf.plan`), and every folder it writes is writable with room for a checkpoint (`rlhf.run.preflight`)."""
     sizes = validate(cfg)
     hub.check_sources(cfg)
     plan.check(cfg)
@@ -57,7 +59,7 @@ def train(cfg: DictConfig, out: Path):
 
 @contextmanager
 def run_folder_locks(out: Path, root: Path):
-    """Hold the run folder (and a `checkpoint.dir` outside it) for this run alone; see `rlhf.runlock`."""
+    """Hold the run folder (and a `checkpoint.dir` outside it) for this run alone; see `rlhf.run.lock`."""
     with ExitStack() as stack:
         stack.enter_context(folder_lock(out, "run folder (hydra.run.dir)"))
         if not root.resolve().is_relative_to(out.resolve()):
@@ -148,7 +150,7 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def preflight_only(cfg: DictConfig, out: Path) -> None:
-    """`preflight=true`: rehearse one step on a tiny batch (`rlhf.rehearsal`), print the report, exit 0 when every
+    """`preflight=true`: rehearse one step on a tiny batch (`rlhf.run.rehearsal`), print the report, exit 0 when every
     stage passed, else with the code the run would have exited with."""
     results = rehearsal.rehearse(cfg, out)
     log.info("preflight report:\n%s", rehearsal.render(results))

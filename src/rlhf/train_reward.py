@@ -20,14 +20,16 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from torch.utils.tensorboard import SummaryWriter
 
-from rlhf import exits, hub, preflight, registry
+from rlhf import exits, registry
+from rlhf.checks import hub
+from rlhf.run import preflight
 from rlhf.config import ConfigError, register_schema
 from rlhf.data.preferences import encode_pairs
-from rlhf.hf_folder import save_hf_folder
+from rlhf.models.hf_folder import save_hf_folder
 from rlhf.models.loading import load_tokenizer, pick_device
-from rlhf.models.optim import clip_gradients, lr_lambda
+from rlhf.training.optim import clip_gradients, lr_lambda
 from rlhf.models.value import load_value_model, sequence_scores
-from rlhf.runlock import folder_lock
+from rlhf.run.lock import folder_lock
 from rlhf.seeding import seed_everything
 
 log = logging.getLogger("rlhf")
@@ -133,8 +135,8 @@ def reward_model_dir(cfg: DictConfig, out: Path) -> Path:
 def main(cfg: DictConfig) -> float:
     """Exit codes as `rlhf.train` (`rlhf.exits`): 2 config error or a folder in use, 6 an error while training."""
     out = Path(HydraConfig.get().runtime.output_dir)
-    try:  # before any model loads: hub names are reachable (`rlhf.hub`), the folders written are writable and have
-        # room for the model (`rlhf.preflight`)
+    try:  # before any model loads: hub names are reachable (`rlhf.checks.hub`), the folders written are writable and have
+        # room for the model (`rlhf.run.preflight`)
         hub.check_sources(cfg)
         preflight.check_outputs(preflight.reward_outputs(cfg, out, reward_model_dir(cfg, out)))
         with folder_lock(out, "run folder (hydra.run.dir)"):

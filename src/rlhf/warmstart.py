@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from rlhf.data.arith import ALPHABET, arith_problems
-from rlhf.hf_folder import save_hf_folder
+from rlhf.models.hf_folder import save_hf_folder
 from rlhf.models.tiny import build_char_tokenizer, build_tiny_llama
 
 DEFAULT_OUTPUT = Path(__file__).parent / "assets" / "tiny_arith"

@@ -11,7 +11,7 @@ from rlhf.generators.base import SamplingParams
 from rlhf.generators.hf import HFGenerator
 from rlhf.models import lora
 from rlhf.models.loading import load_causal_lm, load_tokenizer
-from rlhf.models.policy import TorchPolicy
+from rlhf.training.policy import TorchPolicy
 from rlhf.train import train
 
 PROMPTS = ["12+7=", "3+45=", "60+21=", "8+8=", "33+1=", "5+72="]

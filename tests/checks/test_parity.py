@@ -1,4 +1,4 @@
-"""Log-prob parity (rlhf.parity): the gate before step 1, the jump watch during training, and their figures."""
+"""Log-prob parity (rlhf.checks.parity): the gate before step 1, the jump watch during training, and their figures."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from rlhf.config import ConfigError, compose_config, validate
 from rlhf.functional.kl import logprob_gap
 from rlhf.generators.hf import HFGenerator
-from rlhf.parity import GapWatch, LogprobGapError, ParityError
+from rlhf.checks.parity import GapWatch, LogprobGapError, ParityError
 from rlhf.train import train
 
 SHORT = ["train.num_steps=4", "eval.every=0", "eval.max_prompts=4", "logging.tensorboard=false",

@@ -1,4 +1,4 @@
-"""`preflight=true` (rlhf.rehearsal): one step rehearsed on a tiny batch, a report, and the exit code of the run."""
+"""`preflight=true` (rlhf.run.rehearsal): one step rehearsed on a tiny batch, a report, and the exit code of the run."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from rlhf import exits
 from rlhf.config import compose_config
-from rlhf.rehearsal import rehearse
+from rlhf.run.rehearsal import rehearse
 
 RAISING_REWARD = '''
 def always_fails(prompts, responses, ground_truths, **_):

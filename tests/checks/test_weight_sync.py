@@ -1,14 +1,15 @@
-"""Verified weight sync (rlhf.weight_sync): fingerprints by hand, and injected faults stopping real runs."""
+"""Verified weight sync (rlhf.checks.weight_sync): fingerprints by hand, and injected faults stopping real runs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from rlhf import weight_sync
+from push_faults import inject_push_faults
 from rlhf.config import compose_config
 from rlhf.train import train
-from rlhf.weight_sync import WeightSyncError, first_difference, fingerprint, tensor_fingerprint
+from rlhf.checks.weight_sync import WeightSyncError
+from rlhf.models.fingerprint import first_difference, fingerprint, tensor_fingerprint
 
 SHORT = ["train.num_steps=3", "eval.every=0", "eval.max_prompts=4", "logging.tensorboard=false",
          "checkpoint.save_final_model=false"]
@@ -40,9 +41,8 @@ def test_bad_mode_names_the_key():
 
 @pytest.fixture
 def faults(monkeypatch):
-    injected = {}
-    monkeypatch.setattr(weight_sync, "FAULTS", injected)
-    return injected
+    """``faults(stale_push=k)`` loses push k, ``faults(missed=name)`` keeps delivering push 1's `name` (`push_faults`)."""
+    return lambda **injected: inject_push_faults(monkeypatch, **injected)
 
 
 HF = ["generator=hf"]
@@ -56,7 +56,7 @@ VLLM = pytest.param(["generator=vllm", "generator.kv_cache_memory_bytes=33554432
     ("hybrid", "still asleep"),  # the skipped push never woke the sleeping generator
 ])
 def test_a_stale_push_stops_the_run_naming_the_step(generator, schedule, says, faults, tmp_path):
-    faults["stale_push"] = 2
+    faults(stale_push=2)
     with pytest.raises(WeightSyncError, match=rf"push after step 2: the generator .*{says}"):
         train(compose_config([*generator, f"schedule={schedule}", *SHORT]), tmp_path / "run")
 
@@ -64,14 +64,14 @@ def test_a_stale_push_stops_the_run_naming_the_step(generator, schedule, says, f
 @pytest.mark.parametrize("generator", [pytest.param(HF, id="hf"), VLLM])
 @pytest.mark.parametrize("schedule", ["sync", "async", "hybrid"])
 def test_a_missed_parameter_stops_the_run_naming_it(generator, schedule, faults, tmp_path):
-    faults["missed"] = MISSED
+    faults(missed=MISSED)
     with pytest.raises(WeightSyncError, match=rf"push after step 2: the generator holds a different `{MISSED}`"):
         train(compose_config([*generator, f"schedule={schedule}", *SHORT]), tmp_path / "run")
 
 
 @pytest.mark.parametrize("mode", ["first", "off"])
 def test_first_and_off_let_a_later_fault_through(mode, faults, tmp_path):
-    faults["missed"] = MISSED
+    faults(missed=MISSED)
     state = train(compose_config([f"checks.weight_sync={mode}", *SHORT]), tmp_path / "run")
     assert state.step == 3
 
@@ -81,7 +81,7 @@ def test_a_resumed_run_names_the_real_step_of_a_failed_push(faults, tmp_path):
     a stale third push is the one after step 4, and the message says so."""
     run = tmp_path / "run"
     assert train(compose_config([*SHORT[1:], "train.num_steps=2", "checkpoint.every=2"]), run).step == 2
-    faults["stale_push"] = 2
+    faults(stale_push=2)
     with pytest.raises(WeightSyncError, match=r"push after step 4: the generator holds a different"):
         train(compose_config([*SHORT[1:], "train.num_steps=5", "checkpoint.every=2", "resume=auto",
                               "checks.weight_sync=every"]), run)

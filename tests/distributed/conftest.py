@@ -11,6 +11,7 @@ from rlhf.config.compose import compose_config
 from rlhf.distributed.cluster import RayRun, reserve, spawn
 from rlhf.distributed.layout import PlacementSpec
 from rlhf.distributed.remote import RemoteTrainer
+from rlhf.run.build import build_model
 
 
 @pytest.fixture(scope="session")
@@ -41,7 +42,7 @@ class Started:
         spec = PlacementSpec((role,), 1, ranks)
         (pg,) = reserve([spec], cfg.cluster)
         self.run.placement_groups.append(pg)
-        group, pending = spawn(role, spec, pg, cfg, total_optimizer_steps)
+        group, pending = spawn(role, spec, pg, cfg, total_optimizer_steps, build_model)
         self.run.groups[f"{role}-{len(self.run.groups)}"] = group
         group.wait(pending, "setup", cfg.cluster.setup_timeout_s)  # as `start` does: the model-load budget
         return group

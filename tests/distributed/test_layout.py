@@ -20,7 +20,7 @@ from rlhf.distributed.layout import (
     validate_cluster,
 )
 from rlhf.distributed.remote import even_slices
-from rlhf.distributed.strategies import deepspeed_config
+from rlhf.training.strategies import deepspeed_config
 
 PRESETS = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "conf" / "cluster").glob("*.yaml"))
 # 8gpu_split trains on 7 ranks, which must divide the samples per step: 14 prompts x 8 (grpo) or x 4 (ppo)
@@ -63,7 +63,7 @@ def test_every_cluster_preset_composes_and_validates_without_a_gpu(preset, algor
 
 
 def test_8gpu_split_with_a_batch_seven_ranks_cannot_share_names_the_keys():
-    """The seeds' 7 training GPUs do not divide the default 16 x 8 = 128 samples: a clear error, not a hang."""
+    """open-instruct's 7 training GPUs (its 8-GPU PPO run) do not divide the default 16 x 8 = 128 samples: a clear error, not a hang."""
     with pytest.raises(ConfigError, match=r"cluster.roles.actor has 7 training ranks, which must divide the 128 samples"):
         validate(compose_config(["cluster=8gpu_split"]))
 

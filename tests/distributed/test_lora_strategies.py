@@ -18,7 +18,7 @@ from conftest import compose, max_weight_diff
 from safetensors.torch import load_file
 from test_strategies import strategy_overrides
 
-from rlhf.build import build_components
+from rlhf.run.build import build_components
 from rlhf.micro_batches import as_budget
 from rlhf.step.learner import accumulate_mini
 from rlhf.config.validate import validate

@@ -12,18 +12,19 @@ import ray
 import torch
 from conftest import compose, max_weight_diff
 
-from rlhf import checkpoint, weight_sync
+from rlhf.run import checkpoint
+from push_faults import inject_push_faults
 from rlhf.algorithms import build_algorithm
-from rlhf.build import build_components
+from rlhf.run.build import build_components, build_model
 from rlhf.errors import ConfigError
 from rlhf.config.validate import validate
 from rlhf.distributed.cluster import start
 from rlhf.distributed.remote import WorkerError
 from rlhf.generators.hf import HFGenerator
 from rlhf.models.loading import load_tokenizer
-from rlhf.schedules.common import RunState
+from rlhf.run.state import RunState
 from rlhf.schedules.sync import train_step
-from rlhf.weight_sync import WeightSyncError
+from rlhf.checks.weight_sync import WeightSyncError
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +40,7 @@ def placements(run) -> dict[str, list[dict]]:
 
 def test_colocated_roles_share_bundles_and_split_roles_do_not(ray_cluster):
     cfg = compose("algorithm=ppo", "algorithm.num_samples_per_prompt=4", "cluster.colocate=[[actor,ref],[critic]]")
-    run, handles = start(cfg, algorithm_of(cfg), 10, 0)
+    run, handles = start(cfg, algorithm_of(cfg), 10, 0, build_model)
     try:
         where = placements(run)
         assert set(where) == {"actor", "ref", "critic", "generator"}
@@ -60,7 +61,7 @@ def test_infeasible_layout_fails_up_front_with_the_arithmetic(ray_cluster):
     cfg = compose("cluster.roles.actor.devices_per_node=4", "cluster.roles.ref.devices_per_node=4", "cluster.roles.generator.devices_per_node=5")
     began = time.monotonic()
     with pytest.raises(ConfigError, match=r"needs 9 CPU .*actor\+ref: 1 node\(s\) x 4 = 4; generator: 1 node\(s\) x 5 = 5.* offers 8"):
-        start(cfg, algorithm_of(cfg), 10, 0)
+        start(cfg, algorithm_of(cfg), 10, 0, build_model)
     assert time.monotonic() - began < 10
     assert ray.util.placement_group_table() == {} or all(
         pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
@@ -141,7 +142,7 @@ def test_episodes_play_on_ray_with_two_generator_ranks_on_the_trainers_weights(r
 def test_a_stale_push_to_ray_generators_stops_the_run(ray_cluster, monkeypatch):
     """checks.weight_sync on Ray: both engine ranks report what they hold, rank 0 computes what they should hold from
     the pushed Ray reference, and a push that never reached them stops the run naming the step."""
-    monkeypatch.setattr(weight_sync, "FAULTS", {"stale_push": 2})
+    inject_push_faults(monkeypatch, stale_push=2)
     cfg, c = sync_components("cluster.roles.generator.devices_per_node=2")
     try:
         state = RunState()

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import compose, max_weight_diff
 
-from rlhf.build import build_components
+from rlhf.run.build import build_components
 from rlhf.micro_batches import as_budget
 from rlhf.step.learner import accumulate_mini
 from rlhf.config.validate import validate

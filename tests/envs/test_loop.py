@@ -15,7 +15,7 @@ from rlhf.envs.base import BASE_KEYS
 from rlhf.envs.loop import EpisodeRunner, drop_failed_groups
 from rlhf.envs.rows import episode_rows
 from rlhf.generators.base import SamplingParams
-from rlhf.models.policy import TorchPolicy
+from rlhf.training.policy import TorchPolicy
 from rlhf.step.collector import Collector
 from rlhf.step.learner import sample_train_gap
 

@@ -8,8 +8,8 @@ import torch
 import transformers.modeling_utils
 from safetensors.torch import load_file
 
-from rlhf.hf_folder import atomic_folder
-from rlhf.models.policy import TorchPolicy
+from rlhf.models.hf_folder import atomic_folder
+from rlhf.training.policy import TorchPolicy
 
 CPU = torch.device("cpu")
 

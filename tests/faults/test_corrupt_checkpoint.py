@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.checkpoint import STATE_FILE, complete_checkpoints
+from rlhf.run.checkpoint import STATE_FILE, complete_checkpoints
 from rlhf.config import ConfigError, compose_config
 from rlhf.train import train
 
@@ -59,7 +59,7 @@ def test_broken_trainer_state_resume_auto_falls_back(run_dir, caplog, content):
     (broken / STATE_FILE).write_text(content)
     cfg = compose_config([*SMALL, "train.num_steps=5", "resume=auto"])
     with caplog.at_level(logging.WARNING, logger="rlhf"):
-        from rlhf.checkpoint import resume_path
+        from rlhf.run.checkpoint import resume_path
 
         assert resume_path(cfg, run_dir / "checkpoints") == run_dir / "checkpoints" / "step_00000002"
     assert str(broken / STATE_FILE) in caplog.text

@@ -20,7 +20,7 @@ import datasets
 import pytest
 from omegaconf import OmegaConf
 
-from rlhf.build import build_components
+from rlhf.run.build import build_components
 from rlhf.config import ConfigError, compose_config, validate
 from rlhf.config.schema import DatasetConfig, DataSourceConfig
 from rlhf.data import cache as dataset_cache
@@ -314,7 +314,7 @@ def test_run_with_too_long_a_prompt_limit_stops_before_models_load(monkeypatch):
     def no_models(*args, **kwargs):
         raise AssertionError("models were built")
 
-    monkeypatch.setattr("rlhf.build.build_local_models", no_models)
+    monkeypatch.setattr("rlhf.run.build.build_local_models", no_models)
     with pytest.raises(ConfigError, match=r"^dataset\.max_prompt_length=61 \+ generator\.max_new_tokens=4 = 65 tokens"):
         build_components(cfg, validate(cfg))
 
@@ -326,6 +326,6 @@ def test_a_file_whose_rows_all_go_to_evaluation_is_a_config_error(monkeypatch):
         "dataset=jsonl", "dataset.path=p.jsonl", "dataset.ground_truth_key=answer", "dataset.cache_dir=cache",
         "dataset.chat_template=simple_concat_with_space", "dataset.max_prompt_length=60",
     ])
-    monkeypatch.setattr("rlhf.build.build_local_models", lambda *a, **k: pytest.fail("models were built"))
+    monkeypatch.setattr("rlhf.run.build.build_local_models", lambda *a, **k: pytest.fail("models were built"))
     with pytest.raises(ConfigError, match=r"no training prompts are left \(1 went to evaluation.*dataset\.eval_holdout"):
         build_components(cfg, validate(cfg))

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from rlhf import checkpoint, preflight
+from rlhf.run import checkpoint, preflight
 from rlhf.config import ConfigError, compose_config
+from rlhf.disk import tree_bytes
 from rlhf.errors import NoSpaceError
-from rlhf.hf_folder import save_hf_folder
+from rlhf.models.hf_folder import save_hf_folder
 from rlhf.models.loading import load_causal_lm, load_tokenizer
 from rlhf.train import train
 
@@ -46,7 +47,7 @@ def test_the_estimate_covers_a_real_checkpoint(tmp_path):
     """Weights plus AdamW's two moments per parameter: within 20% of what a saved checkpoint takes."""
     cfg = compose_config([*SMALL, "train.num_steps=1", "checkpoint.every=1", "checkpoint.save_final_model=false"])
     train(cfg, tmp_path)
-    saved = checkpoint.tree_bytes(checkpoint.complete_checkpoints(tmp_path / "checkpoints")[-1])
+    saved = tree_bytes(checkpoint.complete_checkpoints(tmp_path / "checkpoints")[-1])
     assert 0.8 * saved <= preflight.checkpoint_bytes(cfg) <= 1.2 * saved
 
 

@@ -13,7 +13,7 @@ import rlhf.train
 from rlhf import exits
 from rlhf.config import ConfigError
 from rlhf.distributed.remote import WorkerError
-from rlhf.schedules.common import NonFiniteError, RunState
+from rlhf.run.state import NonFiniteError, RunState
 
 USER_MODULE = '''
 def my_reward(prompts, responses, ground_truths, **_):

@@ -1,5 +1,5 @@
 """First contact without tracebacks: a hub model, tokenizer or dataset this machine cannot get is one paragraph and
-exit 2 (`rlhf.hub`), naming the key, the name, why (offline, unreachable, no such repository, gated, no such
+exit 2 (`rlhf.checks.hub`), naming the key, the name, why (offline, unreachable, no such repository, gated, no such
 revision) and the fix; a name in the local cache still trains offline. The hub is never contacted: each test points
 `huggingface_hub` at an empty cache and at an offline switch, a closed port, or a fake hub on 127.0.0.1."""
 
@@ -21,7 +21,8 @@ from datasets.load import CachedDatasetModuleFactory
 from huggingface_hub import constants, scan_cache_dir, snapshot_download, try_to_load_from_cache
 
 import rlhf.train_reward
-from rlhf import exits, hub
+from rlhf import exits
+from rlhf.checks import hub
 from rlhf.config import ConfigError, compose_config
 from rlhf.models.loading import resolve_model_path
 from rlhf.train import train

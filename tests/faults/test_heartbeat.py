@@ -14,6 +14,7 @@ from rlhf.distributed.cluster import RayRun, reserve, spawn
 from rlhf.distributed.layout import PlacementSpec
 from rlhf.distributed.remote import HEARTBEAT_GROUP, ActorGroup, WorkerError
 from rlhf.distributed.workers import RoleWorker
+from rlhf.run.build import build_model
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +58,7 @@ def run(ray_session):
 def test_a_frozen_worker_fails_the_call_naming_role_rank_and_heartbeat(cfg, run, ray_session):
     spec = PlacementSpec(("actor",), 1, 2)
     run.placement_groups = reserve([spec], cfg.cluster)
-    group, pending = spawn("actor", spec, run.placement_groups[0], cfg, 10)
+    group, pending = spawn("actor", spec, run.placement_groups[0], cfg, 10, build_model)
     run.groups["actor"] = group
     group.wait(pending, "setup", cfg.cluster.setup_timeout_s)
     pid = ray_session.get(group.actors[1].ping.remote())["pid"]
@@ -88,7 +89,7 @@ def spinning_worker() -> type:
 
 def test_a_busy_worker_answers_its_pings_through_a_long_call(cfg, run, ray_session):
     worker = ray_session.remote(concurrency_groups={HEARTBEAT_GROUP: 1})(spinning_worker())  # as `spawn`
-    actor = worker.options(num_cpus=1).remote("actor", 0, 1, cfg, 10)
+    actor = worker.options(num_cpus=1).remote("actor", 0, 1, cfg, 10, build_model)
     group = ActorGroup("actor", [actor], CALL_TIMEOUT_S, HEARTBEAT_S)
     run.groups["actor"] = group
     group.wait({0: actor.ping.remote()}, "start-up", CALL_TIMEOUT_S)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rlhf.build import check_model_sources
+from rlhf.run.build import check_model_sources
 from rlhf.config.schema import ModelConfig, RewardConfig
 from rlhf.errors import ConfigError
 from rlhf.models.loading import check_model_tokenizer, load_causal_lm, load_tokenizer

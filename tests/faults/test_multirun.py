@@ -1,5 +1,5 @@
 """`--multirun`: a job's config error does not stop the sweep; the other jobs finish, and a summary at the end names
-each job's outcome; the sweep exits with the failed job's code (`rlhf.sweep`)."""
+each job's outcome; the sweep exits with the failed job's code (`rlhf.run.sweep`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from rlhf import exits, sweep
+from rlhf import exits
+from rlhf.run import sweep
 
 TINY = ["train.num_steps=1", "eval.num_samples=1", "eval.greedy=false", "logging.tensorboard=false"]
 

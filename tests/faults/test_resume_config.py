@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlhf.checkpoint import CONFIG_FILE, complete_checkpoints
+from rlhf.run.checkpoint import CONFIG_FILE, complete_checkpoints
 from rlhf.config import ConfigError, compose_config
 from rlhf.train import train
 

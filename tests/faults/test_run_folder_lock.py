@@ -16,7 +16,7 @@ import pytest
 import rlhf.train_reward
 from rlhf import exits
 from rlhf.config import compose_config
-from rlhf.runlock import LOCK_FILE, FolderInUseError, folder_lock, lock_path
+from rlhf.run.lock import LOCK_FILE, FolderInUseError, folder_lock, lock_path
 from rlhf.train import train
 
 

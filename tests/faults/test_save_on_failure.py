@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf import checkpoint
+from rlhf.run import checkpoint
 from rlhf.config import compose_config
 from rlhf.generators.hf import HFGenerator
 from rlhf.models.loading import resolve_model_path

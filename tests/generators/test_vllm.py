@@ -163,7 +163,7 @@ def test_sleep_frees_the_weights_and_wake_up_loads_new_ones(engine, hf, encode, 
 def test_the_engine_reports_what_its_worker_received(engine, original_weights):
     """`checks.weight_sync` on vLLM: the worker fingerprints the tensors it received and loaded; they match what was
     pushed, and a tensor pushed stale (an old value) shows under its own name."""
-    from rlhf.weight_sync import first_difference
+    from rlhf.models.fingerprint import first_difference
 
     pushed = perturbed(original_weights, scale=0.01)
     engine.update_weights(pushed)

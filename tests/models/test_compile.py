@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from torch._dynamo.utils import counters
 
 from rlhf.config import ConfigError, compose_config, validate
-from rlhf.models.policy import TorchPolicy
+from rlhf.training.policy import TorchPolicy
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.slow  # compiling takes seconds
@@ -78,7 +78,7 @@ def test_a_model_naming_no_decoder_blocks_is_refused_before_its_weights_load(pol
     class without `_no_split_modules` gives the ConfigError naming the key; the tiny Llama passes."""
     from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
 
-    from rlhf.models.trainable import check_compilable
+    from rlhf.training.trainable import check_compilable
 
     compiled = OmegaConf.merge(policy_cfg, {"compile": True})
     check_compilable(compiled, model_cfg)

@@ -10,11 +10,12 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from rlhf import weight_sync
+from rlhf.checks import weight_sync
+from push_faults import inject_push_faults
 from rlhf.config import ConfigError, compose_config, validate
 from rlhf.config.schema import PolicyConfig
 from rlhf.models import lora
-from rlhf.models.policy import TorchPolicy
+from rlhf.training.policy import TorchPolicy
 from rlhf.models.reference import FrozenReference
 from rlhf.train import train
 
@@ -124,7 +125,7 @@ def test_the_hf_generator_takes_a_partial_push_and_refuses_foreign_names(make_ge
 
 
 def test_a_partial_push_still_catches_a_tensor_that_never_arrived(monkeypatch, tmp_path):
-    monkeypatch.setattr(weight_sync, "FAULTS", {"missed": "model.layers.0.mlp.up_proj.weight"})
+    inject_push_faults(monkeypatch, missed="model.layers.0.mlp.up_proj.weight")
     with pytest.raises(weight_sync.WeightSyncError, match=r"push after step 2: the generator holds a different `model\.layers\.0\.mlp\.up_proj"):
         train(compose_config(["policy.lora.rank=4", "train.num_steps=3", *SHORT[1:]]), tmp_path / "run")
 
@@ -143,7 +144,7 @@ def test_bad_lora_values_are_refused_naming_the_key(overrides, message):
 
 def test_target_modules_that_match_nothing_are_refused_before_any_weights_load(tmp_path, monkeypatch):
     loaded = []
-    monkeypatch.setattr("rlhf.models.policy.load_causal_lm", lambda *a, **k: loaded.append(a) or pytest.fail("loaded"))
+    monkeypatch.setattr("rlhf.training.policy.load_causal_lm", lambda *a, **k: loaded.append(a) or pytest.fail("loaded"))
     cfg = compose_config(["policy.lora.rank=8", "policy.lora.target_modules=[q_proj,qkv_proj]", *SHORT])
     with pytest.raises(ConfigError, match=r"target_modules: \['qkv_proj'\] match no linear layer .* end in \[.*'q_proj'"):
         train(cfg, tmp_path / "run")

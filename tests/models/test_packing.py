@@ -178,7 +178,7 @@ def test_a_lora_wrapped_model_packs_through_the_adapters():
 def test_packed_rows_under_a_compiled_model_give_the_eager_logprobs_from_one_graph():
     """`policy.compile` compiles each decoder block; packed rows pass their attention arguments through them, and
     micro batches of other row counts (one row included) and lengths reuse the first graph."""
-    from rlhf.models.trainable import compile_blocks
+    from rlhf.training.trainable import compile_blocks
 
     eager, compiled = packing_model(), packing_model()
     assert compile_blocks(compiled) == 2

@@ -10,8 +10,8 @@ import torch
 from rlhf import registry
 from rlhf.generators.base import SamplingParams
 from rlhf.models.logprobs import window_logprobs
-from rlhf.models.optim import lr_lambda
-from rlhf.models.policy import TorchPolicy
+from rlhf.training.optim import lr_lambda
+from rlhf.training.policy import TorchPolicy
 from rlhf.models.reference import FrozenReference
 
 CPU = torch.device("cpu")

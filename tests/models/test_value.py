@@ -13,9 +13,9 @@ from transformers import LlamaForSequenceClassification
 from rlhf import registry
 from rlhf.config.schema import CriticConfig, RewardConfig
 from rlhf.functional import masked_mean
-from rlhf.models.critic import TorchCritic
+from rlhf.training.critic import TorchCritic
 from rlhf.models.loading import load_causal_lm
-from rlhf.models.policy import TorchPolicy
+from rlhf.training.policy import TorchPolicy
 from rlhf.models.value import ValueModule, init_score_head, load_value_model, score_head, sequence_scores, token_scores, window_values
 from rlhf.rewards.model import RewardModelScorer
 
@@ -180,7 +180,7 @@ def test_critic_step_changes_critic_weights_only(policy_cfg, model_cfg, train_cf
     # A critic step moves critic weights, leaves the policy (weights and pending grads) alone; a policy step
     # leaves the critic alone; the frozen reward model's scores never move.
     policy = TorchPolicy(policy_cfg, model_cfg, train_cfg(lr=1e-2), total_optimizer_steps=10, device=CPU)
-    critic = make_critic(model_cfg, train_cfg, reward_model_dir)  # initialised from the reward model, as the seeds do
+    critic = make_critic(model_cfg, train_cfg, reward_model_dir)  # initialised from the reward model, as open-instruct's PPO does
     scorer = RewardModelScorer(OmegaConf.structured(RewardConfig(path=reward_model_dir)), "float32", CPU, 8)
     assert not any(p.requires_grad for p in scorer.model.parameters())
     reward_before = scorer.raw_scores(rollout)

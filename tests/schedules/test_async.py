@@ -15,11 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf import checkpoint
-from rlhf.checkpoint import STATE_FILE
+from rlhf.run import checkpoint
+from rlhf.run.checkpoint import STATE_FILE
 from rlhf.config.compose import compose_config
 from rlhf.generators.hf import HFGenerator
-from rlhf.schedules import asynchronous
 from rlhf.schedules.asynchronous import THREAD_NAME, VersionedGenerator, staleness_metrics
 from rlhf.step.collector import Collector
 from rlhf.step.learner import Learner
@@ -194,7 +193,7 @@ def eval_metrics(records: list[dict], step: int) -> dict:
 def test_evaluation_is_not_disturbed_by_the_producer(tmp_path, monkeypatch):
     """A mid-run evaluation samples from its own seeded stream while the producer wants to sample the next batches
     (evaluation slowed so that it does): its metrics equal a standalone evaluation of the same step's checkpoint."""
-    from rlhf.build import build_components
+    from rlhf.run.build import build_components
     from rlhf.config import validate
     from rlhf.schedules.loop import run_eval
     from rlhf.tracking.tracker import Tracker

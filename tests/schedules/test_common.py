@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from rlhf.schedules.common import NonFiniteError, NonFiniteGuard, RunState, StopSignals
+from rlhf.run.state import NonFiniteError, NonFiniteGuard, RunState, StopSignals
 
 # --- NonFiniteGuard -----------------------------------------------------------------------------------
 

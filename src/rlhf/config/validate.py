@@ -25,7 +25,7 @@ from rlhf.functional.losses import LOSS_AGGREGATIONS
 from rlhf.models.dtypes import DTYPES
 from rlhf.models.lora import check_values as check_lora_values
 from rlhf.tracking.checks import check_logging
-from rlhf.weight_sync import MODES as WEIGHT_SYNC_MODES
+from rlhf.checks.weight_sync import MODES as WEIGHT_SYNC_MODES
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_CONTROLLERS = ("fixed", "adaptive")

@@ -10,9 +10,22 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from rlhf.rewards.math import boxed_contents
-
 GSM8K_MARK = "####"
+BOXED = "\\boxed{"
+
+
+def boxed_contents(text: str) -> list[str | None]:
+    """The text in each top-level ``\\boxed{...}`` of ``text`` (nested braces kept); None if never closed."""
+    contents: list[str | None] = []
+    start = text.find(BOXED)
+    while start != -1:
+        depth, end = 1, start + len(BOXED)
+        while end < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[end], 0)
+            end += 1
+        contents.append(text[start + len(BOXED) : end - 1] if depth == 0 else None)
+        start = text.find(BOXED, end)
+    return contents
 
 
 def gsm8k_answer(text: str) -> Optional[str]:

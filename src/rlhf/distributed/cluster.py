@@ -83,14 +83,14 @@ def reserve(specs: list[PlacementSpec], cluster) -> list:
     return groups
 
 
-def spawn(role: str, spec: PlacementSpec, pg, cfg, total_optimizer_steps: int) -> tuple[ActorGroup, dict]:
+def spawn(role: str, spec: PlacementSpec, pg, cfg, total_optimizer_steps: int, build) -> tuple[ActorGroup, dict]:
     """One `RoleWorker` per rank of ``role`` in ``pg`` (bundle i = rank i), set up; returns the group and its pending
     set-up calls ({rank: ObjectRef})."""
-    group = create(role, spec, pg, cfg, total_optimizer_steps)
+    group = create(role, spec, pg, cfg, total_optimizer_steps, build)
     return group, set_up(group, cfg.cluster)
 
 
-def create(role: str, spec: PlacementSpec, pg, cfg, total_optimizer_steps: int) -> ActorGroup:
+def create(role: str, spec: PlacementSpec, pg, cfg, total_optimizer_steps: int, build) -> ActorGroup:
     """Start one `RoleWorker` process per rank of ``role`` in ``pg`` (bundle i = rank i), without waiting for them:
     every role's processes start (import, connect) at the same time."""
     ray = import_ray()
@@ -104,7 +104,7 @@ def create(role: str, spec: PlacementSpec, pg, cfg, total_optimizer_steps: int) 
         worker.options(
             num_cpus=bundle["CPU"] * share, num_gpus=bundle.get("GPU", 0.0) * share,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
-        ).remote(role, rank, spec.ranks, cfg, total_optimizer_steps)
+        ).remote(role, rank, spec.ranks, cfg, total_optimizer_steps, build)
         for rank in range(spec.ranks)
     ]
     return ActorGroup(role, actors, cluster.timeout_s, cluster.heartbeat_timeout_s)
@@ -117,8 +117,9 @@ def set_up(group: ActorGroup, cluster) -> dict:
     return {rank: actor.setup.remote(first["ip"], first["port"]) for rank, actor in enumerate(group.actors)}
 
 
-def start(cfg, algorithm, total_optimizer_steps: int, pad_id: int):
-    """Place and start every role this run uses. Returns (RayRun, {role: driver-side handle})."""
+def start(cfg, algorithm, total_optimizer_steps: int, pad_id: int, build):
+    """Place and start every role this run uses, each rank's component made by ``build(role, cfg, device,
+    total_optimizer_steps)``. Returns (RayRun, {role: driver-side handle})."""
     roles = used_roles(cfg, algorithm)
     specs = placement_specs(cfg.cluster, roles)
     run = RayRun(started_ray=connect(cfg.cluster))
@@ -127,7 +128,7 @@ def start(cfg, algorithm, total_optimizer_steps: int, pad_id: int):
         for spec, pg in zip(specs, run.placement_groups):
             log.info("placement group %s", spec.describe())
             for role in spec.roles:
-                run.groups[role] = create(role, spec, pg, cfg, total_optimizer_steps)
+                run.groups[role] = create(role, spec, pg, cfg, total_optimizer_steps, build)
         pending = {role: set_up(group, cfg.cluster) for role, group in run.groups.items()}
         for role, refs in pending.items():
             run.groups[role].wait(refs, "setup (process group and model load)", cfg.cluster.setup_timeout_s)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlhf.errors import ConfigError
-from rlhf.distributed.strategies import STRATEGIES
+from rlhf.training.strategies import STRATEGIES
 
 ROLES = ("actor", "ref", "critic", "reward", "generator")
 

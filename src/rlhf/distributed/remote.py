@@ -233,7 +233,7 @@ class RemoteGenerator:
         return any(self.group.call_all("asleep"))
 
     def weight_fingerprints(self) -> list[dict[str, float]]:
-        """Every engine's fingerprints of what it holds (`rlhf.weight_sync`), rank by rank."""
+        """Every engine's fingerprints of what it holds (`rlhf.checks.weight_sync`), rank by rank."""
         return [held for rank in self.group.call_all("weight_fingerprints") for held in rank]
 
     def expected_fingerprint(self, state) -> dict[str, float]:

@@ -14,7 +14,6 @@ from datetime import timedelta
 
 import torch
 
-from rlhf.components import build_model
 from rlhf.seeding import seed_everything
 
 
@@ -31,10 +30,11 @@ TRAINED_ROLES = ("actor", "critic")
 class RoleWorker:
     """One rank of one role. The driver wraps this class with `ray.remote` and calls it through `ActorGroup`."""
 
-    def __init__(self, role: str, rank: int, world_size: int, cfg, total_optimizer_steps: int) -> None:
+    def __init__(self, role: str, rank: int, world_size: int, cfg, total_optimizer_steps: int, build) -> None:
         logging.basicConfig(level=logging.INFO, format=f"[{role} {rank}] %(levelname)s %(name)s: %(message)s")
         self.role, self.rank, self.world_size = role, rank, world_size
         self.cfg, self.total_optimizer_steps = cfg, total_optimizer_steps
+        self.build = build  # build(role, cfg, device, total_optimizer_steps): the component of a role (`rlhf.run.build.build_model`)
         self.obj = None
 
     def ping(self) -> dict:
@@ -73,7 +73,7 @@ class RoleWorker:
             )
         # training ranks build identical weights (a new critic head included); generation engines sample apart
         seed_everything(cfg.seed + (self.rank if self.role == "generator" else 0))
-        self.obj = build_model(self.role, cfg, device, self.total_optimizer_steps)
+        self.obj = self.build(self.role, cfg, device, self.total_optimizer_steps)
         strategy = getattr(self.obj, "strategy", None)
         if strategy is not None:
             logging.getLogger("rlhf").info("%s rank %d/%d: strategy %s on %s", self.role, self.rank, self.world_size, strategy.name, device)

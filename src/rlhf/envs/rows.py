@@ -67,7 +67,7 @@ def transcript(episode: Episode) -> str:
 
 
 def episode_metrics(episodes: list[Episode], failed: int) -> dict[str, float]:
-    """The batch's `env/*` metrics (names as in seed 004's GEM loop) over the episodes that did not fail."""
+    """The batch's `env/*` metrics (names as in the Tinker cookbook's multi-turn GEM loop) over the episodes that did not fail."""
     n = max(len(episodes), 1)
     longer = [ep for ep in episodes if len(ep.turns) > 1]
     return {

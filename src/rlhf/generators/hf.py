@@ -10,7 +10,7 @@ from rlhf.generators.decode import decode
 from rlhf.models.loading import load_causal_lm
 from rlhf.registry import register
 from rlhf.trajectory import Trajectories, concat, from_completions
-from rlhf.weight_sync import fingerprint
+from rlhf.models.fingerprint import fingerprint
 
 
 def stop_token_id(tokenizer, stop_token: str) -> int:
@@ -104,7 +104,7 @@ class HFGenerator:
         return self._shapes is not None
 
     def weight_fingerprints(self) -> list[dict[str, float]]:
-        """[`rlhf.weight_sync.fingerprint` of the weights it holds now]: one engine."""
+        """[`rlhf.models.fingerprint.fingerprint` of the weights it holds now]: one engine."""
         if self.asleep:
             raise RuntimeError("the generator is asleep: it holds no weights to fingerprint")
         return [fingerprint(self.model.state_dict())]

@@ -18,7 +18,7 @@ from rlhf.generators.hf import left_pad, stop_token_id
 from rlhf.models.loading import resolve_model_path
 from rlhf.registry import register
 from rlhf.trajectory import Trajectories, from_completions
-from rlhf.weight_sync import fingerprint
+from rlhf.models.fingerprint import fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def _weight_bytes(worker) -> int:
 
 
 def _reload(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """In each engine worker: load ``weights`` in place, keeping the fingerprint of what arrived (`rlhf.weight_sync`)."""
+    """In each engine worker: load ``weights`` in place, keeping the fingerprint of what arrived (`rlhf.checks.weight_sync`)."""
     worker.rlhf_received = fingerprint(dict(weights))
     worker.model_runner.reload_weights(weights_iterator=weights)
 

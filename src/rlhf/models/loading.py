@@ -11,9 +11,9 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from rlhf.checkpoint import safetensors_problem
 from rlhf.errors import ConfigError
 from rlhf.models.dtypes import DTYPES
 
@@ -177,3 +177,12 @@ def pick_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"cluster.device={name!r} but CUDA is not available here; use cluster.device=cpu or auto")
     return device
+
+
+def safetensors_problem(file: Path) -> str | None:
+    """Why a weights file is unusable: safe_open checks its header and that the file covers every tensor."""
+    try:
+        with safe_open(str(file), framework="pt"):
+            return None
+    except (OSError, SafetensorError) as err:
+        return f"{file} is truncated or not a safetensors file ({err})"

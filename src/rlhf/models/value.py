@@ -1,7 +1,7 @@
 """Scalar-head models on a causal LM backbone: reward models (score at the last token) and critics (every token).
 
 Both load with `AutoModelForSequenceClassification` (num_labels=1), so a reward model saved here is a
-normal Hugging Face folder, and a critic can start from a reward model (as the seeds do) or from the
+normal Hugging Face folder, and a critic can start from a reward model (as open-instruct's PPO does) or from the
 policy's causal LM (the head is then new).
 """
 

@@ -9,7 +9,8 @@ import sys
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from rlhf import exits, hub
+from rlhf import exits
+from rlhf.checks import hub
 from rlhf.config import ConfigError, compose_config, validate
 from rlhf.plan import advise, make_plan, render
 

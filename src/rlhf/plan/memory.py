@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 GENERATE, SCORE, TRAIN = "generate", "score", "train"
 PHASES = (GENERATE, SCORE, TRAIN)
-FLOAT32 = 4  # bytes: trained weights, their gradients and AdamW's moments stay in float32 (`rlhf.models.trainable`)
+FLOAT32 = 4  # bytes: trained weights, their gradients and AdamW's moments stay in float32 (`rlhf.training.trainable`)
 ADAM_MOMENTS = 2  # AdamW keeps two float32 moments per trained parameter
 CUDA_CONTEXT_BYTES = 600 * 2**20  # a process's CUDA context and kernels: outside the allocator, about 0.5-0.7 GiB
 

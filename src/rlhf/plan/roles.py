@@ -1,4 +1,4 @@
-"""Each role's memory on one of its devices, from the composed config: what `rlhf.build` would load, sized.
+"""Each role's memory on one of its devices, from the composed config: what `rlhf.run.build` would load, sized.
 
 A `Workload` gathers the sizes every role needs (rows, sequence length, dtype); `role_items` turns one role into
 `memory.Item`s. Models are read through `rlhf.plan.architecture` (config.json only).
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlhf.components import critic_init_path
+from rlhf.training.critic import critic_init_path
 from rlhf.generators.vllm import CPU_KV_CACHE_BYTES
 from rlhf.models.dtypes import DTYPES
 from rlhf.models import lora

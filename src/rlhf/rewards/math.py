@@ -19,28 +19,14 @@ import threading
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
+from rlhf.data.answers import BOXED, boxed_contents
 from rlhf.errors import ConfigError, require
 from rlhf.registry import register
 from rlhf.rewards.rules import Scores, verifier
 
-_BOXED = "\\boxed{"
 _WORKER: ProcessPoolExecutor | None = None  # scores batches handed over from threads other than the main one
 _WORKER_LOCK = threading.Lock()  # two producer threads must not start two workers
 Graded = tuple[list[float], list[bool]]  # (1.0/0.0 per response, whether each response had an answer to read)
-
-
-def boxed_contents(text: str) -> list[str | None]:
-    """The text in each top-level ``\\boxed{...}`` of ``text`` (nested braces kept); None if never closed."""
-    contents: list[str | None] = []
-    start = text.find(_BOXED)
-    while start != -1:
-        depth, end = 1, start + len(_BOXED)
-        while end < len(text) and depth:
-            depth += {"{": 1, "}": -1}.get(text[end], 0)
-            end += 1
-        contents.append(text[start + len(_BOXED) : end - 1] if depth == 0 else None)
-        start = text.find(_BOXED, end)
-    return contents
 
 
 def _one_nonempty_box(text: str) -> bool:
@@ -70,7 +56,7 @@ def _math_verify_api():
 def _parse_truth(truth: str, timeout_s: int) -> list:
     """math-verify's parse of a ground truth; bare LaTeX ("\\sqrt{2}") is read as if written "$\\sqrt{2}$"."""
     parse, _, targets = _math_verify_api()
-    text = truth if "$" in truth or _BOXED in truth else f"${truth}$"
+    text = truth if "$" in truth or BOXED in truth else f"${truth}$"
     gold = parse(text, extraction_config=targets, parsing_timeout=timeout_s)
     if not gold:
         raise ValueError(

@@ -21,9 +21,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from rlhf import checkpoint
+from rlhf.run import checkpoint
+from rlhf.generators.base import SamplingParams
 from rlhf.registry import register
-from rlhf.schedules.common import RunState
+from rlhf.run.state import RunState
 from rlhf.schedules.loop import one_step, push_to_generator, run_steps, timed
 from rlhf.step.scored import Scored
 from rlhf.trajectory import Trajectories

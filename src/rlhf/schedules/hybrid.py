@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 from rlhf.errors import ConfigError
 from rlhf.registry import register
-from rlhf.schedules.common import RunState
+from rlhf.run.state import RunState
 from rlhf.schedules.loop import collect_next, one_step, run_steps, timed
 
 MIB = float(1 << 20)

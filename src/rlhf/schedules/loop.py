@@ -15,10 +15,10 @@ from typing import Callable
 
 import torch
 
-from rlhf import checkpoint
+from rlhf.run import checkpoint
 from rlhf.data.prompts import epochs_done
 from rlhf.distributed.remote import WorkerError
-from rlhf.schedules.common import RunState
+from rlhf.run.state import RunState
 from rlhf.step.scored import Scored, group_rows
 
 log = logging.getLogger("rlhf")

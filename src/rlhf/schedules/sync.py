@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rlhf.registry import register
-from rlhf.schedules.common import RunState
+from rlhf.run.state import RunState
 from rlhf.schedules.loop import collect_next, one_step, push_to_generator, run_steps
 
 

@@ -21,7 +21,7 @@ from dataclasses import fields, replace
 
 import torch
 
-from rlhf.distributed.strategies import all_ranks_true
+from rlhf.collectives import all_ranks_true
 from rlhf.functional import masked_mean, masked_sum
 from rlhf.functional.kl import logprob_gap
 from rlhf.micro_batches import Budget, in_row_order, padded_tokens, place, plan
@@ -38,7 +38,7 @@ def is_share(key: str) -> bool:
 class Learner:
     """Scored batches -> policy updates, for the policy and (PPO) the critic; ``reference`` is None without a KL term.
 
-    ``shuffle`` orders the mini batches (checkpointed); ``gap_watch`` observes each step's generator-trainer logprob gap (`rlhf.parity`).
+    ``shuffle`` orders the mini batches (checkpointed); ``gap_watch`` observes each step's generator-trainer logprob gap (`rlhf.checks.parity`).
     ``updates`` counts the updates begun: a step whose count moved may have changed the models.
     """
 
@@ -243,7 +243,7 @@ def merge_shares(results: list[tuple[bool, dict[str, float], Forward | None]]) -
 
 def sample_train_gap(gen_logp: torch.Tensor, train_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """How far the generator's logprobs are from the trainer's on the same tokens (mean and largest |gen - train|
-    per token and the k3 KL, as `rlhf.parity` reports them; the v1/v2 estimators of the Tinker cookbook's
+    per token and the k3 KL, as `rlhf.checks.parity` reports them; the v1/v2 estimators of the Tinker cookbook's
     sampler-trainer KL).
 
     Shapes: (B, T) each. v1 = mean(gen - train), v2 = mean((gen - train)^2) / 2, over action tokens.

@@ -6,7 +6,7 @@ answered for by the hub. The check looks in the cache first (no network), then a
 so an offline machine learns in a second what `from_pretrained` would say after half a minute of retries and sixty
 lines of traceback. The answer is named: the hub is unreachable (or `HF_HUB_OFFLINE=1`), the repository does not
 exist (or is private), it is gated, or the revision does not exist; each with the key, the name and the fix.
-Local folders and files are left to the checks that read them (`rlhf.build.check_model_sources`, `rlhf.data.files`).
+Local folders and files are left to the checks that read them (`rlhf.run.build.check_model_sources`, `rlhf.data.files`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A factory registered as kind ``policy`` is called as
 ``factory(cfg=<policy config>, model_cfg=..., train_cfg=..., total_optimizer_steps=int, device=..., temperature=float)`` and
-returns an object with the methods of `TorchPolicy` used by `rlhf.step.learner` and `rlhf.parity`.
+returns an object with the methods of `TorchPolicy` used by `rlhf.step.learner` and `rlhf.checks.parity`.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from pathlib import Path
 
 import torch
 
-from rlhf.hf_folder import save_hf_folder
+from rlhf.models.hf_folder import save_hf_folder
 from rlhf.models import lora, packing
 from rlhf.models.dtypes import DTYPES
 from rlhf.models.loading import load_causal_lm
 from rlhf.micro_batches import Budget, window_outputs
 from rlhf.models.logprobs import window_logprobs
-from rlhf.models.optim import clip_and_step, lr_lambda, make_optimizer  # noqa: F401 (re-exported)
-from rlhf.models.trainable import TrainableModel, compile_blocks
+from rlhf.training.optim import clip_and_step, lr_lambda, make_optimizer  # noqa: F401 (re-exported)
+from rlhf.training.trainable import TrainableModel, compile_blocks
 from rlhf.registry import register
 from rlhf.trajectory import Forward, Trajectories
 

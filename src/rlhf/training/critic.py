@@ -12,11 +12,16 @@ import torch
 
 from rlhf.models.dtypes import DTYPES
 from rlhf.micro_batches import Budget, window_outputs
-from rlhf.models.trainable import TrainableModel
+from rlhf.training.trainable import TrainableModel
 from rlhf.models import lora, packing
 from rlhf.models.value import ValueModule, load_value_model, score_head, window_values
 from rlhf.registry import register
 from rlhf.trajectory import Forward, Trajectories
+
+
+def critic_init_path(cfg) -> str:
+    """The critic's starting weights: `critic.name_or_path`, else the reward model, else the policy's model."""
+    return cfg.critic.name_or_path or cfg.reward.path or cfg.model.name_or_path
 
 
 @register("critic", "torch")

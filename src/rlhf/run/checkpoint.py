@@ -22,9 +22,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
 
+from rlhf.disk import fsync_dir, fsync_tree, no_space_error, tree_bytes
 from rlhf.errors import FULL_DISK_ERRNOS, ConfigError, NoSpaceError
+from rlhf.models.loading import safetensors_problem
 
 log = logging.getLogger("rlhf")
 
@@ -104,15 +105,6 @@ def _state_problem(file: Path) -> str | None:
     return f"{file} lacks {', '.join(missing)}" if missing else None
 
 
-def safetensors_problem(file: Path) -> str | None:
-    """Why a weights file is unusable: safe_open checks its header and that the file covers every tensor."""
-    try:
-        with safe_open(str(file), framework="pt"):
-            return None
-    except (OSError, SafetensorError) as err:
-        return f"{file} is truncated or not a safetensors file ({err})"
-
-
 def _torch_file_problem(file: Path) -> str | None:
     """Why a torch.save file is unusable: its zip directory, written last, is missing when the file was cut short."""
     try:
@@ -155,49 +147,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss))
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(path: Path) -> None:
-    """Flush every file and folder under ``path`` to disk before it is renamed into place."""
-    for item in sorted(path.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-        if item.is_file():
-            with open(item, "rb") as f:
-                os.fsync(f.fileno())
-        else:
-            fsync_dir(item)
-    fsync_dir(path)
-
-
-def megabytes(n: int) -> str:
-    """``n`` bytes in MiB, for messages: one decimal below 100 ("0.9"), whole above ("1524")."""
-    return f"{n / 2**20:.1f}" if n < 100 * 2**20 else f"{n / 2**20:.0f}"
-
-
-def free_bytes(path: Path) -> int:
-    """Free bytes on the filesystem that holds ``path`` (or, for a folder not yet made, its nearest parent)."""
-    path = Path(path).absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return shutil.disk_usage(path).free
-
-
-def tree_bytes(path: Path) -> int:
-    """Bytes in the files under ``path`` (0 when it does not exist)."""
-    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) if Path(path).exists() else 0
-
-
-def no_space_error(folder: Path, what: str, needed: int | None) -> NoSpaceError:
-    """'No space left on <folder>: <what> needs about N MB, M MB free' (the need left out when unknown)."""
-    need = f"{what} needs about {megabytes(needed)} MB, " if needed else ""
-    return NoSpaceError(f"No space left on {folder}: {need}{megabytes(free_bytes(folder))} MB free")
 
 
 @contextmanager

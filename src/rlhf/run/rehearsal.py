@@ -1,8 +1,8 @@
 """`python -m rlhf.train preflight=true ...`: rehearse the run's first step on a tiny batch, then report and exit.
 
 Every stage of a real step runs, with the run's own models, strategies and schedule settings, on 2 prompts (the
-configured samples each) and at most as many new tokens as the parity probe (`rlhf.parity.short_sampling`): the checks made before any model loads, loading,
-the weight push (verified, `rlhf.weight_sync`), the log-prob parity probe (`rlhf.parity`), generation and scoring,
+configured samples each) and at most as many new tokens as the parity probe (`rlhf.checks.parity.short_sampling`): the checks made before any model loads, loading,
+the weight push (verified, `rlhf.checks.weight_sync`), the log-prob parity probe (`rlhf.checks.parity`), generation and scoring,
 the update (logprobs, reference, values, advantages, optimiser steps), a hybrid engine's sleep and wake, the push of the updated weights,
 evaluation, a checkpoint saved and reloaded (in a temporary folder beside the run's checkpoints) and the export.
 The report gives each stage's outcome (ok, or the error with its fix), seconds and peak memory: the fast answer to
@@ -19,14 +19,15 @@ from pathlib import Path
 
 import torch
 
-from rlhf import checkpoint, exits, hub, parity, plan, preflight
-from rlhf.build import build_components
+from rlhf.run import checkpoint, preflight
+from rlhf import exits, plan
+from rlhf.checks import hub, parity
+from rlhf.run.build import build_components
 from rlhf.config import ConfigError, validate
 from rlhf.distributed.remote import WorkerError
-from rlhf.schedules.common import NonFiniteGuard, RunState
-from rlhf.schedules.hybrid import wake
+from rlhf.run.state import NonFiniteGuard, RunState
 from rlhf.seeding import seed_everything
-from rlhf.weight_sync import first_difference, fingerprint
+from rlhf.models.fingerprint import first_difference, fingerprint
 
 log = logging.getLogger("rlhf")
 
@@ -146,7 +147,7 @@ class Rehearsal:
     def sleep_and_wake(self) -> str:
         self.c.generator.sleep()
         freed = self.c.generator.freed_bytes
-        wake(self.c)
+        self.c.generator.update_weights(self.c.policy.state_dict())  # wakes it with the new weights
         return f"{freed / 2**20:.0f} MiB freed asleep"
 
     def push(self) -> str:

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from rlhf.checkpoint import fsync_dir, fsync_tree, no_space_error  # the checkpoints' own flushes and messages
+from rlhf.disk import fsync_dir, fsync_tree, no_space_error  # the checkpoints' own flushes and messages
 from rlhf.errors import FULL_DISK_ERRNOS, NoSpaceError
 from rlhf.models.dtypes import tensor_bytes
 

@@ -17,7 +17,6 @@ from transformers import AutoConfig
 
 from rlhf import registry
 from rlhf.algorithms import build_algorithm
-from rlhf.components import build_model, critic_init_path
 from rlhf.errors import ConfigError
 from rlhf.config.validate import DerivedSizes
 from rlhf.data.context import check_prompt_budget, model_context
@@ -33,13 +32,14 @@ from rlhf.models.lora import AdaptersOff, check_not_adapter, check_targets
 from rlhf.models.loading import (
     check_model_tokenizer, check_vocab_match, check_weight_files, load_tokenizer, looks_local, pick_device, resolve_model_path,
 )
-from rlhf.models.trainable import check_compilable
-from rlhf.parity import GapWatch
+from rlhf.training.trainable import check_compilable
+from rlhf.checks.parity import GapWatch
 from rlhf.rewards.combine import RewardSet
 from rlhf.rewards.model import RewardModelScorer
+from rlhf.training.critic import critic_init_path
 from rlhf.step.collector import Collector
 from rlhf.step.learner import Learner
-from rlhf.weight_sync import verified
+from rlhf.checks.weight_sync import verified
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def check_output_rows(cfg, tokenizer) -> None:
 
 
 def check_model_sources(cfg) -> None:
-    """Local model folders exist and built-in names are shipped; hub names were checked by `rlhf.hub`."""
+    """Local model folders exist and built-in names are shipped; hub names were checked by `rlhf.checks.hub`."""
     for key, value in (
         ("model.name_or_path", cfg.model.name_or_path),
         ("model.tokenizer", cfg.model.tokenizer),
@@ -225,6 +225,34 @@ def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
     return Components(device, tokenizer, collector, learner, splits.eval, splits.report, backend)
 
 
+def build_model(role: str, cfg, device: torch.device, total_optimizer_steps: int, tokenizer=None):
+    """The component of ``role`` (actor, ref, critic, reward, generator) on ``device``: each local model, and what
+    every Ray worker builds for its rank. ``tokenizer`` (the generator's) is loaded when not given."""
+    model = cfg.model
+    if role == "actor":
+        return registry.build(
+            "policy", cfg.policy.name, key="policy.name", cfg=cfg.policy, model_cfg=model, train_cfg=cfg.train,
+            total_optimizer_steps=total_optimizer_steps, device=device, temperature=cfg.generator.temperature,
+        )
+    if role == "critic":
+        return registry.build(
+            "critic", cfg.critic.name, key="critic.name", cfg=cfg.critic, model_cfg=model, init_path=critic_init_path(cfg),
+            train_cfg=cfg.train, total_optimizer_steps=total_optimizer_steps, device=device,
+        )
+    if role == "ref":
+        return registry.build(
+            "reference", cfg.reference.name, key="reference.name", cfg=cfg.reference, model_cfg=model, device=device,
+            temperature=cfg.generator.temperature,
+        )
+    if role == "reward":
+        return RewardModelScorer(cfg.reward, model.dtype, device, cfg.train.micro_batch_size)
+    if role == "generator":
+        if tokenizer is None:
+            tokenizer = load_tokenizer(model.tokenizer or model.name_or_path, model.revision, model.trust_remote_code)
+        return registry.build("generator", cfg.generator.name, key="generator.name", cfg=cfg.generator, model_cfg=model, tokenizer=tokenizer, device=device)
+    raise ValueError(f"unknown role {role!r}")
+
+
 def build_env(factory, cfg, tokenizer, rewards: RewardSet) -> EpisodeRunner:
     """The environment maker and its agent loop; the maker checks its own keys (ids, files) before any model loads."""
     maker = factory(cfg=cfg.env, tokenizer=tokenizer, rewards=rewards)
@@ -253,7 +281,7 @@ def build_local_models(cfg, sizes: DerivedSizes, algorithm, tokenizer, device) -
 
 def build_remote_models(cfg, sizes: DerivedSizes, algorithm, tokenizer) -> tuple[dict[str, Any], Any]:
     """Every model as Ray workers placed per `cluster.roles` / `cluster.colocate` (rlhf.distributed.cluster)."""
-    backend, handles = start(cfg, algorithm, sizes.optimizer_steps, int(tokenizer.pad_token_id))
+    backend, handles = start(cfg, algorithm, sizes.optimizer_steps, int(tokenizer.pad_token_id), build_model)
     reward = None
     if handles["reward"] is not None:
         reward = RewardModelScorer(cfg.reward, cfg.model.dtype, torch.device("cpu"), cfg.train.micro_batch_size, handles["reward"].raw_scores)

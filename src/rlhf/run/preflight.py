@@ -22,7 +22,8 @@ import yaml
 from omegaconf import OmegaConf
 
 from rlhf.algorithms import build_algorithm
-from rlhf.checkpoint import CONFIG_FILE, STATE_FILE, free_bytes, megabytes
+from rlhf.disk import free_bytes, megabytes
+from rlhf.run.checkpoint import CONFIG_FILE, STATE_FILE
 from rlhf.errors import ConfigError
 from rlhf.models import lora
 from rlhf.models.dtypes import DTYPES
@@ -100,7 +101,7 @@ def check_space(output: Output) -> None:
 
 def parameter_count(name_or_path: str, revision: str | None = None, trust_remote_code: bool = False) -> int | None:
     """Parameters of the model ``name_or_path`` from its config alone (`rlhf.plan.architecture`: the meta device, no
-    weights read); None when its config cannot be read here (a hub name offline: `rlhf.hub` reports it)."""
+    weights read); None when its config cannot be read here (a hub name offline: `rlhf.checks.hub` reports it)."""
     try:
         return architecture.parameter_count(ModelSource("model", name_or_path, revision, trust_remote_code))
     except Exception as err:  # noqa: BLE001 -- a size estimate must never be what stops a run
