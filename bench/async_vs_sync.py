@@ -31,7 +31,7 @@ WORK = [
     "checkpoint.save_final_model=false", "algorithm.beta=0",
 ]
 # Ray: one trainer rank and one generation engine, each its own process (the machine's two cores)
-RAY = ["cluster=ray_local", "cluster.roles.actor.devices_per_node=1", "cluster.colocate=[]", "cluster.num_cpus=2"]
+RAY = ["cluster=ray_local", "cluster.roles.policy.devices_per_node=1", "cluster.colocate=[]", "cluster.num_cpus=2"]
 
 
 def run(schedule: str, steps: int, extra: list[str], folder: Path) -> list[dict]:

@@ -108,6 +108,13 @@ def trait(component: Any, name: str, default: Any = None) -> Any:
     return getattr(component, name, default)
 
 
+def schedule_trait(schedule_cfg, name: str) -> bool:
+    """A trait the schedule `schedule.name` declares (False when it declares none): ``sleeps_generator`` (the
+    generator sleeps while the policy trains, on the same devices), ``overlaps_generation`` (generation runs while
+    the policy trains). Checks and the memory plan ask these instead of testing the schedule's name."""
+    return bool(trait(resolve("schedule", schedule_cfg.name, key="schedule.name"), name, False))
+
+
 def build(kind: str, name: str, key: str | None = None, **kwargs: Any) -> Any:
     """Resolve ``name`` and call its factory with ``kwargs``."""
     return resolve(kind, name, key)(**kwargs)

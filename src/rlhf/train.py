@@ -28,6 +28,7 @@ from rlhf import exits, plan, registry
 from rlhf.checks import hub, parity
 from rlhf.run.build import build_components
 from rlhf.config import ConfigError, register_schema, validate
+from rlhf.config.moved import check_overrides
 from rlhf.distributed.remote import WorkerError
 from rlhf.run.lock import folder_lock
 from rlhf.run.state import NonFiniteError, NonFiniteGuard, RunState, StopSignals
@@ -121,8 +122,19 @@ def summarize(state) -> None:
         log.info("  %-32s %.3f -> %.3f", key, first[key], last[key])
 
 
+def main() -> float | None:
+    """`python -m rlhf.train` and `rlhf-train`: a key that moved is refused (exit 2) before Hydra composes, then
+    `run`."""
+    try:
+        check_overrides(sys.argv[1:])
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        raise SystemExit(exits.CONFIG_ERROR) from None
+    return run()
+
+
 @hydra.main(config_path="pkg://rlhf.conf", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> float | None:
+def run(cfg: DictConfig) -> float | None:
     """Train; exit with the outcome's code (`rlhf.exits`), or in a `--multirun` record it for the sweep's summary."""
     if not wants_bar(cfg.logging.progress_bar, sys.stderr):
         transformers_logging.disable_progress_bar()  # its loading bars would put control characters into CI logs

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 import io
 import os
+import subprocess
+import sys
 import tokenize
 from pathlib import Path
 
@@ -224,3 +226,31 @@ def test_online_dpo_sizes_count_pairs():
     assert sizes.samples_per_step == 16 * 4
     assert sizes.train_units_per_step == 16
     assert sizes.mini_batch_size == 8 and sizes.grad_accum_steps == 4
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("cluster.roles.actor.devices_per_node=4",
+     r"cluster\.roles\.actor\.devices_per_node moved to cluster\.roles\.policy\.devices_per_node .*write "
+     r"cluster\.roles\.policy\.devices_per_node=4"),
+    ("+cluster.roles.ref={num_nodes: 1, devices_per_node: 2}", r"cluster\.roles\.ref moved to cluster\.roles\.reference"),
+])
+def test_a_key_that_moved_names_its_new_place(override, message):
+    with pytest.raises(ConfigError, match=message):
+        compose_config(["cluster=ray_local", override])
+
+
+def test_a_key_that_moved_is_refused_by_the_cli_before_hydra_composes():
+    """The real CLI: exit 2 and the new key, not Hydra's "Key 'actor' is not in struct"."""
+    done = subprocess.run(
+        [sys.executable, "-m", "rlhf.train", "cluster=ray_local", "cluster.roles.actor.devices_per_node=4"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "config error: cluster.roles.actor.devices_per_node moved to cluster.roles.policy.devices_per_node" in done.stderr
+    assert "not in struct" not in done.stderr
+
+
+def test_colocating_a_role_by_its_old_name_says_its_new_one():
+    cfg = compose_config(["cluster=ray_local", "cluster.colocate=[[actor,ref]]"])
+    with pytest.raises(ConfigError, match=r"cluster\.colocate\[0\] names 'actor' \('actor' is now 'policy'\)"):
+        validate(cfg)

@@ -32,10 +32,10 @@ def test_switching_to_vllm_changes_the_backend_and_nothing_else(experiment):
         (["schedule=async", "schedule.max_staleness=-1"], r"schedule.max_staleness=-1 must be >= 0"),
         (["generator=vllm", "cluster.device=cuda:1"], r"cluster.device=cuda:1: vLLM always starts on the first visible GPU"),
         (["schedule=hybrid", "generator=vllm"], r"schedule=hybrid puts the generator to sleep while training; set generator.enable_sleep=true"),
-        (["schedule=hybrid", "cluster=ray_local"], r"schedule=hybrid shares the actor's devices with the generator"),
+        (["schedule=hybrid", "cluster=ray_local"], r"schedule=hybrid shares the policy's devices with the generator"),
         (
-            ["schedule=async", "cluster=ray_local", "cluster.roles.generator.devices_per_node=2", "cluster.colocate=[[actor,ref,generator]]"],
-            r"schedule=async overlaps generation with training, but cluster.colocate puts the generator on the actor's devices",
+            ["schedule=async", "cluster=ray_local", "cluster.roles.generator.devices_per_node=2", "cluster.colocate=[[policy,reference,generator]]"],
+            r"schedule=async overlaps generation with training, but cluster.colocate puts the generator on the policy's devices",
         ),
     ],
 )
@@ -49,6 +49,28 @@ def test_good_generation_settings_validate():
         ["generator=vllm", "schedule=async", "algorithm.rollout_correction=token_tis"],
         ["generator=vllm", "generator.enable_sleep=true", "schedule=hybrid", "schedule.offload_optimizer=true"],
         ["generator=vllm", "cluster=ray_local"],
-        ["schedule=hybrid", "cluster=ray_local", "cluster.roles.generator.devices_per_node=2", "cluster.colocate=[[actor,ref,generator]]"],
+        ["schedule=hybrid", "cluster=ray_local", "cluster.roles.generator.devices_per_node=2", "cluster.colocate=[[policy,reference,generator]]"],
     ):
         validate(compose_config(overrides))
+
+
+SLEEPING_SCHEDULE = '''
+from rlhf.schedules.hybrid import run as hybrid
+
+
+def run(c, cfg, sizes, tracker, state, stop):
+    return hybrid(c, cfg, sizes, tracker, state, stop)
+
+
+run.sleeps_generator = True  # what the checks ask, not the schedule's name
+'''
+
+
+def test_a_users_schedule_gets_the_checks_of_the_traits_it_declares(tmp_path, monkeypatch):
+    """A schedule named by import path that declares `sleeps_generator` is checked as hybrid is; one that declares
+    nothing is checked as sync is."""
+    (tmp_path / "my_schedules.py").write_text(SLEEPING_SCHEDULE + "\n\ndef plain(*args):\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"schedule=my_schedules.run shares the policy's devices with the generator"):
+        validate(compose_config(["schedule.name=my_schedules.run", "cluster=ray_local"]))
+    validate(compose_config(["schedule.name=my_schedules.plain", "cluster=ray_local"]))

@@ -47,7 +47,7 @@ class Started:
         group.wait(pending, "setup", cfg.cluster.setup_timeout_s)  # as `start` does: the model-load budget
         return group
 
-    def trainer(self, cfg, ranks: int, role: str = "actor") -> RemoteTrainer:
+    def trainer(self, cfg, ranks: int, role: str = "policy") -> RemoteTrainer:
         return RemoteTrainer(self.group(cfg, role, ranks))
 
 

@@ -64,36 +64,36 @@ def test_every_cluster_preset_composes_and_validates_without_a_gpu(preset, algor
 
 def test_8gpu_split_with_a_batch_seven_ranks_cannot_share_names_the_keys():
     """open-instruct's 7 training GPUs (its 8-GPU PPO run) do not divide the default 16 x 8 = 128 samples: a clear error, not a hang."""
-    with pytest.raises(ConfigError, match=r"cluster.roles.actor has 7 training ranks, which must divide the 128 samples"):
+    with pytest.raises(ConfigError, match=r"cluster.roles.policy has 7 training ranks, which must divide the 128 samples"):
         validate(compose_config(["cluster=8gpu_split"]))
 
 
 def test_multinode_70b_places_47_ranks_each_role_on_its_own():
     specs = specs_of(["cluster=multinode_70b", "algorithm=ppo", *REWARD_MODEL])
-    assert specs == [(("actor",), 4, 8), (("ref",), 1, 8), (("critic",), 1, 4), (("reward",), 1, 1), (("generator",), 1, 2)]
+    assert specs == [(("policy",), 4, 8), (("reference",), 1, 8), (("critic",), 1, 4), (("reward",), 1, 1), (("generator",), 1, 2)]
     assert sum(n * d for _, n, d in specs) == 47
 
 
 def test_8gpu_split_is_seven_colocated_gpus_and_one_generator():
     assert specs_of(["cluster=8gpu_split", "algorithm=ppo", *REWARD_MODEL, *SEVEN_RANKS]) == [
-        (("actor", "ref", "critic", "reward"), 1, 7), (("generator",), 1, 1)]
-    assert specs_of(["cluster=8gpu_split", *SEVEN_RANKS]) == [(("actor", "ref"), 1, 7), (("generator",), 1, 1)]
+        (("policy", "reference", "critic", "reward"), 1, 7), (("generator",), 1, 1)]
+    assert specs_of(["cluster=8gpu_split", *SEVEN_RANKS]) == [(("policy", "reference"), 1, 7), (("generator",), 1, 1)]
 
 
 def test_single_gpu_and_8gpu_colocated_are_one_group_of_the_used_roles():
-    assert specs_of(["cluster=single_gpu"]) == [(("actor", "ref", "generator"), 1, 1)]
+    assert specs_of(["cluster=single_gpu"]) == [(("policy", "reference", "generator"), 1, 1)]
     assert specs_of(["cluster=single_gpu", "algorithm=ppo", *REWARD_MODEL]) == [
-        (("actor", "ref", "critic", "reward", "generator"), 1, 1)]
-    assert specs_of(["cluster=8gpu_colocated", "algorithm=ppo"]) == [(("actor", "ref", "critic", "generator"), 1, 8)]
+        (("policy", "reference", "critic", "reward", "generator"), 1, 1)]
+    assert specs_of(["cluster=8gpu_colocated", "algorithm=ppo"]) == [(("policy", "reference", "critic", "generator"), 1, 8)]
 
 
 def test_ray_local_groups_and_ranks():
     cfg = compose_config(["cluster=ray_local", "algorithm=ppo", *REWARD_MODEL])
     validate(cfg)
     algorithm = algorithm_of(cfg)
-    assert validate_cluster(cfg, algorithm, 64, 64) == {"actor": 2, "ref": 2, "critic": 2, "reward": 2, "generator": 1}
+    assert validate_cluster(cfg, algorithm, 64, 64) == {"policy": 2, "reference": 2, "critic": 2, "reward": 2, "generator": 1}
     assert [s.describe() for s in placement_specs(cfg.cluster, roles_of(cfg))] == [
-        "actor+ref: 1 node(s) x 2 = 2", "critic+reward: 1 node(s) x 2 = 2", "generator: 1 node(s) x 1 = 1"]
+        "policy+reference: 1 node(s) x 2 = 2", "critic+reward: 1 node(s) x 2 = 2", "generator: 1 node(s) x 1 = 1"]
 
 
 def test_local_backend_is_one_rank_per_role():
@@ -101,20 +101,20 @@ def test_local_backend_is_one_rank_per_role():
     cfg = compose_config([])
     validate(cfg)
     algorithm = algorithm_of(cfg)
-    assert validate_cluster(cfg, algorithm, 128, 128) == {"actor": 1, "ref": 1, "generator": 1}
+    assert validate_cluster(cfg, algorithm, 128, 128) == {"policy": 1, "reference": 1, "generator": 1}
 
 
 # ---- used_roles --------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("overrides, roles", [
-    ([], ["actor", "ref", "generator"]),
-    (["algorithm.beta=0"], ["actor", "generator"]),
-    (["algorithm=ppo"], ["actor", "ref", "critic", "generator"]),
-    (["algorithm=ppo", "algorithm.beta=0"], ["actor", "critic", "generator"]),
-    (REWARD_MODEL, ["actor", "ref", "reward", "generator"]),
-    (["algorithm=ppo", *REWARD_MODEL], ["actor", "ref", "critic", "reward", "generator"]),
-    (["algorithm=online_dpo"], ["actor", "ref", "generator"]),
+    ([], ["policy", "reference", "generator"]),
+    (["algorithm.beta=0"], ["policy", "generator"]),
+    (["algorithm=ppo"], ["policy", "reference", "critic", "generator"]),
+    (["algorithm=ppo", "algorithm.beta=0"], ["policy", "critic", "generator"]),
+    (REWARD_MODEL, ["policy", "reference", "reward", "generator"]),
+    (["algorithm=ppo", *REWARD_MODEL], ["policy", "reference", "critic", "reward", "generator"]),
+    (["algorithm=online_dpo"], ["policy", "reference", "generator"]),
 ])
 def test_used_roles(overrides, roles):
     assert roles_of(compose_config(overrides)) == roles
@@ -124,37 +124,37 @@ def test_used_roles(overrides, roles):
 
 
 def test_placement_specs_rejects_an_unknown_role():
-    cluster = ray_cluster(colocate=[["actor", "ref"], ["critic", "policy"]])
-    with pytest.raises(ConfigError, match=r"cluster.colocate\[1\] names 'policy'; roles are actor, ref, critic, reward, generator"):
-        placement_specs(cluster, ["actor", "ref", "generator"])
+    cluster = ray_cluster(colocate=[["policy", "reference"], ["critic", "value"]])
+    with pytest.raises(ConfigError, match=r"cluster.colocate\[1\] names 'value'; roles are policy, reference, critic, reward, generator"):
+        placement_specs(cluster, ["policy", "reference", "generator"])
 
 
 def test_placement_specs_rejects_a_role_in_two_groups():
-    cluster = ray_cluster(colocate=[["actor", "ref"], ["generator", "ref"]])
-    with pytest.raises(ConfigError, match="cluster.colocate lists 'ref' in groups 0 and 1"):
-        placement_specs(cluster, ["actor", "ref", "generator"])
+    cluster = ray_cluster(colocate=[["policy", "reference"], ["generator", "reference"]])
+    with pytest.raises(ConfigError, match="cluster.colocate lists 'reference' in groups 0 and 1"):
+        placement_specs(cluster, ["policy", "reference", "generator"])
 
 
 def test_placement_specs_rejects_colocated_roles_of_different_shapes():
-    cluster = ray_cluster(colocate=[["actor", "ref", "critic"]], actor=(2, 4), ref=(2, 4), critic=(1, 4))
+    cluster = ray_cluster(colocate=[["policy", "reference", "critic"]], policy=(2, 4), reference=(2, 4), critic=(1, 4))
     with pytest.raises(ConfigError) as err:
-        placement_specs(cluster, ["actor", "ref", "critic", "generator"])
-    assert "cluster.colocate groups actor+ref+critic" in str(err.value)
-    assert "(got actor 2x4, ref 2x4, critic 1x4)" in str(err.value)
+        placement_specs(cluster, ["policy", "reference", "critic", "generator"])
+    assert "cluster.colocate groups policy+reference+critic" in str(err.value)
+    assert "(got policy 2x4, reference 2x4, critic 1x4)" in str(err.value)
 
 
 def test_placement_specs_ignores_unused_roles_and_keeps_the_rest_alone():
     # critic differs in shape but is unused (grpo): no error, and the group shrinks to the used roles
-    cluster = ray_cluster(colocate=[["actor", "critic"], ["reward"]], actor=(1, 2), critic=(1, 3), generator=(1, 1))
-    specs = placement_specs(cluster, ["actor", "ref", "generator"])
-    assert specs == [PlacementSpec(("actor",), 1, 2), PlacementSpec(("ref",), 1, 1), PlacementSpec(("generator",), 1, 1)]
+    cluster = ray_cluster(colocate=[["policy", "critic"], ["reward"]], policy=(1, 2), critic=(1, 3), generator=(1, 1))
+    specs = placement_specs(cluster, ["policy", "reference", "generator"])
+    assert specs == [PlacementSpec(("policy",), 1, 2), PlacementSpec(("reference",), 1, 1), PlacementSpec(("generator",), 1, 1)]
     assert [s.ranks for s in specs] == [2, 1, 1]
 
 
 # ---- check_fits ----------------------------------------------------------------------------------------------
 
 
-SPLIT = [PlacementSpec(("actor", "ref"), 1, 7), PlacementSpec(("generator",), 1, 1)]
+SPLIT = [PlacementSpec(("policy", "reference"), 1, 7), PlacementSpec(("generator",), 1, 1)]
 
 
 def test_bundle_resources():
@@ -171,7 +171,7 @@ def test_check_fits_names_the_gpus_needed_and_offered():
         check_fits(SPLIT, ray_cluster(), {"GPU": 6.0, "CPU": 64.0}, [{"GPU": 6.0, "CPU": 64.0}])
     msg = str(err.value)
     assert "the placement needs 8 GPU" in msg and "offers 6" in msg
-    assert "actor+ref: 1 node(s) x 7 = 7; generator: 1 node(s) x 1 = 1" in msg
+    assert "policy+reference: 1 node(s) x 7 = 7; generator: 1 node(s) x 1 = 1" in msg
     assert "num_cpus" not in msg
 
 
@@ -186,25 +186,25 @@ def test_check_fits_names_the_cpus_needed_and_offered():
 
 def test_check_fits_cpu_slots():
     cluster = ray_cluster("cpu")
-    specs = [PlacementSpec(("actor", "ref"), 1, 2), PlacementSpec(("critic", "reward"), 1, 2), PlacementSpec(("generator",), 1, 1)]
+    specs = [PlacementSpec(("policy", "reference"), 1, 2), PlacementSpec(("critic", "reward"), 1, 2), PlacementSpec(("generator",), 1, 1)]
     check_fits(specs, cluster, {"CPU": 5.0}, [{"CPU": 5.0}])
     with pytest.raises(ConfigError, match="needs 5 CPU .* offers 4"):
         check_fits(specs, cluster, {"CPU": 4.0}, [{"CPU": 4.0}])
 
 
 def test_check_fits_rejects_more_devices_per_node_than_the_largest_node():
-    specs = [PlacementSpec(("actor",), 1, 8)]
+    specs = [PlacementSpec(("policy",), 1, 8)]
     nodes = [{"GPU": 4.0, "CPU": 64.0}] * 4
-    with pytest.raises(ConfigError, match="actor: 1 node\\(s\\) x 8 = 8: 8 devices per node x 1 GPU exceed the largest node's 4 GPU"):
+    with pytest.raises(ConfigError, match="policy: 1 node\\(s\\) x 8 = 8: 8 devices per node x 1 GPU exceed the largest node's 4 GPU"):
         check_fits(specs, ray_cluster(), {"GPU": 16.0, "CPU": 256.0}, nodes)
 
 
 def test_check_fits_rejects_more_nodes_than_have_a_device():
-    specs = [PlacementSpec(("actor",), 3, 2)]
+    specs = [PlacementSpec(("policy",), 3, 2)]
     nodes = [{"GPU": 8.0, "CPU": 64.0}, {"GPU": 8.0, "CPU": 64.0}, {"CPU": 64.0}]  # a CPU-only head node
     with pytest.raises(ConfigError, match="spans 3 nodes but only 2 node\\(s\\) have a free GPU"):
         check_fits(specs, ray_cluster(), {"GPU": 16.0, "CPU": 192.0}, nodes)
-    check_fits([PlacementSpec(("actor",), 2, 2)], ray_cluster(), {"GPU": 16.0, "CPU": 192.0}, nodes)
+    check_fits([PlacementSpec(("policy",), 2, 2)], ray_cluster(), {"GPU": 16.0, "CPU": 192.0}, nodes)
 
 
 # ---- validate: strategies and cluster keys -----------------------------------------------------------------------
@@ -214,7 +214,7 @@ def test_check_fits_rejects_more_nodes_than_have_a_device():
     (["policy.strategy.name=ddp"], "policy.strategy.name=ddp runs one process per device; it needs cluster.backend=ray"),
     (["policy.strategy.name=fsdp2"], "it needs cluster.backend=ray"),
     (["cluster=ray_local", "policy.strategy.name=single"],
-     "policy.strategy.name=single trains on one device but cluster.roles.actor has 2 ranks"),
+     "policy.strategy.name=single trains on one device but cluster.roles.policy has 2 ranks"),
     (["policy.strategy.name=megatron"], "policy.strategy.name='megatron'; choose one of auto, single, ddp, fsdp2, deepspeed"),
     (["algorithm=ppo", "critic.strategy.name=megatron"], "critic.strategy.name='megatron'"),
     (["algorithm=ppo", "cluster=ray_local", "critic.strategy.name=single"], "cluster.roles.critic has 2 ranks"),
@@ -228,20 +228,20 @@ def test_check_fits_rejects_more_nodes_than_have_a_device():
      r"offload_params needs .* \(got ddp, stage 2\)"),
     (["cluster=ray_local", "policy.strategy.name=ddp", "policy.strategy.offload_optimizer=true"],
      r"policy.strategy.offload_optimizer needs .* \(got ddp, stage 2\)"),
-    (["cluster=ray_local", "cluster.colocate=[]", "cluster.roles.actor.devices_per_node=3"],
-     "cluster.roles.actor has 3 training ranks, which must divide the 128 samples per step and the 128 units"),
-    (["cluster=ray_local", "cluster.roles.actor.devices_per_node=3", "cluster.roles.ref.devices_per_node=3"],
-     "cluster.roles.actor has 3 training ranks"),
+    (["cluster=ray_local", "cluster.colocate=[]", "cluster.roles.policy.devices_per_node=3"],
+     "cluster.roles.policy has 3 training ranks, which must divide the 128 samples per step and the 128 units"),
+    (["cluster=ray_local", "cluster.roles.policy.devices_per_node=3", "cluster.roles.reference.devices_per_node=3"],
+     "cluster.roles.policy has 3 training ranks"),
     (["cluster=ray_local", "train.num_mini_batches=128"], "must divide the 128 samples per step and the 1 units of a mini batch"),
     (["cluster=ray_local", "algorithm=ppo", "cluster.colocate=[]", "cluster.roles.critic.devices_per_node=3"],
      "cluster.roles.critic has 3 training ranks, which must divide the 64 samples per step"),
-    (["cluster=ray_local", "cluster.roles.actor.devices_per_node=4"],
-     r"cluster.colocate groups actor\+ref, .*\(got actor 1x4, ref 1x2\)"),
-    (["cluster=ray_local", "cluster.colocate=[[actor],[ref,actor]]"], "cluster.colocate lists 'actor' in groups 0 and 1"),
+    (["cluster=ray_local", "cluster.roles.policy.devices_per_node=4"],
+     r"cluster.colocate groups policy\+reference, .*\(got policy 1x4, reference 1x2\)"),
+    (["cluster=ray_local", "cluster.colocate=[[policy],[reference,policy]]"], "cluster.colocate lists 'policy' in groups 0 and 1"),
     (["cluster.backend=slurm"], "cluster.backend='slurm'; choose local or ray"),
     (["cluster=ray_local", "cluster.device_type=tpu"], "cluster.device_type='tpu'; choose gpu or cpu"),
-    (["cluster=ray_local", "cluster.roles.actor.num_nodes=0"],
-     "cluster.roles.actor: num_nodes=0 and devices_per_node=2 must be >= 1"),
+    (["cluster=ray_local", "cluster.roles.policy.num_nodes=0"],
+     "cluster.roles.policy: num_nodes=0 and devices_per_node=2 must be >= 1"),
     (["cluster=ray_local", "cluster.roles.reward.devices_per_node=0"],  # checked even for an unused role
      "cluster.roles.reward: num_nodes=1 and devices_per_node=0 must be >= 1"),
     (["cluster=ray_local", "cluster.timeout_s=0"], "cluster.timeout_s=0.0 and cluster.placement_timeout_s=60.0 must be > 0"),
@@ -260,7 +260,7 @@ def test_validate_rejects(overrides, message):
     ["cluster=ray_local", "policy.strategy.name=fsdp2", "policy.strategy.offload_params=true", "policy.strategy.offload_optimizer=true"],
     ["cluster=ray_local", "policy.strategy.name=deepspeed", "policy.strategy.zero_stage=3", "policy.strategy.offload_params=true"],
     ["cluster=ray_local", "policy.strategy.name=deepspeed", "policy.strategy.zero_stage=1", "policy.strategy.offload_optimizer=true"],
-    ["cluster=ray_local", "cluster.colocate=[]", "cluster.roles.actor.devices_per_node=4"],
+    ["cluster=ray_local", "cluster.colocate=[]", "cluster.roles.policy.devices_per_node=4"],
 ])
 def test_validate_accepts(overrides):
     validate(compose_config(overrides))

@@ -102,8 +102,8 @@ def test_lora_step_reference_and_checkpoint_agree(started, lora_step, tmp_path, 
     s = lora_step
     batch, algorithm, denominator = s["batch"], s["algorithm"], s["denominator"]
     cfg = compose(*STEP, *LORA, *strategy_overrides(name, ranks))
-    validate(cfg)  # the cluster.roles.ref overrides are harmless though no ref role starts
-    assert "ref" not in used_roles(cfg, algorithm)
+    validate(cfg)  # the cluster.roles.reference overrides are harmless though no ref role starts
+    assert "reference" not in used_roles(cfg, algorithm)
 
     # 1. the same step as the single process
     trainer = started.trainer(cfg, ranks)

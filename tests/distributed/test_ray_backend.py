@@ -39,16 +39,16 @@ def placements(run) -> dict[str, list[dict]]:
 
 
 def test_colocated_roles_share_bundles_and_split_roles_do_not(ray_cluster):
-    cfg = compose("algorithm=ppo", "algorithm.num_samples_per_prompt=4", "cluster.colocate=[[actor,ref],[critic]]")
+    cfg = compose("algorithm=ppo", "algorithm.num_samples_per_prompt=4", "cluster.colocate=[[policy,reference],[critic]]")
     run, handles = start(cfg, algorithm_of(cfg), 10, 0, build_model)
     try:
         where = placements(run)
-        assert set(where) == {"actor", "ref", "critic", "generator"}
+        assert set(where) == {"policy", "reference", "critic", "generator"}
         for rank in range(2):
-            actor, ref = where["actor"][rank], where["ref"][rank]
+            actor, ref = where["policy"][rank], where["reference"][rank]
             assert actor["placement_group"] == ref["placement_group"]  # colocated: one placement group of 2 slots ...
             assert actor["resources"]["CPU"] == ref["resources"]["CPU"] == pytest.approx(0.5)  # ... each rank half a slot
-        groups = {where[role][0]["placement_group"] for role in ("actor", "critic", "generator")}
+        groups = {where[role][0]["placement_group"] for role in ("policy", "critic", "generator")}
         assert len(groups) == 3  # split roles: a placement group each
         assert where["critic"][0]["resources"]["CPU"] == pytest.approx(1.0)
         assert len({p["pid"] for ranks in where.values() for p in ranks}) == 7  # one process per rank and role
@@ -58,9 +58,9 @@ def test_colocated_roles_share_bundles_and_split_roles_do_not(ray_cluster):
 
 
 def test_infeasible_layout_fails_up_front_with_the_arithmetic(ray_cluster):
-    cfg = compose("cluster.roles.actor.devices_per_node=4", "cluster.roles.ref.devices_per_node=4", "cluster.roles.generator.devices_per_node=5")
+    cfg = compose("cluster.roles.policy.devices_per_node=4", "cluster.roles.reference.devices_per_node=4", "cluster.roles.generator.devices_per_node=5")
     began = time.monotonic()
-    with pytest.raises(ConfigError, match=r"needs 9 CPU .*actor\+ref: 1 node\(s\) x 4 = 4; generator: 1 node\(s\) x 5 = 5.* offers 8"):
+    with pytest.raises(ConfigError, match=r"needs 9 CPU .*policy\+reference: 1 node\(s\) x 4 = 4; generator: 1 node\(s\) x 5 = 5.* offers 8"):
         start(cfg, algorithm_of(cfg), 10, 0, build_model)
     assert time.monotonic() - began < 10
     assert ray.util.placement_group_table() == {} or all(
@@ -74,15 +74,15 @@ def test_killed_training_worker_fails_the_call_naming_role_and_rank(started):
     pid = ray.get(trainer.group.actors[1].ping.remote())["pid"]
     os.kill(pid, signal.SIGKILL)
     began = time.monotonic()
-    with pytest.raises(WorkerError, match=r"actor rank 1 died"):
+    with pytest.raises(WorkerError, match=r"policy rank 1 died"):
         trainer.optimizer_step()
     assert time.monotonic() - began < 30
 
 
 def test_exception_inside_a_worker_names_role_rank_and_error(started):
     trainer = started.trainer(compose(), 2)
-    with pytest.raises(WorkerError, match=r"actor rank \d failed in accumulate: AttributeError"):
-        trainer.group.call_all("accumulate", None, None, None, 1, 1.0)
+    with pytest.raises(WorkerError, match=r"policy rank \d failed in rollout_logprobs: AttributeError: 'NoneType' object"):
+        trainer.group.call_all("rollout_logprobs", None, 1)  # no batch: the method itself raises on the rank
 
 
 def test_a_hung_collective_fails_after_cluster_timeout_s(started):
@@ -91,7 +91,7 @@ def test_a_hung_collective_fails_after_cluster_timeout_s(started):
     cfg = compose("cluster.timeout_s=4", "cluster.setup_timeout_s=600", "policy.strategy.name=fsdp2")
     trainer = started.trainer(cfg, 2)
     began = time.monotonic()
-    with pytest.raises(WorkerError, match=r"actor rank\(?s?\)? \[?0"):
+    with pytest.raises(WorkerError, match=r"policy rank\(?s?\)? \[?0"):
         trainer.group.call("state_dict", {0: ()})
     assert time.monotonic() - began < 30
 

@@ -29,7 +29,7 @@ STRATEGIES = [
 
 def strategy_overrides(name: str, ranks: int) -> list[str]:
     base, _, stage = name.partition("-")
-    out = [f"policy.strategy.name={base}", f"cluster.roles.actor.devices_per_node={ranks}", f"cluster.roles.ref.devices_per_node={ranks}"]
+    out = [f"policy.strategy.name={base}", f"cluster.roles.policy.devices_per_node={ranks}", f"cluster.roles.reference.devices_per_node={ranks}"]
     return out + ([f"policy.strategy.zero_stage={stage}"] if stage else [])
 
 

@@ -53,8 +53,8 @@ def test_ray_local_run_learns_with_two_training_processes(algorithm, extra, tmp_
         f"hydra.run.dir={out}", cwd=tmp_path, env_extra=RAY_ENV,
     )
     log = proc.stdout + proc.stderr
-    assert "placed on Ray: actor x2, ref x2" in log
-    assert "actor rank 1/2: strategy" in log
+    assert "placed on Ray: policy x2, reference x2" in log
+    assert "policy rank 1/2: strategy" in log
     if algorithm == "ppo":
         assert "critic x2" in log and "critic rank 1/2: strategy fsdp2" in log
     series = scalars(out)
@@ -66,15 +66,15 @@ def test_ray_local_run_learns_with_two_training_processes(algorithm, extra, tmp_
     assert (out / "final_model" / "model.safetensors").is_file()
 
 
-def test_hybrid_on_ray_colocates_the_engines_with_the_actor_and_learns(tmp_path):
-    """schedule=hybrid on Ray: two generator ranks share the actor's bundles, sleep every step, and the task is learned."""
+def test_hybrid_on_ray_colocates_the_engines_with_the_policy_and_learns(tmp_path):
+    """schedule=hybrid on Ray: two generator ranks share the policy's bundles, sleep every step, and the task is learned."""
     out = tmp_path / "run"
     proc = run_cli(
         "cluster=ray_local", "schedule=hybrid", "schedule.offload_optimizer=true", "cluster.roles.generator.devices_per_node=2",
-        "cluster.colocate=[[actor,ref,generator]]", "train.num_steps=40", "eval.every=20", "seed=3",
+        "cluster.colocate=[[policy,reference,generator]]", "train.num_steps=40", "eval.every=20", "seed=3",
         f"hydra.run.dir={out}", cwd=tmp_path, env_extra=RAY_ENV,
     )
-    assert "placed on Ray: actor x2, ref x2, generator x2" in proc.stdout + proc.stderr
+    assert "placed on Ray: policy x2, reference x2, generator x2" in proc.stdout + proc.stderr
     series = scalars(out)
     greedy = dict(series["eval/greedy_correct_rate"])
     assert greedy[40] - greedy[0] >= 0.3, f"greedy correct rate {greedy}"

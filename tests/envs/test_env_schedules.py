@@ -62,7 +62,7 @@ def test_async_env_run_stays_within_the_staleness_bound(tmp_path):
 
 def test_resume_continues_the_same_episode_stream(tmp_path):
     """Two steps, a checkpoint, resume=auto to four: steps 3 and 4 equal an uninterrupted run's, bitwise."""
-    ref = run(tmp_path / "ref", "train.num_steps=4")
+    ref = run(tmp_path / "reference", "train.num_steps=4")
     run(tmp_path / "split", "train.num_steps=2", "checkpoint.every=2")
     resumed = run(tmp_path / "split", "train.num_steps=4", "checkpoint.every=2", "resume=auto")
     assert_same(ref, resumed, (3, 4))

@@ -56,16 +56,16 @@ def run(ray_session):
 
 
 def test_a_frozen_worker_fails_the_call_naming_role_rank_and_heartbeat(cfg, run, ray_session):
-    spec = PlacementSpec(("actor",), 1, 2)
+    spec = PlacementSpec(("policy",), 1, 2)
     run.placement_groups = reserve([spec], cfg.cluster)
-    group, pending = spawn("actor", spec, run.placement_groups[0], cfg, 10, build_model)
-    run.groups["actor"] = group
+    group, pending = spawn("policy", spec, run.placement_groups[0], cfg, 10, build_model)
+    run.groups["policy"] = group
     group.wait(pending, "setup", cfg.cluster.setup_timeout_s)
     pid = ray_session.get(group.actors[1].ping.remote())["pid"]
     os.kill(pid, signal.SIGSTOP)
     try:
         began = time.monotonic()
-        with pytest.raises(WorkerError, match=r"actor rank 1: no heartbeat for 3 s during lr \(cluster.heartbeat_timeout_s\)"):
+        with pytest.raises(WorkerError, match=r"policy rank 1: no heartbeat for 3 s during lr \(cluster.heartbeat_timeout_s\)"):
             group.call("lr", {0: (), 1: ()})
         waited = time.monotonic() - began
     finally:
@@ -89,9 +89,9 @@ def spinning_worker() -> type:
 
 def test_a_busy_worker_answers_its_pings_through_a_long_call(cfg, run, ray_session):
     worker = ray_session.remote(concurrency_groups={HEARTBEAT_GROUP: 1})(spinning_worker())  # as `spawn`
-    actor = worker.options(num_cpus=1).remote("actor", 0, 1, cfg, 10, build_model)
-    group = ActorGroup("actor", [actor], CALL_TIMEOUT_S, HEARTBEAT_S)
-    run.groups["actor"] = group
+    actor = worker.options(num_cpus=1).remote("policy", 0, 1, cfg, 10, build_model)
+    group = ActorGroup("policy", [actor], CALL_TIMEOUT_S, HEARTBEAT_S)
+    run.groups["policy"] = group
     group.wait({0: actor.ping.remote()}, "start-up", CALL_TIMEOUT_S)
     result = group.wait({0: actor.spin.remote(3 * HEARTBEAT_S)}, "spin")
     assert result[0] > 0

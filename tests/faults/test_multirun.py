@@ -75,7 +75,7 @@ def test_an_interrupted_job_stops_the_sweep_after_writing_the_summary(tmp_path, 
 def test_the_sweep_exits_with_the_first_failed_jobs_code_and_a_reason_of_one_line(tmp_path, monkeypatch):
     callback = sweep.SweepSummary()
     end(callback, tmp_path, 0, ["seed=1"], exits.NON_FINITE, "training stopped: 3 steps\nin a row", monkeypatch)
-    end(callback, tmp_path, 1, ["seed=2"], exits.WORKER_FAILED, "a worker failed: actor rank 1 died", monkeypatch)
+    end(callback, tmp_path, 1, ["seed=2"], exits.WORKER_FAILED, "a worker failed: policy rank 1 died", monkeypatch)
     with pytest.raises(SystemExit) as exited:
         callback.on_multirun_end(job_config(tmp_path, 2))
     assert exited.value.code == exits.NON_FINITE

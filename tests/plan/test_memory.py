@@ -12,33 +12,33 @@ def by_what(items):
 
 
 def test_one_process_keeps_float32_weights_gradients_and_two_moments():
-    assert by_what(trained_state("actor", P, Sharding("single", 1), bf16=True)) == {
+    assert by_what(trained_state("policy", P, Sharding("single", 1), bf16=True)) == {
         "weights": (4 * P, False), "gradients": (4 * P, False), "optimizer": (8 * P, False),
     }
 
 
 def test_ddp_adds_a_gradient_bucket_and_shards_nothing():
-    items = by_what(trained_state("actor", P, Sharding("ddp", 4), bf16=False))
+    items = by_what(trained_state("policy", P, Sharding("ddp", 4), bf16=False))
     assert items["weights"] == (4 * P, False) and items["optimizer"] == (8 * P, False)
     assert items["gradient buckets"] == (4 * P, False)
 
 
 def test_fsdp2_shards_weights_gradients_and_optimizer_over_ranks():
-    items = by_what(trained_state("actor", P, Sharding("fsdp2", 4, offload_optimizer=True), bf16=True))
+    items = by_what(trained_state("policy", P, Sharding("fsdp2", 4, offload_optimizer=True), bf16=True))
     assert items == {"weights": (P, False), "gradients": (P, False), "optimizer": (2 * P, True)}
 
 
 def test_zero_stages_shard_optimizer_then_gradients_then_weights():
     """DeepSpeed bf16: 2-byte weights and gradients, 12 bytes of fp32 master copy and moments per parameter."""
     n = 8
-    stage = {s: by_what(trained_state("actor", P, Sharding("deepspeed", n, zero_stage=s), bf16=True)) for s in (1, 2, 3)}
+    stage = {s: by_what(trained_state("policy", P, Sharding("deepspeed", n, zero_stage=s), bf16=True)) for s in (1, 2, 3)}
     assert stage[1] == {"weights": (2 * P, False), "gradients": (2 * P, False), "optimizer": (12 * P // n, False)}
     assert stage[2]["gradients"] == (2 * P // n, False) and stage[2]["weights"] == (2 * P, False)
     assert stage[3]["weights"] == (2 * P // n, False)
 
 
 def test_offloaded_state_counts_on_the_host_not_the_device():
-    items = trained_state("actor", P, Sharding("deepspeed", 2, zero_stage=3, offload_optimizer=True, offload_params=True), bf16=False)
+    items = trained_state("policy", P, Sharding("deepspeed", 2, zero_stage=3, offload_optimizer=True, offload_params=True), bf16=False)
     assert host_bytes(items) == 4 * P // 2 + 12 * P // 2
     assert peak(items) == (4 * P // 2, TRAIN)  # only the sharded gradients stay on the device
 
@@ -50,6 +50,6 @@ def test_kv_cache_and_generation_logits():
 
 
 def test_the_peak_is_the_largest_phase_not_the_sum():
-    items = [Item("actor", "weights", 10), Item("actor", "activations", 50, (TRAIN,)),
-             Item("generator", "kv_cache", 70, (GENERATE,)), Item("ref", "scoring temporaries", 20, (SCORE,))]
+    items = [Item("policy", "weights", 10), Item("policy", "activations", 50, (TRAIN,)),
+             Item("generator", "kv_cache", 70, (GENERATE,)), Item("reference", "scoring temporaries", 20, (SCORE,))]
     assert peak(items) == (80, GENERATE)

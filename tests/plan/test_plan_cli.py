@@ -40,7 +40,7 @@ def test_every_preset_is_planned_from_config_json_alone(experiment, folders):
                  if (local := local_copy(OmegaConf.select(cfg, key), folders))]
     plan = make_plan(compose_config([f"experiment={experiment}", "cluster.device_memory_gb=80", *overrides]))
     text = render(plan)
-    assert "actor" in text and "verdict:" in text
+    assert "policy" in text and "verdict:" in text
     assert all(group.peak[0] > 0 for group in plan.groups)
 
 
@@ -55,7 +55,7 @@ def test_the_cli_prints_the_8b_plan_and_exits_2_when_it_cannot_fit(folders):
     base = ["experiment=ppo_tulu3_8b_ultrafeedback", f"model.name_or_path={llama}", f"reward.path={llama}"]
     fits = run_plan(*base, "cluster.device_memory_gb=80")
     assert fits.returncode == 0, fits.stderr
-    assert "7 device(s) holding actor + ref + critic + reward" in fits.stdout and "verdict: fits" in fits.stdout
+    assert "7 device(s) holding policy + reference + critic + reward" in fits.stdout and "verdict: fits" in fits.stdout
     too_small = run_plan(*base, "cluster.device_memory_gb=40")
     assert too_small.returncode == 2 and "verdict: does NOT fit" in too_small.stdout
     assert "Traceback" not in too_small.stdout + too_small.stderr

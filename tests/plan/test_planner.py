@@ -42,19 +42,19 @@ def test_the_default_run_fits_this_machine_and_counts_every_role():
     plan = make_plan(cfg)
     assert plan.fits is True and plan.kind == "cpu" and plan.capacity.shared
     (group,) = plan.groups
-    expected = {"actor", "ref", "generator"} if cfg.algorithm.beta > 0 else {"actor", "generator"}
+    expected = {"policy", "reference", "generator"} if cfg.algorithm.beta > 0 else {"policy", "generator"}
     assert set(group.roles) == expected
-    assert {i.role for i in group.items} >= {"actor", "generator", "runtime"}
+    assert {i.role for i in group.items} >= {"policy", "generator", "runtime"}
 
 
 def test_the_8gpu_split_preset_places_generation_on_its_own_device(llama8b):
     plan = make_plan(tulu(llama8b))
     shapes = {group.roles: group.count for group in plan.groups}
-    assert shapes == {("actor", "ref", "critic", "reward"): 7, ("generator",): 1}
-    train_device = next(g for g in plan.groups if "actor" in g.roles)
+    assert shapes == {("policy", "reference", "critic", "reward"): 7, ("generator",): 1}
+    train_device = next(g for g in plan.groups if "policy" in g.roles)
     weights = {i.role: i.bytes for i in train_device.items if i.what == "weights"}
-    assert weights["ref"] == 8_030_261_248 * 2  # bf16 replica of the reference on every training GPU
-    assert weights["actor"] == 8_030_261_248 * 2 // 7  # ZeRO-3: bf16 weights sharded over 7 ranks
+    assert weights["reference"] == 8_030_261_248 * 2  # bf16 replica of the reference on every training GPU
+    assert weights["policy"] == 8_030_261_248 * 2 // 7  # ZeRO-3: bf16 weights sharded over 7 ranks
 
 
 def test_async_keeps_the_generator_busy_in_every_phase_and_hybrid_frees_it_while_training(small_model):
@@ -140,8 +140,8 @@ def test_lora_drops_the_reference_and_the_full_gradients_and_counts_the_adapters
              "gate": (4096, 14336), "up": (4096, 14336), "down": (14336, 4096)}
     adapters = 32 * sum(16 * (i + o) for i, o in sizes.values())
     bytes_of = lambda plan, what: {i.role: i.bytes for i in plan.groups[0].items if i.what == what}  # noqa: E731
-    assert "ref" in full.groups[0].roles and "ref" not in lora.groups[0].roles  # the base with adapters off
-    assert bytes_of(lora, "gradients")["actor"] == 4 * adapters and bytes_of(lora, "optimizer")["actor"] == 8 * adapters
-    assert bytes_of(lora, "weights")["actor"] == bytes_of(full, "weights")["actor"]
-    assert bytes_of(lora, "merged weights")["actor"] == 4 * 32 * sum(i * o for i, o in sizes.values())
+    assert "reference" in full.groups[0].roles and "reference" not in lora.groups[0].roles  # the base with adapters off
+    assert bytes_of(lora, "gradients")["policy"] == 4 * adapters and bytes_of(lora, "optimizer")["policy"] == 8 * adapters
+    assert bytes_of(lora, "weights")["policy"] == bytes_of(full, "weights")["policy"]
+    assert bytes_of(lora, "merged weights")["policy"] == 4 * 32 * sum(i * o for i, o in sizes.values())
     assert lora.groups[0].peak[0] < full.groups[0].peak[0]

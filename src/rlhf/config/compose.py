@@ -7,6 +7,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
+from rlhf.config.moved import check_overrides
 from rlhf.config.schema import RewardTrainConfig, RunConfig
 
 CONFIG_MODULE = "rlhf.conf"
@@ -32,6 +33,7 @@ def register_schema() -> None:
 
 def compose_config(overrides: list[str] | None = None, config_name: str = "config") -> DictConfig:
     """The config `python -m rlhf.train <overrides>` would get (or rlhf.train_reward's, with config_name="train_reward")."""
+    check_overrides(list(overrides or []))
     register_schema()
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from rlhf.errors import require as _require
+from rlhf.registry import schedule_trait
 
 
 def _colocated(cfg, a: str, b: str) -> bool:
@@ -51,19 +52,19 @@ def check_generation(cfg: DictConfig, ranks: dict[str, int]) -> None:
                 f"rank on one device for now; raise generator.num_engines instead, or use the local backend",
             )
     _require(schedule.max_staleness >= 0, f"schedule.max_staleness={schedule.max_staleness} must be >= 0")
-    if schedule.name == "hybrid":
+    if schedule_trait(schedule, "sleeps_generator"):
         _require(
             gen.name != "vllm" or gen.enable_sleep,
-            "schedule=hybrid puts the generator to sleep while training; set generator.enable_sleep=true",
+            f"schedule={schedule.name} puts the generator to sleep while training; set generator.enable_sleep=true",
         )
         _require(
-            backend == "local" or _colocated(cfg, "actor", "generator"),
-            "schedule=hybrid shares the actor's devices with the generator: add both to one cluster.colocate group, "
-            "e.g. cluster.colocate=[[actor,generator,ref]]",
+            backend == "local" or _colocated(cfg, "policy", "generator"),
+            f"schedule={schedule.name} shares the policy's devices with the generator: add both to one cluster.colocate group, "
+            "e.g. cluster.colocate=[[policy,generator,reference]]",
         )
-    if schedule.name == "async":
+    if schedule_trait(schedule, "overlaps_generation"):
         _require(
-            not (backend == "ray" and _colocated(cfg, "actor", "generator")),
-            "schedule=async overlaps generation with training, but cluster.colocate puts the generator on the actor's "
+            not (backend == "ray" and _colocated(cfg, "policy", "generator")),
+            f"schedule={schedule.name} overlaps generation with training, but cluster.colocate puts the generator on the policy's "
             "devices; give the generator its own devices, or use schedule=hybrid",
         )

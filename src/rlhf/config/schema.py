@@ -147,7 +147,7 @@ class PolicyConfig:
     name: str = "torch"  # training backend: torch (CPU or GPU, under `strategy`) or an import path
     gradient_checkpointing: bool = False  # trade compute for activation memory
     compile: bool = False  # torch.compile each decoder block (dynamic shapes: micro batches of new sizes reuse the graphs); the first steps pay the compile; strategy single or ddp, no policy.lora
-    strategy: StrategyConfig = field(default_factory=StrategyConfig)  # how training is spread over the actor's devices
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)  # how training is spread over the policy's devices
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters; the reference is then the base model with adapters off
 
 
@@ -202,8 +202,8 @@ class RoleConfig:
 
 @dataclass
 class RolesConfig:
-    actor: RoleConfig = field(default_factory=RoleConfig)  # policy training ranks (policy.strategy spreads over them)
-    ref: RoleConfig = field(default_factory=RoleConfig)  # reference-model replicas (rows split between them)
+    policy: RoleConfig = field(default_factory=RoleConfig)  # policy training ranks (policy.strategy spreads over them)
+    reference: RoleConfig = field(default_factory=RoleConfig)  # reference-model replicas (rows split between them)
     critic: RoleConfig = field(default_factory=RoleConfig)  # critic training ranks (ppo; critic.strategy)
     reward: RoleConfig = field(default_factory=RoleConfig)  # reward-model replicas (reward.path set)
     generator: RoleConfig = field(default_factory=RoleConfig)  # generation engines, one per device
@@ -224,7 +224,7 @@ class ClusterConfig:
     heartbeat_timeout_s: float = 60.0  # ray: seconds a busy worker may leave the driver's pings unanswered (a frozen process) before the run fails naming it; 0 = off
     placement_timeout_s: float = 60.0  # ray: seconds to wait for the placement groups to be scheduled
     roles: RolesConfig = field(default_factory=RolesConfig)  # ray: nodes and devices of each role
-    colocate: list[list[str]] = field(default_factory=list)  # ray: roles sharing the same devices, e.g. [[actor, ref], [critic, reward]]
+    colocate: list[list[str]] = field(default_factory=list)  # ray: roles sharing the same devices, e.g. [[policy, reference], [critic, reward]]
     device_memory_gb: Optional[float] = None  # memory of one device in GiB for the memory plan; null = detected (the CUDA card, or this machine's RAM for CPU runs)
     num_nodes: Optional[int] = None  # ray: nodes the cluster has, for the plan's device count check; null = not checked before Ray starts
     devices_per_node: Optional[int] = None  # ray: devices (GPUs) per node, for the plan's device count check; null = not checked before Ray starts
@@ -248,7 +248,7 @@ class EnvConfig:
 
 @dataclass
 class ScheduleConfig:
-    name: str = "sync"  # when stages run: sync, async (generation overlaps training), hybrid (generator sleeps while training), or an import path
+    name: str = "sync"  # when the Collector and the Learner run: sync, async (generation overlaps training), hybrid (generator sleeps while training), or an import path
     max_staleness: int = 1  # async: policy versions a trained batch may lag the policy that trains on it (0 = on-policy)
     offload_optimizer: bool = False  # hybrid: move the optimiser state off the accelerator while generating
 

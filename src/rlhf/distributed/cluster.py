@@ -2,7 +2,7 @@
 start one worker per rank of every role, and tear it all down at the end.
 
 Roles in one `cluster.colocate` group share a placement group: bundle i hosts rank i of each of them, each
-reserving an equal fraction of the bundle (e.g. 0.5 GPU for actor+ref), so they run on the same device.
+reserving an equal fraction of the bundle (e.g. 0.5 GPU for policy+reference), so they run on the same device.
 """
 
 from __future__ import annotations
@@ -136,9 +136,9 @@ def start(cfg, algorithm, total_optimizer_steps: int, pad_id: int, build):
         run.shutdown()
         raise
     handles = {
-        "actor": RemoteTrainer(run.groups["actor"]),
+        "policy": RemoteTrainer(run.groups["policy"]),
         "generator": RemoteGenerator(run.groups["generator"], pad_id),
-        "ref": RemoteReplicas(run.groups["ref"]) if "ref" in run.groups else None,
+        "reference": RemoteReplicas(run.groups["reference"]) if "reference" in run.groups else None,
         "critic": RemoteTrainer(run.groups["critic"]) if "critic" in run.groups else None,
         "reward": RemoteReplicas(run.groups["reward"]) if "reward" in run.groups else None,
     }

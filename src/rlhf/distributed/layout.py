@@ -1,6 +1,6 @@
 """Which roles a run places, how they group onto devices, and whether that fits a cluster. Pure: no Ray here.
 
-A role (actor, ref, critic, reward, generator) has ``num_nodes * devices_per_node`` ranks. Roles named together
+A role (policy, reference, critic, reward, generator) has ``num_nodes * devices_per_node`` ranks. Roles named together
 in `cluster.colocate` share one placement group: bundle i hosts rank i of each of them, each taking an equal
 fraction of the bundle's GPU (or CPU slot). Every other role gets a placement group of its own.
 """
@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from rlhf.errors import ConfigError
 from rlhf.training.strategies import STRATEGIES
 
-ROLES = ("actor", "ref", "critic", "reward", "generator")
+ROLES = ("policy", "reference", "critic", "reward", "generator")
+RENAMED_ROLES = {"actor": "policy", "ref": "reference"}  # earlier names of two roles, which `cluster.colocate` may still list
 
 
 @dataclass(frozen=True)
@@ -40,9 +41,9 @@ def reference_is_base(cfg) -> bool:
 def used_roles(cfg, algorithm) -> list[str]:
     """The roles this run needs: actor and generator always; ref, critic and reward when the run uses them (a LoRA
     policy is its own reference: see `reference_is_base`)."""
-    roles = ["actor"]
+    roles = ["policy"]
     if algorithm.needs_reference and not reference_is_base(cfg):
-        roles.append("ref")
+        roles.append("reference")
     if algorithm.needs_critic:
         roles.append("critic")
     if cfg.reward.path:
@@ -61,7 +62,8 @@ def placement_specs(cluster, roles: list[str]) -> list[PlacementSpec]:
     for i, group in enumerate(cluster.colocate):
         for role in group:
             if role not in ROLES:
-                raise ConfigError(f"cluster.colocate[{i}] names {role!r}; roles are {', '.join(ROLES)}")
+                renamed = f" ({role!r} is now {RENAMED_ROLES[role]!r})" if role in RENAMED_ROLES else ""
+                raise ConfigError(f"cluster.colocate[{i}] names {role!r}{renamed}; roles are {', '.join(ROLES)}")
             if role in seen:
                 raise ConfigError(f"cluster.colocate lists {role!r} in groups {seen[role]} and {i}; a role shares devices with one group")
             seen[role] = i
@@ -158,7 +160,7 @@ def validate_cluster(cfg, algorithm, samples_per_step: int, mini_batch_units: in
         if spec.num_nodes < 1 or spec.devices_per_node < 1:
             raise ConfigError(f"cluster.roles.{role}: num_nodes={spec.num_nodes} and devices_per_node={spec.devices_per_node} must be >= 1")
     ranks = {role: role_ranks(cluster, role) if cluster.backend == "ray" else 1 for role in roles}
-    trained = [("actor", "policy.strategy", cfg.policy.strategy)] + (
+    trained = [("policy", "policy.strategy", cfg.policy.strategy)] + (
         [("critic", "critic.strategy", cfg.critic.strategy)] if "critic" in roles else []
     )
     for role, key, strategy in trained:

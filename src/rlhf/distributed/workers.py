@@ -1,4 +1,4 @@
-"""What runs inside each Ray actor: one rank of one role (actor, critic, ref, reward or generator).
+"""What runs inside each Ray actor: one rank of one role (policy, critic, reference, reward or generator).
 
 A worker builds the same component the local backend would (through the registry), on its own device, and
 answers `run(method, ...)` calls from the driver. Training roles first join a torch.distributed group of their
@@ -24,7 +24,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-TRAINED_ROLES = ("actor", "critic")
+TRAINED_ROLES = ("policy", "critic")
 
 
 class RoleWorker:

@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from rlhf.plan.memory import gib
 from rlhf.plan.planner import Plan, make_plan
+from rlhf.registry import schedule_trait
 
 
 def with_overrides(cfg, overrides: list[str]):
@@ -28,7 +29,8 @@ def candidates(cfg, plan: Plan) -> list[list[list[str]]]:
     if "critic" in roles and not cfg.critic.gradient_checkpointing:
         found.append([["critic.gradient_checkpointing=true"]])
     generator_shares = any("generator" in g.roles and len(g.roles) > 1 for g in plan.groups)
-    if generator_shares and cfg.schedule.name == "sync":
+    in_turn = not (schedule_trait(cfg.schedule, "sleeps_generator") or schedule_trait(cfg.schedule, "overlaps_generation"))
+    if generator_shares and in_turn:  # the generator holds its memory through training: suggest it sleeps
         sleep = ["generator.enable_sleep=true"] if cfg.generator.name == "vllm" else []
         found.append([["schedule.name=hybrid", *sleep]])
     if cfg.generator.name == "vllm" and cfg.generator.kv_cache_memory_bytes is None and generator_shares:
@@ -113,5 +115,5 @@ def as_list(overrides: dict[str, str]) -> list[str]:
 
 
 def describe(plan: Plan, before: int, after: Plan) -> str:
-    """'actor + ref 61.2 -> 38.0 GiB/device' for the fullest device group."""
+    """'policy + reference 61.2 -> 38.0 GiB/device' for the fullest device group."""
     return f"{' + '.join(plan.worst.roles)} {gib(before)} -> {gib(after.needed(after.worst))} GiB/device"

@@ -20,6 +20,7 @@ from rlhf.errors import ConfigError
 from rlhf.models.loading import pick_device
 from rlhf.plan import memory, roles
 from rlhf.plan.memory import PHASES, Item
+from rlhf.registry import schedule_trait
 
 GIB = 2**30
 
@@ -95,7 +96,7 @@ def make_plan(cfg) -> Plan:
         groups = [DeviceGroup(spec.roles, spec.ranks) for spec in placement_specs(cfg.cluster, used)]
     else:
         groups = [DeviceGroup(tuple(used), 1)]
-    if cfg.schedule.name == "async":  # generation overlaps scoring and training: the generator is busy in every phase
+    if schedule_trait(cfg.schedule, "overlaps_generation"):  # the generator is busy in every phase
         items["generator"] = [Item(i.role, i.what, i.bytes, PHASES, i.on_host) for i in items["generator"]]
     for group in groups:
         # each Ray role is a process with its own runtime; a vLLM engine's share of the GPU already covers its own
@@ -110,12 +111,12 @@ def role_memory(cfg, used: list[str], ranks: dict[str, int], work: roles.Workloa
     """{role: [Item, ...]} for one device of each used role."""
     found = roles.sources(cfg)
     items = {
-        "actor": roles.trained_items("actor", found["actor"], "lm", cfg.policy.strategy,
-                                     cfg.policy.gradient_checkpointing, ranks["actor"], work, cfg.policy.lora),
+        "policy": roles.trained_items("policy", found["policy"], "lm", cfg.policy.strategy,
+                                     cfg.policy.gradient_checkpointing, ranks["policy"], work, cfg.policy.lora),
         "generator": roles.generator_items(cfg, found["generator"], work, capacity),
     }
-    if "ref" in used:
-        items["ref"] = roles.frozen_items("ref", found["ref"], "lm", work)
+    if "reference" in used:
+        items["reference"] = roles.frozen_items("reference", found["reference"], "lm", work)
     if "critic" in used:
         items["critic"] = roles.trained_items("critic", found["critic"], "value", cfg.critic.strategy,
                                               cfg.critic.gradient_checkpointing, ranks["critic"], work, cfg.critic.lora)

@@ -15,6 +15,7 @@ from rlhf.models import lora
 from rlhf.plan import memory
 from rlhf.plan.architecture import ModelSource, activations, lora_parameter_counts, parameter_count, read_config, text_config
 from rlhf.plan.memory import FLOAT32, GENERATE, SCORE, TRAIN, Item, Sharding
+from rlhf.registry import schedule_trait
 
 VLLM_SHARE = "vllm engine (gpu_memory_utilization)"  # what a vLLM engine claims of a GPU: weights, KV cache, its runtime
 # gradients alive at once in the backward of the largest kept tensor (the output layer's logits: the gradients of
@@ -33,8 +34,8 @@ class Workload:
     window: int  # positions whose logits the loss needs (the response, plus one)
     dtype: str  # model.dtype: the generator's and frozen models' weights; bf16/fp16 = autocast when training
     device_kind: str  # cuda or cpu
-    schedule: str  # sync, async or hybrid
-    hybrid_offload: bool  # schedule.offload_optimizer: the optimiser waits on the host while generating
+    sleeps_generator: bool  # the schedule puts the generator to sleep while training (schedule=hybrid)
+    offload_while_generating: bool  # schedule.offload_optimizer: the optimiser waits on the host while generating
 
     @property
     def dtype_bytes(self) -> int:
@@ -55,12 +56,13 @@ def workload(cfg, sizes, ranks: dict[str, int], device_kind: str, rows_per_unit:
         generate_rows = sizes.samples_per_step
     if cfg.generator.name == "hf":
         generate_rows = min(generate_rows, cfg.generator.batch_size)
-    mini_units = max(1, sizes.mini_batch_size // ranks.get("actor", 1))
+    mini_units = max(1, sizes.mini_batch_size // ranks.get("policy", 1))
     micro_units = min(mini_units, max(1, cfg.train.micro_batch_size // rows_per_unit))
     return Workload(
         micro_rows=micro_units * rows_per_unit, score_rows=cfg.train.micro_batch_size, generate_rows=generate_rows,
         seq_len=seq_len, window=min(window, seq_len), dtype=cfg.model.dtype, device_kind=device_kind,
-        schedule=cfg.schedule.name, hybrid_offload=bool(cfg.schedule.offload_optimizer),
+        sleeps_generator=schedule_trait(cfg.schedule, "sleeps_generator"),
+        offload_while_generating=bool(cfg.schedule.offload_optimizer),
     )
 
 
@@ -68,9 +70,9 @@ def sources(cfg) -> dict[str, ModelSource]:
     """The model each role loads, with the key that names it."""
     model = cfg.model
     policy = ModelSource("model.name_or_path", model.name_or_path, model.revision, model.trust_remote_code)
-    found = {"actor": policy, "generator": policy, "ref": policy}
+    found = {"policy": policy, "generator": policy, "reference": policy}
     if cfg.reference.name_or_path:
-        found["ref"] = ModelSource("reference.name_or_path", cfg.reference.name_or_path, None, model.trust_remote_code)
+        found["reference"] = ModelSource("reference.name_or_path", cfg.reference.name_or_path, None, model.trust_remote_code)
     critic = critic_init_path(cfg)
     critic_key = "critic.name_or_path" if cfg.critic.name_or_path else "reward.path" if cfg.reward.path else policy.key
     found["critic"] = ModelSource(critic_key, critic, None if critic != model.name_or_path else model.revision,
@@ -91,15 +93,15 @@ def sharding(strategy, ranks: int) -> Sharding:
 
 def trained_items(role: str, source: ModelSource, head: str, strategy, gradient_checkpointing: bool, ranks: int,
                   work: Workload, lora_cfg=None) -> list[Item]:
-    """A trained role (actor or critic): its state, its training activations and its own scoring pass; with
+    """A trained role (policy or critic): its state, its training activations and its own scoring pass; with
     ``lora_cfg`` (`policy.lora`) only the adapters get gradients and optimiser state."""
     params = parameter_count(source, head)
     shard = sharding(strategy, ranks)
     trainable, merged = lora_parameter_counts(source, lora_cfg) if lora.enabled(lora_cfg) else (params, 0)
     items = memory.trained_state(role, params, shard, work.autocast, trainable)
-    if merged and role == "actor":  # a LoRA push: the adapted layers merged into a new copy, held while the generator loads them
+    if merged and role == "policy":  # a LoRA push: the adapted layers merged into a new copy, held while the generator loads them
         items.append(Item(role, "merged weights", FLOAT32 * merged, phases=(GENERATE,)))
-    if work.schedule == "hybrid" and work.hybrid_offload and role == "actor":
+    if work.sleeps_generator and work.offload_while_generating and role == "policy":
         items = [_without(i, GENERATE) if i.what == "optimizer" else i for i in items]
     window = work.window if head == "lm" else 1
     act = activations(source, work.micro_rows, work.seq_len, window, work.autocast, head)
@@ -135,7 +137,7 @@ def generator_items(cfg, source: ModelSource, work: Workload, capacity: int | No
     config = text_config(read_config(source))
     params = parameter_count(source, "lm")
     gen = cfg.generator
-    sleeps = work.schedule == "hybrid" and (gen.name == "hf" or gen.enable_sleep)
+    sleeps = work.sleeps_generator and (gen.name == "hf" or gen.enable_sleep)
     resident = (GENERATE,) if sleeps else memory.PHASES
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads

@@ -226,10 +226,10 @@ def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
 
 
 def build_model(role: str, cfg, device: torch.device, total_optimizer_steps: int, tokenizer=None):
-    """The component of ``role`` (actor, ref, critic, reward, generator) on ``device``: each local model, and what
+    """The component of ``role`` (policy, reference, critic, reward, generator) on ``device``: each local model, and what
     every Ray worker builds for its rank. ``tokenizer`` (the generator's) is loaded when not given."""
     model = cfg.model
-    if role == "actor":
+    if role == "policy":
         return registry.build(
             "policy", cfg.policy.name, key="policy.name", cfg=cfg.policy, model_cfg=model, train_cfg=cfg.train,
             total_optimizer_steps=total_optimizer_steps, device=device, temperature=cfg.generator.temperature,
@@ -239,7 +239,7 @@ def build_model(role: str, cfg, device: torch.device, total_optimizer_steps: int
             "critic", cfg.critic.name, key="critic.name", cfg=cfg.critic, model_cfg=model, init_path=critic_init_path(cfg),
             train_cfg=cfg.train, total_optimizer_steps=total_optimizer_steps, device=device,
         )
-    if role == "ref":
+    if role == "reference":
         return registry.build(
             "reference", cfg.reference.name, key="reference.name", cfg=cfg.reference, model_cfg=model, device=device,
             temperature=cfg.generator.temperature,
@@ -267,14 +267,14 @@ def build_env(factory, cfg, tokenizer, rewards: RewardSet) -> EpisodeRunner:
 def build_local_models(cfg, sizes: DerivedSizes, algorithm, tokenizer, device) -> dict[str, Any]:
     """Every model this run uses, in this process, on ``device``."""
     built = {role: build_model(role, cfg, device, sizes.optimizer_steps, tokenizer) for role in used_roles(cfg, algorithm)}
-    if "ref" not in built and algorithm.needs_reference:
-        built["ref"] = AdaptersOff(built["actor"])
-    elif "ref" not in built:
+    if "reference" not in built and algorithm.needs_reference:
+        built["reference"] = AdaptersOff(built["policy"])
+    elif "reference" not in built:
         log.info("reference model not loaded: algorithm.beta=0 disables the KL term")
     if "critic" in built:
         log.info("critic initialised from %s", critic_init_path(cfg))
     return {
-        "policy": built["actor"], "reference": built.get("ref"), "critic": built.get("critic"),
+        "policy": built["policy"], "reference": built.get("reference"), "critic": built.get("critic"),
         "reward": built.get("reward"), "generator": built["generator"],
     }
 
@@ -285,6 +285,6 @@ def build_remote_models(cfg, sizes: DerivedSizes, algorithm, tokenizer) -> tuple
     reward = None
     if handles["reward"] is not None:
         reward = RewardModelScorer(cfg.reward, cfg.model.dtype, torch.device("cpu"), cfg.train.micro_batch_size, handles["reward"].raw_scores)
-    reference = AdaptersOff(handles["actor"]) if algorithm.needs_reference and reference_is_base(cfg) else handles["ref"]
-    models = {"policy": handles["actor"], "reference": reference, "critic": handles["critic"], "reward": reward, "generator": handles["generator"]}
+    reference = AdaptersOff(handles["policy"]) if algorithm.needs_reference and reference_is_base(cfg) else handles["reference"]
+    models = {"policy": handles["policy"], "reference": reference, "critic": handles["critic"], "reward": reward, "generator": handles["generator"]}
     return models, backend

@@ -25,6 +25,7 @@ from rlhf.checks import hub, parity
 from rlhf.run.build import build_components
 from rlhf.config import ConfigError, validate
 from rlhf.distributed.remote import WorkerError
+from rlhf.registry import schedule_trait
 from rlhf.run.state import NonFiniteGuard, RunState
 from rlhf.seeding import seed_everything
 from rlhf.models.fingerprint import first_difference, fingerprint
@@ -91,7 +92,7 @@ class Rehearsal:
             ("output folders", self.outputs), ("load models and data", self.load), ("log-prob parity", self.parity),
             ("generate and score", self.collect), ("update", self.update),
         ]
-        if self.cfg.schedule.name == "hybrid":
+        if schedule_trait(self.cfg.schedule, "sleeps_generator"):
             named.append(("generator sleep and wake", self.sleep_and_wake))
         named += [("weight push (verified)", self.push), ("evaluate", self.evaluate),
                   ("checkpoint save and reload", self.checkpoint)]

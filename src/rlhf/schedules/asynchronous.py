@@ -245,3 +245,4 @@ def run(c, cfg, sizes, tracker, state: RunState, stop) -> RunState:
 
 
 run.config_keys = ("max_staleness",)  # the `schedule.*` keys it reads
+run.overlaps_generation = True  # the producer generates while the policy trains

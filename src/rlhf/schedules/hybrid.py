@@ -73,3 +73,4 @@ def run(c, cfg, sizes, tracker, state: RunState, stop) -> RunState:
 
 
 run.config_keys = ("offload_optimizer",)  # the `schedule.*` keys it reads
+run.sleeps_generator = True  # the generator sleeps while the policy trains, on the same devices

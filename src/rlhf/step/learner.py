@@ -38,8 +38,10 @@ def is_share(key: str) -> bool:
 class Learner:
     """Scored batches -> policy updates, for the policy and (PPO) the critic; ``reference`` is None without a KL term.
 
-    ``shuffle`` orders the mini batches (checkpointed); ``gap_watch`` observes each step's generator-trainer logprob gap (`rlhf.checks.parity`).
-    ``updates`` counts the updates begun: a step whose count moved may have changed the models.
+    ``shuffle`` orders the mini batches (checkpointed); ``gap_watch`` observes each step's generator-trainer logprob
+    gap (`rlhf.checks.parity`); ``policy_packs``: the policy's training forwards pack their micro batches (for
+    `perf/padding_fraction`). ``updates`` counts the updates begun: a step whose count moved may have changed the
+    models.
     """
 
     def __init__(
