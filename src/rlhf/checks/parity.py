@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import torch
 
@@ -44,7 +45,7 @@ def max_gap(cfg) -> float:
 
 def short_sampling(gen_cfg):
     """The run's sampling settings with at most PROBE_TOKENS new tokens (the probe's, and preflight's)."""
-    return SamplingParams(min(PROBE_TOKENS, gen_cfg.max_new_tokens), gen_cfg.temperature, gen_cfg.top_p)
+    return replace(SamplingParams.of(gen_cfg), max_new_tokens=min(PROBE_TOKENS, gen_cfg.max_new_tokens))
 
 
 def probe(c, cfg) -> dict[str, float]:

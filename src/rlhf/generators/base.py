@@ -28,6 +28,11 @@ class SamplingParams:
     top_p: float = 1.0
     greedy: bool = False
 
+    @classmethod
+    def of(cls, gen_cfg) -> "SamplingParams":
+        """The training sampling `generator.*` sets (not greedy)."""
+        return cls(gen_cfg.max_new_tokens, gen_cfg.temperature, gen_cfg.top_p)
+
 
 def release_parameters(module: torch.nn.Module) -> dict[str, torch.Size]:
     """Free every parameter's storage (tied ones once), keeping the tensors; returns their shapes for

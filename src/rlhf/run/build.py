@@ -214,7 +214,7 @@ def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
     prompts = PromptStream(splits.train, seed=cfg.seed)
     gen = cfg.generator
     collector = Collector(
-        generator, tokenizer, rewards, prompts, SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p),
+        generator, tokenizer, rewards, prompts, SamplingParams.of(gen),
         prompts_per_step=cfg.train.prompts_per_step, samples_per_prompt=cfg.algorithm.num_samples_per_prompt,
         max_resample_rounds=cfg.algorithm.max_resample_rounds if cfg.algorithm.filter_groups else None,
         greedy_baseline=algorithm.needs_greedy_baseline, env=runner,
