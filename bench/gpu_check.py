@@ -29,7 +29,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from cli_runs import matmul_peak, train_flops
 from rlhf.algorithms import build_algorithm
-from rlhf.config.schema import AlgorithmConfig, GeneratorConfig, ModelConfig, PolicyConfig, ReferenceConfig, StrategyConfig
+from rlhf.config.schema import GeneratorConfig, ModelConfig, PolicyConfig, ReferenceConfig, StrategyConfig
 from rlhf.config import compose_config
 from rlhf.config.schema import TrainConfig
 from rlhf.generators.base import SamplingParams
@@ -113,7 +113,7 @@ def throughput(device: torch.device, tiny: bool, work: Path, peak: float, micro_
     folder = save_model(work / "qwen_shaped", shape)
     dtype = "float32" if device.type == "cpu" else "bfloat16"
     model_cfg = OmegaConf.structured(ModelConfig(name_or_path=folder, dtype=dtype))
-    algo_cfg = OmegaConf.structured(AlgorithmConfig(name="grpo", advantage="grpo", num_samples_per_prompt=samples, beta=0.04))
+    algo_cfg = compose_config(["algorithm=grpo", f"algorithm.num_samples_per_prompt={samples}", "algorithm.beta=0.04"]).algorithm
     gen_cfg = OmegaConf.structured(GeneratorConfig(max_new_tokens=new_tokens, batch_size=prompts * samples, stop_token="<eos>"))
     results = []
     for checkpointing, micro in [(ckpt, m) for m in micro_batches for ckpt in (False, True)]:

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import random
-from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,10 +17,11 @@ from omegaconf import OmegaConf
 
 from rlhf.run import checkpoint
 from rlhf.run.checkpoint import STATE_FILE, STATE_KEYS, complete_checkpoints, resume_path
-from rlhf.config.schema import AlgorithmConfig, CriticConfig, RewardConfig
+from rlhf.config.schema import CriticConfig, RewardConfig
 from rlhf.errors import ConfigError
 from rlhf.data.prompts import PromptExample, PromptStream
 from rlhf.algorithms import PolicyGradient, build_algorithm
+from algorithm_nodes import algorithm_cfg
 from rlhf.training import optim as optim_module
 from rlhf.training.critic import TorchCritic
 from rlhf.training.policy import TorchPolicy
@@ -45,10 +45,8 @@ def texts(batch: list[PromptExample]) -> list[str]:
 
 
 def grpo(**overrides) -> PolicyGradient:
-    """A GRPO algorithm on a namespace with every AlgorithmConfig field (defaults, then ``overrides``)."""
-    fields = asdict(AlgorithmConfig(name="grpo", advantage="grpo"))
-    fields.update(overrides)
-    return build_algorithm(SimpleNamespace(**fields), max_new_tokens=8)
+    """A GRPO algorithm on the `algorithm` node composition gives (defaults, then ``overrides``)."""
+    return build_algorithm(algorithm_cfg("grpo", **overrides), max_new_tokens=8)
 
 
 def make_step_dir(root: Path, name: str, complete: bool = True) -> Path:
@@ -373,7 +371,7 @@ def components(policy_cfg, model_cfg, train_cfg, tiny_model_dir, rollout):
     rewards = RewardSet(OmegaConf.structured(RewardConfig()))
     rewards.model = SimpleNamespace(moments=RunningMoments())  # only its moments are checkpointed
     rewards.model.moments.update(torch.tensor([1.0, 2.0, 4.0]))
-    algorithm = grpo(beta=0.1, kl_ctl="adaptive", target_kl=1.0, kl_horizon=10)
+    algorithm = grpo(beta=0.1, kl_ctl="adaptive", target=1.0, horizon=10)
     algorithm.kl_ctl.update(5.0, 4)
     c = SimpleNamespace(
         policy=policy,

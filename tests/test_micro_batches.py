@@ -3,15 +3,14 @@ training forward: every one must give what the padded path gives (float32, 1e-5)
 
 from __future__ import annotations
 
-from dataclasses import asdict, replace
-from types import SimpleNamespace
+from dataclasses import replace
 
 import pytest
 import torch
 
 from rlhf.algorithms import build_algorithm
 from rlhf.functional import entropy_from_logits, logprobs_from_logits
-from rlhf.config.schema import AlgorithmConfig
+from algorithm_nodes import algorithm_cfg
 from rlhf.micro_batches import Budget, as_budget, padded_tokens, plan, split_to, window_outputs
 from rlhf.training.policy import TorchPolicy
 from rlhf.models.reference import FrozenReference
@@ -43,9 +42,7 @@ def ragged_rows(vocab: int, prompts=PROMPT_LENGTHS, responses=RESPONSE_LENGTHS, 
 
 
 def algorithm(**overrides):
-    fields = asdict(AlgorithmConfig(name="grpo", advantage="grpo", num_samples_per_prompt=2))
-    fields.update(overrides)
-    return build_algorithm(SimpleNamespace(**fields), max_new_tokens=9)
+    return build_algorithm(algorithm_cfg("grpo", **{"num_samples_per_prompt": 2} | overrides), max_new_tokens=9)
 
 
 @pytest.fixture

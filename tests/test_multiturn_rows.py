@@ -16,7 +16,7 @@ from rlhf.run.state import NonFiniteGuard
 from rlhf.step.learner import Learner
 from rlhf.step.scored import Scored
 from rlhf.trajectory import Trajectories, from_completions
-from test_update_policy import algorithm_cfg
+from algorithm_nodes import algorithm_cfg
 
 CPU = torch.device("cpu")
 

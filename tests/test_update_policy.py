@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, replace
-from types import SimpleNamespace
+from dataclasses import replace
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rlhf.config.schema import AlgorithmConfig, CriticConfig
+from algorithm_nodes import algorithm_cfg
+from rlhf.config.schema import CriticConfig
 from rlhf.algorithms import build_algorithm
 from rlhf.generators.hf import left_pad
 from rlhf.training.critic import TorchCritic
@@ -125,13 +125,6 @@ def make_rollout(tokenizer, pairs: list[tuple[str, str]]) -> Trajectories:
 # Two prompts x two samples (GRPO groups of 2); scores make every row's advantage non-zero.
 PAIRS = [("1+2=", "3"), ("1+2=", "12"), ("4+4=", "80"), ("4+4=", "8")]
 SCORES = torch.tensor([1.0, 0.0, 0.0, 1.0])
-
-
-def algorithm_cfg(advantage: str, **overrides) -> SimpleNamespace:
-    """Every AlgorithmConfig field (schema defaults, then ``overrides``)."""
-    fields = asdict(AlgorithmConfig(name=advantage, advantage=advantage))
-    fields.update(overrides)
-    return SimpleNamespace(**fields)
 
 
 def weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:

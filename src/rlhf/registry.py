@@ -14,7 +14,7 @@ from rlhf.errors import ConfigError
 
 KINDS = (
     "dataset", "preference_dataset", "generator", "policy", "reference", "critic", "reward", "advantage", "policy_loss",
-    "schedule", "env", "rollout_correction",
+    "schedule", "env", "rollout_correction", "kl_controller",
 )
 
 _REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {kind: {} for kind in KINDS}

@@ -1,25 +1,17 @@
-"""Shared builders for the algorithm tests: configs with every AlgorithmConfig field, trajectories from a mask,
-and the two-row KL example the policy-gradient tests share."""
+"""Shared builders for the algorithm tests: `algorithm` nodes as composition makes them (parts with their own
+nodes), trajectories from a mask, and the two-row KL example the policy-gradient tests share."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, replace
-from types import SimpleNamespace
+from dataclasses import replace
 
 import torch
 
+from algorithm_nodes import algorithm_cfg
 from rlhf.algorithms import build_algorithm
-from rlhf.config.schema import AlgorithmConfig
 from rlhf.trajectory import Trajectories, from_completions
 
 MAX_NEW_TOKENS = 8  # the GeneratorConfig default
-
-
-def algorithm_cfg(**overrides) -> SimpleNamespace:
-    """A plain namespace with every AlgorithmConfig field (schema defaults, then ``overrides``; advantage grpo)."""
-    fields = asdict(AlgorithmConfig(name="grpo", advantage="grpo"))
-    fields.update(overrides)
-    return SimpleNamespace(**fields)
 
 
 def make_algorithm(max_new_tokens: int = MAX_NEW_TOKENS, **overrides):

@@ -81,6 +81,9 @@ def test_cispo_loss_through_the_algorithm_reports_clipped_tokens_and_keeps_their
     assert metrics["policy/clipfrac_avg"].item() == 1.0
 
 
+CORRECTION_KEYS = {"token_tis": {"clip": 2.0}, "seq_tis": {"clip": 2.0}, "icepop": {"low": 0.5, "high": 1.8}, "geo_reject": {"low": 0.5, "high": 1.8}}
+
+
 @pytest.mark.parametrize(
     "correction, kept, flagged",
     [("token_tis", 1.0, 1 / 3), ("seq_tis", 1.0, 2 / 3), ("icepop", 2 / 3, 1 / 3), ("geo_reject", 1 / 3, 2 / 3)],
@@ -89,8 +92,7 @@ def test_rollout_corrections_weight_the_loss_and_report_what_they_did(correction
     """Generator ratios: row 0 [1, 4] (sequence 4, geometric 2), row 1 [1.5]. Cap 2, band [0.5, 1.8]."""
     old_logp = torch.zeros(2, 3)
     gen_logp = -torch.log(torch.tensor([[1.0, 4.0, 1.0], [1.5, 1.0, 1.0]]))
-    algo = make_algorithm(rollout_correction=correction, rollout_corr_clip=2.0, rollout_corr_low=0.5,
-                          rollout_corr_high=1.8, num_samples_per_prompt=2, beta=0.0)
+    algo = make_algorithm(rollout_correction=correction, **CORRECTION_KEYS[correction], num_samples_per_prompt=2, beta=0.0)
     batch, metrics = algo.build_batch(trajectories(KL_MASK, 2, scores=torch.tensor([1.0, 0.0]), old_logp=old_logp, gen_logp=gen_logp))
     assert metrics["rollout_corr/kept_share"] == pytest.approx(kept)
     assert metrics["rollout_corr/masked_share"] == pytest.approx(1 - kept)

@@ -12,12 +12,12 @@ from rlhf.config import ConfigError, compose_config, validate
 from rlhf.trajectory import Forward, Trajectories
 
 G = 9.0  # garbage in masked positions
-DPO = dict(name="online_dpo", advantage="best_vs_worst", policy_loss="dpo", num_samples_per_prompt=2, beta=0.5,
-           kl_estimator="k1", reuse_training_logprobs=False)  # as the online_dpo preset
+DPO = dict(name="online_dpo", advantage="best_vs_worst", policy_loss={"name": "dpo", "beta": 0.5}, kl_ctl=None,
+           num_samples_per_prompt=2, kl_estimator="k1", reuse_training_logprobs=False)  # as the online_dpo preset
 
 
 def make_dpo(**overrides) -> PairwisePreference:
-    """Online DPO with every AlgorithmConfig field: G = 2, beta 0.5, k1 KL."""
+    """Online DPO as composed: G = 2, beta 0.5 (the dpo loss's), k1 KL."""
     return make_algorithm(**(DPO | overrides))
 
 
@@ -37,7 +37,7 @@ def test_best_and_worst_first_on_ties():
     # [5, -1, 5, -1] -> best 8, worst 9.
     scores = torch.tensor([1.0, 3.0, 3.0, 0.0, 2.0, 2.0, 2.0, 2.0, 5.0, -1.0, 5.0, -1.0])
     pairs = registry.resolve("advantage", "best_vs_worst")
-    chosen, rejected = pairs(AdvantageInputs(scores, torch.ones(12, 1), 4), algorithm_cfg(**DPO))
+    chosen, rejected = pairs(AdvantageInputs(scores, torch.ones(12, 1), 4), algorithm_cfg(**DPO).advantage)
     assert chosen.tolist() == [1, 4, 8]
     assert rejected.tolist() == [3, 4, 9]
 
@@ -83,9 +83,9 @@ def test_online_dpo_is_registered_and_flags():
 
 @pytest.mark.parametrize("beta", [0.0, -0.1])
 def test_online_dpo_needs_positive_beta(beta):
-    """beta is the DPO temperature: 0 or less is refused by validate (a ConfigError, which is a ValueError)."""
-    with pytest.raises(ConfigError, match="beta"):
-        validate(compose_config(["algorithm=online_dpo", f"algorithm.beta={beta}"]))
+    """beta is the DPO temperature, a key of the dpo loss's node: 0 or less is refused by validate, naming it."""
+    with pytest.raises(ConfigError, match=rf"algorithm.policy_loss.beta={beta} must be > 0"):
+        validate(compose_config(["algorithm=online_dpo", f"algorithm.policy_loss.beta={beta}"]))
 
 
 def test_build_batch_interleaves_chosen_and_rejected():
@@ -151,7 +151,7 @@ def test_loss_and_metrics(loss_name, expected):
     # logps/chosen (-1 - 2) / 2 = -1.5; logps/rejected (-3 - 2) / 2 = -2.5;
     # reward/chosen 0.5 * (0.5 - 1) / 2 = -0.125; reward/rejected 0.5 * (-0.5 + 0.5) / 2 = 0;
     # reward_margin (0.5 * 1 + 0.5 * -1.5) / 2 = -0.125.
-    algo = make_dpo(policy_loss=loss_name)
+    algo = make_dpo(policy_loss={"name": loss_name, "beta": 0.5})
     batch, _ = build(algo)
     loss, metrics = algo.policy_loss(batch, Forward(LOGP), algo.denominator(batch))
     assert not algo.needs_critic and not hasattr(algo, "value_loss")  # was: the fused loss's value loss is None

@@ -5,13 +5,12 @@ import math
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from torch.testing import assert_close
 
 from algorithm_fixtures import KL_MASK, OLD_LOGP, REF_LOGP, SCORES, build_kl_example, make_algorithm, trajectories
 from rlhf import registry
+from rlhf.config.compose import compose_config
 from rlhf.algorithms import AdvantageInputs, PolicyGradient, advantages as advantage_parts, build_algorithm
-from rlhf.config.schema import AlgorithmConfig, GeneratorConfig
 from rlhf.trajectory import Forward
 
 BIG = 1e6
@@ -32,15 +31,13 @@ def test_advantages_resolve_by_name(name):
     assert registry.resolve("advantage", name) is getattr(advantage_parts, name)
     assert name in registry.names("advantage")
     algo = make_algorithm(advantage=name)
-    assert isinstance(algo, PolicyGradient) and algo.advantage is getattr(advantage_parts, name)
+    assert isinstance(algo, PolicyGradient) and algo.advantage.obj is getattr(advantage_parts, name)
 
 
 def test_algorithm_accepts_an_omegaconf_config():
-    """A structured OmegaConf AlgorithmConfig works like the namespace: G=2 group [0, 4] -> [-2, 2]."""
-    cfg = OmegaConf.structured(
-        AlgorithmConfig(name="grpo", advantage="grpo", num_samples_per_prompt=2, norm_adv_by_std=False)
-    )
-    algo = build_algorithm(cfg, OmegaConf.structured(GeneratorConfig()).max_new_tokens)
+    """The composed `algorithm` node (parts chosen by group) builds the algorithm: G=2 group [0, 4] -> [-2, 2]."""
+    cfg = compose_config(["algorithm=dr_grpo", "algorithm.num_samples_per_prompt=2"])
+    algo = build_algorithm(cfg.algorithm, cfg.generator.max_new_tokens)
     assert_close(advantages(algo, torch.tensor([0.0, 4.0]), torch.ones(2, 1), group=2), torch.tensor([[-2.0], [2.0]]))
 
 
@@ -108,7 +105,7 @@ def test_grpo_advantages_without_std():
 
 def test_reinforce_advantages():
     """Batch baseline: [1, 2, 6] - 3 = [-2, -1, 3], spread over valid tokens."""
-    adv = advantages(make_algorithm(advantage="reinforce"), torch.tensor([1.0, 2.0, 6.0]), ADV_MASK[:3])
+    adv = advantages(make_algorithm(advantage="reinforce", whiten_advantages=False), torch.tensor([1.0, 2.0, 6.0]), ADV_MASK[:3])
     assert_close(adv, torch.tensor([[-2.0, -2.0, 0.0], [-1.0, 0.0, 0.0], [3.0, 3.0, 3.0]]))
 
 
@@ -141,7 +138,7 @@ def test_build_batch_with_kl_in_reward():
     """Reinforce, beta 0.1, k1 KL in the reward: shaped rewards, advantages and KL metrics."""
     # Reinforce, beta 0.1, k1: rewards [1 - 0.075, 2 - 0.1] = [0.925, 1.9], mean 1.4125 -> advantages -+0.4875.
     # non_score_reward mean (-0.075 - 0.1) / 2 = -0.0875; objective/kl = (0.75 + 1.0) / 2 = 0.875.
-    algo = make_algorithm(advantage="reinforce", beta=0.1, kl_in_reward=True, kl_estimator="k1")
+    algo = make_algorithm(advantage="reinforce", whiten_advantages=False, beta=0.1, kl_in_reward=True, kl_estimator="k1")
     batch, metrics = build_kl_example(algo)
     assert_close(batch.advantages, torch.tensor([[-0.4875, -0.4875, 0.0], [0.4875, 0.0, 0.0]]))
     assert metrics["objective/rlhf_reward"] == pytest.approx(1.4125)
@@ -154,7 +151,7 @@ def test_build_batch_with_kl_in_reward():
 
 def test_build_batch_with_kl_as_a_loss_reports_kl_but_keeps_rewards():
     """kl_in_reward false: rewards are the scores [1, 2] -> advantages -+0.5; objective/kl is still 0.875."""
-    algo = make_algorithm(advantage="reinforce", beta=0.1, kl_in_reward=False, kl_estimator="k1")
+    algo = make_algorithm(advantage="reinforce", whiten_advantages=False, beta=0.1, kl_in_reward=False, kl_estimator="k1")
     batch, metrics = build_kl_example(algo)
     assert_close(batch.advantages, torch.tensor([[-0.5, -0.5, 0.0], [0.5, 0.0, 0.0]]))
     assert metrics["objective/rlhf_reward"] == pytest.approx(1.5)
@@ -166,7 +163,7 @@ def test_build_batch_k3_kl_in_reward():
     """k3 KL in the reward: objective/kl and non_score_reward from k3 sums."""
     # k3 at x = [0.5, 0.25] and [1.0]: [0.1065307 + 0.0288008, 0.3678794] -> kl sums [0.1353315, 0.3678794];
     # non_score = -0.1 * them, mean -0.0251605; objective/kl = 0.2516055.
-    _, metrics = build_kl_example(make_algorithm(advantage="reinforce", beta=0.1, kl_in_reward=True, kl_estimator="k3"))
+    _, metrics = build_kl_example(make_algorithm(advantage="reinforce", whiten_advantages=False, beta=0.1, kl_in_reward=True, kl_estimator="k3"))
     assert metrics["objective/kl"] == pytest.approx(0.2516055, abs=1e-6)
     assert metrics["objective/non_score_reward"] == pytest.approx(-0.0251605, abs=1e-6)
     assert metrics["objective/rlhf_reward"] == pytest.approx(1.5 - 0.0251605, abs=1e-6)
@@ -174,7 +171,7 @@ def test_build_batch_k3_kl_in_reward():
 
 def test_build_batch_without_reference_has_no_kl():
     """beta 0: no reference, no KL metrics, no ref_logp tensor; rewards are the scores."""
-    algo = make_algorithm(advantage="reinforce", beta=0.0)
+    algo = make_algorithm(advantage="reinforce", whiten_advantages=False, beta=0.0)
     assert algo.needs_reference is False
     batch, metrics = build_kl_example(algo, ref_logp=None)
     assert set(metrics) == {"objective/rlhf_reward", "objective/non_score_reward"}
@@ -198,8 +195,8 @@ def test_adaptive_kl_coefficient_moves_between_steps():
     # target 0.5, horizon 20, 2 samples, measured KL 0.875: error 0.75 clipped to 0.2 -> coef * (1 + 0.2 * 2 / 20).
     # Step 1 uses 0.1 (non_score mean -0.0875), then 0.102; step 2 uses 0.102: -0.102 * (0.75 + 1.0) / 2 = -0.08925,
     # then 0.102 * 1.02 = 0.10404.
-    algo = make_algorithm(advantage="reinforce", beta=0.1, kl_in_reward=True, kl_estimator="k1",
-                          kl_ctl="adaptive", target_kl=0.5, kl_horizon=20)
+    algo = make_algorithm(advantage="reinforce", whiten_advantages=False, beta=0.1, kl_in_reward=True, kl_estimator="k1",
+                          kl_ctl="adaptive", target=0.5, horizon=20)
     _, first = build_kl_example(algo)
     assert first["objective/kl_coef"] == pytest.approx(0.1)
     assert first["objective/non_score_reward"] == pytest.approx(-0.0875)
@@ -212,8 +209,8 @@ def test_adaptive_kl_coefficient_moves_between_steps():
 
 def test_adaptive_kl_coefficient_shrinks_below_target():
     """target 2.0: error 0.875 / 2 - 1 = -0.5625 clipped to -0.2 -> 0.1 * (1 - 0.2 * 2 / 20) = 0.098."""
-    algo = make_algorithm(advantage="reinforce", beta=0.1, kl_estimator="k1",
-                          kl_ctl="adaptive", target_kl=2.0, kl_horizon=20)
+    algo = make_algorithm(advantage="reinforce", whiten_advantages=False, beta=0.1, kl_estimator="k1",
+                          kl_ctl="adaptive", target=2.0, horizon=20)
     build_kl_example(algo)
     assert algo.kl_ctl.value == pytest.approx(0.098)
 
@@ -227,7 +224,7 @@ def test_tis_weights_each_token_loss_by_the_truncated_trainer_generator_ratio():
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     old_logp = torch.tensor([[-1.0, -1.0], [-1.0, 0.0]])
     gen_logp = torch.tensor([[-1.5, -1.0 - math.log(4.0)], [-1.0, 0.0]])
-    algo = make_algorithm(rollout_correction="token_tis", rollout_corr_clip=2.0, num_samples_per_prompt=2, norm_adv_by_std=False, loss_agg="token_mean", beta=0.0)
+    algo = make_algorithm(rollout_correction="token_tis", clip=2.0, num_samples_per_prompt=2, norm_adv_by_std=False, loss_agg="token_mean", beta=0.0)
     step = trajectories(mask, 2, scores=torch.tensor([1.0, -1.0]), old_logp=old_logp, gen_logp=gen_logp)
     batch, metrics = algo.build_batch(step)
     assert_close(batch.extras["is_weights"], torch.tensor([[math.exp(0.5), 2.0], [1.0, 0.0]]))

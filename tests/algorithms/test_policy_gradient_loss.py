@@ -152,7 +152,7 @@ def test_kl_controller_follows_config():
     """kl_ctl fixed gives a FixedKLController at beta; adaptive an AdaptiveKLController with target and horizon."""
     fixed = make_algorithm(beta=0.1).kl_ctl
     assert isinstance(fixed, FixedKLController) and fixed.value == 0.1
-    adaptive = make_algorithm(beta=0.1, kl_ctl="adaptive", target_kl=2.0, kl_horizon=50).kl_ctl
+    adaptive = make_algorithm(beta=0.1, kl_ctl="adaptive", target=2.0, horizon=50).kl_ctl
     assert isinstance(adaptive, AdaptiveKLController)
     assert (adaptive.value, adaptive.target, adaptive.horizon) == (0.1, 2.0, 50)
 
@@ -219,7 +219,7 @@ def test_kl_loss_uses_the_coefficient_of_its_step_and_the_next_step_the_adapted_
     """A step's loss uses the coefficient its build_batch logged (0.1); the adaptive update (0.102) is the next
     step's."""
     algo = make_algorithm(num_samples_per_prompt=2, beta=0.1, kl_in_reward=False, kl_estimator="k1",
-                          kl_ctl="adaptive", target_kl=0.5, kl_horizon=20)
+                          kl_ctl="adaptive", target=0.5, horizon=20)
     _, metrics_step = build_kl_example(algo, group=2)
     assert metrics_step["objective/kl_coef"] == pytest.approx(0.1)
     logp, old_logp, ref_logp = _inputs()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import inspect
 import io
 import os
 import subprocess
@@ -16,7 +17,9 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
 from rlhf.config import ConfigError, compose_config, validate
+from rlhf import registry
 from rlhf.config import schema
+from rlhf.parts import GROUPS
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
@@ -64,7 +67,7 @@ def test_every_group_option_composes_and_validates(group):
 
 def test_default_is_grpo_on_the_builtin_task():
     cfg = compose_config()
-    assert (cfg.algorithm.name, cfg.algorithm.advantage, cfg.algorithm.policy_loss) == ("grpo", "grpo", "ppo_clip")
+    assert (cfg.algorithm.name, cfg.algorithm.advantage.name, cfg.algorithm.policy_loss.name) == ("grpo", "grpo", "ppo_clip")
     assert cfg.model.name_or_path == "builtin:tiny_arith"
     assert cfg.dataset.name == "arith"
     assert cfg.cluster.name == "local"
@@ -110,15 +113,17 @@ def test_unknown_group_option_is_an_error_that_lists_the_options():
         (["train.prompts_per_step=0"], r"train.prompts_per_step=0 must be >= 1"),
         (["reward.functions=[]"], r"reward.functions is empty"),
         (["model.dtype=float8"], r"model.dtype='float8'"),
-        (["algorithm.rollout_correction=token_tis", "algorithm.rollout_corr_clip=0"], r"algorithm.rollout_corr_clip=0.0 must be > 0"),
-        (["algorithm.rollout_correction=icepop", "algorithm.rollout_corr_low=2", "algorithm.rollout_corr_high=2"],
-         r"algorithm.rollout_corr_low=2.0 must be >= 0 and below algorithm.rollout_corr_high=2.0"),
-        (["algorithm.rollout_correction=bogus"], r"unknown rollout_correction 'bogus' \(config key `algorithm.rollout_correction`\). Registered: geo_reject, icepop, seq_tis, token_tis"),
-        (["algorithm.rollout_corr_clip=3"], r"algorithm.rollout_corr_clip=3.0 is not read.*algorithm.rollout_correction=seq_tis or algorithm.rollout_correction=token_tis"),
-        (["algorithm.rollout_correction=token_tis", "algorithm.rollout_corr_low=0.1"], r"rollout_corr_low=0.1 is not read.*rollout_correction=geo_reject or algorithm.rollout_correction=icepop"),
-        (["algorithm=online_dpo", "algorithm.rollout_correction=token_tis"], r"algorithm.rollout_correction weights policy-gradient token losses; algorithm.policy_loss=dpo"),
-        (["algorithm.advantage=remax", "env=arith_retry"], r"algorithm.advantage=remax baselines each prompt with the score of one greedy response"),
-        (["algorithm.policy_loss=cispo", "algorithm.clip_eps_high=0"], r"algorithm.clip_eps_high=0.0 must be > 0"),
+        (["algorithm/rollout_correction=token_tis", "algorithm.rollout_correction.clip=0"], r"algorithm.rollout_correction.clip=0.0 must be > 0"),
+        (["algorithm/rollout_correction=icepop", "algorithm.rollout_correction.low=2", "algorithm.rollout_correction.high=2"],
+         r"algorithm.rollout_correction.low=2.0 must be >= 0 and below algorithm.rollout_correction.high=2.0"),
+        (["algorithm/rollout_correction=token_tis", "algorithm.rollout_correction.name=bogus"],
+         r"unknown rollout_correction 'bogus' \(config key `algorithm.rollout_correction.name`\). Registered: geo_reject, icepop, seq_tis, token_tis"),
+        (["algorithm/rollout_correction=token_tis", "+algorithm.rollout_correction.low=0.1"],
+         r"algorithm.rollout_correction.low is not a key of rollout_correction token_tis.*key of algorithm/rollout_correction=geo_reject or icepop"),
+        (["algorithm=online_dpo", "+algorithm/rollout_correction=token_tis"], r"algorithm.rollout_correction=.* is not read by this run's choice \(algorithm.advantage=best_vs_worst, a pairwise algorithm\)"),
+        (["algorithm/advantage=remax", "env=arith_retry"], r"algorithm.advantage=remax baselines each prompt with the score of one greedy response"),
+        (["algorithm/policy_loss=cispo", "algorithm.policy_loss.clip_eps_high=0"], r"algorithm.policy_loss.clip_eps_high=0.0 must be > 0"),
+        (["algorithm.policy_loss.clip_eps_high=wide"], r"algorithm.policy_loss.clip_eps_high: Value 'wide' of type 'str' could not be converted to Float \(policy_loss ppo_clip, config PpoClipConfig\)"),
         (["reward.overlong_buffer_len=4"], r"reward.overlong_buffer_len=4 must be >= 1 and below generator.max_new_tokens=4"),
         (["reward.overlong_buffer_len=0"], r"reward.overlong_buffer_len=0 must be >= 1"),
         (["reward.overlong_buffer_len=2", "reward.overlong_penalty_factor=-1"], r"reward.overlong_penalty_factor=-1.0 must be >= 0"),
@@ -159,9 +164,9 @@ def _comment_lines(source: str) -> set[int]:
     return {tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
 
 
-def test_every_schema_field_has_a_one_line_comment():
-    """Each dataclass field in the schema carries a trailing comment (the key's documentation)."""
-    source = Path(schema.__file__).read_text()
+def _uncommented_fields(cls_or_module) -> list[str]:
+    """Dataclass fields declared in the source of ``cls_or_module`` without a trailing comment."""
+    source = Path(inspect.getsourcefile(cls_or_module)).read_text()
     commented = _comment_lines(source)
     missing = []
     for node in ast.walk(ast.parse(source)):
@@ -169,7 +174,26 @@ def test_every_schema_field_has_a_one_line_comment():
             for item in node.body:
                 if isinstance(item, ast.AnnAssign) and item.lineno not in commented:
                     missing.append(f"{node.name}.{item.target.id}")
+    return missing
+
+
+def test_every_schema_field_has_a_one_line_comment():
+    """Each dataclass field in the schema carries a trailing comment (the key's documentation)."""
+    missing = _uncommented_fields(schema)
     assert not missing, f"schema fields without a comment: {missing}"
+
+
+def test_every_part_config_field_has_a_one_line_comment():
+    """Each field of every registered part's config class (beside the part's code) carries a trailing comment."""
+    modules = set()
+    for kind in set(GROUPS.values()):
+        for name in registry.names(kind):
+            cls = registry.trait(registry.resolve(kind, name), "config", None)
+            assert cls is not None, f"{kind} {name} registers no config class"
+            modules |= {inspect.getmodule(base) for base in cls.__mro__ if base is not object}
+    assert len(modules) >= 5  # parts (advantages, losses, corrections, KL controllers) and rlhf.parts
+    missing = [field for module in modules for field in _uncommented_fields(module)]
+    assert not missing, f"part config fields without a comment: {missing}"
 
 
 def test_every_yaml_key_has_a_comment():
@@ -200,18 +224,20 @@ def test_reward_training_config_composes_and_rejects_unknown_keys():
     [
         (["algorithm=online_dpo", "train.num_mini_batches=3"], r"16 pairs per step \(train.prompts_per_step\) is not divisible by train.num_mini_batches=3"),
         (["algorithm=online_dpo", "train.micro_batch_size=3"], r"train.micro_batch_size=3 counts samples \(2 per pair\)"),
-        (["algorithm=online_dpo", "algorithm.beta=0"], r"uses algorithm.beta as the DPO temperature"),
-        (["algorithm=ppo", "algorithm.kl_ctl=pid"], r"algorithm.kl_ctl='pid'"),
-        (["algorithm=ppo", "algorithm.dual_clip_c=0.5"], r"algorithm.dual_clip_c=0.5 must be > 1"),
-        (["algorithm=ppo", "algorithm.lam=1.5"], r"algorithm.lam=1.5 must be in \[0, 1\]"),
+        (["algorithm=online_dpo", "algorithm.policy_loss.beta=0"], r"algorithm.policy_loss.beta=0.0 must be > 0 \(the pair loss's temperature"),
+        (["algorithm=online_dpo", "algorithm.beta=0.1"], r"algorithm.beta=0.1 is not read by this run's choice \(algorithm.advantage=best_vs_worst, a pairwise algorithm\)"),
+        (["algorithm=ppo", "algorithm.kl_ctl.name=pid"], r"unknown kl_controller 'pid' \(config key `algorithm.kl_ctl.name`\)"),
+        (["algorithm=ppo", "+algorithm.policy_loss.dual_clip_c=0.5"], r"algorithm.policy_loss.dual_clip_c=0.5 must be > 1"),
+        (["algorithm=ppo", "algorithm.advantage.lam=1.5"], r"algorithm.advantage.lam=1.5 must be in \[0, 1\]"),
         (["reward=model"], r"reward.functions is empty and reward.path is null"),
         (["model.dtype=float16"], r"model.dtype=float16 would train without loss scaling"),
-        (["algorithm=ppo", "algorithm.cliprange_value=0"], r"algorithm.cliprange_value=0.0 must be > 0"),
-        (["algorithm.kl_ctl=adaptive", "algorithm.beta=0"], r"algorithm.kl_ctl=adaptive starts from algorithm.beta"),
+        (["algorithm=ppo", "algorithm.advantage.cliprange_value=0"], r"algorithm.advantage.cliprange_value=0.0 must be > 0"),
+        (["algorithm/kl_ctl=adaptive", "algorithm.beta=0"], r"algorithm.kl_ctl=adaptive starts from algorithm.beta"),
+        (["algorithm/kl_ctl=adaptive", "algorithm.kl_ctl.horizon=0"], r"algorithm.kl_ctl.target=6.0 and algorithm.kl_ctl.horizon=0 must both be > 0"),
         (["train.adam_betas=[0.9,1.5]"], r"train.adam_betas=\[0.9, 1.5\] must hold two numbers in \[0, 1\)"),
         (
-            ["algorithm.advantage=rlhf.algorithms.advantages.best_vs_worst", "algorithm.policy_loss=rlhf.algorithms.policy_losses.dpo",
-             "train.num_mini_batches=3"],
+            ["algorithm=online_dpo", "algorithm.advantage.name=rlhf.algorithms.advantages.best_vs_worst",
+             "algorithm.policy_loss.name=rlhf.algorithms.policy_losses.dpo", "train.num_mini_batches=3"],
             r"16 pairs per step",
         ),
     ],

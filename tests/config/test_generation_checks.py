@@ -46,7 +46,7 @@ def test_bad_generation_settings_fail_naming_the_key(overrides, message):
 
 def test_good_generation_settings_validate():
     for overrides in (
-        ["generator=vllm", "schedule=async", "algorithm.rollout_correction=token_tis"],
+        ["generator=vllm", "schedule=async", "algorithm/rollout_correction=token_tis"],
         ["generator=vllm", "generator.enable_sleep=true", "schedule=hybrid", "schedule.offload_optimizer=true"],
         ["generator=vllm", "cluster=ray_local"],
         ["schedule=hybrid", "cluster=ray_local", "cluster.roles.generator.devices_per_node=2", "cluster.colocate=[[policy,reference,generator]]"],

@@ -11,11 +11,12 @@ from rlhf.config import ConfigError, compose_config, validate
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["algorithm.vf_coef=0.5"], r"algorithm.vf_coef=0.5 is not read by this run's choice \(algorithm.advantage=grpo, "
-         r"algorithm.policy_loss=ppo_clip\); it is read by algorithm.advantage=gae"),
-        (["algorithm=ppo", "algorithm.norm_adv_by_std=false"], r"algorithm.norm_adv_by_std=False .* read by algorithm.advantage=grpo"),
-        (["algorithm.policy_loss=gspo", "algorithm.dual_clip_c=3"], r"algorithm.dual_clip_c=3.0 .* read by algorithm.policy_loss=ppo_clip"),
-        (["algorithm.target_kl=3"], r"algorithm.target_kl=3.0 .* read by algorithm.kl_ctl=adaptive"),
+        (["+algorithm.advantage.vf_coef=0.5"], r"algorithm.advantage.vf_coef is not a key of advantage grpo \(its config "
+         r"GroupConfig has name, norm_adv_by_std\); it is a key of algorithm/advantage=gae"),
+        (["algorithm=ppo", "+algorithm.advantage.norm_adv_by_std=false"], r"algorithm.advantage.norm_adv_by_std .* key of algorithm/advantage=grpo"),
+        (["algorithm/policy_loss=gspo", "+algorithm.policy_loss.dual_clip_c=3"], r"algorithm.policy_loss.dual_clip_c .* key of algorithm/policy_loss=ppo_clip"),
+        (["+algorithm.kl_ctl.target=3"], r"algorithm.kl_ctl.target .* key of algorithm/kl_ctl=adaptive"),
+        (["+algorithm.policy_loss.clip_eps_hihg=0.3"], r"algorithm.policy_loss.clip_eps_hihg .* did you mean algorithm.policy_loss.clip_eps_high\?"),
         (["algorithm=online_dpo", "algorithm.entropy_coef=0.01"], r"algorithm.entropy_coef=0.01 .* per-token \(policy-gradient\) algorithm"),
         (["generator.enable_sleep=true"], r"generator.enable_sleep=True is not read by this run's choice \(generator.name=hf\); "
          r"it is read by generator.name=vllm"),
@@ -37,11 +38,11 @@ def test_a_key_no_chosen_component_reads_is_refused(overrides, message):
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["algorithm=ppo", "algorithm.vf_coef=0.5", "critic.lr=1e-4"],
-        ["algorithm.policy_loss=gspo", "algorithm.clip_eps_low=3e-4", "algorithm.clip_eps_high=4e-4"],
-        ["algorithm.advantage=rebn", "algorithm.gamma=0.9"],
-        ["algorithm.kl_ctl=adaptive", "algorithm.target_kl=3"],
-        ["algorithm=online_dpo", "algorithm.policy_loss=ipo", "algorithm.reuse_training_logprobs=true"],
+        ["algorithm=ppo", "algorithm.advantage.vf_coef=0.5", "critic.lr=1e-4"],
+        ["algorithm/policy_loss=gspo", "algorithm.policy_loss.clip_eps_low=3e-4", "algorithm.policy_loss.clip_eps_high=4e-4"],
+        ["algorithm/advantage=rebn", "algorithm.advantage.gamma=0.9"],
+        ["algorithm/kl_ctl=adaptive", "algorithm.kl_ctl.target=3"],
+        ["algorithm=online_dpo", "algorithm/policy_loss=ipo", "algorithm.reuse_training_logprobs=true"],
         ["algorithm.reuse_training_logprobs=false"],
         ["generator=vllm", "generator.enable_sleep=true", "schedule=hybrid"],
         ["schedule=async", "schedule.max_staleness=2"],
@@ -51,9 +52,9 @@ def test_keys_of_the_chosen_components_are_accepted(overrides):
     validate(compose_config(overrides))
 
 
-def test_a_users_own_part_without_declared_keys_is_not_second_guessed():
-    """An import-path part declares no `config_keys`: its section's keys cannot be judged, so none is refused."""
-    validate(compose_config(["algorithm.advantage=tests.config.test_ownership.my_advantage", "algorithm.vf_coef=0.5"]))
+def test_a_users_own_part_without_a_config_class_is_not_second_guessed():
+    """An import-path part declares no config class: its node's keys cannot be judged, so none is refused."""
+    validate(compose_config(["algorithm.advantage.name=tests.config.test_ownership.my_advantage", "+algorithm.advantage.vf_coef=0.5"]))
 
 
 def my_advantage(inputs, cfg):

@@ -32,7 +32,7 @@ COMMON = [
     "train.micro_batch_size=16",  # one policy-loss call per step
     "eval.every=0", "eval.max_prompts=4", "eval.num_samples=1", "eval.greedy=false", "logging.tensorboard=false",
     "checkpoint.save_final_model=false", "checkpoint.every=2", "checkpoint.keep_last=0", "seed=3",
-    "algorithm.policy_loss=hang_loss.hang_on_a_call",
+    "algorithm.policy_loss.name=hang_loss.hang_on_a_call",
 ]
 SCHEDULES = {"async": ["schedule=async", "schedule.max_staleness=1"], "hybrid": ["schedule=hybrid"]}
 

@@ -110,7 +110,7 @@ def test_multirun_gives_each_job_its_own_folder(tmp_path):
 
 def test_cfg_job_prints_the_composed_config(tmp_path):
     proc = run_cli("--cfg", "job", "algorithm=rloo", cwd=tmp_path)
-    assert "advantage: rloo" in proc.stdout and "name_or_path: builtin:tiny_arith" in proc.stdout
+    assert "advantage:\n    name: rloo" in proc.stdout and "name_or_path: builtin:tiny_arith" in proc.stdout
     assert not (tmp_path / "outputs").exists(), "--cfg job must not train"
 
 

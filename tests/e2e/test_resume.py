@@ -184,7 +184,7 @@ def test_non_finite_loss_is_skipped_and_counted(tmp_path):
     env = write_nan_loss(tmp_path, {3, 4})  # one micro batch per step: steps 3 and 4 get a NaN loss
     run_dir = tmp_path / "run"
     run_cli(
-        "algorithm.policy_loss=nan_loss.nan_on_some_steps", "train.num_steps=6", "eval.every=0",
+        "algorithm.policy_loss.name=nan_loss.nan_on_some_steps", "train.num_steps=6", "eval.every=0",
         "train.micro_batch_size=128", f"hydra.run.dir={run_dir}", cwd=tmp_path, env_extra=env,
     )
     skipped = dict(scalars(run_dir)["train/skipped_steps"])
@@ -196,7 +196,7 @@ def test_non_finite_loss_is_skipped_and_counted(tmp_path):
 def test_too_many_non_finite_steps_in_a_row_stop_the_run(tmp_path):
     env = write_nan_loss(tmp_path, {2, 3, 4})
     proc = run_cli(
-        "algorithm.policy_loss=nan_loss.nan_on_some_steps", "train.num_steps=6", "eval.every=0",
+        "algorithm.policy_loss.name=nan_loss.nan_on_some_steps", "train.num_steps=6", "eval.every=0",
         "train.micro_batch_size=128", "train.max_skipped_steps_in_row=3", cwd=tmp_path, env_extra=env, check=False,
     )
     assert proc.returncode == 3

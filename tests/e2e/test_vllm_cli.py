@@ -52,7 +52,7 @@ def test_async_on_ray_with_a_vllm_engine_learns(tmp_path):
     """A vLLM engine in its own Ray worker, one version behind the trainer, truncated IS on: the task is learned."""
     out = tmp_path / "run"
     run_cli(
-        *VLLM, "cluster=ray_local", "schedule=async", "algorithm.rollout_correction=token_tis", "train.num_steps=60", "eval.every=60",
+        *VLLM, "cluster=ray_local", "schedule=async", "algorithm/rollout_correction=token_tis", "train.num_steps=60", "eval.every=60",
         f"hydra.run.dir={out}", cwd=tmp_path, env_extra={"RAY_AUTH_MODE": "disabled"},
     )
     steps = records(out)

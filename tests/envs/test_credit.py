@@ -3,8 +3,7 @@ discounted returns with ReBN, and GAE whose rewards arrive at each turn's end.""
 
 from __future__ import annotations
 
-from dataclasses import asdict, replace
-from types import SimpleNamespace
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,14 +11,14 @@ import torch
 from rlhf.envs.loop import Episode, Turn
 from rlhf.envs.rows import episode_rows
 from rlhf.algorithms import build_algorithm
-from rlhf.config.schema import AlgorithmConfig
+from algorithm_nodes import algorithm_cfg
 
 PAD = 0
 
 
 def make_algorithm(**overrides):
-    """The composed algorithm for the schema defaults with ``overrides``."""
-    return build_algorithm(SimpleNamespace(**asdict(AlgorithmConfig(name="test", advantage="grpo")) | overrides), 8)
+    """The composed algorithm for the default parts with ``overrides`` (`algorithm_cfg`)."""
+    return build_algorithm(algorithm_cfg(**overrides), 8)
 
 
 def episode(group: int, turns: list[tuple[int, int, float]]) -> Episode:

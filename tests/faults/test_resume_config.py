@@ -46,7 +46,7 @@ def test_a_checkpoint_records_the_resolved_config_its_step_ran_with(trained):
 
 
 @pytest.mark.parametrize(
-    "change", ["seed=2", "train.prompts_per_step=2", "train.micro_batch_size=8", "algorithm.clip_eps_high=0.3"]
+    "change", ["seed=2", "train.prompts_per_step=2", "train.micro_batch_size=8", "algorithm.policy_loss.clip_eps_high=0.3"]
 )
 def test_a_change_that_breaks_exact_resume_is_refused_naming_the_key(run_dir, change, monkeypatch):
     monkeypatch.setattr("rlhf.train.build_components", lambda *a, **k: pytest.fail("a model loaded before the refusal"))
@@ -58,14 +58,14 @@ def test_a_change_that_breaks_exact_resume_is_refused_naming_the_key(run_dir, ch
 
 
 def test_allow_config_change_resumes_with_the_new_values_and_keeps_the_old_record(run_dir, caplog):
-    change = "algorithm.clip_eps_high=0.3"
+    change = "algorithm.policy_loss.clip_eps_high=0.3"
     cfg = compose_config([*SMALL, "train.num_steps=4", "resume=auto", change, "checkpoint.allow_config_change=true"])
     with caplog.at_level(logging.WARNING, logger="rlhf"):
         state = train(cfg, run_dir)
     assert state.step == 4
-    assert "continuing with algorithm.clip_eps_high: 0.2 -> 0.3" in caplog.text
-    assert recorded(run_dir, 2)["algorithm"]["clip_eps_high"] == 0.2, "the config step 2 ran with was rewritten"
-    assert recorded(run_dir, 4)["algorithm"]["clip_eps_high"] == 0.3
+    assert "continuing with algorithm.policy_loss.clip_eps_high: 0.2 -> 0.3" in caplog.text
+    assert recorded(run_dir, 2)["algorithm"]["policy_loss"]["clip_eps_high"] == 0.2, "the config step 2 ran with was rewritten"
+    assert recorded(run_dir, 4)["algorithm"]["policy_loss"]["clip_eps_high"] == 0.3
 
 
 def test_other_changes_are_listed_and_the_run_resumes(run_dir, caplog):

@@ -238,7 +238,7 @@ def test_a_failing_generator_stops_the_run_with_its_error_and_no_thread_left(tmp
 def test_async_learns_the_builtin_task(tmp_path):
     """The default task under schedule=async with truncated IS: the greedy correct rate climbs well above the start."""
     out = tmp_path / "run"
-    train(compose_config(["schedule=async", "algorithm.rollout_correction=token_tis", "train.num_steps=120", "logging.tensorboard=false",
+    train(compose_config(["schedule=async", "algorithm/rollout_correction=token_tis", "train.num_steps=120", "logging.tensorboard=false",
                           "checkpoint.save_final_model=false"]), out)
     evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     greedy = [r["eval/greedy_correct_rate"] for r in evals if "eval/greedy_correct_rate" in r]

@@ -1,4 +1,4 @@
-"""Advantage estimators, registered by name (`algorithm.advantage`). The math is in `rlhf.functional`.
+"""Advantage estimators, registered by name with their config classes (`algorithm/advantage`). The math is in `rlhf.functional`.
 
 Each turns a step's rewards into per-token advantages over the action window; see `rlhf.algorithms.base` for
 the call signature and `AdvantageInputs`.
@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import torch
 
+from dataclasses import dataclass
+from typing import Optional
+
 from rlhf.algorithms.base import AdvantageInputs, register_advantage
+from rlhf.errors import require
 from rlhf.functional import (
     baseline_advantages,
     gae_advantages,
@@ -21,6 +25,47 @@ from rlhf.functional import (
     rloo_advantages,
     to_token_level,
 )
+from rlhf.parts import PartConfig
+
+
+@dataclass
+class GroupConfig(PartConfig):
+    norm_adv_by_std: bool = True  # divide group-centred rewards by the group std (false = Dr.GRPO style)
+
+
+@dataclass
+class WhitenConfig(PartConfig):
+    whiten_advantages: bool = False  # whiten the advantages across the whole batch
+
+
+@dataclass
+class WhitenedConfig(WhitenConfig):
+    whiten_advantages: bool = True  # whiten the advantages across the whole batch (unit variance)
+
+
+@dataclass
+class DiscountConfig(PartConfig):
+    gamma: float = 1.0  # discount over tokens (rebn: over turns); 1 = none
+
+    def check(self, at: str) -> None:
+        require(0 <= self.gamma <= 1, f"{at}.gamma={self.gamma} must be in [0, 1]")
+
+
+@dataclass
+class GaeConfig(DiscountConfig):
+    lam: float = 0.95  # GAE lambda
+    whiten_advantages: bool = True  # whiten GAE advantages over the batch's tokens
+    vf_coef: float = 0.1  # weight of the critic's value loss
+    cliprange_value: Optional[float] = 0.2  # value clip range around the old values; null = unclipped
+
+    def check(self, at: str) -> None:
+        super().check(at)
+        require(0 <= self.lam <= 1, f"{at}.lam={self.lam} must be in [0, 1]")
+        require(self.vf_coef >= 0, f"{at}.vf_coef={self.vf_coef} must be >= 0")
+        require(
+            self.cliprange_value is None or self.cliprange_value > 0,
+            f"{at}.cliprange_value={self.cliprange_value} must be > 0 (or null for an unclipped value loss)",
+        )
 
 
 def whiten_rows(advantages: torch.Tensor, whiten: bool) -> torch.Tensor:
@@ -30,35 +75,35 @@ def whiten_rows(advantages: torch.Tensor, whiten: bool) -> torch.Tensor:
     return masked_whiten(advantages, torch.ones_like(advantages))
 
 
-@register_advantage("grpo", config_keys=("norm_adv_by_std",), min_samples_per_prompt=2)
-def grpo(inputs: AdvantageInputs, cfg):
+@register_advantage("grpo", config=GroupConfig, min_samples_per_prompt=2)
+def grpo(inputs: AdvantageInputs, cfg: GroupConfig):
     """Group-relative: each reward centred (and by default std-scaled) within its prompt's samples."""
     advantages = group_normalized_advantages(inputs.sequence_rewards(), inputs.group_size, cfg.norm_adv_by_std)
     return to_token_level(advantages, inputs.mask), None
 
 
-@register_advantage("rloo", config_keys=("whiten_advantages",), min_samples_per_prompt=2)
-def rloo(inputs: AdvantageInputs, cfg):
+@register_advantage("rloo", config=WhitenConfig, min_samples_per_prompt=2)
+def rloo(inputs: AdvantageInputs, cfg: WhitenConfig):
     """REINFORCE leave-one-out: a sample's baseline is the mean reward of its prompt's other samples."""
     advantages = whiten_rows(rloo_advantages(inputs.sequence_rewards(), inputs.group_size), cfg.whiten_advantages)
     return to_token_level(advantages, inputs.mask), None
 
 
-@register_advantage("reinforce", config_keys=("whiten_advantages",))
-def reinforce(inputs: AdvantageInputs, cfg):
+@register_advantage("reinforce", config=WhitenedConfig)
+def reinforce(inputs: AdvantageInputs, cfg: WhitenedConfig):
     """REINFORCE with the batch-mean baseline (optionally whitened across the batch)."""
     advantages = whiten_rows(baseline_advantages(inputs.sequence_rewards()), cfg.whiten_advantages)
     return to_token_level(advantages, inputs.mask), None
 
 
-@register_advantage("reinforce_pp", config_keys=("gamma",))
-def reinforce_pp(inputs: AdvantageInputs, cfg):
+@register_advantage("reinforce_pp", config=DiscountConfig)
+def reinforce_pp(inputs: AdvantageInputs, cfg: DiscountConfig):
     """REINFORCE++ (Hu, 2025): per-token KL penalty in the reward, reward-to-go whitened over the batch's tokens."""
     return reinforce_pp_advantages(inputs.token_rewards(), inputs.mask, cfg.gamma), None
 
 
-@register_advantage("reinforce_pp_baseline", config_keys=("gamma",), min_samples_per_prompt=2)
-def reinforce_pp_baseline(inputs: AdvantageInputs, cfg):
+@register_advantage("reinforce_pp_baseline", config=DiscountConfig, min_samples_per_prompt=2)
+def reinforce_pp_baseline(inputs: AdvantageInputs, cfg: DiscountConfig):
     """REINFORCE++ with a baseline: each row's score minus its group's mean score (at the last action token) first,
     then REINFORCE++'s returns and batch whitening."""
     group_means = inputs.scores.view(-1, inputs.group_size).mean(dim=1).repeat_interleave(inputs.group_size)
@@ -67,8 +112,8 @@ def reinforce_pp_baseline(inputs: AdvantageInputs, cfg):
     return reinforce_pp_advantages(rewards, inputs.mask, cfg.gamma), None
 
 
-@register_advantage("remax", config_keys=("whiten_advantages",), needs_greedy_baseline=True)
-def remax(inputs: AdvantageInputs, cfg):
+@register_advantage("remax", config=WhitenConfig, needs_greedy_baseline=True)
+def remax(inputs: AdvantageInputs, cfg: WhitenConfig):
     """ReMax (Li et al., 2023): each row's reward minus the reward of its prompt's greedy response, generated in the
     same step."""
     if inputs.baselines is None:
@@ -77,10 +122,8 @@ def remax(inputs: AdvantageInputs, cfg):
     return to_token_level(whiten_rows(advantages, cfg.whiten_advantages), inputs.mask), None
 
 
-@register_advantage(
-    "gae", config_keys=("gamma", "lam", "whiten_advantages", "vf_coef", "cliprange_value"), needs_critic=True
-)
-def gae(inputs: AdvantageInputs, cfg):
+@register_advantage("gae", config=GaeConfig, needs_critic=True)
+def gae(inputs: AdvantageInputs, cfg: GaeConfig):
     """GAE on per-token rewards (KL penalty per token, score at the last one) and the critic's values; returns
     are the value targets. `vf_coef` and `cliprange_value` configure the critic's loss that comes with it."""
     if inputs.values is None:
@@ -91,14 +134,14 @@ def gae(inputs: AdvantageInputs, cfg):
     return advantages, returns
 
 
-@register_advantage("rebn", config_keys=("gamma",))
-def rebn(inputs: AdvantageInputs, cfg):
+@register_advantage("rebn", config=DiscountConfig)
+def rebn(inputs: AdvantageInputs, cfg: DiscountConfig):
     """Per-turn returns discounted by `gamma`, normalised over every turn of the batch (return batch normalisation)."""
     return rebn_advantages(inputs.token_rewards(), inputs.mask, cfg.gamma), None
 
 
 @register_advantage("best_vs_worst", min_samples_per_prompt=2, pairwise=True)
-def best_vs_worst(inputs: AdvantageInputs, cfg):
+def best_vs_worst(inputs: AdvantageInputs, cfg: PartConfig):
     """Preference pairs: each prompt's highest- against its lowest-scored sample (first on ties), as row indices."""
     grouped = inputs.scores.view(-1, inputs.group_size)
     offsets = torch.arange(grouped.shape[0], device=inputs.scores.device) * inputs.group_size

@@ -9,8 +9,9 @@ entropy term and one loss aggregation): see `rlhf.algorithms.policy_gradient` an
   ``fn(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, beta)`` on summed sequence logprobs (P,)
   -> (loss (P,), chosen reward (P,), rejected reward (P,)).
 
-``cfg`` is the `algorithm` config node; ``config_keys`` names the keys of it a part reads, so a key that no chosen
-part reads is refused before anything loads (`rlhf.config.ownership`).
+``cfg`` is the part's own config: its node (`algorithm.advantage`, `algorithm.policy_loss`) typed by the config class
+the part registers with (``config=``, a `rlhf.parts.PartConfig` dataclass beside the part), so a key the chosen part
+does not declare is refused before anything loads (`rlhf.parts.choose`).
 """
 
 from __future__ import annotations
@@ -20,19 +21,21 @@ from typing import Callable
 
 import torch
 
-from rlhf.functional import AdaptiveKLController, FixedKLController, masked_sum, token_level_rewards
-from rlhf.registry import register, trait  # noqa: F401 (trait: re-exported for the algorithm shapes)
+from rlhf.functional import masked_sum, token_level_rewards
+from rlhf.parts import PartConfig
+from rlhf.registry import register
 
 
 def register_advantage(
-    name: str, *, config_keys: tuple[str, ...] = (), needs_critic: bool = False, min_samples_per_prompt: int = 1,
+    name: str, *, config: type = PartConfig, needs_critic: bool = False, min_samples_per_prompt: int = 1,
     pairwise: bool = False, needs_greedy_baseline: bool = False,
 ) -> Callable:
-    """Decorator: register an advantage estimator under ``name`` with its traits (``needs_greedy_baseline``: each
-    step also generates and scores one greedy response per prompt, given as ``AdvantageInputs.baselines``)."""
+    """Decorator: register an advantage estimator under ``name`` with its config class and traits
+    (``needs_greedy_baseline``: each step also generates and scores one greedy response per prompt, given as
+    ``AdvantageInputs.baselines``)."""
 
     def add(fn: Callable) -> Callable:
-        fn.config_keys, fn.needs_critic = tuple(config_keys), needs_critic
+        fn.config, fn.needs_critic = config, needs_critic
         fn.min_samples_per_prompt, fn.pairwise = min_samples_per_prompt, pairwise
         fn.needs_greedy_baseline = needs_greedy_baseline
         return register("advantage", name)(fn)
@@ -41,13 +44,13 @@ def register_advantage(
 
 
 def register_policy_loss(
-    name: str, *, config_keys: tuple[str, ...] = (), pairwise: bool = False, needs_critic: bool = False
+    name: str, *, config: type = PartConfig, pairwise: bool = False, needs_critic: bool = False
 ) -> Callable:
-    """Decorator: register a policy loss under ``name`` with its traits (``needs_critic``: it reads
+    """Decorator: register a policy loss under ``name`` with its config class and traits (``needs_critic``: it reads
     ``batch.values``, so the advantage estimator must train a critic)."""
 
     def add(fn: Callable) -> Callable:
-        fn.config_keys, fn.pairwise, fn.needs_critic = tuple(config_keys), pairwise, needs_critic
+        fn.config, fn.pairwise, fn.needs_critic = config, pairwise, needs_critic
         return register("policy_loss", name)(fn)
 
     return add
@@ -96,9 +99,3 @@ class AdvantageInputs:
             return penalty * self.mask + self.turn_rewards
         return token_level_rewards(self.scores, penalty, self.mask)
 
-
-def make_kl_controller(cfg):
-    """The fixed or adaptive KL coefficient of `algorithm.kl_ctl`."""
-    if cfg.kl_ctl == "adaptive":
-        return AdaptiveKLController(cfg.beta, cfg.target_kl, cfg.kl_horizon)
-    return FixedKLController(cfg.beta)

@@ -1,7 +1,8 @@
 """A pairwise preference algorithm composed from config: online DPO (or IPO) on pairs the reward ranks.
 
 `algorithm.advantage` (e.g. `best_vs_worst`) picks the (chosen, rejected) pairs among each prompt's samples;
-`algorithm.policy_loss` (`dpo`, `ipo`) is the loss on their summed logprobs against the reference's.
+`algorithm.policy_loss` (`dpo`, `ipo`, with its temperature `beta`) is the loss on their summed logprobs against the
+reference's.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 
 from rlhf.algorithms.base import AdvantageInputs
 from rlhf.functional import kl_per_token, masked_mean, masked_sum
-from rlhf.registry import trait
+from rlhf.parts import Part
 from rlhf.trajectory import Forward, Trajectories, group_size
 
 
@@ -25,21 +26,22 @@ class PairwisePreference:
     """
 
     pairwise = True
+    reads = ("name", "advantage", "policy_loss", "num_samples_per_prompt", "kl_estimator", "reuse_training_logprobs")  # `algorithm.*` keys read; others set are refused
     needs_greedy_baseline = False
     needs_reference = True
     needs_critic = False
 
-    def __init__(self, cfg, pairs, pair_loss) -> None:
-        """``pairs``, ``pair_loss``: the registered parts `algorithm.advantage` and `algorithm.policy_loss` name."""
+    def __init__(self, cfg, pairs: Part, pair_loss: Part) -> None:
+        """``pairs``, ``pair_loss``: the parts the nodes `algorithm.advantage` and `algorithm.policy_loss` choose."""
         self.cfg, self.pairs, self.pair_loss = cfg, pairs, pair_loss
-        self.min_samples_per_prompt = max(2, int(trait(self.pairs, "min_samples_per_prompt", 2)))
+        self.min_samples_per_prompt = max(2, int(pairs.trait("min_samples_per_prompt", 2)))
         self.needs_old_logprobs = not cfg.reuse_training_logprobs
         self.needs_entropy = bool(cfg.reuse_training_logprobs)
 
     def build_batch(self, batch: Trajectories) -> tuple[Trajectories, dict[str, float]]:
         """The pairs as consecutive rows (chosen_0, rejected_0, chosen_1, ...), and the step's metrics."""
         mask = batch.loss_mask
-        chosen, rejected = self.pairs(AdvantageInputs(batch.scores, mask, group_size(batch.group_id)), self.cfg)
+        chosen, rejected = self.pairs(AdvantageInputs(batch.scores, mask, group_size(batch.group_id)))
         rows = torch.stack([chosen, rejected], dim=1).reshape(-1)
         margin = batch.scores[chosen] - batch.scores[rejected]
         metrics = {
@@ -66,7 +68,7 @@ class PairwisePreference:
         seq_ref = masked_sum(micro.ref_logp, mask, dim=1)
         valid = micro.extras["pair_valid"][0::2]
         losses, chosen_reward, rejected_reward = self.pair_loss(
-            seq_logp[0::2], seq_logp[1::2], seq_ref[0::2], seq_ref[1::2], self.cfg.beta
+            seq_logp[0::2], seq_logp[1::2], seq_ref[0::2], seq_ref[1::2]
         )
         loss = masked_sum(losses, valid) / denominator
         metrics = {

@@ -1,7 +1,7 @@
 """A policy-gradient algorithm composed from config: an advantage estimator, a policy loss, one KL term, one
 entropy term and one loss aggregation (plus the critic's value loss when the advantage needs a critic).
 
-`algorithm=grpo|rloo|reinforce|ppo` are presets of this one class; `algorithm.policy_loss=gspo` swaps a part.
+`algorithm=grpo|rloo|reinforce|ppo` are presets of this one class; `algorithm/policy_loss=gspo` swaps a part.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import torch
 
-from rlhf.algorithms.base import AdvantageInputs, make_kl_controller
+from rlhf.algorithms.base import AdvantageInputs
 from rlhf.functional import (
     aggregate_loss,
     clipped_value_loss,
@@ -20,7 +20,9 @@ from rlhf.functional import (
     masked_sum,
 )
 from rlhf.algorithms.rollout_corrections import correction_metrics
-from rlhf.registry import trait
+from rlhf.errors import ConfigError
+from rlhf.functional import FixedKLController
+from rlhf.parts import Part
 from rlhf.trajectory import Forward, Trajectories, group_size
 
 
@@ -28,23 +30,32 @@ class PolicyGradient:
     """Advantages per token from `algorithm.advantage`, minimised through `algorithm.policy_loss`.
 
     Loss of a mini batch = aggregate(policy loss [* rollout-correction weights]) + kl_coef * aggregate(KL to the reference)
-    [when the KL is a loss] - entropy_coef * aggregate(entropy); the critic's is vf_coef * aggregate(value loss).
+    [when the KL is a loss] - entropy_coef * aggregate(entropy); the critic's is vf_coef * aggregate(value loss),
+    vf_coef and its clip range being keys of the advantage that trains the critic (gae).
     """
 
     pairwise = False
     needs_old_logprobs = True
 
-    def __init__(self, cfg, advantage, surrogate, max_new_tokens: int, correction=None) -> None:
-        """``advantage``, ``surrogate``, ``correction``: the registered parts `algorithm.advantage`,
-        `algorithm.policy_loss` and `algorithm.rollout_correction` (None: off) name; ``max_new_tokens`` is
-        `loss_agg_norm`'s default."""
+    def __init__(
+        self, cfg, advantage: Part, surrogate: Part, max_new_tokens: int, correction: Part | None = None,
+        kl_controller: Part | None = None,
+    ) -> None:
+        """``advantage``, ``surrogate``, ``correction``, ``kl_controller``: the parts the nodes `algorithm.advantage`,
+        `algorithm.policy_loss`, `algorithm.rollout_correction` (None: off) and `algorithm.kl_ctl` (None: a fixed
+        `algorithm.beta`) choose; ``max_new_tokens`` is `loss_agg_norm`'s default."""
         self.cfg, self.advantage, self.surrogate, self.correction = cfg, advantage, surrogate, correction
-        self.needs_critic = bool(trait(self.advantage, "needs_critic", False))
-        self.min_samples_per_prompt = int(trait(self.advantage, "min_samples_per_prompt", 1))
-        self.needs_greedy_baseline = bool(trait(self.advantage, "needs_greedy_baseline", False))
+        self.needs_critic = bool(advantage.trait("needs_critic", False))
+        self.min_samples_per_prompt = int(advantage.trait("min_samples_per_prompt", 1))
+        self.needs_greedy_baseline = bool(advantage.trait("needs_greedy_baseline", False))
         self.needs_reference = cfg.beta > 0
         self.needs_entropy = cfg.entropy_coef != 0
-        self.kl_ctl = make_kl_controller(cfg)
+        if kl_controller is not None and kl_controller.trait("needs_beta", False) and cfg.beta <= 0:
+            raise ConfigError(
+                f"algorithm.kl_ctl={kl_controller.name} starts from algorithm.beta and multiplies it, so beta="
+                f"{cfg.beta} would stay there; set algorithm.beta > 0"
+            )
+        self.kl_ctl = kl_controller(cfg.beta) if kl_controller is not None else FixedKLController(cfg.beta)
         self.kl_coef = self.kl_ctl.value  # set again at the start of every step by build_batch
         self.loss_agg_norm = float(cfg.loss_agg_norm if cfg.loss_agg_norm is not None else max_new_tokens)
 
@@ -71,7 +82,7 @@ class PolicyGradient:
             batch.scores, mask, group_size(batch.group_id), kl, self.kl_coef, self.cfg.kl_in_reward, batch.values,
             batch.turn_rewards, batch.extras.get("baseline_scores"),
         )
-        advantages, returns = self.advantage(inputs, self.cfg)
+        advantages, returns = self.advantage(inputs)
         metrics = {
             "objective/rlhf_reward": inputs.sequence_rewards().mean().item(),
             "objective/non_score_reward": inputs.non_score_rewards().mean().item(),
@@ -83,7 +94,7 @@ class PolicyGradient:
             metrics["val/returns"] = masked_mean(returns, mask).item()
         extras = dict(batch.extras)
         if self.correction is not None:
-            weights, flagged = self.correction(batch.old_logp, batch.gen_logp, mask, self.cfg)
+            weights, flagged = self.correction(batch.old_logp, batch.gen_logp, mask)
             extras["is_weights"] = weights
             metrics |= correction_metrics(weights, flagged, batch.old_logp, batch.gen_logp, mask)
         return replace(batch, advantages=advantages, returns=returns, extras=extras), metrics
@@ -116,7 +127,7 @@ class PolicyGradient:
     def policy_loss(self, micro: Trajectories, out: Forward, denominator: torch.Tensor):
         """(the micro batch's share of the mini-batch policy loss, metrics); `loss/...` metrics are shares too."""
         cfg, mask = self.cfg, micro.loss_mask
-        surrogate = self.surrogate(out.logp, micro, cfg)
+        surrogate = self.surrogate(out.logp, micro)
         per_token = surrogate.loss * micro.extras["is_weights"] if "is_weights" in micro.extras else surrogate.loss
         pg_loss = self.aggregate(per_token, micro, denominator)
         loss = pg_loss
@@ -142,7 +153,8 @@ class PolicyGradient:
         if out.values is None:
             raise ValueError("the value loss needs the critic's values for the micro batch; Forward.values is None")
         mask = micro.loss_mask
-        per_token, clipped = clipped_value_loss(out.values, micro.values, micro.returns, self.cfg.cliprange_value)
+        critic = self.advantage.config  # the advantage that trains a critic configures its loss (gae: vf_coef, cliprange_value)
+        per_token, clipped = clipped_value_loss(out.values, micro.values, micro.returns, critic.cliprange_value)
         value_loss = self.aggregate(per_token, micro, denominator)
         metrics = {"loss/value_avg": value_loss.detach(), "val/clipfrac_avg": masked_mean(clipped.float(), mask)}
-        return self.cfg.vf_coef * value_loss, metrics
+        return critic.vf_coef * value_loss, metrics

@@ -1,4 +1,4 @@
-"""Rollout corrections, registered by name (`algorithm.rollout_correction`). The math is in `rlhf.functional.importance`.
+"""Rollout corrections, registered by name with their config classes (`algorithm/rollout_correction`). The math is in `rlhf.functional.importance`.
 
 A correction is ``fn(trainer_logp, generator_logp, mask, cfg) -> (weights (B, T), flagged (B, T) bool)``: detached
 per-token weights on the policy loss (0 drops a token) and the tokens it changed. `correction_metrics` reports
@@ -7,6 +7,7 @@ what it did under `rollout_corr/`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -18,41 +19,63 @@ from rlhf.functional.importance import (
     sequence_truncated_is_weights,
     truncated_is_weights,
 )
+from rlhf.errors import require
+from rlhf.parts import PartConfig
 from rlhf.registry import register
 
 
-def register_rollout_correction(name: str, *, config_keys: tuple[str, ...] = ()) -> Callable:
-    """Decorator: register a rollout correction under ``name``; ``config_keys``: the `algorithm.*` keys it reads."""
+def register_rollout_correction(name: str, *, config: type = PartConfig) -> Callable:
+    """Decorator: register a rollout correction under ``name`` with its config class."""
 
     def add(fn: Callable) -> Callable:
-        fn.config_keys = tuple(config_keys)
+        fn.config = config
         return register("rollout_correction", name)(fn)
 
     return add
 
 
-@register_rollout_correction("token_tis", config_keys=("rollout_corr_clip",))
-def token_tis(trainer_logp, generator_logp, mask, cfg):
+@dataclass
+class TruncationConfig(PartConfig):
+    clip: float = 2.0  # the importance weight's cap
+
+    def check(self, at: str) -> None:
+        require(self.clip > 0, f"{at}.clip={self.clip} must be > 0 (the importance weight's cap)")
+
+
+@dataclass
+class BandConfig(PartConfig):
+    low: float = 0.5  # ratios below this are masked (icepop) or their row rejected (geo_reject)
+    high: float = 2.0  # ratios above this are masked (icepop) or their row rejected (geo_reject)
+
+    def check(self, at: str) -> None:
+        require(
+            0 <= self.low < self.high,
+            f"{at}.low={self.low} must be >= 0 and below {at}.high={self.high} (the band of kept ratios, e.g. 0.5 and 2)",
+        )
+
+
+@register_rollout_correction("token_tis", config=TruncationConfig)
+def token_tis(trainer_logp, generator_logp, mask, cfg: TruncationConfig):
     """Truncated IS per token (Yao et al., 2025, "Your efficient RL framework secretly brings you off-policy RL")."""
-    return truncated_is_weights(trainer_logp, generator_logp, mask, cfg.rollout_corr_clip)
+    return truncated_is_weights(trainer_logp, generator_logp, mask, cfg.clip)
 
 
-@register_rollout_correction("seq_tis", config_keys=("rollout_corr_clip",))
-def seq_tis(trainer_logp, generator_logp, mask, cfg):
+@register_rollout_correction("seq_tis", config=TruncationConfig)
+def seq_tis(trainer_logp, generator_logp, mask, cfg: TruncationConfig):
     """Truncated IS per sequence: the product of a row's token ratios, capped, weighs every token of the row."""
-    return sequence_truncated_is_weights(trainer_logp, generator_logp, mask, cfg.rollout_corr_clip)
+    return sequence_truncated_is_weights(trainer_logp, generator_logp, mask, cfg.clip)
 
 
-@register_rollout_correction("icepop", config_keys=("rollout_corr_low", "rollout_corr_high"))
-def icepop(trainer_logp, generator_logp, mask, cfg):
+@register_rollout_correction("icepop", config=BandConfig)
+def icepop(trainer_logp, generator_logp, mask, cfg: BandConfig):
     """Masked IS (IcePop, Ling Team, 2025, Ring-1T): tokens whose ratio leaves [low, high] carry no gradient."""
-    return masked_is_weights(trainer_logp, generator_logp, mask, cfg.rollout_corr_low, cfg.rollout_corr_high)
+    return masked_is_weights(trainer_logp, generator_logp, mask, cfg.low, cfg.high)
 
 
-@register_rollout_correction("geo_reject", config_keys=("rollout_corr_low", "rollout_corr_high"))
-def geo_reject(trainer_logp, generator_logp, mask, cfg):
+@register_rollout_correction("geo_reject", config=BandConfig)
+def geo_reject(trainer_logp, generator_logp, mask, cfg: BandConfig):
     """Sequence rejection by the geometric-mean ratio: rows outside [low, high] are dropped from the loss."""
-    return geometric_rejection_weights(trainer_logp, generator_logp, mask, cfg.rollout_corr_low, cfg.rollout_corr_high)
+    return geometric_rejection_weights(trainer_logp, generator_logp, mask, cfg.low, cfg.high)
 
 
 def correction_metrics(

@@ -5,10 +5,13 @@ from __future__ import annotations
 from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 
-from rlhf.config.moved import check_overrides
+from rlhf.config.moved import check_overrides, moved_to
 from rlhf.config.schema import RewardTrainConfig, RunConfig
+from rlhf.errors import ConfigError
+from rlhf.parts import store_nodes
 
 CONFIG_MODULE = "rlhf.conf"
 SCHEMA_NAME = "rlhf_schema"
@@ -25,7 +28,9 @@ OmegaConf.register_new_resolver("rlhf.share", token_share, replace=True)
 
 
 def register_schema() -> None:
-    """Make the structured schemas available to the defaults lists of conf/config.yaml and conf/train_reward.yaml."""
+    """Make the structured schemas available to the defaults lists of conf/config.yaml and conf/train_reward.yaml,
+    and every registered part's node to its group (`algorithm/policy_loss/gspo`)."""
+    store_nodes()
     store = ConfigStore.instance()
     store.store(name=SCHEMA_NAME, node=RunConfig)
     store.store(name="reward_train_schema", node=RewardTrainConfig)
@@ -37,4 +42,17 @@ def compose_config(overrides: list[str] | None = None, config_name: str = "confi
     register_schema()
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-        return compose(config_name=config_name, overrides=list(overrides or []))
+        try:
+            return compose(config_name=config_name, overrides=list(overrides or []))
+        except ConfigCompositionException as err:
+            raise_if_moved(err)
+            raise
+
+
+def raise_if_moved(err: Exception) -> None:
+    """ConfigError naming the new place of a moved key that a YAML file still sets (Hydra's "not in struct" names the
+    key as `full_key` on the exception it wraps)."""
+    key = getattr(err.__cause__, "full_key", None) or getattr(err.__context__, "full_key", None)
+    moved = moved_to(key) if key else None
+    if moved is not None:
+        raise ConfigError(f"{key} moved to {moved[0]} ({moved[1]}); {err}".splitlines()[0]) from None

@@ -2,8 +2,9 @@
 error before anything loads, naming the key and the choice that reads it.
 
 A key counts as set when its value differs from the schema's default (presets only set what their parts read).
-Registered parts declare the keys of their section they read as ``config_keys``; a user's own part (an import
-path) declares none, and then its section is not checked.
+The generator, dataset, schedule and environment declare the keys of their section they read as ``config_keys``; a
+user's own one (an import path) declares none, and then its section is not checked. The algorithm's parts own nodes of
+their own instead (`rlhf.parts`): a key their config class does not declare cannot be set at all.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from dataclasses import MISSING, fields
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rlhf import registry
-from rlhf.algorithms import parts, rollout_correction
 from rlhf.config.schema import (
     AlgorithmConfig, ClusterConfig, CriticConfig, DatasetConfig, EnvConfig, GeneratorConfig, ReferenceConfig, RewardConfig,
     ScheduleConfig,
@@ -22,11 +22,6 @@ from rlhf.envs.base import BASE_KEYS
 from rlhf.errors import ConfigError
 from rlhf.generators.base import SAMPLING_KEYS
 
-POLICY_GRADIENT_KEYS = ("rollout_correction", "loss_agg", "loss_agg_norm", "beta", "kl_estimator", "kl_in_reward", "kl_ctl", "entropy_coef",
-                        "filter_groups", "max_resample_rounds", "reuse_training_logprobs")
-PAIRWISE_KEYS = ("beta", "kl_estimator", "reuse_training_logprobs")
-ADAPTIVE_KL_KEYS = ("target_kl", "kl_horizon")
-ALWAYS = ("name", "advantage", "policy_loss", "num_samples_per_prompt")
 LOCAL_ONLY = ("device",)
 
 
@@ -67,50 +62,13 @@ def _part_readers(kind: str, key: str, config_key: str) -> str:
     return " or ".join(f"{config_key}={n}" for n in names)
 
 
-def algorithm_keys(cfg, algorithm) -> set[str] | None:
-    """The `algorithm.*` keys the composed algorithm reads; None when a user's part declares none."""
-    algo = cfg.algorithm
-    advantage, loss = parts(algo)
-    declared = [registry.trait(advantage, "config_keys"), registry.trait(loss, "config_keys")]
-    if any(keys is None for keys in declared):
-        return None
-    read = set(ALWAYS) | set(declared[0]) | set(declared[1])
-    read |= set(PAIRWISE_KEYS if algorithm.pairwise else POLICY_GRADIENT_KEYS)
-    if not algorithm.pairwise and algo.kl_ctl == "adaptive":
-        read |= set(ADAPTIVE_KL_KEYS)
-    correction = None if algorithm.pairwise else rollout_correction(algo)
-    if correction is not None:
-        keys = registry.trait(correction, "config_keys")
-        if keys is None:
-            return None
-        read |= set(keys)
-    return read
-
-
-def _algorithm_readers(key: str) -> str:
-    parts = [
-        p for p in (
-            _part_readers("advantage", key, "algorithm.advantage"), _part_readers("policy_loss", key, "algorithm.policy_loss"),
-            _part_readers("rollout_correction", key, "algorithm.rollout_correction"),
-        ) if p
-    ]
-    if key in ADAPTIVE_KL_KEYS:
-        parts.append("algorithm.kl_ctl=adaptive")
-    if key in PAIRWISE_KEYS and key not in POLICY_GRADIENT_KEYS:
-        parts.append("a pairwise algorithm (algorithm.advantage=best_vs_worst)")
-    if key in POLICY_GRADIENT_KEYS and key not in PAIRWISE_KEYS:
-        parts.append("a per-token (policy-gradient) algorithm")
-    return " or ".join(parts)
-
-
 def check_ownership(cfg, algorithm) -> None:
     """ConfigError naming the first key that is set but read by no chosen component (see the module docstring)."""
     algo = cfg.algorithm
-    read = algorithm_keys(cfg, algorithm)
-    if read is not None:
-        chosen = f"algorithm.advantage={algo.advantage}, algorithm.policy_loss={algo.policy_loss}"
-        chosen += f", algorithm.rollout_correction={algo.rollout_correction}" if algo.rollout_correction else ""
-        _refuse("algorithm", algo, AlgorithmConfig, read, chosen, _algorithm_readers)
+    reads = getattr(algorithm, "reads", None)  # the algorithm shape's own keys, when it reads only some (pairwise)
+    if reads is not None:
+        chosen = f"algorithm.advantage={algo.advantage.name}, a pairwise algorithm"
+        _refuse("algorithm", algo, AlgorithmConfig, set(reads), chosen, lambda key: "a per-token (policy-gradient) algorithm")
     for section, kind, schema, base in (
         ("generator", "generator", GeneratorConfig, SAMPLING_KEYS),
         ("dataset", "dataset", DatasetConfig, ("name",)),
@@ -122,9 +80,9 @@ def check_ownership(cfg, algorithm) -> None:
             readers = lambda key, kind=kind, section=section: _part_readers(kind, key, f"{section}.name")  # noqa: E731
             _refuse(section, node, schema, set(base) | set(declared or ()), f"{section}.name={node.name}", readers)
     check_env_keys(cfg.env)
-    critic = "algorithm.advantage=gae (an advantage with a critic)"
+    critic = "algorithm/advantage=gae (an advantage with a critic)"
     if not algorithm.needs_critic:
-        _refuse("critic", cfg.critic, CriticConfig, {"name"}, f"algorithm.advantage={algo.advantage} trains no critic", lambda k: critic)
+        _refuse("critic", cfg.critic, CriticConfig, {"name"}, f"algorithm.advantage={algo.advantage.name} trains no critic", lambda k: critic)
     if not algorithm.needs_reference:
         _refuse("reference", cfg.reference, ReferenceConfig, {"name"}, "algorithm.beta=0 loads no reference", lambda k: "algorithm.beta > 0")
     if not cfg.reward.path:

@@ -56,32 +56,21 @@ class DatasetConfig:
 
 @dataclass
 class AlgorithmConfig:
-    name: str = MISSING  # the preset's name, for the record; `advantage` and `policy_loss` decide what runs
-    advantage: str = MISSING  # grpo, rloo, reinforce, reinforce_pp(_baseline), remax, gae (critic), rebn, best_vs_worst (pairs), or an import path
-    policy_loss: str = "ppo_clip"  # ppo_clip, gspo, cispo, importance_sampling; dpo or ipo (pairwise); or an import path
+    """The algorithm's own keys; its parts are nodes chosen by group (`algorithm/policy_loss=gspo`), each typed by the
+    config class beside the part's code (`rlhf.parts`)."""
+
+    name: str = MISSING  # the preset's name, for the record; the parts below decide what runs
+    advantage: Any = MISSING  # node: algorithm/advantage=grpo, rloo, reinforce, reinforce_pp(_baseline), remax, gae (critic), rebn, best_vs_worst (pairs), dr_grpo
+    policy_loss: Any = MISSING  # node: algorithm/policy_loss=ppo_clip, clip_higher, gspo, cispo, importance_sampling; dpo or ipo (pairwise)
+    rollout_correction: Any = None  # node: algorithm/rollout_correction=token_tis, seq_tis, icepop, geo_reject (generator/trainer mismatch); null = off
+    kl_ctl: Any = None  # node: algorithm/kl_ctl=fixed (algorithm.beta throughout) or adaptive (moves beta toward a target KL); null = fixed
     num_samples_per_prompt: int = 4  # completions sampled per prompt (the group size for grpo/rloo)
-    norm_adv_by_std: bool = True  # grpo: divide group-centred rewards by the group std (false = Dr.GRPO style)
-    whiten_advantages: bool = False  # reinforce/rloo/gae: whiten advantages across the whole batch
-    clip_eps_low: float = 0.2  # ppo_clip/gspo/cispo: lower clip range, ratio >= 1 - clip_eps_low
-    clip_eps_high: float = 0.2  # ppo_clip/gspo/cispo: upper clip range, ratio <= 1 + clip_eps_high (raise it for clip-higher)
-    dual_clip_c: Optional[float] = None  # ppo_clip: cap the loss of negative-advantage tokens at -c*A (c > 1); null = off
-    rollout_correction: Optional[str] = None  # generator/trainer mismatch: token_tis, seq_tis, icepop, geo_reject, or an import path; null = off
-    rollout_corr_clip: float = 2.0  # token_tis/seq_tis: the importance weight's cap
-    rollout_corr_low: float = 0.5  # icepop/geo_reject: ratios below this are masked (icepop) or their row rejected (geo_reject)
-    rollout_corr_high: float = 2.0  # icepop/geo_reject: ratios above this are masked (icepop) or their row rejected (geo_reject)
     loss_agg: str = "token_mean"  # token_mean, seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm (Dr.GRPO)
     loss_agg_norm: Optional[float] = None  # seq_mean_token_sum_norm's constant divisor; null = generator.max_new_tokens
-    beta: float = 0.0  # KL coefficient to the reference (pairwise losses: the DPO temperature); 0 disables the reference
+    beta: float = 0.0  # KL coefficient to the reference (policy-gradient losses); 0 disables the reference
     kl_estimator: str = "k3"  # k1 (log ratio), k2 (squared log ratio / 2) or k3 (unbiased, non-negative)
     kl_in_reward: bool = False  # true: -beta*KL is added to the reward; false: beta*KL is a loss term
-    kl_ctl: str = "fixed"  # fixed coefficient, or adaptive (moves beta so the KL tracks target_kl)
-    target_kl: float = 6.0  # kl_ctl=adaptive: the per-sequence KL to aim for
-    kl_horizon: int = 10000  # kl_ctl=adaptive: samples over which the coefficient adapts
     entropy_coef: float = 0.0  # entropy bonus: loss -= entropy_coef * entropy
-    gamma: float = 1.0  # gae/reinforce_pp: discount over tokens; rebn: over turns
-    lam: float = 0.95  # gae: GAE lambda
-    vf_coef: float = 0.1  # gae: weight of the critic's value loss
-    cliprange_value: Optional[float] = 0.2  # gae: value clip range around the old values; null = unclipped
     reuse_training_logprobs: bool = True  # skip the pre-update forward where the training forward gives the same logprobs (one optimiser step per step; pairwise: always)
     filter_groups: bool = False  # dynamic sampling (DAPO): drop groups whose scores all tie, draw more prompts to fill the step
     max_resample_rounds: int = 3  # filter_groups: extra prompt draws per step before training on the groups kept so far

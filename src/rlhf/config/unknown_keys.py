@@ -13,6 +13,7 @@ from typing import Any, Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlhf.config.moved import moved_to
 from rlhf.config.schema import RunConfig
 from rlhf.errors import ConfigError
 
@@ -67,6 +68,9 @@ def _without_optional(hint: Any) -> Any:
 
 def _describe(path: str, known: list[str]) -> str:
     """"<path> is not a config key (added with +?); did you mean <closest>?" (or where its siblings are listed)."""
+    moved = moved_to(path)
+    if moved is not None:
+        return f"{path} moved to {moved[0]} ({moved[1]})"
     text = f"{path} is not a config key (added with +?)"
     suggestion = _closest(path, known)
     return f"{text}; did you mean {suggestion}?" if suggestion else f"{text}; remove it (see `--cfg job` for the keys)"

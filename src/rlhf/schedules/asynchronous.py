@@ -7,7 +7,7 @@ staler than that bound (0 makes the schedule on-policy again, with no overlap). 
 without waiting; they load between generate calls, so each batch comes from exactly one version.
 
 `algorithm.rollout_correction` corrects for the gap (stale weights, and vLLM's numerics against the trainer's), e.g.
-token_tis weights each token's loss by min(pi_trainer / pi_generator, rollout_corr_clip).
+token_tis weights each token's loss by min(pi_trainer / pi_generator, `algorithm.rollout_correction.clip`).
 """
 
 from __future__ import annotations
