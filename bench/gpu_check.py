@@ -29,11 +29,11 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from cli_runs import matmul_peak, train_flops
 from rlhf.algorithms import build_algorithm
-from rlhf.config.schema import GeneratorConfig, ModelConfig, PolicyConfig, ReferenceConfig, StrategyConfig
+from rlhf.config.schema import ModelConfig, PolicyConfig, ReferenceConfig, StrategyConfig
 from rlhf.config import compose_config
 from rlhf.config.schema import TrainConfig
 from rlhf.generators.base import SamplingParams
-from rlhf.generators.hf import HFGenerator
+from rlhf.generators.hf import HFGenerator, HfGeneratorConfig
 from rlhf.training.policy import TorchPolicy
 from rlhf.models.reference import FrozenReference
 from rlhf.models.tiny import build_char_tokenizer
@@ -114,7 +114,7 @@ def throughput(device: torch.device, tiny: bool, work: Path, peak: float, micro_
     dtype = "float32" if device.type == "cpu" else "bfloat16"
     model_cfg = OmegaConf.structured(ModelConfig(name_or_path=folder, dtype=dtype))
     algo_cfg = compose_config(["algorithm=grpo", f"algorithm.num_samples_per_prompt={samples}", "algorithm.beta=0.04"]).algorithm
-    gen_cfg = OmegaConf.structured(GeneratorConfig(max_new_tokens=new_tokens, batch_size=prompts * samples, stop_token="<eos>"))
+    gen_cfg = HfGeneratorConfig(name="hf", max_new_tokens=new_tokens, batch_size=prompts * samples, stop_token="<eos>")
     results = []
     for checkpointing, micro in [(ckpt, m) for m in micro_batches for ckpt in (False, True)]:
         try:
@@ -207,7 +207,7 @@ def hybrid(device: torch.device, tiny: bool, work: Path) -> dict:
     dtype = "float32" if device.type == "cpu" else "bfloat16"
     model_cfg = OmegaConf.structured(ModelConfig(name_or_path=folder, dtype=dtype))
     policy = TorchPolicy(OmegaConf.structured(PolicyConfig()), model_cfg, OmegaConf.structured(TrainConfig(lr=1e-6)), 10, device)
-    generator = HFGenerator(OmegaConf.structured(GeneratorConfig(max_new_tokens=4)), model_cfg, build_char_tokenizer("0123456789+="), device)
+    generator = HFGenerator(HfGeneratorConfig(name="hf", max_new_tokens=4), model_cfg, build_char_tokenizer("0123456789+="), device)
     weights = policy.state_dict()
     out = {"awake_mib": allocated(device)}
     generator.sleep()

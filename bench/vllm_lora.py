@@ -63,11 +63,12 @@ def engines(model_dir: Path, rank: int):
     import vllm
     from omegaconf import OmegaConf
 
-    from rlhf.config.schema import GeneratorConfig, ModelConfig
+    from rlhf.config.schema import ModelConfig
+    from rlhf.generators.vllm import VllmGeneratorConfig
     from rlhf.generators.vllm import VLLMGenerator
     from rlhf.models.loading import load_tokenizer
 
-    cfg = OmegaConf.structured(GeneratorConfig(name="vllm", kv_cache_memory_bytes=KV_BYTES, enforce_eager=True))
+    cfg = VllmGeneratorConfig(name="vllm", kv_cache_memory_bytes=KV_BYTES, enforce_eager=True)
     merged = VLLMGenerator(cfg, OmegaConf.structured(ModelConfig(name_or_path=str(model_dir))), load_tokenizer(str(model_dir)),
                            torch.device("cpu"))
     with_lora = vllm.LLM(

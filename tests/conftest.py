@@ -9,7 +9,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rlhf.config.schema import GeneratorConfig, ModelConfig, PolicyConfig, ReferenceConfig, TrainConfig
+from rlhf.config.schema import ModelConfig, PolicyConfig, ReferenceConfig, TrainConfig
+from rlhf.generators.hf import HfGeneratorConfig
 from rlhf.generators.hf import HFGenerator, left_pad
 from rlhf.models.loading import load_tokenizer
 from rlhf.models.tiny import build_char_tokenizer, build_tiny_llama
@@ -101,8 +102,8 @@ def model_cfg(tiny_model_dir):
 
 @pytest.fixture
 def generator_cfg():
-    """Factory: a typed generator config with the given overrides."""
-    return lambda **overrides: OmegaConf.structured(GeneratorConfig(**overrides))
+    """Factory: a typed hf generator config with the given overrides."""
+    return lambda **overrides: HfGeneratorConfig(name="hf", **overrides)
 
 
 @pytest.fixture

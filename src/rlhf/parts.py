@@ -34,6 +34,8 @@ GROUPS = {  # config group (and node path, with dots) -> registry kind
     "algorithm/policy_loss": "policy_loss",
     "algorithm/rollout_correction": "rollout_correction",
     "algorithm/kl_ctl": "kl_controller",
+    "generator": "generator",
+    "schedule": "schedule",
 }
 
 

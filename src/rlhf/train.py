@@ -28,6 +28,7 @@ from rlhf import exits, plan, registry
 from rlhf.checks import hub, parity
 from rlhf.run.build import build_components
 from rlhf.config import ConfigError, register_schema, validate
+from rlhf.config.compose import check_part_overrides
 from rlhf.config.moved import check_overrides
 from rlhf.distributed.remote import WorkerError
 from rlhf.run.lock import folder_lock
@@ -127,6 +128,7 @@ def main() -> float | None:
     `run`."""
     try:
         check_overrides(sys.argv[1:])
+        check_part_overrides(sys.argv[1:])
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         raise SystemExit(exits.CONFIG_ERROR) from None

@@ -11,7 +11,7 @@ from algorithm_nodes import algorithm_cfg
 from rlhf.algorithms import build_algorithm
 from rlhf.trajectory import Trajectories, from_completions
 
-MAX_NEW_TOKENS = 8  # the GeneratorConfig default
+MAX_NEW_TOKENS = 8  # GeneratorConfig.max_new_tokens's default
 
 
 def make_algorithm(max_new_tokens: int = MAX_NEW_TOKENS, **overrides):

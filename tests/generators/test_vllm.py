@@ -13,7 +13,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rlhf.config.schema import GeneratorConfig, ModelConfig
+from rlhf.config.schema import ModelConfig
+from rlhf.generators.vllm import VllmGeneratorConfig
 from rlhf.envs.loop import EpisodeRunner
 from rlhf.envs.rows import episode_rows
 from rlhf.generators.base import SamplingParams
@@ -30,7 +31,7 @@ KV_BYTES = 32 << 20
 
 
 def make_vllm(model_dir: str, tokenizer, **overrides) -> VLLMGenerator:
-    cfg = OmegaConf.structured(GeneratorConfig(name="vllm", kv_cache_memory_bytes=KV_BYTES, enforce_eager=True, **overrides))
+    cfg = VllmGeneratorConfig(name="vllm", kv_cache_memory_bytes=KV_BYTES, enforce_eager=True, **overrides)
     return VLLMGenerator(cfg, OmegaConf.structured(ModelConfig(name_or_path=model_dir)), tokenizer, torch.device("cpu"))
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from rlhf.plan.memory import GENERATE, SCORE, TRAIN, Item, Sharding, generate_logits_bytes, host_bytes, kv_cache_bytes, peak, trained_state
+from rlhf.generators.memory import generate_logits_bytes, kv_cache_bytes
+from rlhf.plan.memory import GENERATE, SCORE, TRAIN, Item, Sharding, host_bytes, peak, trained_state
 
 P = 1_000_000  # parameters
 

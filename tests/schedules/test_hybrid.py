@@ -70,5 +70,5 @@ def test_a_generator_that_cannot_sleep_is_refused_by_name(tmp_path, monkeypatch)
     from rlhf.generators.hf import HFGenerator
 
     monkeypatch.delattr(HFGenerator, "sleep")
-    with pytest.raises(ConfigError, match="generator.name=hf has no sleep"):
+    with pytest.raises(ConfigError, match=r"schedule=hybrid puts the generator to sleep while training; generator=hf cannot sleep \(it has no `sleep`\)"):
         run(tmp_path, "hybrid", "schedule=hybrid")

@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlhf.config.moved import check_overrides, moved_to
 from rlhf.config.schema import RewardTrainConfig, RunConfig
 from rlhf.errors import ConfigError
-from rlhf.parts import store_nodes
+from rlhf.parts import GROUPS, choose, store_nodes
 
 CONFIG_MODULE = "rlhf.conf"
 SCHEMA_NAME = "rlhf_schema"
@@ -46,7 +46,42 @@ def compose_config(overrides: list[str] | None = None, config_name: str = "confi
             return compose(config_name=config_name, overrides=list(overrides or []))
         except ConfigCompositionException as err:
             raise_if_moved(err)
+            raise_if_not_the_parts(list(overrides or []), err, config_name)
             raise
+
+
+def check_part_overrides(overrides: list[str]) -> None:
+    """For the command line, before Hydra composes: an override of a key under a part's node (`generator.enable_sleep`)
+    that the chosen part does not declare fails naming the part and the parts that do, instead of Hydra's advice to
+    add it with `+`. Composes once, and only when such a key is set (not for sweeps)."""
+    if any("," in o for o in overrides) or not any(_part_node(o.partition("=")[0]) for o in overrides if not o.startswith(("+", "~"))):
+        return
+    try:
+        compose_config(overrides)
+    except ConfigCompositionException:
+        pass  # Hydra's own message, shown when Hydra composes
+
+
+def raise_if_not_the_parts(overrides: list[str], err: Exception, config_name: str) -> None:
+    """ConfigError for an override (without `+`) of a key the chosen part's node does not hold: composed without it,
+    the node plus that key is read as `rlhf.parts.choose` reads it, whose message names the parts that declare it."""
+    key = getattr(err.__cause__, "full_key", None) or getattr(err.__context__, "full_key", None)
+    path = _part_node(key or "")
+    if path is None:
+        return
+    rest = [o for o in overrides if o.partition("=")[0] != key]
+    value = next(o.partition("=")[2] for o in overrides if o.partition("=")[0] == key)
+    node = OmegaConf.to_container(OmegaConf.select(compose_config(rest, config_name), path))
+    choose(GROUPS[path.replace(".", "/")], node | {key[len(path) + 1:]: value}, path)
+
+
+def _part_node(key: str) -> str | None:
+    """The part node (dotted path) that ``key`` sits in, if any: `generator` for `generator.enable_sleep`."""
+    for group in GROUPS:
+        path = group.replace("/", ".")
+        if key.startswith(path + ".") and "." not in key[len(path) + 1:]:
+            return path
+    return None
 
 
 def raise_if_moved(err: Exception) -> None:

@@ -26,7 +26,7 @@ MOVED = {  # old key -> (new key, why)
     "algorithm.target_kl": ("algorithm.kl_ctl.target", PART_KEY + " (choose it with algorithm/kl_ctl=adaptive)"),
     "algorithm.kl_horizon": ("algorithm.kl_ctl.horizon", PART_KEY + " (choose it with algorithm/kl_ctl=adaptive)"),
 }
-PART_NODES = {group.replace("/", "."): group for group in GROUPS}  # algorithm.policy_loss -> algorithm/policy_loss
+PART_NODES = {group.replace("/", "."): group for group in GROUPS if "/" in group}  # algorithm.policy_loss -> algorithm/policy_loss
 
 
 def moved_to(key: str) -> tuple[str, str] | None:

@@ -2,9 +2,9 @@
 error before anything loads, naming the key and the choice that reads it.
 
 A key counts as set when its value differs from the schema's default (presets only set what their parts read).
-The generator, dataset, schedule and environment declare the keys of their section they read as ``config_keys``; a
-user's own one (an import path) declares none, and then its section is not checked. The algorithm's parts own nodes of
-their own instead (`rlhf.parts`): a key their config class does not declare cannot be set at all.
+The dataset and the environment declare the keys of their section they read as ``config_keys``; a user's own
+one (an import path) declares none, and then its section is not checked. The algorithm's parts, the generator and the schedule
+own nodes of their own instead (`rlhf.parts`): a key their config class does not declare cannot be set at all.
 """
 
 from __future__ import annotations
@@ -15,12 +15,10 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rlhf import registry
 from rlhf.config.schema import (
-    AlgorithmConfig, ClusterConfig, CriticConfig, DatasetConfig, EnvConfig, GeneratorConfig, ReferenceConfig, RewardConfig,
-    ScheduleConfig,
+    AlgorithmConfig, ClusterConfig, CriticConfig, DatasetConfig, EnvConfig, ReferenceConfig, RewardConfig,
 )
 from rlhf.envs.base import BASE_KEYS
 from rlhf.errors import ConfigError
-from rlhf.generators.base import SAMPLING_KEYS
 
 LOCAL_ONLY = ("device",)
 
@@ -70,9 +68,7 @@ def check_ownership(cfg, algorithm) -> None:
         chosen = f"algorithm.advantage={algo.advantage.name}, a pairwise algorithm"
         _refuse("algorithm", algo, AlgorithmConfig, set(reads), chosen, lambda key: "a per-token (policy-gradient) algorithm")
     for section, kind, schema, base in (
-        ("generator", "generator", GeneratorConfig, SAMPLING_KEYS),
         ("dataset", "dataset", DatasetConfig, ("name",)),
-        ("schedule", "schedule", ScheduleConfig, ("name",)),
     ):
         node = cfg[section]
         declared = registry.trait(registry.resolve(kind, node.name, key=f"{section}.name"), "config_keys", ())

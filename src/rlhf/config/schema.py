@@ -77,25 +77,6 @@ class AlgorithmConfig:
 
 
 @dataclass
-class GeneratorConfig:
-    name: str = "hf"  # generator backend: hf (a transformers model, our KV-cached decode), vllm, or an import path
-    max_new_tokens: int = 8  # response length limit; responses that hit it without a stop token are non-stop
-    temperature: float = 1.0  # sampling temperature (also used by the trainer's logprobs)
-    top_p: float = 1.0  # nucleus sampling mass
-    stop_token: str = "eos"  # `eos` for the tokenizer's EOS, or a literal token that ends a response
-    batch_size: int = 512  # hf: sequences decoded together, to bound memory (more: calls of prompts of similar length)
-    compile: bool = False  # hf: torch.compile the one-token decode steps (dynamic shapes; the prompt pass stays eager); the first calls pay the compile
-    num_engines: int = 1  # vllm: engines; 1 on the local backend, the generator role's ranks on ray
-    tensor_parallel_size: int = 1  # vllm: devices each engine shards the model over (local backend only, for now)
-    gpu_memory_utilization: float = 0.5  # vllm on GPU: share of the device's memory the engine may fill (weights + KV cache)
-    kv_cache_memory_bytes: Optional[int] = None  # vllm: KV-cache bytes per engine; null = from gpu_memory_utilization (GPU) or 1 GiB (CPU)
-    max_model_len: Optional[int] = None  # vllm: longest prompt + response the engine accepts; null = the model's context length
-    enable_sleep: bool = False  # vllm: start in sleep mode, so schedule=hybrid can free weights and KV cache while training (GPU)
-    enforce_eager: bool = False  # vllm: skip CUDA-graph capture (faster start, slower decoding)
-    enable_prefix_caching: bool = True  # vllm: share the KV cache of a prompt across its samples
-
-
-@dataclass
 class RewardFunctionConfig:
     name: str = MISSING  # registered reward function or import path `pkg.module.fn`
     weight: float = 1.0  # weight of this function in the summed score
@@ -236,13 +217,6 @@ class EnvConfig:
 
 
 @dataclass
-class ScheduleConfig:
-    name: str = "sync"  # when the Collector and the Learner run: sync, async (generation overlaps training), hybrid (generator sleeps while training), or an import path
-    max_staleness: int = 1  # async: policy versions a trained batch may lag the policy that trains on it (0 = on-policy)
-    offload_optimizer: bool = False  # hybrid: move the optimiser state off the accelerator while generating
-
-
-@dataclass
 class EvalConfig:
     every: int = 0  # evaluate every N steps (and before the first and after the last); 0 = start and end only
     num_evals: Optional[int] = None  # when set, replaces `every`: this many evaluations spread evenly over the run
@@ -288,14 +262,14 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)  # the policy's starting model
     dataset: DatasetConfig = field(default_factory=DatasetConfig)  # where prompts come from
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # advantage estimator, policy loss, KL, entropy
-    generator: GeneratorConfig = field(default_factory=GeneratorConfig)  # rollout backend and sampling
+    generator: Any = MISSING  # node: generator=hf or vllm (or a backend of your own), typed by its config class (rlhf.generators)
     reward: RewardConfig = field(default_factory=RewardConfig)  # how completions are scored
     policy: PolicyConfig = field(default_factory=PolicyConfig)  # the trained model's backend
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)  # the KL anchor
     critic: CriticConfig = field(default_factory=CriticConfig)  # the value model (ppo)
     train: TrainConfig = field(default_factory=TrainConfig)  # batch sizes, optimiser, run length
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # placement and devices
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)  # the orchestrator loop
+    schedule: Any = MISSING  # node: schedule=sync, async (generation overlaps training) or hybrid (generator sleeps while training), or your own; typed by its config class (rlhf.schedules)
     env: EnvConfig = field(default_factory=EnvConfig)  # multi-turn environment (null name: single-turn prompts)
     eval: EvalConfig = field(default_factory=EvalConfig)  # periodic evaluation
     logging: LoggingConfig = field(default_factory=LoggingConfig)  # console and TensorBoard

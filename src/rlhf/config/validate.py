@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 
 from rlhf.algorithms import build_algorithm
 from rlhf.errors import require as _require
+from rlhf.parts import choose
 from rlhf.config.env_checks import check_env
 from rlhf.config.generation_checks import check_generation
 from rlhf.config.ownership import check_ownership
@@ -161,6 +162,8 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     """Every check that needs no model: choices, ranges, batch arithmetic. Returns the derived sizes."""
     check_unknown_keys(cfg)  # first: a `+typo=...` key would otherwise be silently ignored
     algo, gen, train = cfg.algorithm, cfg.generator, cfg.train
+    choose("generator", gen, "generator")  # the backend's node typed and checked first: the checks below read it
+    choose("schedule", cfg.schedule, "schedule")
     algorithm = build_algorithm(algo, gen.max_new_tokens)
     min_samples = algorithm.min_samples_per_prompt
     _require(
@@ -218,10 +221,6 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     _require(
         algo.loss_agg_norm is None or algo.loss_agg_norm > 0, f"algorithm.loss_agg_norm={algo.loss_agg_norm} must be > 0 or null"
     )
-    _require(gen.max_new_tokens >= 1, f"generator.max_new_tokens={gen.max_new_tokens} must be >= 1")
-    _require(gen.temperature > 0, f"generator.temperature={gen.temperature} must be > 0 (the trainer divides logits by it)")
-    _require(0 < gen.top_p <= 1, f"generator.top_p={gen.top_p} must be in (0, 1]")
-    _require(gen.batch_size >= 1, f"generator.batch_size={gen.batch_size} must be >= 1")
     _require(train.lr > 0, f"train.lr={train.lr} must be > 0")
     _require(
         train.lr_schedule in LR_SCHEDULES,

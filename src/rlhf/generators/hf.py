@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from rlhf.generators.base import SamplingParams, parameter_bytes, release_parameters, restore_parameters
+from rlhf.errors import require
+from rlhf.generators.base import GeneratorConfig, SamplingParams, parameter_bytes, release_parameters, restore_parameters
+from rlhf.generators.memory import own_copy_memory
 from rlhf.generators.decode import decode
 from rlhf.models.loading import load_causal_lm
 from rlhf.registry import register
@@ -51,11 +55,36 @@ def truncate_at_stop(tokens: torch.Tensor, stop_id: int, pad_id: int) -> tuple[t
     return torch.where(mask.bool(), tokens, torch.full_like(tokens, pad_id)), mask, stopped
 
 
+@dataclass
+class HfGeneratorConfig(GeneratorConfig):
+    batch_size: int = 512  # sequences decoded together, to bound memory (more: calls of prompts of similar length)
+    compile: bool = False  # torch.compile the one-token decode steps (dynamic shapes; the prompt pass stays eager); the first calls pay the compile
+
+    def check(self, at: str) -> None:
+        super().check(at)
+        require(self.batch_size >= 1, f"{at}.batch_size={self.batch_size} must be >= 1")
+
+
 @register("generator", "hf")
 class HFGenerator:
     """Samples with its own copy of the policy weights, refreshed by `update_weights` after each step."""
 
-    config_keys = ("batch_size", "compile")
+    config = HfGeneratorConfig
+    plan_memory = staticmethod(own_copy_memory)  # its own weights; KV cache and logits while generating
+
+    @staticmethod
+    def rows_per_call(config: HfGeneratorConfig, rows: int) -> int:
+        """Rows decoded together: at most `batch_size`."""
+        return min(rows, config.batch_size)
+
+    @staticmethod
+    def memory_advice(config: HfGeneratorConfig, shares_devices: bool, rows: int) -> list[list[str]]:
+        """Smaller decode batches, largest first."""
+        sizes, size = [], min(config.batch_size, rows)
+        while size > 1:
+            size //= 2
+            sizes.append([f"generator.batch_size={size}"])
+        return sizes
 
     def __init__(self, cfg, model_cfg, tokenizer, device: torch.device) -> None:
         self.cfg = cfg

@@ -11,9 +11,14 @@ from __future__ import annotations
 import logging
 import os
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
-from rlhf.generators.base import SamplingParams, parameter_bytes, release_parameters, restore_parameters
+from rlhf.errors import require
+from rlhf.generators.base import GeneratorConfig, SamplingParams, parameter_bytes, release_parameters, restore_parameters
+from rlhf.generators.memory import ENGINE_SHARE, MemoryNeed
 from rlhf.generators.hf import left_pad, stop_token_id
 from rlhf.models.loading import resolve_model_path
 from rlhf.registry import register
@@ -110,14 +115,87 @@ def memory_in_use(device: torch.device) -> int | None:
     return total - free
 
 
+@dataclass
+class VllmGeneratorConfig(GeneratorConfig):
+    num_engines: int = 1  # engines; 1 on the local backend, the generator role's ranks on ray
+    tensor_parallel_size: int = 1  # devices each engine shards the model over (local backend only, for now)
+    gpu_memory_utilization: float = 0.5  # on GPU: share of the device's memory the engine may fill (weights + KV cache)
+    kv_cache_memory_bytes: Optional[int] = None  # KV-cache bytes per engine; null = from gpu_memory_utilization (GPU) or 1 GiB (CPU)
+    max_model_len: Optional[int] = None  # longest prompt + response the engine accepts; null = the model's context length
+    enable_sleep: bool = False  # start in sleep mode, so schedule=hybrid can free weights and KV cache while training (GPU)
+    enforce_eager: bool = False  # skip CUDA-graph capture (faster start, slower decoding)
+    enable_prefix_caching: bool = True  # share the KV cache of a prompt across its samples
+
+    def check(self, at: str) -> None:
+        super().check(at)
+        require(self.num_engines >= 1, f"{at}.num_engines={self.num_engines} must be >= 1")
+        require(self.tensor_parallel_size >= 1, f"{at}.tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+        require(0 < self.gpu_memory_utilization <= 1, f"{at}.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        require(
+            self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+            f"{at}.kv_cache_memory_bytes={self.kv_cache_memory_bytes} must be > 0 or null",
+        )
+
+
 @register("generator", "vllm")
 class VLLMGenerator:
     """One vLLM engine per process (one per generator rank on the Ray backend)."""
 
-    config_keys = (
-        "num_engines", "tensor_parallel_size", "gpu_memory_utilization", "kv_cache_memory_bytes", "max_model_len",
-        "enable_sleep", "enforce_eager", "enable_prefix_caching",
-    )
+    config = VllmGeneratorConfig
+
+    @staticmethod
+    def check_run(config: VllmGeneratorConfig, cfg, ranks: dict[str, int]) -> None:
+        """Its fit with the run: the context length, and one engine per device the cluster gives it."""
+        longest = cfg.dataset.max_prompt_length + config.max_new_tokens
+        require(
+            config.max_model_len is None or config.max_model_len >= longest,
+            f"generator.max_model_len={config.max_model_len} is shorter than dataset.max_prompt_length + "
+            f"generator.max_new_tokens = {longest}; raise it or set it to null",
+        )
+        if cfg.cluster.backend == "local":
+            require(
+                cfg.cluster.device in ("auto", "cpu", "cuda", "cuda:0"),
+                f"cluster.device={cfg.cluster.device}: vLLM always starts on the first visible GPU; select the GPU with "
+                f"CUDA_VISIBLE_DEVICES and set cluster.device=cuda",
+            )
+            require(
+                config.num_engines == 1,
+                f"generator.num_engines={config.num_engines}: the local backend runs one engine; use cluster=ray_local "
+                f"(or ray) with cluster.roles.generator giving one rank per engine",
+            )
+            return
+        require(
+            config.num_engines == ranks["generator"],
+            f"generator.num_engines={config.num_engines} but cluster.roles.generator has {ranks['generator']} ranks; "
+            f"each engine is one generator rank, so make them equal",
+        )
+        require(
+            config.tensor_parallel_size == 1,
+            f"generator.tensor_parallel_size={config.tensor_parallel_size}: on cluster.backend=ray every engine is one "
+            f"rank on one device for now; raise generator.num_engines instead, or use the local backend",
+        )
+
+    @staticmethod
+    def sleep_overrides(config: VllmGeneratorConfig) -> list[str]:
+        """It sleeps only when started in sleep mode."""
+        return [] if config.enable_sleep else ["generator.enable_sleep=true"]
+
+    @staticmethod
+    def plan_memory(config: VllmGeneratorConfig, model, work) -> list[MemoryNeed]:
+        """On GPU without a KV-cache size: the share of the device it claims; else its weights (split over tensor
+        parallelism) and its KV cache, both resident."""
+        if work.device_kind == "cuda" and config.kv_cache_memory_bytes is None and work.capacity:
+            return [MemoryNeed(ENGINE_SHARE, int(config.gpu_memory_utilization * work.capacity), resident=True)]
+        weights = model.params * work.dtype_bytes // max(1, config.tensor_parallel_size)
+        kv = config.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
+        return [MemoryNeed("weights", weights, resident=True), MemoryNeed("kv_cache", kv, resident=True)]
+
+    @staticmethod
+    def memory_advice(config: VllmGeneratorConfig, shares_devices: bool, rows: int) -> list[list[str]]:
+        """A smaller share of a device it shares with training."""
+        if config.kv_cache_memory_bytes is not None or not shares_devices:
+            return []
+        return [[f"generator.gpu_memory_utilization={share}"] for share in (0.3, 0.2) if share < config.gpu_memory_utilization]
 
     def __init__(self, cfg, model_cfg, tokenizer, device: torch.device) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
+from rlhf.generators.base import sleep_overrides
 from rlhf.plan.memory import gib
+from rlhf.plan.roles import generator_part
 from rlhf.plan.planner import Plan, make_plan
 from rlhf.registry import schedule_trait
 
@@ -30,14 +32,13 @@ def candidates(cfg, plan: Plan) -> list[list[list[str]]]:
         found.append([["critic.gradient_checkpointing=true"]])
     generator_shares = any("generator" in g.roles and len(g.roles) > 1 for g in plan.groups)
     in_turn = not (schedule_trait(cfg.schedule, "sleeps_generator") or schedule_trait(cfg.schedule, "overlaps_generation"))
-    if generator_shares and in_turn:  # the generator holds its memory through training: suggest it sleeps
-        sleep = ["generator.enable_sleep=true"] if cfg.generator.name == "vllm" else []
+    backend = generator_part(cfg)
+    sleep = sleep_overrides(backend.obj, backend.config)
+    if generator_shares and in_turn and sleep is not None:  # the generator holds its memory through training: suggest it sleeps
         found.append([["schedule.name=hybrid", *sleep]])
-    if cfg.generator.name == "vllm" and cfg.generator.kv_cache_memory_bytes is None and generator_shares:
-        shares = [share for share in (0.3, 0.2) if share < cfg.generator.gpu_memory_utilization]
-        found.append([[f"generator.gpu_memory_utilization={share}"] for share in shares])
-    if cfg.generator.name == "hf":
-        found.append([[f"generator.batch_size={size}"] for size in halvings(min(cfg.generator.batch_size, plan_rows(plan)))])
+    shrink = backend.trait("memory_advice")
+    if shrink is not None:
+        found.append(shrink(backend.config, generator_shares, plan_rows(plan)))
     found.append([[f"train.micro_batch_size={size}"] for size in halvings(cfg.train.micro_batch_size)])
     if cfg.model.dtype == "float32" and plan.kind == "cuda":
         found.append([["model.dtype=bfloat16"]])

@@ -69,16 +69,6 @@ def trained_state(role: str, params: int, sharding: Sharding, bf16: bool, traina
     ]
 
 
-def kv_cache_bytes(layers: int, kv_heads: int, head_dim: int, tokens: int, dtype_bytes: int) -> int:
-    """Keys and values of ``tokens`` positions over every layer."""
-    return 2 * layers * kv_heads * head_dim * tokens * dtype_bytes
-
-
-def generate_logits_bytes(rows: int, new_tokens: int, vocab: int) -> int:
-    """transformers' `generate(output_logits=True)` keeps a float32 (rows, vocab) tensor per new token."""
-    return rows * new_tokens * vocab * FLOAT32
-
-
 def scoring_bytes(rows: int, window: int, vocab: int, layer_bytes: int) -> int:
     """A no-grad forward's temporaries: the window's float32 logits and their log-softmax, plus one layer's
     activations (``layer_bytes``), which are freed as the next layer runs."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlhf.generators.memory import ENGINE_SHARE
 from rlhf.algorithms import build_algorithm
 from rlhf.config.validate import derive_sizes
 from rlhf.distributed.layout import placement_specs, role_ranks, used_roles
@@ -99,9 +100,9 @@ def make_plan(cfg) -> Plan:
     if schedule_trait(cfg.schedule, "overlaps_generation"):  # the generator is busy in every phase
         items["generator"] = [Item(i.role, i.what, i.bytes, PHASES, i.on_host) for i in items["generator"]]
     for group in groups:
-        # each Ray role is a process with its own runtime; a vLLM engine's share of the GPU already covers its own
+        # each Ray role is a process with its own runtime; an engine's share of the GPU (vLLM's) already covers its own
         processes = len(group.roles) if ray else 1
-        if kind == "cuda" and any(i.what == roles.VLLM_SHARE for i in items["generator"]) and "generator" in group.roles:
+        if kind == "cuda" and any(i.what == ENGINE_SHARE for i in items["generator"]) and "generator" in group.roles:
             processes -= 1 if ray else 0
         group.items = [i for role in group.roles for i in items[role]] + runtime_items(kind, processes)
     return Plan(groups, capacity, cfg.plan.headroom, kind, work)

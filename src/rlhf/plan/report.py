@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from rlhf.plan.memory import PHASES, gib, host_bytes
 from rlhf.plan.planner import DeviceGroup, Plan
-from rlhf.plan.roles import VLLM_SHARE
+from rlhf.generators.memory import ENGINE_SHARE
 
 COLUMNS = {  # column -> the Item.what values it sums
     "weights": ("weights",),
     "grads": ("gradients", "gradient buckets"),
     "optimizer": ("optimizer",),
     "activations": ("activations", "backward temporaries", "gathered weights"),
-    "generation": ("kv_cache", "logits", VLLM_SHARE, "merged weights"),  # merged: a LoRA push, made before generating
+    "generation": ("kv_cache", "logits", ENGINE_SHARE, "merged weights"),  # merged: a LoRA push, made before generating
     "scoring": ("scoring temporaries",),
     "other": ("CUDA context", "process (python, torch, libraries)"),
 }

@@ -9,15 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlhf.training.critic import critic_init_path
-from rlhf.generators.vllm import CPU_KV_CACHE_BYTES
+from rlhf.generators.base import sleep_overrides
+from rlhf.generators.memory import GenerationWork, GeneratorShape, own_copy_memory
 from rlhf.models.dtypes import DTYPES
 from rlhf.models import lora
 from rlhf.plan import memory
 from rlhf.plan.architecture import ModelSource, activations, lora_parameter_counts, parameter_count, read_config, text_config
 from rlhf.plan.memory import FLOAT32, GENERATE, SCORE, TRAIN, Item, Sharding
+from rlhf.parts import Part, choose
 from rlhf.registry import schedule_trait
 
-VLLM_SHARE = "vllm engine (gpu_memory_utilization)"  # what a vLLM engine claims of a GPU: weights, KV cache, its runtime
 # gradients alive at once in the backward of the largest kept tensor (the output layer's logits: the gradients of
 # the log-softmax, of the entropy, their sum and the logits' own): about 4x its bytes, measured on a 30M Llama
 BACKWARD_COPIES = 4
@@ -54,15 +55,17 @@ def workload(cfg, sizes, ranks: dict[str, int], device_kind: str, rows_per_unit:
     else:
         seq_len, window = cfg.dataset.max_prompt_length + cfg.generator.max_new_tokens, cfg.generator.max_new_tokens + 1
         generate_rows = sizes.samples_per_step
-    if cfg.generator.name == "hf":
-        generate_rows = min(generate_rows, cfg.generator.batch_size)
+    generator = generator_part(cfg)
+    rows_per_call = generator.trait("rows_per_call")
+    if rows_per_call is not None:
+        generate_rows = rows_per_call(generator.config, generate_rows)
     mini_units = max(1, sizes.mini_batch_size // ranks.get("policy", 1))
     micro_units = min(mini_units, max(1, cfg.train.micro_batch_size // rows_per_unit))
     return Workload(
         micro_rows=micro_units * rows_per_unit, score_rows=cfg.train.micro_batch_size, generate_rows=generate_rows,
         seq_len=seq_len, window=min(window, seq_len), dtype=cfg.model.dtype, device_kind=device_kind,
         sleeps_generator=schedule_trait(cfg.schedule, "sleeps_generator"),
-        offload_while_generating=bool(cfg.schedule.offload_optimizer),
+        offload_while_generating=offloads_while_generating(cfg),
     )
 
 
@@ -132,32 +135,33 @@ def _scoring(source: ModelSource, head: str, work: Workload) -> int:
     return memory.scoring_bytes(work.score_rows, work.window, vocab, act.per_layer)
 
 
+def offloads_while_generating(cfg) -> bool:
+    """Whether the schedule moves the optimiser state to the host while the generator runs (it answers)."""
+    schedule = choose("schedule", cfg.schedule, "schedule")
+    return bool(schedule.trait("offloads_while_generating", lambda config: False)(schedule.config))
+
+
+def generator_part(cfg) -> Part:
+    """The generator backend the `generator` node chooses, with its typed config."""
+    return choose("generator", cfg.generator, "generator")
+
+
 def generator_items(cfg, source: ModelSource, work: Workload, capacity: int | None) -> list[Item]:
-    """The generator on one of its devices: hf (its own copy of the weights, KV cache, kept logits) or vLLM."""
+    """The generator on one of its devices, as the backend answers (`plan_memory`; a backend that declares none is
+    taken to hold its own copy of the weights, as hf does). What it holds through training is freed while it sleeps."""
     config = text_config(read_config(source))
-    params = parameter_count(source, "lm")
-    gen = cfg.generator
-    sleeps = work.sleeps_generator and (gen.name == "hf" or gen.enable_sleep)
-    resident = (GENERATE,) if sleeps else memory.PHASES
     heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    tokens = work.generate_rows * work.seq_len
-    kv = memory.kv_cache_bytes(config.num_hidden_layers, kv_heads, head_dim, tokens, work.dtype_bytes)
-    if gen.name == "vllm":
-        tp = max(1, gen.tensor_parallel_size)
-        if work.device_kind == "cuda" and gen.kv_cache_memory_bytes is None and capacity:
-            return [Item("generator", VLLM_SHARE, int(gen.gpu_memory_utilization * capacity),
-                         phases=resident)]
-        kv_bytes = gen.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
-        return [Item("generator", "weights", params * work.dtype_bytes // tp, phases=resident),
-                Item("generator", "kv_cache", kv_bytes, phases=resident)]
-    return [
-        Item("generator", "weights", params * work.dtype_bytes, phases=resident),
-        Item("generator", "kv_cache", kv, phases=(GENERATE,)),
-        Item("generator", "logits", memory.generate_logits_bytes(work.generate_rows, work.window, config.vocab_size),
-             phases=(GENERATE,)),
-    ]
+    shape = GeneratorShape(
+        params=parameter_count(source, "lm"), layers=config.num_hidden_layers,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, vocab=config.vocab_size,
+    )
+    generation = GenerationWork(work.generate_rows, work.seq_len, work.window, work.dtype_bytes, work.device_kind, capacity)
+    backend = generator_part(cfg)
+    needs = backend.trait("plan_memory", own_copy_memory)(backend.config, shape, generation)
+    sleeps = work.sleeps_generator and sleep_overrides(backend.obj, backend.config) == []
+    resident = (GENERATE,) if sleeps else memory.PHASES
+    return [Item("generator", need.what, need.bytes, phases=resident if need.resident else (GENERATE,)) for need in needs]
 
 
 def _without(item: Item, phase: str) -> Item:

@@ -15,6 +15,7 @@ import torch
 
 from transformers import AutoConfig
 
+from rlhf.parts import choose
 from rlhf import registry
 from rlhf.algorithms import build_algorithm
 from rlhf.errors import ConfigError
@@ -249,7 +250,8 @@ def build_model(role: str, cfg, device: torch.device, total_optimizer_steps: int
     if role == "generator":
         if tokenizer is None:
             tokenizer = load_tokenizer(model.tokenizer or model.name_or_path, model.revision, model.trust_remote_code)
-        return registry.build("generator", cfg.generator.name, key="generator.name", cfg=cfg.generator, model_cfg=model, tokenizer=tokenizer, device=device)
+        generator = choose("generator", cfg.generator, "generator")  # the backend and its typed config
+        return generator.obj(cfg=generator.config, model_cfg=model, tokenizer=tokenizer, device=device)
     raise ValueError(f"unknown role {role!r}")
 
 

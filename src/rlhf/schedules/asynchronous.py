@@ -22,7 +22,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from rlhf.run import checkpoint
+from rlhf.errors import require
 from rlhf.generators.base import SamplingParams
+from rlhf.parts import PartConfig
 from rlhf.registry import register
 from rlhf.run.state import RunState
 from rlhf.schedules.loop import one_step, push_to_generator, run_steps, timed
@@ -32,6 +34,17 @@ from rlhf.trajectory import Trajectories
 log = logging.getLogger("rlhf")
 
 THREAD_NAME = "rlhf-rollout-producer"
+
+
+@dataclass
+class AsyncConfig(PartConfig):
+    """Generation of batch k+1 overlaps training on batch k (a background thread; separate engines on Ray). Pair it
+    with algorithm/rollout_correction=token_tis (or seq_tis, icepop, geo_reject) for the generator/trainer gap."""
+
+    max_staleness: int = 1  # policy versions a trained batch may lag the policy that trains on it (0 = on-policy, no overlap)
+
+    def check(self, at: str) -> None:
+        require(self.max_staleness >= 0, f"{at}.max_staleness={self.max_staleness} must be >= 0")
 
 
 class VersionedGenerator:
@@ -244,5 +257,5 @@ def run(c, cfg, sizes, tracker, state: RunState, stop) -> RunState:
         collector.generator = generator.inner
 
 
-run.config_keys = ("max_staleness",)  # the `schedule.*` keys it reads
+run.config = AsyncConfig  # its keys (`schedule.*`)
 run.overlaps_generation = True  # the producer generates while the policy trains

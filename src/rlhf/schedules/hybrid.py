@@ -8,13 +8,23 @@ cache; elsewhere the weights are freed) so training has the memory, then wakes i
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from rlhf.errors import ConfigError
+from rlhf.parts import PartConfig
 from rlhf.registry import register
 from rlhf.run.state import RunState
 from rlhf.schedules.loop import collect_next, one_step, run_steps, timed
 
 MIB = float(1 << 20)
+
+
+@dataclass
+class HybridConfig(PartConfig):
+    """Generator and trainer share the devices and take turns: the generator sleeps while training. With
+    generator=vllm set generator.enable_sleep=true; on Ray colocate the generator with the policy."""
+
+    offload_optimizer: bool = False  # move the optimiser state off the accelerator while the generator runs
 
 
 @contextmanager
@@ -72,5 +82,6 @@ def run(c, cfg, sizes, tracker, state: RunState, stop) -> RunState:
                 model.reload_optimizer()  # checkpoints and exports expect the state where training keeps it
 
 
-run.config_keys = ("offload_optimizer",)  # the `schedule.*` keys it reads
+run.config = HybridConfig  # its keys (`schedule.*`)
+run.offloads_while_generating = lambda config: config.offload_optimizer  # what the memory plan asks
 run.sleeps_generator = True  # the generator sleeps while the policy trains, on the same devices

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rlhf.parts import PartConfig
 from rlhf.registry import register
 from rlhf.run.state import RunState
 from rlhf.schedules.loop import collect_next, one_step, push_to_generator, run_steps
@@ -16,3 +17,6 @@ def train_step(c, state: RunState):
 def run(c, cfg, sizes, tracker, state: RunState, stop) -> RunState:
     """Train from ``state.step`` to `train.num_steps`, one synchronous step at a time."""
     return run_steps(c, cfg, sizes, tracker, state, stop, lambda step: train_step(c, state))
+
+
+run.config = PartConfig  # no keys beyond `schedule.name`
