@@ -36,6 +36,7 @@ GROUPS = {  # config group (and node path, with dots) -> registry kind
     "algorithm/kl_ctl": "kl_controller",
     "generator": "generator",
     "schedule": "schedule",
+    "env": "env",
 }
 
 

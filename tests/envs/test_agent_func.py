@@ -7,10 +7,9 @@ import pickle
 import textwrap
 
 import pytest
-from omegaconf import OmegaConf
 
 from rlhf import registry
-from rlhf.config.schema import EnvConfig
+from rlhf.envs.agent_func import AgentFuncConfig
 from rlhf.data.prompts import PromptExample
 from rlhf.envs.agent_func import AgentFuncMaker
 from rlhf.envs.base import EnvError
@@ -31,7 +30,7 @@ def maker_for(tmp_path, source: str, name: str = "agent.py") -> AgentFuncMaker:
     """An agent_func maker of a file holding ``source``."""
     path = tmp_path / name
     path.write_text(textwrap.dedent(source))
-    return AgentFuncMaker(cfg=OmegaConf.structured(EnvConfig(name="agent_func", path=str(path))))
+    return AgentFuncMaker(cfg=AgentFuncConfig(name="agent_func", path=str(path)))
 
 
 def play(env, actions: list[str], seed: int = 0) -> list:
@@ -136,7 +135,7 @@ def test_bad_file_names_env_path_and_the_fix(tmp_path, source, message):
 
 def test_missing_path_or_file_names_env_path(tmp_path):
     with pytest.raises(ConfigError, match=r"needs env.path=<a Python file defining `async def step"):
-        AgentFuncMaker(cfg=OmegaConf.structured(EnvConfig(name="agent_func")))
+        AgentFuncMaker(cfg=AgentFuncConfig(name="agent_func"))
     missing = str(tmp_path / "absent.py")
     with pytest.raises(ConfigError, match=r"env.path='.*absent.py' is not a file"):
-        AgentFuncMaker(cfg=OmegaConf.structured(EnvConfig(name="agent_func", path=missing)))
+        AgentFuncMaker(cfg=AgentFuncConfig(name="agent_func", path=missing))

@@ -10,7 +10,8 @@ import torch
 from omegaconf import OmegaConf
 
 from rlhf import registry, warmstart
-from rlhf.config.schema import EnvConfig, RewardConfig, RewardFunctionConfig
+from rlhf.config.schema import RewardConfig, RewardFunctionConfig
+from rlhf.envs.base import EnvConfig
 from rlhf.data.prompts import PromptExample
 from rlhf.envs.builtin import ArithRetryMaker
 from rlhf.errors import ConfigError
@@ -26,7 +27,7 @@ def maker(max_turns: int = 2, **reward) -> ArithRetryMaker:
         RewardFunctionConfig(name="arith_correct"), RewardFunctionConfig(name="integer_format", weight=0.1)
     ]
     cfg = OmegaConf.structured(RewardConfig(**{"functions": functions, **reward}))
-    env = OmegaConf.structured(EnvConfig(name="arith_retry", max_turns=max_turns))
+    env = EnvConfig(name="arith_retry", max_turns=max_turns)
     return ArithRetryMaker(cfg=env, tokenizer=None, rewards=RewardSet(cfg))
 
 

@@ -7,10 +7,9 @@ import sys
 
 import numpy as np
 import pytest
-from omegaconf import OmegaConf
 
 from rlhf import registry
-from rlhf.config.schema import EnvConfig
+from rlhf.envs.gem import GemConfig
 from rlhf.envs.gem import GemMaker
 from rlhf.errors import ConfigError
 
@@ -18,7 +17,7 @@ GUESS = "game:GuessTheNumber-v0-easy"  # 1..10, 4 guesses
 
 
 def env_cfg(**overrides):
-    return OmegaConf.structured(EnvConfig(**{"name": "gem", "id": GUESS, **overrides}))
+    return GemConfig(**{"name": "gem", "id": GUESS, "template": "no", "max_tokens": 256, **overrides})
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,8 @@ import string
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from rlhf.config.schema import EnvConfig
+from rlhf.envs.gem import GemConfig
 from rlhf.envs.gem import GemMaker
 from rlhf.envs.loop import EpisodeRunner
 from rlhf.envs.rows import episode_rows
@@ -29,7 +28,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def maker():
-    return GemMaker(cfg=OmegaConf.structured(EnvConfig(name="gem", id=GUESS)), tokenizer=None, rewards=None)
+    return GemMaker(cfg=GemConfig(name="gem", id=GUESS, template="no", max_tokens=256), tokenizer=None, rewards=None)
 
 
 class CountingUp:
@@ -58,7 +57,7 @@ def expected_rewards(secret: int) -> list[float]:
 
 
 def test_guess_the_number_rows_have_the_games_rewards_and_masks(maker, tokenizer):
-    cfg = OmegaConf.structured(EnvConfig(name="gem", id=GUESS, template="no", max_turns=4, max_tokens=4096))
+    cfg = GemConfig(name="gem", id=GUESS, template="no", max_turns=4, max_tokens=4096)
     runner = EpisodeRunner(maker, cfg, tokenizer, tokenizer.eos_token_id)
     seeds = list(range(10))
     episodes = runner.run(CountingUp(tokenizer), [None] * 10, seeds, 2, SamplingParams(16))

@@ -3,6 +3,8 @@ what the generator sampled, observations are masked, faults lose episodes (never
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import asyncio
 import time
 from types import SimpleNamespace
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from rlhf.data.prompts import PromptExample, PromptStream
-from rlhf.envs.base import BASE_KEYS
+from rlhf.envs.base import EnvConfig
 from rlhf.envs.loop import EpisodeRunner, drop_failed_groups
 from rlhf.envs.rows import episode_rows
 from rlhf.generators.base import SamplingParams
@@ -24,8 +26,8 @@ CPU = torch.device("cpu")
 
 def env_cfg(**overrides):
     values = dict(name="toy", template="no", num_parallel=3, max_turns=3, max_tokens=64, max_concurrency=4,
-                  step_timeout_s=30.0, reward_reduce="sum")
-    assert set(values) == set(BASE_KEYS)
+                  step_timeout_s=30.0, reward_reduce="sum", eval_size=32)
+    assert set(values) == {f.name for f in fields(EnvConfig)}  # every key the agent loop may read
     return SimpleNamespace(**values | overrides)
 
 

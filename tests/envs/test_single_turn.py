@@ -6,7 +6,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from rlhf import registry
-from rlhf.config.schema import EnvConfig, RewardConfig, RewardFunctionConfig
+from rlhf.config.schema import RewardConfig, RewardFunctionConfig
+from rlhf.envs.base import EnvConfig
 from rlhf.data.prompts import PromptExample
 from rlhf.envs.single_turn import SingleTurnMaker
 from rlhf.errors import ConfigError
@@ -19,7 +20,7 @@ def maker(**reward) -> SingleTurnMaker:
     """A maker over the arith rewards (arith_correct 1.0, integer_format 0.1) unless ``reward`` says otherwise."""
     functions = [RewardFunctionConfig(name="arith_correct"), RewardFunctionConfig(name="integer_format", weight=0.1)]
     cfg = OmegaConf.structured(RewardConfig(**{"functions": functions, **reward}))
-    env = OmegaConf.structured(EnvConfig(name="single_turn"))
+    env = EnvConfig(name="single_turn")
     return SingleTurnMaker(cfg=env, tokenizer=None, rewards=RewardSet(cfg))
 
 

@@ -2,8 +2,8 @@
 error before anything loads, naming the key and the choice that reads it.
 
 A key counts as set when its value differs from the schema's default (presets only set what their parts read).
-The dataset and the environment declare the keys of their section they read as ``config_keys``; a user's own
-one (an import path) declares none, and then its section is not checked. The algorithm's parts, the generator and the schedule
+The dataset declares the keys of its section it reads as ``config_keys``; a user's own (an import path) declares
+none, and then its section is not checked. The algorithm's parts, the generator, the schedule and the environment
 own nodes of their own instead (`rlhf.parts`): a key their config class does not declare cannot be set at all.
 """
 
@@ -15,9 +15,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rlhf import registry
 from rlhf.config.schema import (
-    AlgorithmConfig, ClusterConfig, CriticConfig, DatasetConfig, EnvConfig, ReferenceConfig, RewardConfig,
+    AlgorithmConfig, ClusterConfig, CriticConfig, DatasetConfig, ReferenceConfig, RewardConfig,
 )
-from rlhf.envs.base import BASE_KEYS
 from rlhf.errors import ConfigError
 
 LOCAL_ONLY = ("device",)
@@ -75,7 +74,6 @@ def check_ownership(cfg, algorithm) -> None:
         if node.name in registry.names(kind) or declared:
             readers = lambda key, kind=kind, section=section: _part_readers(kind, key, f"{section}.name")  # noqa: E731
             _refuse(section, node, schema, set(base) | set(declared or ()), f"{section}.name={node.name}", readers)
-    check_env_keys(cfg.env)
     critic = "algorithm/advantage=gae (an advantage with a critic)"
     if not algorithm.needs_critic:
         _refuse("critic", cfg.critic, CriticConfig, {"name"}, f"algorithm.advantage={algo.advantage.name} trains no critic", lambda k: critic)
@@ -91,14 +89,3 @@ def check_ownership(cfg, algorithm) -> None:
     else:
         ray_keys = {f.name for f in fields(ClusterConfig)} - set(LOCAL_ONLY)
         _refuse("cluster", cfg.cluster, ClusterConfig, ray_keys, "cluster.backend=ray", lambda k: "cluster.backend=local")
-
-
-def check_env_keys(env) -> None:
-    """`env.*` keys set for no environment, or for an environment that does not read them."""
-    if env.name is None:
-        _refuse("env", env, EnvConfig, {"name"}, "env.name=null (single-turn prompts)", lambda k: "an environment (env=...)")
-        return
-    declared = registry.trait(registry.resolve("env", env.name, key="env.name"), "config_keys", ())
-    if env.name in registry.names("env") or declared:
-        readers = lambda key: _part_readers("env", key, "env.name")  # noqa: E731
-        _refuse("env", env, EnvConfig, set(BASE_KEYS) | set(declared or ()), f"env.name={env.name}", readers)

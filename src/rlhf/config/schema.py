@@ -201,22 +201,6 @@ class ClusterConfig:
 
 
 @dataclass
-class EnvConfig:
-    name: Optional[str] = None  # null = single-turn prompts scored by `reward`; else an environment: arith_retry, gem, agent_func, single_turn, or an import path
-    template: str = "no"  # how observations become text: no (as is), qwen3_game, qwen3_general, chat (the tokenizer's chat template)
-    num_parallel: int = 32  # episodes whose turns are generated together (one generate call per turn and batch)
-    max_turns: int = 4  # actions per episode; an episode still running after them ends as truncated
-    max_tokens: int = 256  # tokens per trajectory, prompt included; an action that would pass it ends the episode as truncated
-    max_concurrency: int = 32  # environment reset/step calls in flight at once
-    step_timeout_s: float = 60.0  # a reset/step call still running after this loses its episode (counted in env/failed_episodes)
-    reward_reduce: str = "sum"  # a trajectory's score from its turn rewards: sum or last
-    id: Optional[str] = None  # gem: the environment id, e.g. game:GuessTheNumber-v0-easy
-    wrappers: str = ""  # gem: comma-separated GEM wrapper names applied in order, e.g. concat
-    eval_size: int = 32  # environments without a dataset (gem): held-out task instances (reset seeds 0..N-1) evaluated
-    path: Optional[str] = None  # agent_func: the Python file defining `async def step(state, action, label, **kw)`
-
-
-@dataclass
 class EvalConfig:
     every: int = 0  # evaluate every N steps (and before the first and after the last); 0 = start and end only
     num_evals: Optional[int] = None  # when set, replaces `every`: this many evaluations spread evenly over the run
@@ -270,7 +254,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)  # batch sizes, optimiser, run length
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # placement and devices
     schedule: Any = MISSING  # node: schedule=sync, async (generation overlaps training) or hybrid (generator sleeps while training), or your own; typed by its config class (rlhf.schedules)
-    env: EnvConfig = field(default_factory=EnvConfig)  # multi-turn environment (null name: single-turn prompts)
+    env: Any = MISSING  # node: env=none (single-turn prompts), arith_retry, gem, agent_func, single_turn, or your own; typed by its config class (rlhf.envs)
     eval: EvalConfig = field(default_factory=EvalConfig)  # periodic evaluation
     logging: LoggingConfig = field(default_factory=LoggingConfig)  # console and TensorBoard
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # saving and pruning training state

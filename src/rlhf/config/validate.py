@@ -164,6 +164,8 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     algo, gen, train = cfg.algorithm, cfg.generator, cfg.train
     choose("generator", gen, "generator")  # the backend's node typed and checked first: the checks below read it
     choose("schedule", cfg.schedule, "schedule")
+    if cfg.env.name is not None:
+        choose("env", cfg.env, "env")
     algorithm = build_algorithm(algo, gen.max_new_tokens)
     min_samples = algorithm.min_samples_per_prompt
     _require(

@@ -27,11 +27,13 @@ import importlib.util
 import inspect
 import itertools
 import sys
+from dataclasses import dataclass
+from typing import Optional
 from pathlib import Path
 from typing import Any, Callable
 
 from rlhf.data.prompts import PromptExample
-from rlhf.envs.base import EnvError
+from rlhf.envs.base import EnvConfig, EnvError
 from rlhf.errors import ConfigError
 from rlhf.registry import register
 
@@ -102,11 +104,16 @@ def _accepted(fn: Callable, offered: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in offered.items() if name in parameters}
 
 
+@dataclass
+class AgentFuncConfig(EnvConfig):
+    path: Optional[str] = None  # the Python file defining `async def step(state, action, label, **kw)` (required)
+
+
 @register("env", "agent_func")
 class AgentFuncMaker:
     """Loads `env.path` once; makes an `AgentEpisode` per dataset row."""
 
-    config_keys = ("path",)  # the `env.*` keys read beyond `BASE_KEYS`
+    config = AgentFuncConfig
     uses_dataset = True
 
     def __init__(self, *, cfg, tokenizer=None, rewards=None) -> None:

@@ -7,8 +7,8 @@ An environment is gym-like and speaks text:
 
 either method may be ``async def``. A factory registered as kind ``env`` is called as
 ``factory(cfg=<env config>, tokenizer=..., rewards=<the run's RewardSet>)`` and returns an `EnvMaker`: it makes
-one fresh environment per episode. Its class attribute ``config_keys`` names the `env.*` keys it reads beyond
-`BASE_KEYS` (`rlhf.config.ownership`).
+one fresh environment per episode. Its class attribute ``config`` is its config class: `EnvConfig` (the keys the
+agent loop reads, whatever the environment) extended with the environment's own keys and defaults (`rlhf.parts`).
 
 Tasks: a maker with ``uses_dataset = True`` gets each episode's dataset row (`PromptExample`, drawn from the run's
 prompt stream, so checkpoints keep the stream); one without gets ``None`` and tells task instances apart by the
@@ -20,12 +20,37 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Optional, Protocol
 
 from rlhf.data.prompts import PromptExample, PromptSplits
+from rlhf.envs.templates import TEMPLATES
+from rlhf.errors import require
+from rlhf.parts import PartConfig
 
-# `env.*` keys the agent loop itself reads, whatever the environment
-BASE_KEYS = ("name", "template", "num_parallel", "max_turns", "max_tokens", "max_concurrency", "step_timeout_s", "reward_reduce")
+REDUCTIONS = ("sum", "last")  # `env.reward_reduce`: a trajectory's score from its turn rewards
+
+
+@dataclass
+class EnvConfig(PartConfig):
+    """The keys the agent loop reads, whatever the environment (`env.name` null: single-turn prompts, no node)."""
+
+    name: Optional[str] = None  # an environment: arith_retry, gem, agent_func, single_turn, or an import path; null = single-turn prompts scored by `reward`
+    template: str = "no"  # how observations become text: no (as is), qwen3_game, qwen3_general, chat (the tokenizer's chat template)
+    num_parallel: int = 32  # episodes whose turns are generated together (one generate call per turn and batch)
+    max_turns: int = 4  # actions per episode; an episode still running after them ends as truncated
+    max_tokens: int = 256  # tokens per trajectory, prompt included; an action that would pass it ends the episode as truncated
+    max_concurrency: int = 32  # environment reset/step calls in flight at once
+    step_timeout_s: float = 60.0  # a reset/step call still running after this loses its episode (counted in env/failed_episodes)
+    reward_reduce: str = "sum"  # a trajectory's score from its turn rewards: sum or last
+    eval_size: int = 32  # environments without a dataset: held-out task instances (reset seeds 0..N-1) evaluated
+
+    def check(self, at: str) -> None:
+        for key in ("num_parallel", "max_turns", "max_concurrency", "eval_size"):
+            require(getattr(self, key) >= 1, f"{at}.{key}={getattr(self, key)} must be >= 1")
+        require(self.max_tokens >= 2, f"{at}.max_tokens={self.max_tokens} must be >= 2 (a prompt token and an action token)")
+        require(self.step_timeout_s > 0, f"{at}.step_timeout_s={self.step_timeout_s} must be > 0")
+        require(self.reward_reduce in REDUCTIONS, f"{at}.reward_reduce={self.reward_reduce!r}; choose one of {', '.join(REDUCTIONS)}")
+        require(self.template in TEMPLATES, f"{at}.template={self.template!r}; choose one of {', '.join(TEMPLATES)}")
 
 
 class Environment(Protocol):

@@ -15,7 +15,10 @@ The built-in tiny model never saw a token after <eos>; `builtin:tiny_arith_retry
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from rlhf.data.prompts import PromptExample
+from rlhf.envs.base import EnvConfig
 from rlhf.envs.single_turn import SingleTurnEpisode
 from rlhf.errors import ConfigError
 from rlhf.registry import register
@@ -49,11 +52,17 @@ class ArithRetryEpisode:
         return ("" if done else self.task.text), reward, done, False, info
 
 
+@dataclass
+class ArithRetryConfig(EnvConfig):
+    max_turns: int = 2  # the first answer and the retry
+    max_tokens: int = 32  # room for the prompt (5 tokens), the problem again (4) and two answers of up to 4 tokens
+
+
 @register("env", "arith_retry")
 class ArithRetryMaker:
     """Makes an `ArithRetryEpisode` per `dataset=arith` row, scored by the run's rule reward functions."""
 
-    config_keys = ()  # reads no `env.*` key beyond `BASE_KEYS`
+    config = ArithRetryConfig
     uses_dataset = True
 
     def __init__(self, *, cfg, tokenizer, rewards: RewardSet) -> None:

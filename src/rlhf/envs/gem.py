@@ -35,10 +35,12 @@ import difflib
 import io
 import random
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from rlhf.envs.base import EnvConfig
 from rlhf.errors import ConfigError
 from rlhf.registry import register
 
@@ -101,11 +103,19 @@ class GemEpisode:
         return observation, reward, terminated, truncated, info
 
 
+@dataclass
+class GemConfig(EnvConfig):
+    id: str = "game:GuessTheNumber-v0-easy"  # the GEM environment id; list them with python -c 'import gem; gem.print_envs()'
+    wrappers: str = ""  # comma-separated GEM wrapper names applied in order (the agent loop already keeps the history: concat would repeat it)
+    template: str = "qwen3_game"  # Qwen chat turns with GEM's "language games" instruction and a \boxed{} answer
+    max_tokens: int = 2048  # prompt (about 200 tokens) and 4 reasoned guesses with their feedback
+
+
 @register("env", "gem")
 class GemMaker:
     """Makes a fresh GEM environment of `env.id`, wrapped with `env.wrappers`, per episode."""
 
-    config_keys = ("id", "wrappers", "eval_size")  # the `env.*` keys read beyond `BASE_KEYS`
+    config = GemConfig
     uses_dataset = False
 
     def __init__(self, *, cfg, tokenizer, rewards=None) -> None:

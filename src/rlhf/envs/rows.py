@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from rlhf.envs.base import REDUCTIONS
 from rlhf.envs.loop import Episode
 from rlhf.trajectory import Trajectories, concat
 
-REDUCTIONS = ("sum", "last")  # `env.reward_reduce`: a trajectory's score from its turn rewards
 
 
 def episode_row(episode: Episode, reward_reduce: str) -> Trajectories:

@@ -12,8 +12,10 @@ truncated episode earns.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from rlhf.data.prompts import PromptExample
-from rlhf.envs.base import EnvError
+from rlhf.envs.base import EnvConfig, EnvError
 from rlhf.errors import ConfigError
 from rlhf.registry import register
 from rlhf.rewards.combine import RewardSet, checked_scores
@@ -47,11 +49,16 @@ class SingleTurnEpisode:
         return "", total, True, False, info
 
 
+@dataclass
+class SingleTurnConfig(EnvConfig):
+    max_turns: int = 1  # one action per episode
+
+
 @register("env", "single_turn")
 class SingleTurnMaker:
     """Makes a `SingleTurnEpisode` per dataset row, scored by the run's rule reward functions."""
 
-    config_keys = ()  # reads no `env.*` key beyond `BASE_KEYS`
+    config = SingleTurnConfig
     uses_dataset = True
 
     def __init__(self, *, cfg, tokenizer, rewards: RewardSet) -> None:

@@ -172,7 +172,7 @@ def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
     runner = build_env(env_factory, cfg, tokenizer, rewards) if env_factory is not None else None
     try:
         if runner is not None and not runner.maker.uses_dataset:
-            splits = seed_tasks(cfg.env.id or cfg.env.name, cfg.env.eval_size)  # reset seeds replace the dataset
+            splits = seed_tasks(getattr(runner.maker, "env_id", cfg.env.name), cfg.env.eval_size)  # reset seeds replace the dataset
         else:
             splits = factories["dataset"](cfg=cfg.dataset, tokenizer=tokenizer, seed=cfg.seed)
     except ValueError as err:
@@ -257,13 +257,14 @@ def build_model(role: str, cfg, device: torch.device, total_optimizer_steps: int
 
 def build_env(factory, cfg, tokenizer, rewards: RewardSet) -> EpisodeRunner:
     """The environment maker and its agent loop; the maker checks its own keys (ids, files) before any model loads."""
-    maker = factory(cfg=cfg.env, tokenizer=tokenizer, rewards=rewards)
+    env = choose("env", cfg.env, "env").config  # typed by the environment's config class
+    maker = factory(cfg=env, tokenizer=tokenizer, rewards=rewards)
     try:
         stop_id = stop_token_id(tokenizer, cfg.generator.stop_token)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    check_template(cfg.env.template, tokenizer, tokenizer.convert_ids_to_tokens(stop_id))
-    return EpisodeRunner(maker, cfg.env, tokenizer, stop_id)
+    check_template(env.template, tokenizer, tokenizer.convert_ids_to_tokens(stop_id))
+    return EpisodeRunner(maker, env, tokenizer, stop_id)
 
 
 def build_local_models(cfg, sizes: DerivedSizes, algorithm, tokenizer, device) -> dict[str, Any]:
