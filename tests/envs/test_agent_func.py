@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import asyncio
 import pickle
 import textwrap
@@ -9,10 +11,9 @@ import textwrap
 import pytest
 
 from rlhf import registry
-from rlhf.envs.agent_func import AgentFuncConfig
 from rlhf.data.prompts import PromptExample
-from rlhf.envs.agent_func import AgentFuncMaker
-from rlhf.envs.base import EnvError
+from rlhf.envs.agent_func import AgentFuncConfig, AgentFuncMaker
+from rlhf.envs.base import EnvConfig, EnvError
 from rlhf.errors import ConfigError
 
 TASK = PromptExample(text="2+2=", token_ids=(), ground_truth="4")
@@ -47,7 +48,8 @@ def play(env, actions: list[str], seed: int = 0) -> list:
 
 def test_registered_with_its_keys():
     assert registry.resolve("env", "agent_func") is AgentFuncMaker
-    assert AgentFuncMaker.config_keys == ("path",) and AgentFuncMaker.uses_dataset is True
+    assert AgentFuncMaker.config is AgentFuncConfig and AgentFuncMaker.uses_dataset is True
+    assert {f.name for f in fields(AgentFuncConfig)} - {f.name for f in fields(EnvConfig)} == {"path"}
 
 
 def test_observation_is_what_next_state_appends(tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import random
 from collections import Counter
 
@@ -13,7 +15,7 @@ from rlhf import registry, warmstart
 from rlhf.config.schema import RewardConfig, RewardFunctionConfig
 from rlhf.envs.base import EnvConfig
 from rlhf.data.prompts import PromptExample
-from rlhf.envs.builtin import ArithRetryMaker
+from rlhf.envs.builtin import ArithRetryConfig, ArithRetryMaker
 from rlhf.errors import ConfigError
 from rlhf.models.loading import load_causal_lm, load_tokenizer
 from rlhf.rewards.combine import RewardSet
@@ -33,7 +35,9 @@ def maker(max_turns: int = 2, **reward) -> ArithRetryMaker:
 
 def test_registered_with_its_keys():
     assert registry.resolve("env", "arith_retry") is ArithRetryMaker
-    assert ArithRetryMaker.config_keys == () and ArithRetryMaker.uses_dataset is True
+    assert ArithRetryMaker.config is ArithRetryConfig and ArithRetryMaker.uses_dataset is True
+    assert {f.name for f in fields(ArithRetryConfig)} == {f.name for f in fields(EnvConfig)}  # no keys of its own
+    assert (ArithRetryConfig().max_turns, ArithRetryConfig().max_tokens) == (2, 32)  # its defaults: one retry
 
 
 def test_a_right_first_answer_ends_the_episode_with_full_reward():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import random
 import sys
 
@@ -9,8 +11,8 @@ import numpy as np
 import pytest
 
 from rlhf import registry
-from rlhf.envs.gem import GemConfig
-from rlhf.envs.gem import GemMaker
+from rlhf.envs.base import EnvConfig
+from rlhf.envs.gem import GemConfig, GemMaker
 from rlhf.errors import ConfigError
 
 GUESS = "game:GuessTheNumber-v0-easy"  # 1..10, 4 guesses
@@ -40,7 +42,8 @@ def wrong(secret: int, k: int = 0) -> int:
 
 def test_registered_with_its_keys(maker):
     assert registry.resolve("env", "gem") is GemMaker
-    assert GemMaker.config_keys == ("id", "wrappers", "eval_size")
+    assert GemMaker.config is GemConfig
+    assert {f.name for f in fields(GemConfig)} - {f.name for f in fields(EnvConfig)} == {"id", "wrappers"}  # eval_size: every env without a dataset
     assert maker.uses_dataset is False and maker.eval_size == 32
 
 

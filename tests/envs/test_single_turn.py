@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -9,7 +11,7 @@ from rlhf import registry
 from rlhf.config.schema import RewardConfig, RewardFunctionConfig
 from rlhf.envs.base import EnvConfig
 from rlhf.data.prompts import PromptExample
-from rlhf.envs.single_turn import SingleTurnMaker
+from rlhf.envs.single_turn import SingleTurnConfig, SingleTurnMaker
 from rlhf.errors import ConfigError
 from rlhf.rewards.combine import RewardSet
 
@@ -26,7 +28,8 @@ def maker(**reward) -> SingleTurnMaker:
 
 def test_registered_with_its_keys():
     assert registry.resolve("env", "single_turn") is SingleTurnMaker
-    assert SingleTurnMaker.config_keys == () and SingleTurnMaker.uses_dataset is True
+    assert SingleTurnMaker.config is SingleTurnConfig and SingleTurnMaker.uses_dataset is True
+    assert {f.name for f in fields(SingleTurnConfig)} == {f.name for f in fields(EnvConfig)} and SingleTurnConfig().max_turns == 1
 
 
 @pytest.mark.parametrize(

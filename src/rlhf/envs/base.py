@@ -97,11 +97,11 @@ class EnvError(RuntimeError):
 class StepResult:
     """One checked answer of `Environment.step`."""
 
-    observation: str
-    reward: float
-    terminated: bool
-    truncated: bool
-    info: dict[str, Any] = field(default_factory=dict)
+    observation: str  # the next observation's text
+    reward: float  # the turn's reward
+    terminated: bool  # the episode ended
+    truncated: bool  # the episode was cut short
+    info: dict[str, Any] = field(default_factory=dict)  # the environment's extras (``success``, ...)
 
 
 def check_reset(answer: Any) -> tuple[str, dict]:
