@@ -37,6 +37,7 @@ GROUPS = {  # config group (and node path, with dots) -> registry kind
     "generator": "generator",
     "schedule": "schedule",
     "env": "env",
+    "dataset": "dataset",
 }
 
 

@@ -28,7 +28,7 @@ from rlhf.config import ConfigError, compose_config, validate
         (["schedule.max_staleness=2"], r"schedule.max_staleness is not a key of schedule sync .* it is a key of schedule=async"),
         (["schedule.offload_optimizer=true"], r"schedule.offload_optimizer is not a key of schedule sync .* key of schedule=hybrid"),
         (["schedule=async", "+schedule.offload_optimizer=true"], r"schedule.offload_optimizer is not a key of schedule async .* key of schedule=hybrid"),
-        (["dataset=jsonl", "dataset.path=x.jsonl", "dataset.max_operand=5"], r"dataset.max_operand=5 .* read by dataset.name=arith"),
+        (["dataset=jsonl", "dataset.path=x.jsonl", "dataset.max_operand=5"], r"dataset.max_operand is not a key of dataset mix .* key of dataset=arith"),
         (["cluster.num_cpus=4"], r"cluster.num_cpus=4 .* cluster.backend=ray"),
     ],
 )

@@ -17,8 +17,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from rlhf.config import compose_config
-from rlhf.config.schema import DatasetConfig, DataSourceConfig
-from rlhf.data.mix import BadRow, mixed_dataset, row_ground_truth, row_messages
+from rlhf.data.config import DataSourceConfig
+from rlhf.data.mix import BadRow, MixDatasetConfig, mixed_dataset, row_ground_truth, row_messages
 from rlhf.models.tiny import build_char_tokenizer
 
 
@@ -55,7 +55,7 @@ def arith_rows(n: int, plus: int = 1) -> list[dict]:
 def mix_cfg(train=(), eval=(), **overrides):
     """A typed `mix` config: simple_concat_with_space, max_prompt_length 64, cache in ./cache unless overridden."""
     values = dict(chat_template="simple_concat_with_space", max_prompt_length=64, cache_dir="cache") | overrides
-    return OmegaConf.structured(DatasetConfig(name="mix", train=list(train), eval=list(eval), **values))
+    return OmegaConf.structured(MixDatasetConfig(name="mix", train=list(train), eval=list(eval), **values))
 
 
 def src(path: str, split: str = "train", amount: float = 1.0) -> DataSourceConfig:

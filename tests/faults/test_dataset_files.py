@@ -22,10 +22,10 @@ from omegaconf import OmegaConf
 
 from rlhf.run.build import build_components
 from rlhf.config import ConfigError, compose_config, validate
-from rlhf.config.schema import DatasetConfig, DataSourceConfig
+from rlhf.data.config import DataSourceConfig
 from rlhf.data import cache as dataset_cache
 from rlhf.data.context import check_prompt_budget, model_context
-from rlhf.data.mix import mixed_dataset
+from rlhf.data.mix import MixDatasetConfig, mixed_dataset
 
 
 @pytest.fixture(autouse=True)
@@ -50,7 +50,7 @@ def good_lines(n: int) -> list[str]:
 def path_cfg(path: str, **overrides):
     """A typed `mix` config reading `dataset.path` (cache in ./cache)."""
     values = dict(chat_template="simple_concat_with_space", max_prompt_length=64, cache_dir="cache") | overrides
-    return OmegaConf.structured(DatasetConfig(name="mix", path=path, **values))
+    return OmegaConf.structured(MixDatasetConfig(name="mix", path=path, **values))
 
 
 def one_paragraph(err: pytest.ExceptionInfo) -> str:

@@ -1,10 +1,10 @@
-"""Config keys belong to the component that reads them: a key set for a component the run did not choose is an
-error before anything loads, naming the key and the choice that reads it.
+"""Config keys belong to the component that reads them: a key set for a role the run does not fill (a critic without
+an advantage that trains one, a reference with beta 0, reward-model keys without a reward model, Ray keys on the
+local backend, policy-gradient keys with a pairwise algorithm) is an error before anything loads, naming the key and
+the choice that reads it. A key counts as set when its value differs from the schema's default.
 
-A key counts as set when its value differs from the schema's default (presets only set what their parts read).
-The dataset declares the keys of its section it reads as ``config_keys``; a user's own (an import path) declares
-none, and then its section is not checked. The algorithm's parts, the generator, the schedule and the environment
-own nodes of their own instead (`rlhf.parts`): a key their config class does not declare cannot be set at all.
+Parts (the algorithm's parts, the generator, the schedule, the environment, the dataset) need no such check: each
+owns a node holding only the keys its config class declares (`rlhf.parts`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from dataclasses import MISSING, fields
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from rlhf import registry
 from rlhf.config.schema import (
-    AlgorithmConfig, ClusterConfig, CriticConfig, DatasetConfig, ReferenceConfig, RewardConfig,
+    AlgorithmConfig, ClusterConfig, CriticConfig, ReferenceConfig, RewardConfig,
 )
 from rlhf.errors import ConfigError
 
@@ -54,11 +53,6 @@ def _refuse(section: str, node, schema, read: set[str], chosen: str, readers) ->
             )
 
 
-def _part_readers(kind: str, key: str, config_key: str) -> str:
-    names = [n for n in registry.names(kind) if key in (registry.trait(registry.resolve(kind, n), "config_keys", ()) or ())]
-    return " or ".join(f"{config_key}={n}" for n in names)
-
-
 def check_ownership(cfg, algorithm) -> None:
     """ConfigError naming the first key that is set but read by no chosen component (see the module docstring)."""
     algo = cfg.algorithm
@@ -66,14 +60,6 @@ def check_ownership(cfg, algorithm) -> None:
     if reads is not None:
         chosen = f"algorithm.advantage={algo.advantage.name}, a pairwise algorithm"
         _refuse("algorithm", algo, AlgorithmConfig, set(reads), chosen, lambda key: "a per-token (policy-gradient) algorithm")
-    for section, kind, schema, base in (
-        ("dataset", "dataset", DatasetConfig, ("name",)),
-    ):
-        node = cfg[section]
-        declared = registry.trait(registry.resolve(kind, node.name, key=f"{section}.name"), "config_keys", ())
-        if node.name in registry.names(kind) or declared:
-            readers = lambda key, kind=kind, section=section: _part_readers(kind, key, f"{section}.name")  # noqa: E731
-            _refuse(section, node, schema, set(base) | set(declared or ()), f"{section}.name={node.name}", readers)
     critic = "algorithm/advantage=gae (an advantage with a critic)"
     if not algorithm.needs_critic:
         _refuse("critic", cfg.critic, CriticConfig, {"name"}, f"algorithm.advantage={algo.advantage.name} trains no critic", lambda k: critic)

@@ -23,38 +23,6 @@ class ModelConfig:
 
 
 @dataclass
-class DataSourceConfig:
-    path: str = MISSING  # hub dataset name, or a local .jsonl / .json / .parquet file, or a folder of them
-    split: str = "train"  # split to read (a single local file only has `train`)
-    amount: float = 1.0  # a fraction of the split (<= 1) or a number of rows (a whole number > 1), seeded
-    revision: Optional[str] = None  # hub revision (pin it: the tokenised cache keys on it, not on hub contents)
-    subset: Optional[str] = None  # hub dataset configuration (load_dataset's `name`), e.g. main for openai/gsm8k
-
-
-@dataclass
-class DatasetConfig:
-    name: str = MISSING  # registered dataset builder: arith (built-in task) or mix (the sources below)
-    train: list[DataSourceConfig] = field(default_factory=list)  # mix: training sources, concatenated
-    eval: list[DataSourceConfig] = field(default_factory=list)  # mix: eval sources; empty = eval_holdout, else the train prompts
-    eval_holdout: float = 0.0  # mix: share of the train prompts held out for eval when `eval` is empty
-    path: Optional[str] = None  # mix: one local file as the only train source (what dataset=jsonl/parquet read)
-    prompt_key: str = "prompt"  # mix: column holding the prompt string (used when sft_messages_key is null)
-    sft_messages_key: Optional[str] = None  # mix: column holding a conversation; its final assistant turn is dropped
-    ground_truth_key: Optional[str] = None  # mix: column passed to the reward functions as ground truth
-    ground_truth_format: str = "raw"  # mix: raw (the column as is), gsm8k (the answer after `####`) or boxed (the last \boxed{})
-    prompt_suffix: Optional[str] = None  # mix/reasoning_gym: instruction appended to every prompt after a space; null = none
-    chat_template: str = "tokenizer"  # mix: tokenizer (its own), simple_concat_with_space, tulu, a .jinja file, or inline Jinja
-    max_prompt_length: int = 64  # prompts with more tokens are dropped and counted (arith: an error)
-    strict: bool = False  # mix: bad rows stop the run (naming source, row and column) instead of being counted
-    sanity_check: Optional[int] = None  # mix: keep at most this many rows of every source, for quick debugging
-    cache_dir: Optional[str] = None  # mix: tokenised-dataset cache; null = $RLHF_CACHE/datasets or ~/.cache/rlhf/datasets
-    max_operand: int = 9  # arith: operands are drawn from 0..max_operand
-    eval_size: int = 0  # arith: problems held out for eval; reasoning_gym: eval problems per task; 0 = eval on the train ones
-    tasks: list[str] = field(default_factory=list)  # reasoning_gym: task names (reasoning_gym.factory.DATASETS), mixed evenly
-    train_size: int = 1000  # reasoning_gym: training problems generated per task, seeded by the run's seed
-
-
-@dataclass
 class AlgorithmConfig:
     """The algorithm's own keys; its parts are nodes chosen by group (`algorithm/policy_loss=gspo`), each typed by the
     config class beside the part's code (`rlhf.parts`)."""
@@ -244,7 +212,7 @@ class RunConfig:
     resume: Optional[str] = None  # null = fresh; auto = newest complete checkpoint in checkpoint.dir (fresh if none); or a checkpoint folder
     preflight: bool = False  # rehearse one step on a tiny batch (every stage, a checkpoint round trip), print a report, exit
     model: ModelConfig = field(default_factory=ModelConfig)  # the policy's starting model
-    dataset: DatasetConfig = field(default_factory=DatasetConfig)  # where prompts come from
+    dataset: Any = MISSING  # node: dataset=arith, reasoning_gym, or a mix preset (gsm8k, math, tldr, jsonl, ...); typed by its builder's config class (rlhf.data)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # advantage estimator, policy loss, KL, entropy
     generator: Any = MISSING  # node: generator=hf or vllm (or a backend of your own), typed by its config class (rlhf.generators)
     reward: RewardConfig = field(default_factory=RewardConfig)  # how completions are scored

@@ -8,8 +8,18 @@ from __future__ import annotations
 
 import random
 
+from dataclasses import dataclass
+
+from rlhf.data.config import DatasetConfig
 from rlhf.data.prompts import PromptExample, PromptSplits
 from rlhf.registry import register
+
+
+@dataclass
+class ArithDatasetConfig(DatasetConfig):
+    max_operand: int = 9  # operands are drawn from 0..max_operand (9: 100 problems)
+    eval_size: int = 0  # problems held out for eval; 0 = evaluate on all of them (the task is the whole table)
+    max_prompt_length: int = 16  # tokens; `a+b=` with BOS is at most 6 (a longer prompt is an error)
 
 ALPHABET = "0123456789+="
 
@@ -41,4 +51,4 @@ def arith_dataset(cfg, tokenizer, seed: int = 1) -> PromptSplits:
     return PromptSplits(train=shuffled[cfg.eval_size :], eval=shuffled[: cfg.eval_size])
 
 
-arith_dataset.config_keys = ("max_operand", "eval_size", "max_prompt_length")  # the `dataset.*` keys it reads
+arith_dataset.config = ArithDatasetConfig  # its keys (`dataset.*`)

@@ -17,21 +17,64 @@ import logging
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
 from rlhf.data.answers import GROUND_TRUTH_FORMATS, with_suffix
 from rlhf.data.cache import cache_folder, read_cache, write_cache
+from rlhf.data.config import DatasetConfig, DataSourceConfig
 from rlhf.data.files import LOCAL_FORMATS, FileRows, looks_local, missing_path_error, read_files
 from rlhf.data.prompts import PromptExample, PromptSplits
 from rlhf.data.templates import resolve_template
+from rlhf.errors import require
 from rlhf.registry import register
 
 log = logging.getLogger("rlhf")
 
 CACHE_VERSION = 2
 
+
+
+@dataclass
+class MixDatasetConfig(DatasetConfig):
+    """Prompts from hub datasets or local files, mixed."""
+
+    train: list[DataSourceConfig] = field(default_factory=list)  # training sources, concatenated
+    eval: list[DataSourceConfig] = field(default_factory=list)  # eval sources; empty = eval_holdout, else the train prompts
+    eval_holdout: float = 0.0  # share of the train prompts held out for eval when `eval` is empty
+    path: Optional[str] = None  # one local file as the only train source (what dataset=jsonl/parquet read)
+    prompt_key: str = "prompt"  # column holding the prompt string (used when sft_messages_key is null)
+    sft_messages_key: Optional[str] = None  # column holding a conversation; its final assistant turn is dropped
+    ground_truth_key: Optional[str] = None  # column passed to the reward functions as ground truth
+    ground_truth_format: str = "raw"  # raw (the column as is), gsm8k (the answer after `####`) or boxed (the last \boxed{})
+    prompt_suffix: Optional[str] = None  # instruction appended to every prompt after a space; null = none
+    chat_template: str = "tokenizer"  # tokenizer (its own), simple_concat_with_space, tulu, a .jinja file, or inline Jinja
+    strict: bool = False  # bad rows stop the run (naming source, row and column) instead of being counted
+    sanity_check: Optional[int] = None  # keep at most this many rows of every source, for quick debugging
+    cache_dir: Optional[str] = None  # tokenised-dataset cache; null = $RLHF_CACHE/datasets or ~/.cache/rlhf/datasets
+
+    def check(self, at: str) -> None:
+        super().check(at)
+        require(0 <= self.eval_holdout < 1, f"{at}.eval_holdout={self.eval_holdout} must be in [0, 1)")
+        require(self.sanity_check is None or self.sanity_check >= 1, f"{at}.sanity_check={self.sanity_check} must be >= 1 or null")
+        require(
+            self.ground_truth_format in GROUND_TRUTH_FORMATS,
+            f"{at}.ground_truth_format={self.ground_truth_format!r}; choose one of {', '.join(GROUND_TRUTH_FORMATS)}",
+        )
+        require(
+            self.ground_truth_format == "raw" or bool(self.ground_truth_key),
+            f"{at}.ground_truth_format={self.ground_truth_format} extracts from {at}.ground_truth_key, which is null; "
+            "name the column",
+        )
+        require(len(self.train) > 0 or bool(self.path), f"{at}.name=mix has no source: set {at}.path=<file> or list {at}.train sources")
+        for split in ("train", "eval"):
+            for i, src in enumerate(getattr(self, split)):
+                require(src.amount > 0, f"{at}.{split}[{i}].amount={src.amount} must be > 0")
+                require(
+                    src.amount <= 1 or src.amount == int(src.amount),
+                    f"{at}.{split}[{i}].amount={src.amount}: a count must be a whole number (fractions are <= 1)",
+                )
 
 class BadRow(ValueError):
     """A row that cannot become a prompt; carries the column at fault."""
@@ -284,7 +327,4 @@ def mixed_dataset(cfg, tokenizer, seed: int = 1) -> PromptSplits:
     return splits
 
 
-mixed_dataset.config_keys = (  # the `dataset.*` keys it reads
-    "train", "eval", "eval_holdout", "path", "prompt_key", "sft_messages_key", "ground_truth_key", "ground_truth_format",
-    "prompt_suffix", "chat_template", "max_prompt_length", "strict", "sanity_check", "cache_dir",
-)
+mixed_dataset.config = MixDatasetConfig  # its keys (`dataset.*`)

@@ -8,10 +8,12 @@ data that pickles across processes, and all the `reasoning_gym` reward needs to 
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from types import ModuleType
+from typing import Optional
 
 from rlhf.data.answers import with_suffix
+from rlhf.data.config import DatasetConfig
 from rlhf.data.mix import SourceReport, encode_prompt, log_report
 from rlhf.data.prompts import PromptExample, PromptSplits
 from rlhf.data.templates import resolve_template
@@ -20,6 +22,18 @@ from rlhf.registry import register
 
 INSTALL = "pip install 'rlhf[reasoning]' (the reasoning-gym package)"
 
+
+
+@dataclass
+class ReasoningGymConfig(DatasetConfig):
+    """Problems generated locally by reasoning-gym, seeded by the run."""
+
+    tasks: list[str] = field(default_factory=lambda: ["basic_arithmetic", "chain_sum"])  # task names (reasoning_gym.factory.DATASETS), mixed evenly
+    train_size: int = 1000  # training problems generated per task, seeded by the run's seed
+    eval_size: int = 50  # eval problems per task (generated after the training ones); 0 = eval on the train ones
+    prompt_suffix: Optional[str] = "Give only the final answer inside <answer></answer> tags."  # instruction appended to every prompt: the format the reward reads
+    chat_template: str = "tokenizer"  # the model's own chat template (or simple_concat_with_space, tulu, a .jinja file)
+    max_prompt_length: int = 512  # tokens; longer problems are dropped and counted
 
 def load_package() -> ModuleType:
     """The optional `reasoning_gym` package (1.5 s to import, so only runs that use it pay)."""
@@ -106,6 +120,4 @@ def reasoning_gym_dataset(cfg, tokenizer, seed: int = 1) -> PromptSplits:
     return PromptSplits(train=splits["train"], eval=splits["eval"] or splits["train"], report=report)
 
 
-reasoning_gym_dataset.config_keys = (  # the `dataset.*` keys it reads
-    "tasks", "train_size", "eval_size", "prompt_suffix", "chat_template", "max_prompt_length",
-)
+reasoning_gym_dataset.config = ReasoningGymConfig  # its keys (`dataset.*`)

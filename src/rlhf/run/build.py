@@ -15,6 +15,8 @@ import torch
 
 from transformers import AutoConfig
 
+from omegaconf import OmegaConf
+
 from rlhf.parts import choose
 from rlhf import registry
 from rlhf.algorithms import build_algorithm
@@ -174,7 +176,8 @@ def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
         if runner is not None and not runner.maker.uses_dataset:
             splits = seed_tasks(getattr(runner.maker, "env_id", cfg.env.name), cfg.env.eval_size)  # reset seeds replace the dataset
         else:
-            splits = factories["dataset"](cfg=cfg.dataset, tokenizer=tokenizer, seed=cfg.seed)
+            dataset = OmegaConf.structured(choose("dataset", cfg.dataset, "dataset").config)  # typed by the builder's class
+            splits = factories["dataset"](cfg=dataset, tokenizer=tokenizer, seed=cfg.seed)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     log.info("dataset %s: %d train prompts, %d eval prompts", cfg.dataset.name, len(splits.train), len(splits.eval))
