@@ -135,6 +135,12 @@ def _declared(obj: Any) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []
 
 
+def typed_node(kind: str, node: Any, at: str) -> DictConfig:
+    """The node as an OmegaConf config typed by its part's class, defaults filled (what a part that reads its config
+    the OmegaConf way, e.g. a dataset builder, is given)."""
+    return OmegaConf.structured(choose(kind, node, at).config)
+
+
 def choose_optional(kind: str, node: Any, at: str) -> Part | None:
     """`choose`, or None for a null node (the part is off)."""
     return None if node is None else choose(kind, node, at)

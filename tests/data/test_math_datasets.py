@@ -8,6 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlhf.config import ConfigError, compose_config, validate
+from rlhf.parts import typed_node
 from rlhf.data.answers import gsm8k_answer, last_boxed, with_suffix
 from rlhf.data.mix import mixed_dataset
 from rlhf.models.loading import load_tokenizer
@@ -85,7 +86,7 @@ def preset(name: str, folder, tmp_path, *overrides: str):
         "dataset.chat_template=simple_concat_with_space", f"dataset.cache_dir={tmp_path / 'cache'}", *overrides,
     ])
     validate(cfg)
-    return cfg.dataset
+    return typed_node("dataset", cfg.dataset, "dataset")  # as the run builds it
 
 
 def test_gsm8k_preset_hands_rewards_the_number(tmp_path, tokenizer):
@@ -121,7 +122,7 @@ def test_gsm8k_reads_the_hub_with_its_subset(tmp_path, tokenizer, monkeypatch):
 
     monkeypatch.setattr(datasets, "load_dataset", fake_hub)
     cfg = compose_config(["dataset=gsm8k", "dataset.chat_template=simple_concat_with_space", f"dataset.cache_dir={tmp_path}"])
-    splits = mixed_dataset(cfg=cfg.dataset, tokenizer=tokenizer, seed=1)
+    splits = mixed_dataset(cfg=typed_node("dataset", cfg.dataset, "dataset"), tokenizer=tokenizer, seed=1)
     assert calls == [("openai/gsm8k", "main", "train", None), ("openai/gsm8k", "main", "test", None)]
     assert [e.ground_truth for e in splits.train] == ["7", "2000", "-8"]
 

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 
 from rlhf.config import compose_config
 from rlhf.data.config import DataSourceConfig
+from rlhf.parts import typed_node
 from rlhf.data.mix import BadRow, MixDatasetConfig, mixed_dataset, row_ground_truth, row_messages
 from rlhf.models.tiny import build_char_tokenizer
 
@@ -693,7 +694,8 @@ def ultrafeedback_row(turns: list[str]) -> dict:
 
 
 def preset(name: str, folder: Path, tmp_path: Path):
-    """The dataset section of `dataset=<name>` with its train/eval paths pointed at ``folder``."""
+    """The dataset node of `dataset=<name>` with its train/eval paths pointed at ``folder``, typed by its builder's
+    class as the run builds it."""
     cfg = compose_config(
         [
             f"dataset={name}",
@@ -702,7 +704,7 @@ def preset(name: str, folder: Path, tmp_path: Path):
             f"dataset.cache_dir='{tmp_path / 'cache'}'",
         ]
     )
-    return cfg.dataset
+    return typed_node("dataset", cfg.dataset, "dataset")
 
 
 def test_tldr_preset(tokenizer, tmp_path):

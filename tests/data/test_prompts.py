@@ -6,7 +6,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from rlhf import registry
-from rlhf.config.schema import DatasetConfig
+from rlhf.data.arith import ArithDatasetConfig
 from rlhf.data.arith import arith_dataset
 from rlhf.data.prompts import PromptExample, PromptStream
 
@@ -23,7 +23,7 @@ def texts(batch: list[PromptExample]) -> list[str]:
 
 def dataset_cfg(**overrides):
     """A typed arith dataset config."""
-    return OmegaConf.structured(DatasetConfig(name="arith", **overrides))
+    return OmegaConf.structured(ArithDatasetConfig(name="arith", **overrides))
 
 
 # --- PromptStream -------------------------------------------------------------------------------------

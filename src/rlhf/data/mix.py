@@ -88,12 +88,12 @@ class BadRow(ValueError):
 class SourceReport:
     """What happened to one source's rows."""
 
-    source: str
-    split: str
+    source: str  # the source's label (path, subset)
+    split: str  # the split read
     rows: int = 0  # rows taken from the split (after amount and sanity_check), plus malformed lines skipped
     bad_rows: int = 0  # rows dropped for a missing column, wrong type or empty prompt, or a malformed line
     too_long: int = 0  # rows dropped by max_prompt_length
-    kept: int = 0
+    kept: int = 0  # rows that became prompts
     bad_examples: list[str] = field(default_factory=list)  # the first few reasons, for the log
 
 

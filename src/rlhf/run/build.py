@@ -15,12 +15,10 @@ import torch
 
 from transformers import AutoConfig
 
-from omegaconf import OmegaConf
-
-from rlhf.parts import choose
 from rlhf import registry
 from rlhf.algorithms import build_algorithm
 from rlhf.errors import ConfigError
+from rlhf.parts import choose, typed_node
 from rlhf.config.validate import DerivedSizes
 from rlhf.data.context import check_prompt_budget, model_context
 from rlhf.data.prompts import PromptExample, PromptStream
@@ -176,7 +174,7 @@ def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
         if runner is not None and not runner.maker.uses_dataset:
             splits = seed_tasks(getattr(runner.maker, "env_id", cfg.env.name), cfg.env.eval_size)  # reset seeds replace the dataset
         else:
-            dataset = OmegaConf.structured(choose("dataset", cfg.dataset, "dataset").config)  # typed by the builder's class
+            dataset = typed_node("dataset", cfg.dataset, "dataset")  # typed by the builder's class, defaults filled
             splits = factories["dataset"](cfg=dataset, tokenizer=tokenizer, seed=cfg.seed)
     except ValueError as err:
         raise ConfigError(str(err)) from None
