@@ -9,6 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from rlhf.config import ConfigError, compose_config, validate
 from rlhf.config.schema import RewardConfig, RewardFunctionConfig
 from rlhf.registry import RegistryError
 from rlhf.models.value import load_value_model, sequence_scores
@@ -359,3 +360,27 @@ def test_scorer_clips_after_normalising(reward_model_dir, rollout):
     scorer = with_raw(make_scorer(reward_model_dir, normalize=True, clip=1.5), [1.0, 2.0, 3.0, 6.0])
     scores, _ = scorer.score(rollout)
     torch.testing.assert_close(scores, torch.tensor([-1.0690450, -0.5345225, 0.0, 1.5]))
+
+
+def test_a_misspelt_reward_arg_is_refused_naming_the_key_and_the_args_taken():
+    """`length_penalty` takes target_chars; its `**_` would silently drop `target_char`: refused before any model."""
+    cfg = reward_cfg(("integer_format", 1.0, {}), ("length_penalty", 1.0, {"target_char": 5}))
+    with pytest.raises(ConfigError, match=r"^reward.functions\[1\].args.target_char: reward function length_penalty takes "
+                                          r"target_chars; did you mean reward.functions\[1\].args.target_chars\?$"):
+        RewardSet(cfg)
+    with pytest.raises(ConfigError, match=r"reward.functions\[0\].args.strict: reward function exact_match takes no args; remove it"):
+        RewardSet(reward_cfg(("exact_match", 1.0, {"strict": True})))
+
+
+def test_a_user_function_with_kwargs_takes_any_arg(user_rewards, tmp_path):
+    """A catch-all named other than `_` (`**kwargs`) reads what it is given: no key is refused."""
+    (tmp_path / "kw_rewards_for_tests.py").write_text("def anything(prompts, responses, ground_truths, **kwargs):\n"
+                                                     "    return [float(kwargs['bonus'])] * len(responses)\n")
+    scores, _ = score(reward_cfg(("kw_rewards_for_tests.anything", 1.0, {"bonus": 2})), ["a"], ["a"], [True])
+    assert scores.tolist() == [2.0]
+
+
+def test_a_misspelt_reward_arg_fails_validation_before_any_model_loads():
+    cfg = compose_config(["reward.functions=[{name: length_penalty, args: {target_char: 5}}]"])
+    with pytest.raises(ConfigError, match=r"reward.functions\[0\].args.target_char: reward function length_penalty takes target_chars"):
+        validate(cfg)

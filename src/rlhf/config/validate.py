@@ -11,9 +11,11 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
+from rlhf import registry
 from rlhf.algorithms import build_algorithm
 from rlhf.errors import require as _require
 from rlhf.parts import choose
+from rlhf.rewards.combine import check_args
 from rlhf.config.env_checks import check_env
 from rlhf.config.generation_checks import check_generation
 from rlhf.config.ownership import check_ownership
@@ -243,6 +245,9 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         "reward.functions is empty and reward.path is null; name a reward function or a reward model folder",
     )
     _require(cfg.reward.clip is None or cfg.reward.clip > 0, f"reward.clip={cfg.reward.clip} must be > 0 or null")
+    for i, function in enumerate(cfg.reward.functions):  # each function's args are its keyword parameters
+        check_args(registry.resolve("reward", function.name, key=f"reward.functions[{i}].name"), dict(function.args),
+                   f"reward.functions[{i}]", function.name)
     buffer = cfg.reward.overlong_buffer_len
     _require(
         buffer is None or 1 <= buffer < gen.max_new_tokens,

@@ -3,12 +3,14 @@ penalty."""
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
 
 import torch
 
 from rlhf import registry
-from rlhf.errors import RewardValueError
+from rlhf.errors import ConfigError, RewardValueError
 from rlhf.functional import overlong_penalty
 from rlhf.trajectory import Trajectories
 
@@ -52,6 +54,25 @@ def function_label(name: str, fn) -> str:
     return f"reward function {name!r}" + (f" ({where})" if where != name else "")
 
 
+CALL_ARGS = ("prompts", "responses", "ground_truths")  # what every reward function is called with
+
+
+def check_args(fn, args: dict, at: str, name: str) -> None:
+    """ConfigError for an `args` key the function does not take: its keyword parameters are its keys. A function
+    whose catch-all is ``**_`` ignores the rest, so a misspelt key would be lost; one with ``**kwargs`` takes any."""
+    params = inspect.signature(fn).parameters.values()
+    catch_all = [p.name for p in params if p.kind is inspect.Parameter.VAR_KEYWORD]
+    if catch_all and catch_all[0] != "_":
+        return
+    known = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in CALL_ARGS]
+    for key in args:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"did you mean {at}.args.{close[0]}?" if close else "remove it"
+            takes = f"takes {', '.join(known)}" if known else "takes no args"
+            raise ConfigError(f"{at}.args.{key}: reward function {name} {takes}; {hint}")
+
+
 class RewardSet:
     """Scores responses with every configured function; see `rlhf.rewards.rules` for the call signature."""
 
@@ -66,7 +87,9 @@ class RewardSet:
             fn = registry.resolve("reward", fn_cfg.name, key=f"reward.functions[{i}].name")
             if not callable(fn):
                 raise TypeError(f"reward.functions[{i}].name={fn_cfg.name!r} is not callable")
-            self.functions.append((fn_cfg.name, float(fn_cfg.weight), dict(fn_cfg.args), fn))
+            args = dict(fn_cfg.args)
+            check_args(fn, args, f"reward.functions[{i}]", fn_cfg.name)
+            self.functions.append((fn_cfg.name, float(fn_cfg.weight), args, fn))
 
     @property
     def verifiers(self) -> list[str]:
