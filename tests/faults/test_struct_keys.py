@@ -39,11 +39,17 @@ def test_a_key_without_a_close_match_says_to_remove_it():
         check_unknown_keys(compose_config(["+zzqqxx=1"]))
 
 
-def test_free_form_args_take_any_key():
-    """reward.functions[i].args is `dict[str, Any]`: keys below it, nested too, are the function's business."""
-    cfg = compose_config(["+reward.functions.0.args.tolerance=0.5", "+reward.functions.0.args.extra.depth=2"])
+def test_free_form_args_take_any_key_the_function_takes(tmp_path, monkeypatch):
+    """reward.functions[i].args is `dict[str, Any]`: keys below it, nested too, are the function's business. One with
+    `**kwargs` takes them all; a built-in whose catch-all is `**_` takes only its parameters (arith_correct: none)."""
+    (tmp_path / "kw_reward.py").write_text("def scored(prompts, responses, ground_truths, **kwargs):\n    return [0.0] * len(responses)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = ["+reward.functions.0.args.tolerance=0.5", "+reward.functions.0.args.extra.depth=2"]
+    cfg = compose_config(["reward.functions.0.name=kw_reward.scored", *args])
     validate(cfg)
     assert cfg.reward.functions[0].args.extra.depth == 2
+    with pytest.raises(ConfigError, match=r"reward.functions\[0\].args.tolerance: reward function arith_correct takes no args"):
+        validate(compose_config(args))
 
 
 @pytest.mark.slow

@@ -117,18 +117,19 @@ class ActorGroup:
         self.started.add(rank)
         return value
 
-    def call(self, method: str, per_rank: dict[int, tuple], what: str | None = None, put: bool = False) -> dict:
-        """``component.method(*args)`` on each rank in ``per_rank`` ({rank: args}); {rank: result}."""
+    def call(self, method, per_rank: dict[int, tuple], what: str | None = None, put: bool = False) -> dict:
+        """``component.method(*args)`` on each rank in ``per_rank`` ({rank: args}), or ``method(component, *args)``
+        for a function; {rank: result}."""
         entry = "run_and_put" if put else "run"
         refs = {rank: getattr(self.actors[rank], entry).remote(method, *args) for rank, args in per_rank.items()}
-        return self.wait(refs, what or method)
+        return self.wait(refs, what or getattr(method, "__name__", str(method)))
 
     def call_all(self, method: str, *args) -> list:
         """The same call on every rank; results by rank."""
         results = self.call(method, {rank: args for rank in range(len(self))})
         return [results[rank] for rank in range(len(self))]
 
-    def call_split(self, method: str, n: int, part, *args, every_rank: bool) -> list:
+    def call_split(self, method, n: int, part, *args, every_rank: bool) -> list:
         """``method(part(slice), *args)`` on consecutive near-even slices of ``n`` items, one per rank; results in
         order. ``every_rank`` keeps ranks with an empty slice in the call (ranks that share collectives)."""
         slices = even_slices(n, len(self))
@@ -172,11 +173,7 @@ class RemoteTrainer:
         """``fn(model, share, *args)`` on every rank, each with its near-even share of ``mini``'s units (consecutive,
         so rank order is row order); results by rank. The ranks run it in step: their collectives meet inside it."""
         units = torch.arange(mini.num_units)
-        slices = even_slices(mini.num_units, len(self.group))
-        refs = {rank: self.group.actors[rank].apply.remote(fn, mini.select_units(units[sl]), *args)
-                for rank, sl in enumerate(slices)}
-        results = self.group.wait(refs, getattr(fn, "__name__", "apply"))
-        return [results[rank] for rank in range(len(self.group))]
+        return self.group.call_split(fn, mini.num_units, lambda sl: mini.select_units(units[sl]), *args, every_rank=True)
 
     def state_dict(self, adapted_only: bool = False):
         """A Ray object reference to the weights the generators load (gathered from the shards by rank 0; with

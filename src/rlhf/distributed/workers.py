@@ -78,15 +78,13 @@ class RoleWorker:
         if strategy is not None:
             logging.getLogger("rlhf").info("%s rank %d/%d: strategy %s on %s", self.role, self.rank, self.world_size, strategy.name, device)
 
-    def run(self, method: str, *args, **kwargs):
-        """``component.method(*args, **kwargs)``, or the attribute's value when it is not callable."""
+    def run(self, method, *args, **kwargs):
+        """``component.method(*args, **kwargs)``, or the attribute's value when it is not callable; ``method`` may also
+        be a function of the driver's (the Learner's `accumulate`), run as ``method(component, *args, **kwargs)``."""
+        if callable(method):
+            return method(self.obj, *args, **kwargs)
         attr = getattr(self.obj, method)
         return attr(*args, **kwargs) if callable(attr) else attr
-
-    def apply(self, fn, *args):
-        """``fn(component, *args)``: a function of the driver's (the Learner's `accumulate`) run on this rank's
-        component."""
-        return fn(self.obj, *args)
 
     def run_and_put(self, method: str, *args, **kwargs):
         """`run`, with a non-None result placed in the Ray object store; returns [ref] or [None].
