@@ -39,6 +39,15 @@ def as_budget(size: int | Budget) -> Budget:
     return size if isinstance(size, Budget) else Budget(rows=int(size))
 
 
+
+def halvings(size: int) -> list[int]:
+    """size/2, size/4, ... down to 1: smaller batches, largest (fastest) first (what the memory plan suggests)."""
+    found = []
+    while size > 1:
+        size //= 2
+        found.append(size)
+    return found
+
 def unit_lengths(batch: Trajectories) -> torch.Tensor:
     """Each unit's longest row from its first real token to its last: the width of the (rows, longest row) block a
     packed micro batch's attention runs on, and of a justified forward (`Trajectories.justified_inputs`). Shape: (U,)."""

@@ -39,6 +39,7 @@ GROUPS = {  # config group (and node path, with dots) -> registry kind
     "env": "env",
     "dataset": "dataset",
 }
+PATHS = {group.replace("/", "."): group for group in GROUPS}  # node path -> its group: algorithm.policy_loss -> algorithm/policy_loss
 
 
 @dataclass
@@ -133,6 +134,11 @@ def _where_else(kind: str, at: str, key: str, known: list[str]) -> str:
 def _declared(obj: Any) -> list[str]:
     cls = registry.trait(obj, "config", None)
     return [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []
+
+
+def declared_by_every(kind: str, key: str) -> bool:
+    """Whether every registered part of ``kind`` declares ``key`` (a shared key, e.g. `max_new_tokens`)."""
+    return all(key in _declared(registry.resolve(kind, name)) for name in registry.names(kind))
 
 
 def typed_node(kind: str, node: Any, at: str) -> DictConfig:

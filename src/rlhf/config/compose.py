@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlhf.config.moved import check_overrides, moved_to
 from rlhf.config.schema import RewardTrainConfig, RunConfig
 from rlhf.errors import ConfigError
-from rlhf.parts import GROUPS, choose, store_nodes
+from rlhf.parts import GROUPS, PATHS, choose, declared_by_every, store_nodes
 
 CONFIG_MODULE = "rlhf.conf"
 SCHEMA_NAME = "rlhf_schema"
@@ -53,8 +53,8 @@ def compose_config(overrides: list[str] | None = None, config_name: str = "confi
 def check_part_overrides(overrides: list[str]) -> None:
     """For the command line, before Hydra composes: an override of a key under a part's node (`generator.enable_sleep`)
     that the chosen part does not declare fails naming the part and the parts that do, instead of Hydra's advice to
-    add it with `+`. Composes once, and only when such a key is set (not for sweeps)."""
-    if any("," in o for o in overrides) or not any(_part_node(o.partition("=")[0]) for o in overrides if not o.startswith(("+", "~"))):
+    add it with `+`. Composes once, and only when such a key is set and some part lacks it (not for sweeps)."""
+    if any("," in o for o in overrides) or not any(_may_lack(o.partition("=")[0]) for o in overrides if not o.startswith(("+", "~"))):
         return
     try:
         compose_config(overrides)
@@ -65,29 +65,36 @@ def check_part_overrides(overrides: list[str]) -> None:
 def raise_if_not_the_parts(overrides: list[str], err: Exception, config_name: str) -> None:
     """ConfigError for an override (without `+`) of a key the chosen part's node does not hold: composed without it,
     the node plus that key is read as `rlhf.parts.choose` reads it, whose message names the parts that declare it."""
-    key = getattr(err.__cause__, "full_key", None) or getattr(err.__context__, "full_key", None)
+    key = _failed_key(err)
     path = _part_node(key or "")
-    if path is None:
+    values = [o.partition("=")[2] for o in overrides if o.partition("=")[0] == key]
+    if path is None or not values:  # not a key of a part's node, or set by a YAML file rather than the command line
         return
     rest = [o for o in overrides if o.partition("=")[0] != key]
-    value = next(o.partition("=")[2] for o in overrides if o.partition("=")[0] == key)
     node = OmegaConf.to_container(OmegaConf.select(compose_config(rest, config_name), path))
-    choose(GROUPS[path.replace(".", "/")], node | {key[len(path) + 1:]: value}, path)
+    choose(GROUPS[PATHS[path]], node | {key[len(path) + 1:]: values[0]}, path)
 
 
 def _part_node(key: str) -> str | None:
     """The part node (dotted path) that ``key`` sits in, if any: `generator` for `generator.enable_sleep`."""
-    for group in GROUPS:
-        path = group.replace("/", ".")
-        if key.startswith(path + ".") and "." not in key[len(path) + 1:]:
-            return path
-    return None
+    path, _, leaf = key.rpartition(".")
+    return path if path in PATHS and leaf else None
+
+
+def _may_lack(key: str) -> bool:
+    """Whether ``key`` sits in a part's node and some registered part of that node lacks it (so the chosen one may)."""
+    path = _part_node(key)
+    return path is not None and not declared_by_every(GROUPS[PATHS[path]], key.rpartition(".")[2])
+
+
+def _failed_key(err: Exception) -> str | None:
+    """The key a composition failed on: Hydra's "not in struct" names it as `full_key` on the exception it wraps."""
+    return getattr(err.__cause__, "full_key", None) or getattr(err.__context__, "full_key", None)
 
 
 def raise_if_moved(err: Exception) -> None:
-    """ConfigError naming the new place of a moved key that a YAML file still sets (Hydra's "not in struct" names the
-    key as `full_key` on the exception it wraps)."""
-    key = getattr(err.__cause__, "full_key", None) or getattr(err.__context__, "full_key", None)
+    """ConfigError naming the new place of a moved key that a YAML file still sets."""
+    key = _failed_key(err)
     moved = moved_to(key) if key else None
     if moved is not None:
         raise ConfigError(f"{key} moved to {moved[0]} ({moved[1]}); {err}".splitlines()[0]) from None

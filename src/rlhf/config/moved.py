@@ -4,7 +4,7 @@ its new place, instead of Hydra's "not in struct"."""
 from __future__ import annotations
 
 from rlhf.errors import ConfigError
-from rlhf.parts import GROUPS
+from rlhf.parts import GROUPS, PATHS
 
 ROLES = "roles are named as the parts they run: policy, reference, critic, reward, generator"
 PART_KEY = "a part's keys sit in its own node"
@@ -26,7 +26,7 @@ MOVED = {  # old key -> (new key, why)
     "algorithm.target_kl": ("algorithm.kl_ctl.target", PART_KEY + " (choose it with algorithm/kl_ctl=adaptive)"),
     "algorithm.kl_horizon": ("algorithm.kl_ctl.horizon", PART_KEY + " (choose it with algorithm/kl_ctl=adaptive)"),
 }
-PART_NODES = {group.replace("/", "."): group for group in GROUPS if "/" in group}  # algorithm.policy_loss -> algorithm/policy_loss
+PART_NODES = {path: group for path, group in PATHS.items() if path != group}  # nodes below a section: algorithm.policy_loss
 
 
 def moved_to(key: str) -> tuple[str, str] | None:

@@ -10,6 +10,7 @@ import torch
 from rlhf.errors import require
 from rlhf.generators.base import GeneratorConfig, SamplingParams, parameter_bytes, release_parameters, restore_parameters
 from rlhf.generators.memory import own_copy_memory
+from rlhf.micro_batches import halvings
 from rlhf.generators.decode import decode
 from rlhf.models.loading import load_causal_lm
 from rlhf.registry import register
@@ -80,11 +81,7 @@ class HFGenerator:
     @staticmethod
     def memory_advice(config: HfGeneratorConfig, shares_devices: bool, rows: int) -> list[list[str]]:
         """Smaller decode batches, largest first."""
-        sizes, size = [], min(config.batch_size, rows)
-        while size > 1:
-            size //= 2
-            sizes.append([f"generator.batch_size={size}"])
-        return sizes
+        return [[f"generator.batch_size={size}"] for size in halvings(min(config.batch_size, rows))]
 
     def __init__(self, cfg, model_cfg, tokenizer, device: torch.device) -> None:
         self.cfg = cfg

@@ -10,6 +10,7 @@ from __future__ import annotations
 from omegaconf import OmegaConf
 
 from rlhf.generators.base import sleep_overrides
+from rlhf.micro_batches import halvings
 from rlhf.plan.memory import gib
 from rlhf.plan.roles import generator_part
 from rlhf.plan.planner import Plan, make_plan
@@ -47,15 +48,6 @@ def candidates(cfg, plan: Plan) -> list[list[list[str]]]:
         if "critic" in roles:
             found += strategy_candidates(cfg, "critic")
     return [family for family in found if family]
-
-
-def halvings(size: int) -> list[int]:
-    """size/2, size/4, ... down to 1: smaller batches, largest (fastest) first."""
-    found = []
-    while size > 1:
-        size //= 2
-        found.append(size)
-    return found
 
 
 def plan_rows(plan: Plan) -> int:
