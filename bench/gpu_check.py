@@ -1,13 +1,14 @@
-"""The GPU path, checked in one script: learning on the built-in task, GRPO throughput and training MFU on a
-Qwen2.5-0.5B-shaped model (bf16 autocast, fp32 master weights) with the memory plan's estimate beside the measured
-peak, hybrid sleep/wake memory, and the DDP / FSDP2 strategies at world size 1 (a process group started in this
-process).
+"""The GPU path, checked in one script: the trainer's speed on a Qwen2.5-0.5B-shaped model under today's path and
+each speed change (`bench/gpu_train.py`), one whole GRPO step with its stage times and the memory plan's estimate
+beside the measured peak, hybrid sleep/wake memory, the DDP / FSDP2 strategies at world size 1 (a process group
+started in this process, FSDP2 also with compiled blocks), and learning on the built-in task.
 
-    python bench/gpu_check.py                       # full scale on CUDA (all sections)
-    python bench/gpu_check.py --tiny --device cpu   # the same code at tiny scale: what CI runs
-    python bench/gpu_check.py --sections learn,throughput --json out.json
+    python bench/gpu_check.py --json $OUT/gpu.json   # full scale on CUDA, within --budget-s (default 420 s)
+    python bench/gpu_check.py --tiny --device cpu    # the same code at tiny scale: what CI runs
+    python bench/gpu_check.py --sections train,grpo_step
 
-Models are built locally with random weights in the real shapes (no hub). Figures print as Markdown.
+Models are built locally with random weights in the real shapes (no hub). The JSON is rewritten after each section
+(a run cut short keeps what it measured); figures print as Markdown last.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from omegaconf import OmegaConf
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from cli_runs import matmul_peak, train_flops
+from gpu_train import train_section
 from rlhf.algorithms import build_algorithm
 from rlhf.config.schema import ModelConfig, PolicyConfig, ReferenceConfig, StrategyConfig
 from rlhf.config import compose_config
@@ -42,7 +44,8 @@ from rlhf.run.state import NonFiniteGuard
 from rlhf.step.learner import Learner
 from rlhf.step.scored import Scored, with_groups
 
-SECTIONS = ("peak", "learn", "throughput", "hybrid", "strategies")
+SECTIONS = ("peak", "train", "grpo_step", "hybrid", "strategies", "learn")
+DEFAULT = ("peak", "train", "grpo_step", "hybrid", "strategies")  # learn: measured on 2026-11-23, unchanged since
 QWEN2_5_0_5B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                     num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -105,35 +108,31 @@ def learn(device: torch.device, tiny: bool, work: Path) -> list[dict]:
     return [run_cli([f"cluster.device={device}", *extra, *short], work / f"learn{i}") for i, extra in enumerate(runs)]
 
 
-def throughput(device: torch.device, tiny: bool, work: Path, peak: float, micro_batches: list[int], profile: bool = False) -> list[dict]:
-    """GRPO steps on a Qwen2.5-0.5B-shaped model, gradient checkpointing off and on, for each micro-batch size:
-    seconds per stage, tokens/s, training MFU against the measured matmul peak, peak memory."""
+def grpo_step(device: torch.device, tiny: bool, folder: str, peak: float) -> dict:
+    """One whole GRPO step on the Qwen2.5-0.5B shape (16 prompts x 4 samples, 256 + 256 tokens, micro batch 16, no
+    gradient checkpointing), every trainer speed change on (bf16 weights with fp32 masters, fused output layer,
+    varlen attention, `policy.compile` on CUDA): stage seconds, tokens/s, training MFU, peak memory against the
+    memory plan's figure."""
     shape = TINY if tiny else QWEN2_5_0_5B
-    prompt_len, new_tokens, prompts, samples = (8, 8, 4, 2) if tiny else (256, 256, 16, 4)
-    folder = save_model(work / "qwen_shaped", shape)
-    dtype = "float32" if device.type == "cpu" else "bfloat16"
-    model_cfg = OmegaConf.structured(ModelConfig(name_or_path=folder, dtype=dtype))
-    algo_cfg = compose_config(["algorithm=grpo", f"algorithm.num_samples_per_prompt={samples}", "algorithm.beta=0.04"]).algorithm
-    gen_cfg = HfGeneratorConfig(name="hf", max_new_tokens=new_tokens, batch_size=prompts * samples, stop_token="<eos>")
-    results = []
-    for checkpointing, micro in [(ckpt, m) for m in micro_batches for ckpt in (False, True)]:
-        try:
-            results.append(grpo_steps(device, folder, shape, model_cfg, algo_cfg, gen_cfg, checkpointing, micro,
-                                      (prompt_len, new_tokens, prompts, samples), peak, profile))
-        except torch.OutOfMemoryError:
-            results.append({"gradient_checkpointing": checkpointing, "micro_batch_rows": micro, "result": "out of memory"})
-        print(json.dumps(results[-1]), file=sys.stderr)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return results
+    sizes = (8, 8, 4, 2) if tiny else (256, 256, 16, 4)
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    model_cfg = OmegaConf.structured(ModelConfig(name_or_path=folder, dtype=dtype, logprob_chunk=1024))
+    algo_cfg = compose_config(["algorithm=grpo", f"algorithm.num_samples_per_prompt={sizes[3]}", "algorithm.beta=0.04"]).algorithm
+    gen_cfg = HfGeneratorConfig(name="hf", max_new_tokens=sizes[1], batch_size=sizes[2] * sizes[3], stop_token="<eos>")
+    micro = 4 if tiny else 16
+    try:
+        return grpo_steps(device, folder, shape, model_cfg, algo_cfg, gen_cfg, micro, sizes, peak, compile=not tiny)
+    except torch.OutOfMemoryError:
+        return {"micro_batch_rows": micro, "result": "out of memory"}
 
 
-def grpo_steps(device, folder, shape, model_cfg, algo_cfg, gen_cfg, checkpointing, micro, sizes, peak, profile) -> dict:
-    """Three GRPO steps (the first warms up) of one configuration; the figures of the last two."""
+def grpo_steps(device, folder, shape, model_cfg, algo_cfg, gen_cfg, micro, sizes, peak, compile: bool) -> dict:
+    """Three GRPO steps (the first warms up and compiles) of one configuration; the figures of the last two."""
     prompt_len, new_tokens, prompts, samples = sizes
     train_cfg = OmegaConf.structured(TrainConfig(micro_batch_size=micro, lr=1e-6))
-    policy = TorchPolicy(OmegaConf.structured(PolicyConfig(gradient_checkpointing=checkpointing)), model_cfg,
-                         train_cfg, total_optimizer_steps=10, device=device)
+    torch._dynamo.reset()
+    policy = TorchPolicy(OmegaConf.structured(PolicyConfig(compile=compile)), model_cfg, train_cfg,
+                         total_optimizer_steps=10, device=device)
     reference = FrozenReference(OmegaConf.structured(ReferenceConfig()), model_cfg, device)
     tokenizer = build_char_tokenizer("0123456789+=")
     generator = HFGenerator(gen_cfg, model_cfg, tokenizer, device)
@@ -143,9 +142,9 @@ def grpo_steps(device, folder, shape, model_cfg, algo_cfg, gen_cfg, checkpointin
                       policy_packs=policy.packs())
     vocab = shape["vocab_size"]
     times: dict[str, float] = {}
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     for step in range(3):  # step 0 warms up
+        if step == 1 and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         prompt_ids = torch.randint(3, vocab, (prompts, prompt_len)).tolist()
         repeated = [p for p in prompt_ids for _ in range(samples)]
         sampling = SamplingParams(new_tokens, temperature=1.0)
@@ -153,28 +152,21 @@ def grpo_steps(device, folder, shape, model_cfg, algo_cfg, gen_cfg, checkpointin
         batch = replace(with_groups(batch, samples), scores=torch.randn(len(repeated)))
         scored = Scored(batch.to("cpu"), [""] * len(repeated), [""] * len(repeated), {})
         (trained, _), logp_s = timed(device, lambda: learner.prepare(scored))
-        update = lambda: learner.train(trained, NonFiniteGuard(3))  # noqa: E731
-        if profile and step == 2 and not checkpointing:
-            with torch.profiler.profile() as prof:
-                update()
-            print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15), file=sys.stderr)
-        _, train_s = timed(device, update)
+        _, train_s = timed(device, lambda: learner.train(trained, NonFiniteGuard(3)))
         _, sync_s = timed(device, lambda: generator.update_weights(policy.state_dict()))
         if step:
             for key, value in (("generation", gen_s), ("logprobs", logp_s), ("training", train_s), ("weight_sync", sync_s)):
                 times[key] = times.get(key, 0.0) + value / 2
     rows, seq = len(repeated), prompt_len + new_tokens
-    trained_tokens = rows * seq
     flops = train_flops(policy.model.config, rows * seq, rows * new_tokens, rows * seq * seq)
     result = {
-        "gradient_checkpointing": checkpointing, "rows": rows, "tokens_per_row": seq, "micro_batch_rows": micro,
-        **{f"s_{k}": round(v, 3) for k, v in times.items()},
+        "rows": rows, "tokens_per_row": seq, "micro_batch_rows": micro, "compiled": compile,
+        **{f"s_{k}": round(v, 3) for k, v in times.items()}, "s_step": round(sum(times.values()), 3),
         "generation_tokens_per_s": round(rows * new_tokens / times["generation"], 1),
-        "training_tokens_per_s": round(trained_tokens / times["training"], 1),
-        "training_tflops": round(flops / times["training"] / 1e12, 4),
+        "training_tokens_per_s": round(rows * seq / times["training"], 1),
         "training_mfu": round(flops / times["training"] / peak, 4),
         "max_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
-        "planned_gib": round(planned_bytes(folder, model_cfg.dtype, device, checkpointing, micro, sizes, gen_cfg) / 2**30, 4),
+        "planned_gib": round(planned_bytes(folder, model_cfg.dtype, device, False, micro, sizes, gen_cfg) / 2**30, 4),
     }
     if result["max_memory_gib"]:
         result["planned_over_measured"] = round(result["planned_gib"] / result["max_memory_gib"], 3)
@@ -201,9 +193,8 @@ def allocated(device: torch.device) -> float | None:
     return round(torch.cuda.memory_allocated(device) / 2**20, 1) if device.type == "cuda" else None
 
 
-def hybrid(device: torch.device, tiny: bool, work: Path) -> dict:
+def hybrid(device: torch.device, folder: str) -> dict:
     """What sleeping frees on the device and waking re-takes (hf generator), and what optimiser offload frees."""
-    folder = save_model(work / "hybrid_model", TINY if tiny else QWEN2_5_0_5B)
     dtype = "float32" if device.type == "cpu" else "bfloat16"
     model_cfg = OmegaConf.structured(ModelConfig(name_or_path=folder, dtype=dtype))
     policy = TorchPolicy(OmegaConf.structured(PolicyConfig()), model_cfg, OmegaConf.structured(TrainConfig(lr=1e-6)), 10, device)
@@ -227,49 +218,57 @@ def hybrid(device: torch.device, tiny: bool, work: Path) -> dict:
     return out
 
 
-def strategies(device: torch.device, tiny: bool) -> list[dict]:
+def strategies(device: torch.device, tiny: bool, folder: str) -> list[dict]:
     """One optimiser step under single, ddp and fsdp2 in a process group of world size 1 (NCCL on CUDA, gloo on
     CPU), started in this process."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    return strategy_steps(["ddp", "fsdp2"], device, tiny)
+    return strategy_steps(["ddp", "fsdp2"] + ([] if tiny else ["fsdp2+compile"]), device, folder)
 
 
-def strategy_steps(names: list[str], device: torch.device, tiny: bool) -> list[dict]:
-    """The same step under `single` (no wrapper) and under each of ``names``; how each compares to `single`."""
+def strategy_steps(names: list[str], device: torch.device, folder: str) -> list[dict]:
+    """The same step under `single` (no wrapper) and under each of ``names`` (``<strategy>+compile``: with
+    `policy.compile`); how each compares to `single`. On CUDA in bf16 each keeps its own precision (single: bf16
+    weights and fp32 masters; ddp: autocast; fsdp2: its MixedPrecisionPolicy), so they agree to bf16 rounding only."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     torch.distributed.init_process_group(backend)
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = save_model(Path(tmp), TINY if tiny else QWEN2_5_0_5B)
-        model_cfg = OmegaConf.structured(ModelConfig(name_or_path=folder, dtype="bfloat16" if device.type == "cuda" else "float32"))
-        train_cfg = OmegaConf.structured(TrainConfig(lr=1e-3, adam_eps=1e-4))
-        ids = torch.randint(3, 400, (4, 32), generator=torch.Generator().manual_seed(0)).to(device)
-        steps = {}
-        for strategy in ("single", *names):
-            policy_cfg = OmegaConf.structured(PolicyConfig(strategy=StrategyConfig(name=strategy)))
-            policy = TorchPolicy(policy_cfg, model_cfg, train_cfg, total_optimizer_steps=1, device=device)
+    model_cfg = OmegaConf.structured(ModelConfig(name_or_path=folder, dtype="bfloat16" if device.type == "cuda" else "float32"))
+    train_cfg = OmegaConf.structured(TrainConfig(lr=1e-3, adam_eps=1e-4))
+    ids = torch.randint(3, 400, (4, 32), generator=torch.Generator().manual_seed(0)).to(device)
+    steps = {}
+    for label in ("single", *names):
+        strategy, _, compiled = label.partition("+")
+        torch._dynamo.reset()
+        policy_cfg = OmegaConf.structured(PolicyConfig(strategy=StrategyConfig(name=strategy), compile=bool(compiled)))
+        policy = TorchPolicy(policy_cfg, model_cfg, train_cfg, total_optimizer_steps=1, device=device)
+        with policy.autocast():
             logits = policy.module(input_ids=ids).logits.float()
-            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-            policy.backward(loss)
-            norm = policy.optimizer_step()
-            steps[strategy] = (loss.item(), norm, {k: v.detach().float().cpu() for k, v in policy.full_state_dict().items()})
-        loss_a, norm_a, w_a = steps["single"]
-        rows = []
-        for name in names:
-            loss_b, norm_b, w_b = steps[name]
-            diff = max((w_a[k] - w_b[k]).abs().max().item() for k in w_a)
-            rows.append({"strategy": name, "backend": backend, "loss": loss_b, "loss_single": loss_a, "grad_norm": norm_b,
-                         "grad_norm_single": norm_a, "max_weight_diff_vs_single": diff})
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        policy.backward(loss)
+        norm = policy.optimizer_step()
+        steps[label] = (loss.item(), norm, {k: v.detach().float().cpu() for k, v in policy.full_state_dict().items()})
+        del policy
+    loss_a, norm_a, w_a = steps["single"]
+    rows = []
+    for name in names:
+        loss_b, norm_b, w_b = steps[name]
+        diff = max((w_a[k] - w_b[k]).abs().max().item() for k in w_a)
+        rows.append({"strategy": name, "backend": backend, "loss": loss_b, "loss_single": loss_a, "grad_norm": norm_b,
+                     "grad_norm_single": norm_a, "max_weight_diff_vs_single": diff})
     torch.distributed.destroy_process_group()
     return rows
 
 
-def markdown(results: dict) -> str:
+def markdown(results: dict, level: int = 3) -> str:
+    """Each section as a Markdown table (a section of several tables, such as ``train``, as one table each)."""
     lines = []
     for section, value in results.items():
-        lines.append(f"### {section}")
+        lines.append(f"{'#' * level} {section}")
+        if isinstance(value, dict) and any(isinstance(v, (list, dict)) for v in value.values()):
+            lines.append(markdown(value, level + 1))
+            continue
         rows = value if isinstance(value, list) else [value]
         if rows and isinstance(rows[0], dict):
             keys = list(dict.fromkeys(k for r in rows for k in r))
@@ -285,34 +284,48 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes and short runs (the CPU form CI runs)")
-    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
-    parser.add_argument("--json", help="also write the figures to this JSON file")
-    parser.add_argument("--micro-batches", default="16", help="throughput: comma-separated micro-batch sizes (rows)")
-    parser.add_argument("--profile", action="store_true", help="throughput: print the top kernels of one training step")
+    parser.add_argument("--sections", default=",".join(DEFAULT), help=f"comma-separated subset of {SECTIONS}")
+    parser.add_argument("--json", help="also write the figures to this JSON file (rewritten after each section)")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="train: configurations past this many seconds are skipped")
     args = parser.parse_args()
     device = torch.device(args.device)
     wanted = args.sections.split(",")
     unknown = set(wanted) - set(SECTIONS)
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+    start = time.perf_counter()
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                      "torch": torch.__version__}
     peak = peak_matmul_flops(device, args.tiny)
     results["peak"] = {"matmul_tflops": round(peak / 1e12, 4)}
+    shape = TINY if args.tiny else QWEN2_5_0_5B
+    runs = {
+        "train": lambda work, folder: train_section(
+            folder, Qwen2Config(**shape), device, peak, args.tiny, start + args.budget_s * 0.6
+        ),
+        "grpo_step": lambda work, folder: grpo_step(device, args.tiny, folder, peak),
+        "hybrid": lambda work, folder: hybrid(device, folder),
+        "strategies": lambda work, folder: strategies(device, args.tiny, folder),
+        "learn": lambda work, folder: learn(device, args.tiny, work),
+    }
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        if "learn" in wanted:
-            results["learn"] = learn(device, args.tiny, work)
-        if "throughput" in wanted:
-            micro = [4] if args.tiny else [int(m) for m in args.micro_batches.split(",")]
-            results["throughput"] = throughput(device, args.tiny, work, peak, micro, args.profile)
-        if "hybrid" in wanted:
-            results["hybrid"] = hybrid(device, args.tiny, work)
-        if "strategies" in wanted:
-            results["strategies"] = strategies(device, args.tiny)
+        folder = save_model(Path(tmp) / "model", shape)  # random weights in the real shapes, shared by the sections
+        for section in [s for s in SECTIONS if s in wanted and s in runs]:
+            began = time.perf_counter()
+            if began - start > args.budget_s:
+                results[section] = {"skipped": f"out of time ({args.budget_s:g} s budget)"}
+                continue
+            try:
+                results[section] = runs[section](Path(tmp), folder)
+            except Exception as error:  # one broken section must not cost the others' figures
+                if args.tiny:
+                    raise
+                results[section] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+            results.setdefault("seconds", {})[section] = round(time.perf_counter() - began, 1)
+            print(f"{section}: {results[section]}", file=sys.stderr, flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     print(markdown(results))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ class Trajectories:
     turn_rewards: torch.Tensor | None = None  # (B, T) multi-turn: each turn's reward at its last action token; None = `scores` at the last
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # algorithm-specific row-aligned tensors: (B,) per row, (B, T) per window token
     rows_per_unit: int = 1  # rows trained as one unit (2 for a chosen/rejected pair); batches split whole units
+    host_spans: torch.Tensor | None = None  # (B, 3) long on the CPU: each row's first and last real column and real-token count (`with_host_spans`); None = read from attention_mask
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -80,6 +81,13 @@ class Trajectories:
         real = self.attention_mask.bool().int()
         return real.argmax(dim=1), real.shape[1] - 1 - real.flip(1).argmax(dim=1)
 
+    def with_host_spans(self) -> "Trajectories":
+        """The same rows carrying `host_spans`, read from the device once: the micro batches cut from them are
+        trimmed and packed without reading the device again (no host sync between a mini batch's forwards)."""
+        first, last = self.real_spans()
+        spans = torch.stack([first, last, self.attention_mask.sum(dim=1)], dim=1).cpu()
+        return replace(self, host_spans=spans)
+
     def justified_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """`model_inputs` with each row moved left past its left padding (which goes after the row instead), and the
         column, in them, of the position whose output predicts each window token.
@@ -100,15 +108,19 @@ class Trajectories:
         return self.input_ids.gather(1, source), mask, real_positions(mask), predicts.clamp(min=0, max=wide - 1)
 
     def _map(self, fn) -> "Trajectories":
-        """Apply ``fn`` to every tensor (fields and extras)."""
-        changes = {f.name: fn(getattr(self, f.name)) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+        """Apply ``fn`` to every tensor (fields and extras) but `host_spans`, which stays on the CPU as it is."""
+        changes = {
+            f.name: fn(getattr(self, f.name)) for f in fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor) and f.name != "host_spans"
+        }
         return replace(self, **changes, extras={k: fn(v) for k, v in self.extras.items()})
 
     def select(self, index: torch.Tensor | slice) -> "Trajectories":
         """The rows at ``index`` (a slice or a 1-D index tensor), every column kept."""
+        host = None if self.host_spans is None else self.host_spans[index.cpu() if isinstance(index, torch.Tensor) else index]
         if isinstance(index, torch.Tensor):
             index = index.to(self.input_ids.device)
-        return self._map(lambda t: t[index])
+        return replace(self._map(lambda t: t[index]), host_spans=host)
 
     def rows_of(self, units: torch.Tensor) -> torch.Tensor:
         """Row indices of the given units (``rows_per_unit`` consecutive rows each), in order. Shape: (U,) -> (U * R,)."""
@@ -124,20 +136,27 @@ class Trajectories:
         so a forward over the trimmed rows computes exactly what it computes over the full ones; window outputs
         keep their first T' columns (the rest were masked).
         """
-        real = self.attention_mask.bool()
-        if not len(self) or real.all():
+        if not len(self):
             return self
         start, width = self.window_start, self.loss_mask.shape[1]
-        used = real.any(dim=0).nonzero().squeeze(1)
-        first = min(int(used[0]), start - 1) if start > 0 else 0  # keep the column that predicts the first window token
-        keep = max(1, int(used[-1]) + 1 - start)  # window columns up to the last real token
+        if self.host_spans is not None:  # no device read
+            used_first, used_last = int(self.host_spans[:, 0].min()), int(self.host_spans[:, 1].max())
+        else:
+            real = self.attention_mask.bool()
+            if real.all():
+                return self
+            used = real.any(dim=0).nonzero().squeeze(1)
+            used_first, used_last = int(used[0]), int(used[-1])
+        first = min(used_first, start - 1) if start > 0 else 0  # keep the column that predicts the first window token
+        keep = max(1, used_last + 1 - start)  # window columns up to the last real token
         if first == 0 and keep == width:
             return self
 
         inputs = {name: getattr(self, name)[:, first : start + keep] for name in ("input_ids", "attention_mask")}
         per_token = {name: getattr(self, name)[:, :keep] for name in PER_TOKEN if getattr(self, name) is not None}
         extras = {k: v[:, :keep] if v.dim() > 1 and v.shape[1] == width else v for k, v in self.extras.items()}
-        return replace(self, **inputs, **per_token, extras=extras)
+        host = None if self.host_spans is None else self.host_spans - torch.tensor([first, first, 0])
+        return replace(self, **inputs, **per_token, extras=extras, host_spans=host)
 
     def chunks(self, size: int) -> list["Trajectories"]:
         """Consecutive row slices of at most ``size`` rows (micro batches for a forward pass)."""

@@ -10,20 +10,30 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
+sys.path.insert(0, str(SCRIPT.parent))
+from gpu_train import CONFIGS  # noqa: E402
 
 
 @pytest.mark.slow
 def test_gpu_check_runs_at_tiny_scale_on_cpu(tmp_path):
     out = tmp_path / "figures.json"
-    subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--device", "cpu", "--json", str(out)], check=True,
-                   capture_output=True, text=True, timeout=900)
+    sections = "peak,train,grpo_step,hybrid,strategies,learn"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--device", "cpu", "--json", str(out), "--sections", sections],
+                          check=True, capture_output=True, text=True, timeout=900)
     figures = json.loads(out.read_text())
     assert figures["peak"]["matmul_tflops"] > 0
     for run in figures["learn"]:  # 10 steps: the run works and is measured (tests/e2e checks that it learns)
         assert run["s_per_step"] > 0 and 0 <= run["sampled_end"] <= 1, run
-    for row in figures["throughput"]:
-        assert row["training_tokens_per_s"] > 0 and 0 < row["training_mfu"] < 1, row
-        assert row["planned_gib"] > 0, row  # the planner's figure (compared with max_memory_allocated on CUDA)
+    train = figures["train"]
+    # every configuration but the compiled ones (tests/models/test_compile.py) ran and was measured
+    assert [row["config"] for row in train["configs"]] == [c.name for c in CONFIGS if not c.compile]
+    for row in train["configs"] + train["largest_micro_batch"] + train["long_rows"]:
+        assert row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1, row
+    assert train["syncs"] == {"skipped": "CUDA only (torch.cuda.set_sync_debug_mode)"}
+    step = figures["grpo_step"]
+    assert step["training_tokens_per_s"] > 0 and 0 < step["training_mfu"] < 1, step
+    assert step["planned_gib"] > 0, step  # the planner's figure (compared with max_memory_allocated on CUDA)
     assert figures["hybrid"]["freed_bytes_reported"] > 0
+    assert "#### configs" in done.stdout and "| config |" in done.stdout  # the table printed last
     for row in figures["strategies"]:
         assert row["loss"] == row["loss_single"] and row["max_weight_diff_vs_single"] == 0.0, row

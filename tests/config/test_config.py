@@ -231,6 +231,8 @@ def test_reward_training_config_composes_and_rejects_unknown_keys():
         (["algorithm=ppo", "algorithm.advantage.lam=1.5"], r"algorithm.advantage.lam=1.5 must be in \[0, 1\]"),
         (["reward=model"], r"reward.functions is empty and reward.path is null"),
         (["model.dtype=float16"], r"model.dtype=float16 would train without loss scaling"),
+        (["train.mixed_precision=fp8"], r"train.mixed_precision='fp8'; choose one of master, autocast"),
+        (["model.logprob_chunk=-1"], r"model.logprob_chunk=-1 must be >= 0 \(0 = plain logits\)"),
         (["algorithm=ppo", "algorithm.advantage.cliprange_value=0"], r"algorithm.advantage.cliprange_value=0.0 must be > 0"),
         (["algorithm/kl_ctl=adaptive", "algorithm.beta=0"], r"algorithm.kl_ctl=adaptive starts from algorithm.beta"),
         (["algorithm/kl_ctl=adaptive", "algorithm.kl_ctl.horizon=0"], r"algorithm.kl_ctl.target=6.0 and algorithm.kl_ctl.horizon=0 must both be > 0"),
@@ -245,6 +247,18 @@ def test_reward_training_config_composes_and_rejects_unknown_keys():
 def test_infeasible_algorithm_settings_fail_with_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(compose_config(overrides))
+
+
+def test_bf16_on_a_cpu_without_bf16_arithmetic_is_a_config_error(monkeypatch):
+    import sys
+
+    checks = sys.modules["rlhf.config.validate"]  # the module (the package re-exports its function `validate`)
+    cfg = compose_config(["model.dtype=bfloat16", "cluster.device=cpu"])
+    monkeypatch.setattr(checks, "cpu_computes_bf16", lambda: False)
+    with pytest.raises(ConfigError, match=r"model.dtype=bfloat16 on cluster.device=cpu: this CPU has no bf16 arithmetic"):
+        validate(cfg)
+    monkeypatch.setattr(checks, "cpu_computes_bf16", lambda: True)
+    validate(cfg)
 
 
 def test_online_dpo_sizes_count_pairs():

@@ -63,9 +63,36 @@ def test_compiled_blocks_give_the_eager_logprobs_gradients_and_step(policy_cfg, 
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_compile_under_a_sharded_strategy_or_with_lora_is_refused_before_any_model_loads():
-    with pytest.raises(ConfigError, match=r"policy\.compile with policy\.strategy\.name=fsdp2: .*policy\.compile=false"):
-        validate(compose_config(["policy.compile=true", "policy.strategy.name=fsdp2"]))
+def test_compiled_blocks_sharded_by_fsdp2_take_the_eager_single_process_step(policy_cfg, model_cfg, train_cfg, rollout, monkeypatch):
+    """`policy.compile` with `policy.strategy.name=fsdp2`: each block compiled, then sharded (FSDP2's hooks outside
+    the compiled code). In a process group of world size 1 (gloo, started here) the step equals the eager one."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
+        monkeypatch.setenv(key, value)
+    torch.distributed.init_process_group("gloo")
+    try:
+        train = train_cfg(lr=1e-2, adam_eps=1e-3)
+        torch._dynamo.reset()
+        eager = TorchPolicy(policy_cfg, model_cfg, train, total_optimizer_steps=10, device=CPU)
+        sharded = TorchPolicy(OmegaConf.merge(policy_cfg, {"compile": True, "strategy": {"name": "fsdp2"}}), model_cfg, train,
+                              total_optimizer_steps=10, device=CPU)
+        assert sharded.strategy.name == "fsdp2" and sharded.compiled_blocks == eager.model.config.num_hidden_layers
+        for want, got in zip(accumulate(eager, [rollout]), accumulate(sharded, [rollout])):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert sharded.optimizer_step() == pytest.approx(eager.optimizer_step(), rel=1e-5)
+        after = sharded.full_state_dict()
+        for name, tensor in eager.full_state_dict().items():
+            torch.testing.assert_close(after[name], tensor, atol=1e-5, rtol=1e-5)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_compile_under_deepspeed_or_with_lora_is_refused_before_any_model_loads():
+    validate(compose_config(["policy.compile=true", "policy.strategy.name=fsdp2", "cluster=ray_local"]))
     with pytest.raises(ConfigError, match=r"policy\.compile with policy\.strategy\.name=deepspeed"):
         validate(compose_config(["policy.compile=true", "policy.strategy.name=deepspeed"]))
     with pytest.raises(ConfigError, match=r"policy\.compile with policy\.lora: .*policy\.lora\.rank=null"):

@@ -57,6 +57,21 @@ def test_rows_are_laid_end_to_end_and_each_window_token_is_predicted_from_its_ow
     assert laid[kwargs["tokens_index"]].tolist() == list(range(21))
 
 
+@pytest.mark.parametrize("prompts,responses", [([3, 6, 2], [5, 1, 4]), ([1], [1]), ([4, 4], [2, 7]), ([7, 1, 3, 2], [1, 1, 6, 3])])
+def test_host_spans_give_the_same_layout_without_reading_the_device(prompts, responses):
+    """`host_spans` (read once per mini batch) lay out a micro batch, trimmed and packed, exactly as the device's
+    own masks do; the smallest predicting column is known on the host in both ways."""
+    batch = rows(prompts, responses)
+    for micro in (batch, batch.select(torch.tensor([len(prompts) - 1, 0]))):
+        plain, hosted = micro.trimmed(), micro.with_host_spans().trimmed()
+        assert torch.equal(plain.input_ids, hosted.input_ids) and torch.equal(plain.loss_mask, hosted.loss_mask)
+        assert torch.equal(hosted.host_spans, hosted.with_host_spans().host_spans)  # trimmed spans shifted with the columns
+        a, b = packing.pack(plain), packing.pack(hosted)
+        for name in ("input_ids", "position_ids", "lengths", "predicts", "tokens_index"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        assert a.width == b.width and a.first_predict == b.first_predict == int(a.predicts.min())
+
+
 def test_packing_is_declined_only_where_a_row_has_a_hole():
     assert packing.pack(rows([3], [5])).input_ids.shape == (1, 8)  # one row: the same form as any other
     assert packing.pack(rows([3, 4, 2], [5, 4, 6])).lengths.tolist() == [8, 8, 8]  # rows of one length

@@ -20,6 +20,7 @@ class ModelConfig:
     revision: Optional[str] = None  # hub revision (branch, tag or commit); null = default branch
     dtype: str = "float32"  # weights and compute dtype: float32, bfloat16 or float16
     trust_remote_code: bool = False  # allow model code from the hub; off unless you trust the repository
+    logprob_chunk: Optional[int] = None  # tokens per chunk of the fused output layer -> logprob (no (tokens, vocabulary) logits); 0 = plain logits; null = 1024 on CUDA, 0 on CPU
 
 
 @dataclass
@@ -120,6 +121,7 @@ class TrainConfig:
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
     adam_eps: float = 1e-8  # AdamW epsilon
     max_grad_norm: float = 1.0  # gradient clipping by global norm; <= 0 disables
+    mixed_precision: str = "master"  # model.dtype=bfloat16 training: master (bf16 weights and compute, float32 master weights in the optimiser; fsdp2: its MixedPrecisionPolicy) or autocast (float32 weights, bf16 autocast; ddp always)
     max_skipped_steps_in_row: int = 3  # optimiser steps skipped for a non-finite loss/gradient in a row before the run stops
 
 
@@ -245,6 +247,7 @@ class RewardTrainLoopConfig:
     lr: float = 1e-3  # peak learning rate (linear decay to 0)
     weight_decay: float = 0.0  # AdamW weight decay
     max_grad_norm: float = 1.0  # gradient clipping by global norm; <= 0 disables
+    mixed_precision: str = "master"  # model.dtype=bfloat16 training: master (bf16 weights and compute, float32 master weights in the optimiser; fsdp2: its MixedPrecisionPolicy) or autocast (float32 weights, bf16 autocast; ddp always)
     eval_every: int = 50  # evaluate every N optimiser steps (and at the end)
 
 

@@ -24,13 +24,14 @@ from rlhf.config.unknown_keys import check_unknown_keys
 from rlhf.data.reasoning_gym import check_reasoning_gym
 from rlhf.distributed.layout import validate_cluster
 from rlhf.functional.losses import LOSS_AGGREGATIONS
-from rlhf.models.dtypes import DTYPES
+from rlhf.models.dtypes import DTYPES, cpu_computes_bf16
 from rlhf.models.lora import check_values as check_lora_values
 from rlhf.tracking.checks import check_logging
 from rlhf.checks.weight_sync import MODES as WEIGHT_SYNC_MODES
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LR_SCHEDULES = ("constant", "linear")
+MIXED_PRECISION = ("master", "autocast")  # train.mixed_precision
 
 
 @dataclass(frozen=True)
@@ -199,9 +200,9 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         f"for now; set critic.strategy.name=ddp, or critic.lora.rank=null",
     )
     _require(
-        not cfg.policy.compile or cfg.policy.strategy.name in ("auto", "single", "ddp"),
+        not cfg.policy.compile or cfg.policy.strategy.name in ("auto", "single", "ddp", "fsdp2"),
         f"policy.compile with policy.strategy.name={cfg.policy.strategy.name}: compiled decoder blocks train under "
-        f"single or ddp for now; set policy.strategy.name=ddp, or policy.compile=false",
+        f"single, ddp or fsdp2 for now (DeepSpeed wraps the blocks its own way); set policy.strategy.name=fsdp2, or policy.compile=false",
     )
     _require(
         not cfg.policy.compile or cfg.policy.lora.rank is None,
@@ -237,8 +238,21 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     _require(train.weight_decay >= 0 and train.adam_eps > 0, f"train.weight_decay={train.weight_decay} must be >= 0 and train.adam_eps={train.adam_eps} > 0")
     _require(cfg.model.dtype in DTYPES, f"model.dtype={cfg.model.dtype!r}; choose one of {', '.join(DTYPES)}")
     _require(
+        cfg.model.logprob_chunk is None or cfg.model.logprob_chunk >= 0,
+        f"model.logprob_chunk={cfg.model.logprob_chunk} must be >= 0 (0 = plain logits), or null for the device's default",
+    )
+    _require(
         cfg.model.dtype != "float16",
         "model.dtype=float16 would train without loss scaling and turn weights into NaN; use bfloat16 (or float32)",
+    )
+    _require(
+        train.mixed_precision in MIXED_PRECISION,
+        f"train.mixed_precision={train.mixed_precision!r}; choose one of {', '.join(MIXED_PRECISION)}",
+    )
+    _require(
+        cfg.model.dtype != "bfloat16" or cfg.cluster.device != "cpu" or cpu_computes_bf16(),
+        "model.dtype=bfloat16 on cluster.device=cpu: this CPU has no bf16 arithmetic (no AVX512-BF16/AMX; torch would "
+        "emulate every product); use model.dtype=float32 here, or a GPU",
     )
     _require(
         len(cfg.reward.functions) >= 1 or cfg.reward.path,

@@ -14,6 +14,7 @@ from rlhf.functional.advantages import (
     to_token_level,
     turn_returns,
 )
+from rlhf.functional.fused_logprobs import fused_logprobs
 from rlhf.functional.gae import gae_advantages, last_token_index, token_level_rewards
 from rlhf.functional.importance import (
     geometric_rejection_weights,
@@ -51,6 +52,7 @@ __all__ = [
     "rloo_advantages",
     "to_token_level",
     "turn_returns",
+    "fused_logprobs",
     "gae_advantages",
     "last_token_index",
     "token_level_rewards",

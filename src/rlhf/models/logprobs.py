@@ -7,9 +7,35 @@ from typing import Callable
 
 import torch
 
-from rlhf.functional import entropy_from_logits, logprobs_from_logits
+from rlhf.functional import entropy_from_logits, fused_logprobs, logprobs_from_logits
 from rlhf.models import packing
 from rlhf.trajectory import Trajectories
+
+FUSED_CHUNK_ON_CUDA = 1024  # `model.logprob_chunk: null` on CUDA: tokens per chunk of the fused output layer
+# model families whose output layer's input is the last hidden state and whose logits are that layer's output as it
+# is (no soft-capping or scaling after it): the families that pack, but granite (it scales its logits)
+FUSES = packing.FAMILIES - {"granite"}
+
+
+def logprob_chunk(model_cfg, device: torch.device) -> int:
+    """Tokens per chunk of the fused output layer -> logprob (`model.logprob_chunk`); 0 = the plain logits. null:
+    `FUSED_CHUNK_ON_CUDA` on CUDA, 0 elsewhere (the CPU float32 path bitwise as before)."""
+    chunk = getattr(model_cfg, "logprob_chunk", None)
+    if chunk is None:
+        return FUSED_CHUNK_ON_CUDA if torch.device(device).type == "cuda" else 0
+    return int(chunk)
+
+
+def fuses(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s logprobs can come from the fused output layer (`fused_window_logprobs`): a plain
+    `nn.Linear` head (not a LoRA-adapted one) of a `FUSES` family, its weight a whole tensor during and after the
+    forward (not FSDP2's or ZeRO-3's shards, which their hooks gather only for the logits)."""
+    head = output_layer(model)
+    config = packing.model_config(model)
+    if type(head) is not torch.nn.Linear or config is None or config.model_type not in FUSES:
+        return False
+    sharded = any(type(m).__name__.startswith("FSDP") for m in model.modules()) or hasattr(head.weight, "ds_id")
+    return not sharded
 
 
 def keeps_logits(model: torch.nn.Module) -> bool:
@@ -35,10 +61,9 @@ def window_logits(model: torch.nn.Module, batch: Trajectories, temperature: floa
     output layer (a vocabulary-sized matmul) runs on each row's window positions only: a hook hands it those
     positions of its input, row by row, so the logits are (B, T, V) however the rows are laid out.
     """
-    inputs, predicts, pick = forward_layout(model, batch)
+    inputs, predicts, first, pick = forward_layout(model, batch)
     # the token at window column t is predicted by the output at column predicts[:, t]; the model passes its output
-    # layer the last `keep` positions only, from the first of those columns
-    first = int(predicts.min()) if predicts.numel() else 0
+    # layer the last `keep` positions only, from the first of those columns (``first``)
     keep = {"logits_to_keep": inputs["input_ids"].shape[1] - first} if keeps_logits(model) else {}
     columns = predicts - first if keep else predicts
     picked = []
@@ -61,16 +86,18 @@ def window_logits(model: torch.nn.Module, batch: Trajectories, temperature: floa
     return window if temperature == 1.0 else window.float() / temperature
 
 
-def forward_layout(model: torch.nn.Module, batch: Trajectories) -> tuple[dict, torch.Tensor, Callable]:
+def forward_layout(model: torch.nn.Module, batch: Trajectories) -> tuple[dict, torch.Tensor, int, Callable]:
     """(keyword inputs of a teacher-forced forward, the column of its outputs that predicts each window token (B, T),
-    the function that picks those columns from (rows, columns, ...) outputs): the rows packed when ``model`` takes
-    packed rows and no row has a hole, else justified."""
+    the smallest such column, the function that picks those columns from (rows, columns, ...) outputs): the rows
+    packed when ``model`` takes packed rows and no row has a hole, else justified."""
     packed = packing.pack(batch) if packing.packs(model) else None
     if packed is not None:
         inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, **packed.attention_kwargs()}
-        return inputs, packed.predicts, pick_packed
+        return inputs, packed.predicts, packed.first_predict, pick_packed
     input_ids, attention_mask, position_ids, predicts = batch.justified_inputs()
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}, predicts, pick_columns
+    first = int(predicts.min()) if predicts.numel() else 0
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    return inputs, predicts, first, pick_columns
 
 
 def pick_packed(outputs: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
@@ -91,10 +118,14 @@ def pick_columns(outputs: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
 
 
 def window_logprobs(
-    model: torch.nn.Module, batch: Trajectories, temperature: float, with_entropy: bool = False, entropy_grad: bool = True
+    model: torch.nn.Module, batch: Trajectories, temperature: float, with_entropy: bool = False, entropy_grad: bool = True,
+    chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs (B, T), entropy (B, T) or None) of each window token; 0 outside the loss mask. ``entropy_grad=False``
-    computes the entropy outside the autograd graph (a metric only: no (B, T, V) softmax kept for the backward)."""
+    computes the entropy outside the autograd graph (a metric only: no (B, T, V) softmax kept for the backward).
+    ``chunk`` > 0 (`logprob_chunk`): the fused output layer, ``chunk`` tokens at a time, where the model `fuses`."""
+    if chunk > 0 and fuses(model):
+        return fused_window_logprobs(model, batch, temperature, with_entropy, entropy_grad, chunk)
     logits = window_logits(model, batch, temperature)
     logp = logprobs_from_logits(logits, batch.window_ids) * batch.loss_mask
     entropy = None
@@ -102,6 +133,41 @@ def window_logprobs(
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropy = entropy_from_logits(logits) * batch.loss_mask
     return logp, entropy
+
+
+def fused_window_logprobs(
+    model: torch.nn.Module, batch: Trajectories, temperature: float, with_entropy: bool, entropy_grad: bool, chunk: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`window_logprobs` with the output layer fused into the logprob (`rlhf.functional.fused_logprobs`): the layer's
+    hooks take its input at the window positions and hand it an empty one, so it computes nothing, and the logprobs
+    (with their own backward) come from its weight ``chunk`` tokens at a time. No (B, T, V) logits exist."""
+    inputs, predicts, first, pick = forward_layout(model, batch)
+    keep = {"logits_to_keep": inputs["input_ids"].shape[1] - first} if keeps_logits(model) else {}
+    columns = predicts - first if keep else predicts
+    out: dict[str, torch.Tensor | None] = {}
+
+    def take_window(module, args):
+        if not args or args[0].dim() != 3 or "logp" in out:
+            return None
+        out["hidden"] = pick(args[0], columns)
+        return (args[0][:, :0], *args[1:])
+
+    def fuse(module, args, output):  # inside the model's forward, where every wrapper's weights are whole
+        if "hidden" in out:
+            out["logp"], out["entropy"] = fused_logprobs(
+                out.pop("hidden"), module.weight, batch.window_ids, temperature, module.bias, chunk, with_entropy,
+                entropy_grad,
+            )
+
+    head = output_layer(model)
+    handles = [head.register_forward_pre_hook(take_window), head.register_forward_hook(fuse, prepend=True)]
+    try:
+        model(**inputs, use_cache=False, **keep)
+    finally:
+        for handle in handles:
+            handle.remove()
+    entropy = out["entropy"]
+    return out["logp"] * batch.loss_mask, None if entropy is None else entropy * batch.loss_mask
 
 
 @torch.no_grad()

@@ -7,11 +7,14 @@ function); with them (`Packed.attention_kwargs`) it gathers each row's queries, 
 longest row, head dim) block, runs causal SDPA on it and scatters the outputs back. The block's columns past a row's
 last token (filled with the tokens after it) come after every real token of the row, where causal attention keeps
 them from it, so every real token sees exactly what it sees in the padded layout, and their outputs are dropped.
-Attention pays for those columns; the token-wise layers, most of a forward, do not.
+Attention pays for those columns; the token-wise layers, most of a forward, do not. On CUDA in half precision the
+rows go instead through torch's own variable-length attention (`torch.nn.attention.varlen`), which computes no such
+columns at all.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +33,37 @@ FAMILIES = frozenset({
     "granite",
 })
 UNSUPPORTED = ("sliding_window", "softcap", "s_aux", "position_bias")  # attention arguments the packed path cannot honour
+VARLEN_ON_CUDA = True  # packed rows through torch's variable-length attention where it runs (bench/gpu_check.py compares)
+
+
+def varlen_kernel():
+    """torch's variable-length (flash) attention and the keyword arguments that make it causal, or None where this
+    torch has none. Its CUDA kernels take half precision only; it has no CPU kernel."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    takes = inspect.signature(varlen_attn).parameters
+    causal = {"is_causal": True} if "is_causal" in takes else {"window_size": (-1, 0)}
+    return varlen_attn, causal, "enable_gqa" in takes, "scale" in takes
+
+
+def uses_varlen(query: torch.Tensor) -> bool:
+    """Whether packed rows of ``query`` run on `varlen_kernel` (CUDA, bf16 or fp16) rather than the per-row block."""
+    return VARLEN_ON_CUDA and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and varlen_kernel() is not None
+
+
+def varlen_attention(query, key, value, cu_seqlens: torch.Tensor, longest: int, scaling) -> torch.Tensor:
+    """Causal attention inside each packed row by `varlen_kernel`. Shapes: query (1, H, N, D), key and value
+    (1, Hkv, N, D), cu_seqlens (R + 1,) int32 -> (1, N, H, D)."""
+    kernel, causal, takes_gqa, takes_scale = varlen_kernel()
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (N, heads, D)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and not takes_gqa:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    gqa = {"enable_gqa": True} if groups > 1 and takes_gqa else {}
+    scale = {"scale": scaling} if takes_scale else {}  # without it the kernel's own 1 / sqrt(D), every family here's
+    return kernel(q, k, v, cu_seqlens, cu_seqlens, longest, longest, **scale, **causal, **gqa).unsqueeze(0)
 
 
 def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
@@ -44,6 +78,8 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     given = [name for name in UNSUPPORTED if kwargs.get(name) is not None]
     if given:
         raise ValueError(f"packed rows cannot honour the attention arguments {given} of {type(module).__name__}")
+    if dropout == 0.0 and uses_varlen(query):
+        return varlen_attention(query, key, value, kwargs["cu_seqlens"], kwargs["longest"], scaling), None
     # (1, H, N, D) -> (R, H, W, D): row r's column c is packed token rows_index[r, c] (past the row's end: a
     # token of the next row, whose outputs are dropped and which causal attention keeps from the real ones)
     rows, width = rows_index.shape
@@ -128,6 +164,7 @@ class Packed:
     width: int  # the longest row
     predicts: torch.Tensor  # (R, T): the packed position whose output predicts each window token
     tokens_index: torch.Tensor  # (N,): each packed token's place in the (R, width) block, row * width + column
+    first_predict: int  # the smallest entry of predicts, known on the host
 
     def attention_kwargs(self) -> dict:
         """Keyword arguments a Hugging Face model passes down to `packed_attention`: the gather/scatter indices
@@ -139,24 +176,36 @@ class Packed:
         # a compiled model (`policy.compile`) keeps the row count symbolic even at one row, rather than compiling a
         # graph for the one-row micro batch (dynamo specialises sizes 0 and 1 unless told otherwise)
         torch._dynamo.decorators.mark_unbacked(rows_index, 0)
-        return {"rows_index": rows_index, "tokens_index": self.tokens_index}
+        cu_seqlens = starts.to(torch.int32)  # the rows' bounds, for the variable-length kernel (`varlen_attention`)
+        return {"rows_index": rows_index, "tokens_index": self.tokens_index, "cu_seqlens": cu_seqlens, "longest": self.width}
 
 
 def pack(batch: Trajectories) -> Packed | None:
     """``batch``'s rows packed end to end; None when a row has padding between real tokens (a packed row has no
     mask). Rows that would need no padding (one row, or all of one length) are packed too: every training forward
-    then has the same form, which a compiled model (`policy.compile`) traces once."""
+    then has the same form, which a compiled model (`policy.compile`) traces once. The sizes come from
+    ``batch.host_spans`` when the batch carries them (no device read), else from one read of the device."""
     if not len(batch):
         return None
-    first, last = batch.real_spans()
-    lengths = last + 1 - first
-    total, real, width = torch.stack([lengths.sum(), batch.attention_mask.sum(), lengths.max()]).tolist()
+    device = batch.input_ids.device
+    if batch.host_spans is not None:
+        first_h, last_h, real_h = batch.host_spans.unbind(1)
+        lengths_h = last_h + 1 - first_h
+        total, real, width = int(lengths_h.sum()), int(real_h.sum()), int(lengths_h.max())
+        first0, length0 = int(first_h[0]), int(lengths_h[0])
+        first, lengths = first_h.to(device, non_blocking=True), lengths_h.to(device, non_blocking=True)
+    else:
+        first, last = batch.real_spans()
+        lengths = last + 1 - first
+        total, real, width, first0, length0 = torch.stack(
+            [lengths.sum(), batch.attention_mask.sum(), lengths.max(), first[0], lengths[0]]
+        ).tolist()
     if total != real:
         return None
-    row = torch.repeat_interleave(torch.arange(len(batch), device=lengths.device), lengths, output_size=total)
+    row = torch.repeat_interleave(torch.arange(len(batch), device=device), lengths, output_size=total)
     starts = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
-    offset = torch.arange(total, device=lengths.device) - starts[row]
-    window = torch.arange(batch.loss_mask.shape[1], device=lengths.device)
+    offset = torch.arange(total, device=device) - starts[row]
+    window = torch.arange(batch.loss_mask.shape[1], device=device)
     # window column t is token window_start + t; its prediction comes from the row's token before it (padded window
     # columns past a row's end point at the row's last token: their outputs are masked)
     inside = (batch.window_start - 1 - first[:, None] + window).clamp(min=0).minimum(lengths[:, None] - 1)
@@ -167,4 +216,6 @@ def pack(batch: Trajectories) -> Packed | None:
         width=int(width),
         predicts=starts[:-1, None] + inside,
         tokens_index=row * width + offset,
+        # the smallest of predicts: row 0's first window column (every later row's columns start past row 0's)
+        first_predict=min(max(0, batch.window_start - 1 - first0), length0 - 1),
     )

@@ -112,7 +112,7 @@ def window_values(scorer: torch.nn.Module, batch: Trajectories) -> torch.Tensor:
     scores: a `ValueModule`, possibly wrapped by a training strategy. The rows are laid out as for the policy's
     logprobs (`logprobs.forward_layout`).
     """
-    inputs, predicts, pick = forward_layout(scorer, batch)
+    inputs, predicts, _, pick = forward_layout(scorer, batch)
     return pick(scorer(**inputs), predicts) * batch.loss_mask
 
 

@@ -206,23 +206,37 @@ def accumulate(
     ``loss_fn(micro, Forward, denominator) -> (loss share, metrics)`` is the algorithm's loss for ``model``;
     ``with_entropy`` shapes the policy's forward. Returns (finite, metrics, recorded): with
     ``record``, the forwards' outputs detached as one `Forward` of (B, T) tensors in ``mini``'s row order. As soon as
-    a loss is non-finite on any rank, every rank stops before that backward and returns False (the caller drops the
+    a loss is non-finite on any rank, every rank returns False after the mini batch (the caller drops its
     gradients). Loss shares (`is_share`) are summed over micro batches, the other metrics averaged.
+
+    No host sync between the micro batches: the layouts come from the mini batch's `host_spans` (read once), and the
+    finite flag and the metrics stay on the device until one read after the last backward.
     """
-    metrics: dict[str, float] = {}
     micro_ids = plan(mini, budget, equal_count=True)
+    mini = mini.with_host_spans()  # micro batches trimmed and packed without reading the device
     kept: list[tuple[torch.Tensor, Forward]] = []
+    sums: dict[str, torch.Tensor] = {}  # float64, as python floats would add them
+    host: dict[str, float] = {}  # metrics given as python numbers
+    finite = torch.ones((), dtype=torch.bool, device=mini.loss_mask.device)
     for ids in micro_ids:
         micro = mini.select_units(ids).trimmed()
         micro, forward, recorded = model.train_forward(micro, with_entropy, record)
         loss, micro_metrics = loss_fn(micro, forward, denominator)
-        if not all_ranks_true(bool(torch.isfinite(loss).item())):
-            return False, {}, None  # no backward: a NaN must not reach the gradients
-        model.backward(loss)
+        finite &= torch.isfinite(loss.detach())
+        model.backward(loss)  # a non-finite loss's gradients are dropped below, with the whole mini batch's
         if recorded is not None:
             kept.append((mini.rows_of(ids), recorded))
         for key, value in micro_metrics.items():
-            metrics[key] = metrics.get(key, 0.0) + float(value) * (1.0 if is_share(key) else 1.0 / len(micro_ids))
+            weight = 1.0 if is_share(key) else 1.0 / len(micro_ids)
+            if isinstance(value, torch.Tensor):
+                sums[key] = sums.get(key, 0.0) + value.detach().double() * weight
+            else:
+                host[key] = host.get(key, 0.0) + float(value) * weight
+    # the one read of the device per mini batch: the finite flag and every metric together
+    values = torch.stack([finite.double(), *sums.values()]).tolist()
+    if not all_ranks_true(values[0] == 1.0):
+        return False, {}, None  # the caller drops the gradients: a NaN must not reach the weights
+    metrics = dict(zip(sums, values[1:])) | host
     return True, metrics, in_row_order(kept, mini.loss_mask.shape[1]) if record else None
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from rlhf.models.lora import has_adapters, load_adapters
+from rlhf.models.lora import has_adapters, load_adapters, to_model_names
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
@@ -25,25 +25,30 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
     return factor
 
 
-def make_optimizer(model: torch.nn.Module, train_cfg, lr: float, total_optimizer_steps: int):
-    """AdamW over the trainable parameters and its LR schedule, from `train.*`."""
+def make_optimizer(model: torch.nn.Module | list[torch.Tensor], train_cfg, lr: float, total_optimizer_steps: int):
+    """AdamW over the trainable parameters (of a module, or a list of tensors such as float32 masters) and its LR
+    schedule, from `train.*`. Fused (one kernel for every parameter) when they all live on CUDA."""
+    params = [p for p in model.parameters() if p.requires_grad] if isinstance(model, torch.nn.Module) else list(model)
     optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
+        params,
         lr=lr,
         betas=tuple(train_cfg.adam_betas),
         eps=train_cfg.adam_eps,
         weight_decay=train_cfg.weight_decay,
+        fused=True if params and all(p.is_cuda for p in params) else None,
     )
     schedule = lr_lambda(train_cfg.lr_schedule, train_cfg.warmup_steps, total_optimizer_steps)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
-def clip_gradients(model: torch.nn.Module, max_grad_norm: float) -> float:
-    """Clip the global gradient norm (when > 0); returns the pre-clip norm (non-finite when a gradient is).
+def clip_gradients(model: torch.nn.Module | list[torch.Tensor], max_grad_norm: float) -> float:
+    """Clip the global gradient norm of a module's parameters (or of a list of tensors) when > 0; returns the
+    pre-clip norm (non-finite when a gradient is).
 
     Sharded (FSDP2) parameters give a DTensor norm, reduced over the ranks into the full norm here.
     """
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf)
+    params = model.parameters() if isinstance(model, torch.nn.Module) else model
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf)
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
@@ -65,20 +70,23 @@ def step_if_finite(norm: float, optimizer, scheduler) -> float:
     return norm
 
 
-def save_trainable(path: Path, model: torch.nn.Module, optimizer, scheduler) -> None:
-    """Weights as a Hugging Face folder (safetensors) plus optimiser and scheduler states."""
+def save_trainable(path: Path, model: torch.nn.Module, optimizer, scheduler, state_dict: dict | None = None) -> None:
+    """Weights as a Hugging Face folder (safetensors; ``state_dict`` instead of the model's own, such as float32
+    masters) plus optimiser and scheduler states."""
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path / "model", safe_serialization=True)
+    model.save_pretrained(path / "model", state_dict=state_dict, safe_serialization=True)
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, path / "optim.pt")
 
 
-def load_trainable(path: Path, model: torch.nn.Module, optimizer, scheduler) -> None:
-    """Inverse of `save_trainable`; never unpickles arbitrary objects (safetensors, weights_only=True)."""
+def load_trainable(path: Path, model: torch.nn.Module, optimizer, scheduler) -> dict[str, torch.Tensor]:
+    """Inverse of `save_trainable`; never unpickles arbitrary objects (safetensors, weights_only=True). Returns the
+    saved weights under the model's names, as saved (float32 masters stay float32)."""
     weights = {}
     for shard in sorted((path / "model").glob("*.safetensors")):
         weights |= load_file(shard, device=str(next(model.parameters()).device))
     if has_adapters(model):  # the checkpoint holds the adapters only
         load_adapters(model, weights, path)
+        weights = to_model_names(weights)
     else:
         missing, unexpected = model.load_state_dict(weights, strict=False)
         tied = {name for name in missing if "lm_head" in name and getattr(model.config, "tie_word_embeddings", False)}
@@ -87,6 +95,7 @@ def load_trainable(path: Path, model: torch.nn.Module, optimizer, scheduler) -> 
     state = torch.load(path / "optim.pt", weights_only=True)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
+    return weights
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer, to: torch.device | dict) -> dict:

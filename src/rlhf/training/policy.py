@@ -17,7 +17,7 @@ from rlhf.models import lora, packing
 from rlhf.models.dtypes import DTYPES
 from rlhf.models.loading import load_causal_lm
 from rlhf.micro_batches import Budget, window_outputs
-from rlhf.models.logprobs import window_logprobs
+from rlhf.models.logprobs import logprob_chunk, window_logprobs
 from rlhf.training.optim import clip_and_step, lr_lambda, make_optimizer  # noqa: F401 (re-exported)
 from rlhf.training.trainable import TrainableModel, compile_blocks
 from rlhf.registry import register
@@ -33,6 +33,7 @@ class TorchPolicy(TrainableModel):
         self, cfg, model_cfg, train_cfg, total_optimizer_steps: int, device: torch.device, temperature: float = 1.0
     ) -> None:
         self.cfg, self.train_cfg, self.temperature = cfg, train_cfg, temperature
+        self.chunk = logprob_chunk(model_cfg, device)  # the fused output layer's chunk; 0 = plain logits
         model = load_causal_lm(model_cfg.name_or_path, "float32", model_cfg.revision, model_cfg.trust_remote_code, device)
         packing.enable(model)
         self.lora = cfg.lora if lora.enabled(cfg.lora) else None
@@ -69,7 +70,7 @@ class TorchPolicy(TrainableModel):
     def logprobs(self, batch: Trajectories, with_entropy: bool = False, entropy_grad: bool = True):
         """(logprobs (B, T), entropy or None) of the action window, with gradients enabled, in float32."""
         with self.autocast():
-            return window_logprobs(self.module, batch, self.temperature, with_entropy, entropy_grad)
+            return window_logprobs(self.module, batch, self.temperature, with_entropy, entropy_grad, self.chunk)
 
     def rollout_logprobs(self, batch: Trajectories, chunk: int | Budget, with_entropy: bool = False):
         """`logprobs` without gradients, micro batches of ``chunk`` rows (or a `Budget`): (logprobs (B, T), entropy

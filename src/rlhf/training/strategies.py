@@ -2,7 +2,11 @@
 
 ``single`` is one process. ``ddp``, ``fsdp2`` and ``deepspeed`` run one copy per rank of a torch.distributed
 group (gloo on CPU, NCCL on GPU) that the caller has already initialised. Every strategy keeps float32 master
-weights; ``compute_dtype`` bfloat16 runs the forward passes under autocast (deepspeed: its own bf16 mode).
+weights. With ``compute_dtype`` bfloat16 (`model.dtype`) and `train.mixed_precision=master` the model computes in
+bf16 throughout: ``single`` holds bf16 weights and float32 masters in the optimiser (`MasterWeightsStrategy`),
+``fsdp2`` casts its float32 shards to bf16 for compute and reduces gradients in float32 (`MixedPrecisionPolicy`),
+``deepspeed`` runs its own bf16 mode. ``ddp``, and `train.mixed_precision=autocast`, keep float32 weights and run the
+forwards under bf16 autocast.
 
 Loss convention: a micro batch's loss is its share of the *global* mini-batch loss (the denominator counts every
 rank's tokens). DDP, FSDP2 and DeepSpeed average gradients over ranks, so `backward` multiplies by the world size
@@ -24,11 +28,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from rlhf.collectives import world
 from rlhf.models.lora import adapter_state, has_adapters, to_model_names
+from rlhf.training.master_weights import MasterWeights
 from rlhf.training.optim import clip_gradients, load_trainable, make_optimizer, save_trainable, step_if_finite
 
 STRATEGIES = ("auto", "single", "ddp", "fsdp2", "deepspeed")
@@ -52,6 +57,7 @@ class SingleStrategy:
         self.model = model
         self.compute_dtype = compute_dtype
         self.max_grad_norm = train_cfg.max_grad_norm
+        self.precision = train_cfg.mixed_precision
         self.rank, self.world_size = world()
         self._prefix = "" if module is model else "model."
         self.inner = module  # the unwrapped module (DDP and DeepSpeed wrap it; FSDP2 shards it in place)
@@ -110,6 +116,38 @@ class SingleStrategy:
         return has_adapters(self.model)
 
 
+class MasterWeightsStrategy(SingleStrategy):
+    """`single` computing in bf16: bf16 weights, float32 masters that the (fused, on CUDA) AdamW updates, gradients
+    accumulated in float32 (`rlhf.training.master_weights`). Checkpoints keep the masters, so a resumed run continues
+    from the same float32 weights; `full_state_dict` (weight pushes, exports) gives the bf16 weights."""
+
+    name = "single"
+
+    def wrap(self, module, train_cfg, lr: float, total_steps: int, strategy_cfg):
+        self.master = MasterWeights(module, self.compute_dtype)
+        self.optimizer, self.scheduler = make_optimizer(self.master.masters, train_cfg, lr, total_steps)
+        return module
+
+    def autocast(self):
+        return nullcontext()  # the weights are bf16 already
+
+    def optimizer_step(self) -> float:
+        norm = step_if_finite(clip_gradients(self.master.masters, self.max_grad_norm), self.optimizer, self.scheduler)
+        if math.isfinite(norm):
+            self.master.copy_to_weights()
+        self.master.zero_grad()
+        return norm
+
+    def zero_grad(self) -> None:
+        self.master.zero_grad()
+
+    def save(self, path: Path) -> None:
+        save_trainable(path, self.model, self.optimizer, self.scheduler, state_dict=self.master.state_dict(self.model))
+
+    def load(self, path: Path) -> None:
+        self.master.load(self.model, load_trainable(path, self.model, self.optimizer, self.scheduler))
+
+
 class DDPStrategy(SingleStrategy):
     """torch DistributedDataParallel: a full replica per rank, gradients all-reduced in every backward."""
 
@@ -133,12 +171,23 @@ class FSDP2Strategy(SingleStrategy):
 
     name = "fsdp2"
 
+    @property
+    def computes_low(self) -> bool:
+        """Whether FSDP2 itself casts to the compute dtype (`train.mixed_precision=master`), so no autocast."""
+        return self.compute_dtype != torch.float32 and self.precision == "master"
+
+    def autocast(self):
+        return nullcontext() if self.computes_low else super().autocast()
+
     def wrap(self, module, train_cfg, lr, total_steps, strategy_cfg):
         wanted = strategy_cfg.offload_params or strategy_cfg.offload_optimizer
         offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if wanted else OffloadPolicy()
+        mixed = MixedPrecisionPolicy() if not self.computes_low else MixedPrecisionPolicy(
+            param_dtype=self.compute_dtype, reduce_dtype=torch.float32
+        )
         for block in shard_units(module):
-            fully_shard(block, offload_policy=offload)
-        fully_shard(module, offload_policy=offload)
+            fully_shard(block, offload_policy=offload, mp_policy=mixed)
+        fully_shard(module, offload_policy=offload, mp_policy=mixed)
         self.optimizer, self.scheduler = make_optimizer(module, train_cfg, lr, total_steps)
         return module
 
@@ -259,4 +308,7 @@ def build_strategy(model, module, train_cfg, lr: float, total_steps: int, comput
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     module.train()  # dropout is already 0; train() only matters for modules such as gradient checkpointing
     name = strategy_cfg.name if strategy_cfg.name != "auto" else ("ddp" if world()[1] > 1 else "single")
-    return STRATEGY_CLASSES[name](model, module, train_cfg, lr, total_steps, compute_dtype, strategy_cfg)
+    cls = STRATEGY_CLASSES[name]
+    if name == "single" and compute_dtype == torch.bfloat16 and train_cfg.mixed_precision == "master":
+        cls = MasterWeightsStrategy
+    return cls(model, module, train_cfg, lr, total_steps, compute_dtype, strategy_cfg)

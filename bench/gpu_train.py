@@ -1,0 +1,229 @@
+"""The trainer's speed, change by change: GRPO training passes of a Qwen2.5-0.5B-shaped model on synthetic rows
+(no generation), under today's path and each of the trainer's speed changes alone and together. Run by
+`bench/gpu_check.py` (section ``train``); its CPU form runs in CI at tiny scale.
+
+A configuration is four switches:
+
+- ``precision``: ``autocast`` (float32 weights, bf16 autocast: the path before) or ``master`` (bf16 weights and
+  compute, float32 masters in the optimiser): `train.mixed_precision`;
+- ``chunk``: 0 (the output layer's logits, then log-softmax) or the fused output layer's chunk: `model.logprob_chunk`;
+- ``varlen``: packed rows through torch's variable-length attention (CUDA) or the per-row block:
+  `rlhf.models.packing.VARLEN_ON_CUDA`;
+- ``compile``: `policy.compile`.
+
+The host syncs inside a mini batch are gone in every configuration (not a switch); ``syncs`` counts what is left.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+import warnings
+from dataclasses import dataclass, replace
+
+import torch
+from omegaconf import OmegaConf
+
+from cli_runs import train_flops
+from rlhf.algorithms import build_algorithm
+from rlhf.config import compose_config
+from rlhf.config.schema import ModelConfig, PolicyConfig, TrainConfig
+from rlhf.models import packing
+from rlhf.run.state import NonFiniteGuard
+from rlhf.step.learner import Learner
+from rlhf.step.scored import Scored, with_groups
+from rlhf.training.policy import TorchPolicy
+from rlhf.trajectory import from_completions
+
+
+@dataclass(frozen=True)
+class Switches:
+    name: str
+    precision: str = "autocast"
+    chunk: int = 0
+    varlen: bool = False
+    compile: bool = False
+
+
+TODAY = Switches("today (autocast, plain logits, block attention, eager)")
+ALL = Switches("all four", "master", 1024, True, True)
+CONFIGS = [
+    TODAY,
+    Switches("bf16 weights + fp32 masters", precision="master"),
+    Switches("fused output layer", chunk=1024),
+    Switches("varlen attention", varlen=True),
+    Switches("policy.compile", compile=True),
+    Switches("all but compile", "master", 1024, True, False),
+    ALL,
+]
+
+
+def synthetic(rows: int, prompt: int, response: int, vocab: int, samples: int) -> Scored:
+    """``rows`` full-length GRPO rows of random tokens (no padding), random scores, groups of ``samples``."""
+    g = torch.Generator().manual_seed(0)
+    query = torch.randint(3, vocab, (rows, prompt), generator=g)
+    answer = torch.randint(3, vocab, (rows, response), generator=g)
+    batch = from_completions(query, torch.ones_like(query), answer, torch.ones_like(answer),
+                             torch.full((rows, response), -2.0), torch.ones(rows, dtype=torch.bool))
+    batch = replace(with_groups(batch, samples), scores=torch.randn(rows, generator=g))
+    return Scored(batch, [""] * rows, [""] * rows, {})
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build(folder: str, device: torch.device, switches: Switches, micro: int, samples: int):
+    """(policy, learner) of one configuration: GRPO, no reference (beta 0), one optimiser step per batch."""
+    packing.VARLEN_ON_CUDA = switches.varlen
+    dtype = "bfloat16" if device.type == "cuda" or switches.precision == "master" else "float32"
+    model_cfg = OmegaConf.structured(ModelConfig(name_or_path=folder, dtype=dtype, logprob_chunk=switches.chunk))
+    train_cfg = OmegaConf.structured(TrainConfig(micro_batch_size=micro, lr=1e-6, mixed_precision=switches.precision))
+    torch._dynamo.reset()
+    policy = TorchPolicy(OmegaConf.structured(PolicyConfig(compile=switches.compile)), model_cfg, train_cfg,
+                         total_optimizer_steps=100, device=device)
+    algo_cfg = compose_config(["algorithm=grpo", f"algorithm.num_samples_per_prompt={samples}", "algorithm.beta=0"]).algorithm
+    algorithm = build_algorithm(algo_cfg, 256)
+    learner = Learner(policy, None, None, algorithm, train_cfg, device, torch.Generator().manual_seed(0),
+                      policy_packs=policy.packs())
+    return policy, learner
+
+
+def train_pass(learner: Learner, scored: Scored) -> dict:
+    batch, _ = learner.prepare(scored)
+    return learner.train(batch, NonFiniteGuard(3))
+
+
+def measure(folder: str, shape_cfg, device: torch.device, switches: Switches, rows: int, prompt: int, response: int,
+            micro: int, peak: float, steps: int = 2, samples: int = 4) -> dict:
+    """One configuration: a warm-up pass (compiles, if asked), then ``steps`` timed passes; tokens/s, MFU, peak."""
+    row = {"config": switches.name, "rows": rows, "tokens_per_row": prompt + response, "micro_batch_rows": micro}
+    try:
+        row |= timed_passes(folder, shape_cfg, device, switches, rows, prompt, response, micro, peak, steps, samples)
+    except torch.OutOfMemoryError:
+        row["result"] = "out of memory"
+    except Exception as error:  # one configuration that breaks must not cost the others (CI's test needs every row)
+        row["result"] = f"{type(error).__name__}: {error}"[:1500]
+    finally:
+        packing.VARLEN_ON_CUDA = True
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
+def timed_passes(folder, shape_cfg, device, switches, rows, prompt, response, micro, peak, steps, samples) -> dict:
+    policy, learner = build(folder, device, switches, micro, samples)
+    scored = synthetic(rows, prompt, response, shape_cfg.vocab_size, samples)
+    start = time.perf_counter()
+    train_pass(learner, scored)
+    sync(device)
+    warmup = time.perf_counter() - start
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        metrics = train_pass(learner, scored)
+    sync(device)
+    seconds = (time.perf_counter() - start) / steps
+    seq = prompt + response
+    flops = train_flops(shape_cfg, rows * seq, rows * response, rows * seq * seq)
+    return {
+        "warmup_s": round(warmup, 2), "s_per_pass": round(seconds, 4), "tokens_per_s": round(rows * seq / seconds, 1),
+        "tflops": round(flops / seconds / 1e12, 3), "mfu": round(flops / seconds / peak, 4),
+        "max_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+        "loss": round(metrics.get("loss/policy_avg", float("nan")), 5),
+    }
+
+
+def count_syncs(folder: str, shape_cfg, device: torch.device, rows: int, prompt: int, response: int) -> dict:
+    """Host syncs of one whole training pass (prepare + train) with the mini batch in 1 and in 4 micro batches
+    (CUDA's sync debug mode, which warns on each): equal counts mean none happens between micro batches."""
+    if device.type != "cuda":
+        return {"skipped": "CUDA only (torch.cuda.set_sync_debug_mode)"}
+    counts = {}
+    for micro in (rows, rows // 4):
+        _, learner = build(folder, device, replace(ALL, compile=False), micro, 4)
+        scored = synthetic(rows, prompt, response, shape_cfg.vocab_size, 4)
+        train_pass(learner, scored)  # warm
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                train_pass(learner, scored)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts[f"syncs_{rows // micro}_micro"] = sum("synchroniz" in str(w.message) for w in caught)
+        del learner
+        torch.cuda.empty_cache()
+    return counts
+
+
+def varlen_agrees(folder: str, device: torch.device, rows: int = 8, length: int = 128) -> dict:
+    """Logprobs and gradients of packed rows through the variable-length kernel against the per-row block path (bf16,
+    the same weights): the largest differences."""
+    if device.type != "cuda" or packing.varlen_kernel() is None:
+        return {"skipped": "needs CUDA and torch.nn.attention.varlen"}
+    from rlhf.models.logprobs import window_logprobs
+
+    out = {}
+    model_cfg = OmegaConf.structured(ModelConfig(name_or_path=folder, dtype="bfloat16", logprob_chunk=1024))
+    policy = TorchPolicy(OmegaConf.structured(PolicyConfig()), model_cfg, OmegaConf.structured(TrainConfig()), 10, device)
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(length // 4, length, (rows,), generator=g)
+    ids = torch.randint(3, 1000, (rows, length), generator=g)
+    mask = (torch.arange(length) < lengths[:, None]).long()
+    batch = from_completions(ids[:, :8], torch.ones(rows, 8, dtype=torch.long), ids[:, 8:], mask[:, 8:],
+                             torch.zeros(rows, length - 8), torch.ones(rows, dtype=torch.bool)).to(device)
+    results = []
+    for varlen in (True, False):
+        packing.VARLEN_ON_CUDA = varlen
+        logp, _ = window_logprobs(policy.module, batch, 1.0, chunk=1024)
+        logp.sum().backward()
+        grad = next(p for p in policy.model.parameters() if p.grad is not None).grad.float().clone()
+        policy.model.zero_grad(set_to_none=True)
+        results.append((logp.detach().float(), grad))
+    packing.VARLEN_ON_CUDA = True
+    out["max_logprob_diff"] = round((results[0][0] - results[1][0]).abs().max().item(), 5)
+    out["max_grad_diff"] = round((results[0][1] - results[1][1]).abs().max().item(), 5)
+    out["grad_scale"] = round(results[1][1].abs().max().item(), 5)
+    return out
+
+
+def train_section(folder: str, shape_cfg, device: torch.device, peak: float, tiny: bool, deadline: float) -> dict:
+    """Every configuration at 64 rows of 256 + 256 tokens, micro batch 16; the largest micro batch that fits with
+    all four; the 2048-token variant (today vs all four); the sync count and the varlen check."""
+    rows, prompt, response = (8, 8, 8) if tiny else (64, 256, 256)
+    micro = 4 if tiny else 16
+    configs = [c for c in CONFIGS if not (tiny and c.compile)]  # compile at tiny scale: tests/models/test_compile.py
+    out: dict = {"configs": []}
+    for switches in configs:
+        if time.perf_counter() > deadline:
+            out["configs"].append({"config": switches.name, "result": "skipped: out of time"})
+            continue
+        out["configs"].append(measure(folder, shape_cfg, device, switches, rows, prompt, response, micro, peak))
+        print(out["configs"][-1], file=sys.stderr, flush=True)
+    final = ALL if not tiny else replace(ALL, compile=False)
+    out["largest_micro_batch"] = []
+    for bigger in ([8] if tiny else [32, 64]):
+        if time.perf_counter() > deadline:
+            break
+        row = measure(folder, shape_cfg, device, final, rows, prompt, response, bigger, peak, steps=1)
+        out["largest_micro_batch"].append(row)
+        print(row, file=sys.stderr, flush=True)
+        if row.get("result") == "out of memory":
+            break
+    long_prompt, long_response = (16, 16) if tiny else (1024, 1024)
+    out["long_rows"] = []
+    for switches in (TODAY, final):
+        if time.perf_counter() > deadline:
+            break
+        row = measure(folder, shape_cfg, device, switches, rows, long_prompt, long_response, 2 if tiny else 4, peak, steps=1)
+        out["long_rows"].append(row)
+        print(row, file=sys.stderr, flush=True)
+    if time.perf_counter() < deadline:
+        out["syncs"] = count_syncs(folder, shape_cfg, device, rows, prompt, response)
+        out["varlen_vs_block"] = varlen_agrees(folder, device)
+    return out
