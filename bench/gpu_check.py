@@ -244,7 +244,7 @@ def strategy_steps(names: list[str], device: torch.device, folder: str) -> list[
         policy_cfg = OmegaConf.structured(PolicyConfig(strategy=StrategyConfig(name=strategy), compile=bool(compiled)))
         policy = TorchPolicy(policy_cfg, model_cfg, train_cfg, total_optimizer_steps=1, device=device)
         with policy.autocast():
-            logits = policy.module(input_ids=ids).logits.float()
+            logits = policy.module(input_ids=ids, use_cache=False).logits.float()
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
         policy.backward(loss)
         norm = policy.optimizer_step()

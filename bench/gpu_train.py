@@ -30,11 +30,15 @@ from rlhf.algorithms import build_algorithm
 from rlhf.config import compose_config
 from rlhf.config.schema import ModelConfig, PolicyConfig, TrainConfig
 from rlhf.models import packing
+from rlhf.functional import fused_logprobs as _  # noqa: F401 (the module below, by name)
 from rlhf.run.state import NonFiniteGuard
 from rlhf.step.learner import Learner
 from rlhf.step.scored import Scored, with_groups
 from rlhf.training.policy import TorchPolicy
 from rlhf.trajectory import from_completions
+
+
+fused_module = sys.modules["rlhf.functional.fused_logprobs"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,7 @@ class Switches:
     chunk: int = 0
     varlen: bool = False
     compile: bool = False
+    chunk_kernels: bool = True  # the fused layer's chunk math compiled on CUDA (`fused_logprobs.COMPILE_ON_CUDA`)
 
 
 TODAY = Switches("today (autocast, plain logits, block attention, eager)")
@@ -56,6 +61,7 @@ CONFIGS = [
     Switches("policy.compile", compile=True),
     Switches("all but compile", "master", 1024, True, False),
     ALL,
+    Switches("all four, chunk math eager", "master", 1024, True, True, chunk_kernels=False),
 ]
 
 
@@ -78,6 +84,7 @@ def sync(device: torch.device) -> None:
 def build(folder: str, device: torch.device, switches: Switches, micro: int, samples: int):
     """(policy, learner) of one configuration: GRPO, no reference (beta 0), one optimiser step per batch."""
     packing.VARLEN_ON_CUDA = switches.varlen
+    fused_module.COMPILE_ON_CUDA = switches.chunk_kernels
     dtype = "bfloat16" if device.type == "cuda" or switches.precision == "master" else "float32"
     model_cfg = OmegaConf.structured(ModelConfig(name_or_path=folder, dtype=dtype, logprob_chunk=switches.chunk))
     train_cfg = OmegaConf.structured(TrainConfig(micro_batch_size=micro, lr=1e-6, mixed_precision=switches.precision))
@@ -107,7 +114,7 @@ def measure(folder: str, shape_cfg, device: torch.device, switches: Switches, ro
     except Exception as error:  # one configuration that breaks must not cost the others (CI's test needs every row)
         row["result"] = f"{type(error).__name__}: {error}"[:1500]
     finally:
-        packing.VARLEN_ON_CUDA = True
+        packing.VARLEN_ON_CUDA = fused_module.COMPILE_ON_CUDA = True
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -161,6 +168,28 @@ def count_syncs(folder: str, shape_cfg, device: torch.device, rows: int, prompt:
     return counts
 
 
+def profile(folder: str, shape_cfg, device: torch.device, rows: int, prompt: int, response: int, micro: int) -> dict:
+    """Where one pass of all four changes spends the GPU's time: the top kernels by device time, and the device's
+    busy time against the pass's wall time (the rest is the GPU waiting on the host)."""
+    if device.type != "cuda":
+        return {"skipped": "CUDA only"}
+    _, learner = build(folder, device, ALL, micro, 4)
+    scored = synthetic(rows, prompt, response, shape_cfg.vocab_size, 4)
+    train_pass(learner, scored)
+    sync(device)
+    start = time.perf_counter()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        train_pass(learner, scored)
+        sync(device)
+    wall = time.perf_counter() - start
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    busy = sum(e.self_device_time_total for e in events) / 1e3  # ms
+    top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:12]
+    kernels = [{"kernel": e.key[:90], "ms": round(e.self_device_time_total / 1e3, 2),
+                "share": round(e.self_device_time_total / 1e3 / busy, 3), "calls": e.count} for e in top]
+    return {"wall_ms": round(wall * 1e3, 1), "device_busy_ms": round(busy, 1), "top": kernels}
+
+
 def varlen_agrees(folder: str, device: torch.device, rows: int = 8, length: int = 128) -> dict:
     """Logprobs and gradients of packed rows through the variable-length kernel against the per-row block path (bf16,
     the same weights): the largest differences."""
@@ -178,13 +207,12 @@ def varlen_agrees(folder: str, device: torch.device, rows: int = 8, length: int 
     batch = from_completions(ids[:, :8], torch.ones(rows, 8, dtype=torch.long), ids[:, 8:], mask[:, 8:],
                              torch.zeros(rows, length - 8), torch.ones(rows, dtype=torch.bool)).to(device)
     results = []
+    weight = policy.model.get_input_embeddings().weight  # bf16 (its float32 master takes the gradient: ask autograd)
     for varlen in (True, False):
         packing.VARLEN_ON_CUDA = varlen
         logp, _ = window_logprobs(policy.module, batch, 1.0, chunk=1024)
-        logp.sum().backward()
-        grad = next(p for p in policy.model.parameters() if p.grad is not None).grad.float().clone()
-        policy.model.zero_grad(set_to_none=True)
-        results.append((logp.detach().float(), grad))
+        (grad,) = torch.autograd.grad(logp.sum(), [weight])
+        results.append((logp.detach().float(), grad.float()))
     packing.VARLEN_ON_CUDA = True
     out["max_logprob_diff"] = round((results[0][0] - results[1][0]).abs().max().item(), 5)
     out["max_grad_diff"] = round((results[0][1] - results[1][1]).abs().max().item(), 5)
@@ -226,4 +254,5 @@ def train_section(folder: str, shape_cfg, device: torch.device, peak: float, tin
     if time.perf_counter() < deadline:
         out["syncs"] = count_syncs(folder, shape_cfg, device, rows, prompt, response)
         out["varlen_vs_block"] = varlen_agrees(folder, device)
+        out["profile"] = profile(folder, shape_cfg, device, rows, prompt, response, micro)
     return out

@@ -206,3 +206,27 @@ def test_flat_tokens_and_a_mismatched_target_shape():
     assert_close(logp, unfused(hidden, weight, targets)[0])
     with pytest.raises(ValueError, match="leading dims"):
         fused_logprobs(hidden, weight, targets[:5])
+
+
+@pytest.mark.slow
+def test_the_compiled_chunk_kernels_give_the_eager_values_and_gradients(monkeypatch):
+    """On CUDA each chunk's softmax work runs compiled (`COMPILE_ON_CUDA`); compiled here on the CPU, the same
+    functions give the eager values and gradients, for two chunk sizes (dynamic shapes)."""
+    import sys
+
+    fused = sys.modules["rlhf.functional.fused_logprobs"]  # the module (the package re-exports its function)
+
+    hidden, weight, bias, targets = make_inputs(301, with_bias=True)
+
+    def run(chunk):
+        fn = lambda h, w, b, y: fused.fused_logprobs(h, w, y, 0.7, b, chunk, with_entropy=True)  # noqa: E731
+        logp, entropy, grads = values_and_grads(fn, hidden, weight, bias, targets, True, True)
+        return [logp, entropy, *grads]
+
+    eager = {chunk: run(chunk) for chunk in (3, 7)}
+    compiled = {}
+    monkeypatch.setattr(fused, "_kernel", lambda fn, device: compiled.setdefault(fn, torch.compile(fn, dynamic=True)))
+    for chunk, want in eager.items():
+        for got, expected in zip(run(chunk), want):
+            assert_close(got, expected, rtol=1e-4, atol=1e-5)  # float32 sums in another order
+    assert len(compiled) == 2  # the forward and the gradient kernels both ran compiled

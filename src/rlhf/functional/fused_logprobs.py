@@ -57,6 +57,39 @@ def _logit_grad(logq: torch.Tensor, y: torch.Tensor, g_logp: torch.Tensor, entro
     return grad.div_(temperature) if temperature != 1.0 else grad
 
 
+def _chunk_forward(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, temperature: float,
+                   with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One chunk's (logp, lse, entropy or None). Shapes: h (n, d), y (n,) -> (n,) each."""
+    logq, lse = _scaled_log_softmax(h, weight, bias, temperature)
+    logp = logq.gather(1, y.unsqueeze(-1)).squeeze(-1)
+    # -sum p log p rather than lse - E[z]: no cancellation when one token takes nearly all the mass
+    entropy = -logq.exp().mul_(logq).sum(-1) if with_entropy else None
+    return logp, lse, entropy
+
+
+def _chunk_grad(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lse: torch.Tensor, y: torch.Tensor,
+                g_logp: torch.Tensor, entropy: torch.Tensor | None, g_entropy: torch.Tensor | None,
+                temperature: float) -> torch.Tensor:
+    """One chunk's gradient with respect to its unscaled logits, in float32, from the recomputed logits. Shapes:
+    h (n, d), the rest (n,) -> (n, V)."""
+    logq, _ = _scaled_log_softmax(h, weight, bias, temperature, lse)
+    return _logit_grad(logq, y, g_logp, entropy, g_entropy, temperature)
+
+
+COMPILE_ON_CUDA = True  # CUDA: each chunk's softmax work compiled into a few fused passes over its (chunk, V) logits
+_COMPILED: dict = {}
+
+
+def _kernel(fn, device: torch.device):
+    """``fn`` compiled (dynamic shapes, once per process) on CUDA with `COMPILE_ON_CUDA`, else ``fn`` itself (the CPU
+    stays eager: the same arithmetic as the unfused path)."""
+    if device.type != "cuda" or not COMPILE_ON_CUDA:
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=True)
+    return _COMPILED[fn]
+
+
 def _autocast_state(device_type: str) -> tuple[str, torch.dtype | None]:
     """The device type and its autocast dtype, None when autocast is off (backward must recompute alike)."""
     return device_type, torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
@@ -71,12 +104,12 @@ class _FusedLogprobs(torch.autograd.Function):
         lse = hidden.new_empty(n_tokens, dtype=_stats_dtype(hidden.dtype))
         logp = torch.empty_like(lse)
         entropy = torch.empty_like(lse) if with_entropy else None
+        forward = _kernel(_chunk_forward, hidden.device)
         for start, end in _chunk_bounds(n_tokens, chunk):
-            logq, lse[start:end] = _scaled_log_softmax(hidden[start:end], weight, bias, temperature)
-            logp[start:end] = logq.gather(1, targets[start:end].unsqueeze(-1)).squeeze(-1)
+            rows = slice(start, end)
+            logp[rows], lse[rows], chunk_entropy = forward(hidden[rows], weight, bias, targets[rows], temperature, with_entropy)
             if with_entropy:
-                # -sum p log p rather than lse - E[z]: no cancellation when one token takes nearly all the mass
-                entropy[start:end] = -logq.exp().mul_(logq).sum(-1)
+                entropy[rows] = chunk_entropy
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.device_type, ctx.autocast_dtype = _autocast_state(hidden.device.type)
         ctx.entropy_grad = with_entropy and entropy_grad
@@ -101,11 +134,12 @@ class _FusedLogprobs(torch.autograd.Function):
         grad_bias = torch.zeros_like(bias, dtype=_stats_dtype(bias.dtype)) if need_bias else None
         # recompute the logits in forward's precision: under autocast, in its dtype, as the unfused linear did
         with torch.autocast(ctx.device_type, dtype=ctx.autocast_dtype, enabled=ctx.autocast_dtype is not None):
+            logit_grad = _kernel(_chunk_grad, hidden.device)
             for start, end in _chunk_bounds(hidden.shape[0], ctx.chunk):
                 rows = slice(start, end)
-                logq, _ = _scaled_log_softmax(hidden[rows], weight, bias, ctx.temperature, lse[rows])
-                grad_z = _logit_grad(logq, targets[rows], g_logp[rows], None if g_entropy is None else entropy[rows],
-                                     None if g_entropy is None else g_entropy[rows], ctx.temperature)
+                grad_z = logit_grad(hidden[rows], weight, bias, lse[rows], targets[rows], g_logp[rows],
+                                    None if g_entropy is None else entropy[rows],
+                                    None if g_entropy is None else g_entropy[rows], ctx.temperature)
                 if need_bias:
                     grad_bias += grad_z.sum(0)
                 grad_z = grad_z.to(hidden.dtype)  # the linear's backward: inputs' (or autocast's) dtype, as unfused
