@@ -166,14 +166,14 @@ def grpo_steps(device, folder, shape, model_cfg, algo_cfg, gen_cfg, micro, sizes
         "training_tokens_per_s": round(rows * seq / times["training"], 1),
         "training_mfu": round(flops / times["training"] / peak, 4),
         "max_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
-        "planned_gib": round(planned_bytes(folder, model_cfg.dtype, device, False, micro, sizes, gen_cfg) / 2**30, 4),
+        "planned_gib": round(planned_bytes(folder, model_cfg.dtype, device, False, micro, sizes, gen_cfg, compile) / 2**30, 4),
     }
     if result["max_memory_gib"]:
         result["planned_over_measured"] = round(result["planned_gib"] / result["max_memory_gib"], 3)
     return result
 
 
-def planned_bytes(folder, dtype: str, device, checkpointing: bool, micro: int, sizes, gen_cfg) -> int:
+def planned_bytes(folder, dtype: str, device, checkpointing: bool, micro: int, sizes, gen_cfg, compile: bool = False) -> int:
     """What `rlhf.plan` expects the same work to take on the device, without the runtime (max_memory_allocated
     counts neither the CUDA context nor the process's libraries)."""
     prompt_len, new_tokens, prompts, samples = sizes
@@ -182,7 +182,7 @@ def planned_bytes(folder, dtype: str, device, checkpointing: bool, micro: int, s
         f"policy.gradient_checkpointing={str(checkpointing).lower()}", f"train.micro_batch_size={micro}",
         f"train.prompts_per_step={prompts}", f"algorithm.num_samples_per_prompt={samples}", "algorithm.beta=0.04",
         f"dataset.max_prompt_length={prompt_len}", f"generator.max_new_tokens={new_tokens}",
-        f"generator.batch_size={gen_cfg.batch_size}",
+        f"generator.batch_size={gen_cfg.batch_size}", f"policy.compile={str(compile).lower()}",
     ])
     plan = make_plan(cfg)
     (group,) = plan.groups
@@ -286,6 +286,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes and short runs (the CPU form CI runs)")
     parser.add_argument("--sections", default=",".join(DEFAULT), help=f"comma-separated subset of {SECTIONS}")
     parser.add_argument("--json", help="also write the figures to this JSON file (rewritten after each section)")
+    parser.add_argument("--quick", action="store_true", help="train: today's path and all changes only")
     parser.add_argument("--budget-s", type=float, default=420.0, help="train: configurations past this many seconds are skipped")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -301,7 +302,7 @@ def main() -> None:
     shape = TINY if args.tiny else QWEN2_5_0_5B
     runs = {
         "train": lambda work, folder: train_section(
-            folder, Qwen2Config(**shape), device, peak, args.tiny, start + args.budget_s * 0.6
+            folder, Qwen2Config(**shape), device, peak, args.tiny, start + args.budget_s * 0.6, args.quick
         ),
         "grpo_step": lambda work, folder: grpo_step(device, args.tiny, folder, peak),
         "hybrid": lambda work, folder: hybrid(device, folder),

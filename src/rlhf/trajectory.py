@@ -118,8 +118,8 @@ class Trajectories:
     def select(self, index: torch.Tensor | slice) -> "Trajectories":
         """The rows at ``index`` (a slice or a 1-D index tensor), every column kept."""
         host = None if self.host_spans is None else self.host_spans[index.cpu() if isinstance(index, torch.Tensor) else index]
-        if isinstance(index, torch.Tensor):
-            index = index.to(self.input_ids.device)
+        if isinstance(index, torch.Tensor):  # a host index goes over without waiting for the device
+            index = index.to(self.input_ids.device, non_blocking=True)
         return replace(self._map(lambda t: t[index]), host_spans=host)
 
     def rows_of(self, units: torch.Tensor) -> torch.Tensor:

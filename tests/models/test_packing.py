@@ -235,3 +235,22 @@ def test_other_families_pack_with_the_padded_rows_logprobs(name):
         justified = window_logprobs(model, batch, 1.0)[0]
         assert packing.enable(model), name
         torch.testing.assert_close(window_logprobs(model, batch, 1.0)[0], justified, rtol=0, atol=1e-5)
+
+
+def test_the_variable_length_kernel_runs_only_on_cuda_in_half_precision_with_heads_it_takes(monkeypatch):
+    """`uses_varlen`: never on the CPU or in float32; with grouped-query heads only where the kernel takes them."""
+    cpu = torch.zeros(1, 4, 3, 16, dtype=torch.bfloat16)
+    assert not packing.uses_varlen(cpu, cpu[:, :2])
+
+    class Cuda(torch.Tensor):  # a stand-in that reports CUDA, to reach the kernel checks on this CPU machine
+        is_cuda = True
+
+    query, grouped = cpu.as_subclass(Cuda), cpu[:, :2].as_subclass(Cuda)
+    kernel = lambda *a, **k: None  # noqa: E731
+    monkeypatch.setattr(packing, "varlen_kernel", lambda: (kernel, {"window_size": (-1, 0)}, False, True))
+    assert packing.uses_varlen(query, query) and not packing.uses_varlen(query, grouped)
+    assert not packing.uses_varlen(query.float(), query.float())
+    monkeypatch.setattr(packing, "varlen_kernel", lambda: (kernel, {"window_size": (-1, 0)}, True, True))
+    assert packing.uses_varlen(query, grouped)
+    monkeypatch.setattr(packing, "VARLEN_ON_CUDA", False)
+    assert not packing.uses_varlen(query, grouped)

@@ -20,7 +20,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, PretrainedConfig
 
 from rlhf.errors import ConfigError
-from rlhf.functional import entropy_from_logits, logprobs_from_logits
+from rlhf.functional import entropy_from_logits, fused_logprobs, logprobs_from_logits
+from rlhf.models.logprobs import fuses, output_layer
 from rlhf.models.loading import looks_local, resolve_model_path
 from rlhf.models.lora import adapted_layers, check_not_adapter
 from rlhf.models.value import token_scores
@@ -110,7 +111,12 @@ def lora_parameter_counts(source: ModelSource, lora_cfg) -> tuple[int, int]:
             sum(m.in_features * m.out_features for m in adapted))
 
 
-def _build(config: PretrainedConfig, head: str, trust_remote_code: bool) -> torch.nn.Module:
+def _build(config: PretrainedConfig, head: str, trust_remote_code: bool, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The model of ``config`` (random weights; on the meta device or fake tensors where the caller says), in
+    ``dtype`` (None: float32)."""
+    if dtype is not None:
+        config = copy.deepcopy(config)
+        config.dtype = dtype
     if head == "value":
         config = copy.deepcopy(config)
         config.num_labels = 1
@@ -131,14 +137,17 @@ def with_layers(config: PretrainedConfig, layers: int) -> PretrainedConfig:
 
 
 def activations(
-    source: ModelSource, micro_batch: int, seq_len: int, window: int, bf16_autocast: bool, head: str = "lm"
+    source: ModelSource, micro_batch: int, seq_len: int, window: int, mode: str | bool, head: str = "lm", chunk: int = 0
 ) -> Activations:
     """Activation bytes of one training forward: ``micro_batch`` rows of ``seq_len`` tokens, the output layer and
-    log-softmax (and entropy) on the last ``window`` positions (`rlhf.models.logprobs`), float32 weights with
-    bfloat16 autocast or without. ``head="value"``: a critic's scalar head on every position instead.
+    log-softmax (and entropy) on the last ``window`` positions (`rlhf.models.logprobs`; ``chunk`` > 0: the fused
+    output layer, which keeps no logits), computed as ``mode`` says: ``float32``, ``autocast`` (float32 weights,
+    bfloat16 autocast) or ``bf16`` (bf16 weights; True and False mean autocast and float32). ``head="value"``: a
+    critic's scalar head on every position instead.
 
     Every kept tensor is proportional to the rows (the weights' bf16 copies aside), so one row is traced and scaled."""
-    row = _one_row(source, seq_len, window, bf16_autocast, head)
+    mode = {True: "autocast", False: "float32"}.get(mode, mode)
+    row = _one_row(source, seq_len, window, mode, head, chunk)
     weight_casts = row.weight_casts
     return Activations(
         per_layer=micro_batch * (row.per_layer - weight_casts.per_layer) + weight_casts.per_layer,
@@ -154,27 +163,46 @@ class _Row(Activations):
 
 
 @functools.lru_cache(maxsize=64)
-def _one_row(source: ModelSource, seq_len: int, window: int, bf16_autocast: bool, head: str) -> _Row:
+def _one_row(source: ModelSource, seq_len: int, window: int, mode: str, head: str, chunk: int) -> _Row:
     """`Activations` of a single row, with its row-independent part (bf16 weight copies) apart."""
     config = read_config(source)
-    one = _trace(with_layers(config, 1), 1, seq_len, window, bf16_autocast, head, source.trust_remote_code)
-    two = _trace(with_layers(config, 2), 1, seq_len, window, bf16_autocast, head, source.trust_remote_code)
+    one = _trace(with_layers(config, 1), 1, seq_len, window, mode, head, source.trust_remote_code, chunk)
+    two = _trace(with_layers(config, 2), 1, seq_len, window, mode, head, source.trust_remote_code, chunk)
     per_layer = max(two["total"] - one["total"], 0)
     cast_layer = max(two["weights"] - one["weights"], 0)
     hidden = text_config(config).hidden_size
     return _Row(
-        per_layer=per_layer, layer_input=seq_len * hidden * 4,  # the float32 residual stream entering a layer
+        # the residual stream entering a layer: float32, or bf16 with bf16 weights
+        per_layer=per_layer, layer_input=seq_len * hidden * (2 if mode == "bf16" else 4),
         outside_layers=max(one["total"] - per_layer, 0), largest=max(one["largest"], two["largest"]),
         weight_casts=Activations(cast_layer, 0, max(one["weights"] - cast_layer, 0), 0),
     )
 
 
-def _trace(config, micro_batch: int, seq_len: int, window: int, bf16_autocast: bool, head: str, trust: bool) -> dict:
+def _fused_forward(model, ids, mask, positions, window: int, chunk: int) -> None:
+    """The forward of `rlhf.models.logprobs.fused_window_logprobs` on plain rows: the output layer handed an empty
+    input, the logprobs and entropies of the last ``window`` positions from its weight, ``chunk`` tokens at a time."""
+    head, taken = output_layer(model), {}
+
+    def take(module, args):
+        taken["hidden"] = args[0]
+        return (args[0][:, :0], *args[1:])
+
+    handle = head.register_forward_pre_hook(take)
+    try:
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=window)
+    finally:
+        handle.remove()
+    fused_logprobs(taken["hidden"], head.weight, ids[:, -window:], 1.0, head.bias, chunk, with_entropy=True)
+
+
+def _trace(config, micro_batch: int, seq_len: int, window: int, mode: str, head: str, trust: bool, chunk: int = 0) -> dict:
     """{"total": bytes autograd keeps, "largest": the largest kept tensor} for one forward on fake tensors."""
+    bf16_autocast = mode == "autocast"
     kept: dict[int, int] = {}
     casts: set[int] = set()  # kept tensors shaped like a weight: autocast's copies of it, which rows do not scale
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model = _build(config, head, trust).train()
+        model = _build(config, head, trust, torch.bfloat16 if mode == "bf16" else None).train()
         params = {id(p) for p in model.parameters()}
         weight_shapes = {tuple(p.shape) for p in model.parameters()} | {tuple(p.shape[::-1]) for p in model.parameters()}
 
@@ -193,6 +221,8 @@ def _trace(config, micro_batch: int, seq_len: int, window: int, bf16_autocast: b
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor), autocast:
             if head == "value":
                 token_scores(model, ids, mask, positions)
+            elif chunk and fuses(model):
+                _fused_forward(model, ids, mask, positions, window, chunk)
             else:
                 logits = model(
                     input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=window

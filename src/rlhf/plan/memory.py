@@ -39,19 +39,26 @@ class Sharding:
     offload_params: bool = False  # weights on the host between uses
 
 
-def trained_state(role: str, params: int, sharding: Sharding, bf16: bool, trainable: int | None = None) -> list[Item]:
+def trained_state(
+    role: str, params: int, sharding: Sharding, bf16: bool, trainable: int | None = None, master: bool = False
+) -> list[Item]:
     """Weights, gradients and AdamW state of a trained role on one of its devices; ``trainable`` parameters (default:
     all ``params``; fewer for LoRA adapters) have gradients and optimiser state.
 
-    Every strategy but DeepSpeed keeps float32 weights and gradients and runs bf16 under autocast; DDP also keeps a
-    float32 gradient bucket per parameter. DeepSpeed keeps its weights and gradients in the compute dtype (bf16 or
+    ``master`` (bf16 with `train.mixed_precision=master`): `single` holds bf16 weights, float32 masters and their
+    float32 gradients, and each backward's bf16 gradients until they are added in; FSDP2 keeps its float32 shards (and
+    gathers bf16 blocks, `rlhf.plan.roles`). Otherwise every strategy but DeepSpeed keeps float32 weights and gradients
+    and runs bf16 under autocast; DDP also keeps a float32 gradient bucket per parameter. DeepSpeed keeps its weights and gradients in the compute dtype (bf16 or
     float32) and a float32 copy of its optimiser partition beside the moments; ZeRO shards the optimiser state (stage 1), gradients (2) and weights (3); FSDP2
     shards all three.
     """
     n, trained = sharding.ranks, params if trainable is None else trainable
     weights, grads, optimizer = FLOAT32 * params, FLOAT32 * trained, ADAM_MOMENTS * FLOAT32 * trained
     extra = []
-    if sharding.strategy == "ddp":
+    if master and sharding.strategy == "single":
+        weights = 2 * params
+        extra += [Item(role, "master weights", FLOAT32 * trained), Item(role, "bf16 gradients", 2 * trained)]
+    elif sharding.strategy == "ddp":
         extra.append(Item(role, "gradient buckets", FLOAT32 * trained))
     elif sharding.strategy == "fsdp2":
         weights, grads, optimizer = weights // n, grads // n, optimizer // n
@@ -65,14 +72,23 @@ def trained_state(role: str, params: int, sharding: Sharding, bf16: bool, traina
         Item(role, "weights", weights, on_host=sharding.offload_params),
         Item(role, "gradients", grads, phases=(TRAIN,)),
         Item(role, "optimizer", optimizer, on_host=sharding.offload_optimizer),
-        *[Item(e.role, e.what, e.bytes, phases=(TRAIN,)) for e in extra],
+        *[Item(e.role, e.what, e.bytes, phases=PHASES if e.what == "master weights" else (TRAIN,)) for e in extra],
     ]
 
 
-def scoring_bytes(rows: int, window: int, vocab: int, layer_bytes: int) -> int:
-    """A no-grad forward's temporaries: the window's float32 logits and their log-softmax, plus one layer's
-    activations (``layer_bytes``), which are freed as the next layer runs."""
+def scoring_bytes(rows: int, window: int, vocab: int, layer_bytes: int, chunk: int = 0) -> int:
+    """A no-grad forward's temporaries: the window's float32 logits and their log-softmax (``chunk`` > 0, the fused
+    output layer: those of one chunk of tokens, `fused_chunk_bytes`), plus one layer's activations (``layer_bytes``),
+    which are freed as the next layer runs."""
+    if chunk > 0:
+        return fused_chunk_bytes(min(chunk, rows * window), vocab) + layer_bytes
     return 2 * rows * window * vocab * FLOAT32 + layer_bytes
+
+
+def fused_chunk_bytes(tokens: int, vocab: int) -> int:
+    """The fused output layer's (`rlhf.functional.fused_logprobs`) temporaries for one chunk of ``tokens``: its
+    logits, their log-softmax and the gradient with respect to them, float32, plus their cast for the matmul."""
+    return 4 * tokens * vocab * FLOAT32
 
 
 def peak(items: list[Item]) -> tuple[int, str]:

@@ -113,7 +113,8 @@ def role_memory(cfg, used: list[str], ranks: dict[str, int], work: roles.Workloa
     found = roles.sources(cfg)
     items = {
         "policy": roles.trained_items("policy", found["policy"], "lm", cfg.policy.strategy,
-                                     cfg.policy.gradient_checkpointing, ranks["policy"], work, cfg.policy.lora),
+                                     cfg.policy.gradient_checkpointing, ranks["policy"], work, cfg.policy.lora,
+                                     compiled=cfg.policy.compile),
         "generator": roles.generator_items(cfg, found["generator"], work, capacity),
     }
     if "reference" in used:

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from rlhf.training.critic import critic_init_path
 from rlhf.generators.base import sleep_overrides
 from rlhf.generators.memory import GenerationWork, GeneratorShape, own_copy_memory
 from rlhf.models.dtypes import DTYPES
+from rlhf.models.logprobs import logprob_chunk
 from rlhf.models import lora
 from rlhf.plan import memory
 from rlhf.plan.architecture import ModelSource, activations, lora_parameter_counts, parameter_count, read_config, text_config
@@ -22,6 +25,10 @@ from rlhf.registry import schedule_trait
 # gradients alive at once in the backward of the largest kept tensor (the output layer's logits: the gradients of
 # the log-softmax, of the entropy, their sum and the logits' own): about 4x its bytes, measured on a 30M Llama
 BACKWARD_COPIES = 4
+# what compiled decoder blocks (`policy.compile`) keep for the backward, as a share of what the eager blocks keep:
+# inductor recomputes the cheap elementwise work instead of saving it. Measured on an H100 (bench/GPU.md, 2026-11-26:
+# Qwen2.5-0.5B shape, micro batch 16 x 512 tokens, bf16): 21.16 GiB eager, 18.07 GiB compiled, of 11.3 GiB activations
+COMPILED_ACTIVATIONS = 0.73
 
 
 @dataclass(frozen=True)
@@ -37,14 +44,22 @@ class Workload:
     device_kind: str  # cuda or cpu
     sleeps_generator: bool  # the schedule puts the generator to sleep while training (schedule=hybrid)
     offload_while_generating: bool  # schedule.offload_optimizer: the optimiser waits on the host while generating
+    precision: str = "master"  # train.mixed_precision
+    logprob_chunk: int = 0  # the fused output layer's chunk on this device (`model.logprob_chunk` resolved); 0 = logits
 
     @property
     def dtype_bytes(self) -> int:
         return DTYPES[self.dtype].itemsize
 
-    @property
-    def autocast(self) -> bool:
-        return self.dtype != "float32"
+    def compute(self, strategy: str | None) -> str:
+        """How a forward computes (`rlhf.plan.architecture.activations`' mode): float32; ``bf16`` weights (a frozen
+        model, ``strategy`` None; a trained one under single or fsdp2 with master weights, or DeepSpeed's bf16); or
+        ``autocast`` (float32 weights: ddp, or `train.mixed_precision=autocast`)."""
+        if self.dtype == "float32":
+            return "float32"
+        if strategy is None or strategy == "deepspeed" or (self.precision == "master" and strategy in ("single", "fsdp2")):
+            return "bf16"
+        return "autocast"
 
 
 def workload(cfg, sizes, ranks: dict[str, int], device_kind: str, rows_per_unit: int) -> Workload:
@@ -66,6 +81,7 @@ def workload(cfg, sizes, ranks: dict[str, int], device_kind: str, rows_per_unit:
         seq_len=seq_len, window=min(window, seq_len), dtype=cfg.model.dtype, device_kind=device_kind,
         sleeps_generator=schedule_trait(cfg.schedule, "sleeps_generator"),
         offload_while_generating=offloads_while_generating(cfg),
+        precision=cfg.train.mixed_precision, logprob_chunk=logprob_chunk(cfg.model, torch.device(device_kind)),
     )
 
 
@@ -95,44 +111,52 @@ def sharding(strategy, ranks: int) -> Sharding:
 
 
 def trained_items(role: str, source: ModelSource, head: str, strategy, gradient_checkpointing: bool, ranks: int,
-                  work: Workload, lora_cfg=None) -> list[Item]:
+                  work: Workload, lora_cfg=None, compiled: bool = False) -> list[Item]:
     """A trained role (policy or critic): its state, its training activations and its own scoring pass; with
     ``lora_cfg`` (`policy.lora`) only the adapters get gradients and optimiser state."""
     params = parameter_count(source, head)
     shard = sharding(strategy, ranks)
+    mode = work.compute(shard.strategy)
     trainable, merged = lora_parameter_counts(source, lora_cfg) if lora.enabled(lora_cfg) else (params, 0)
-    items = memory.trained_state(role, params, shard, work.autocast, trainable)
+    items = memory.trained_state(role, params, shard, work.dtype != "float32", trainable, master=mode == "bf16")
     if merged and role == "policy":  # a LoRA push: the adapted layers merged into a new copy, held while the generator loads them
         items.append(Item(role, "merged weights", FLOAT32 * merged, phases=(GENERATE,)))
     if work.sleeps_generator and work.offload_while_generating and role == "policy":
         items = [_without(i, GENERATE) if i.what == "optimizer" else i for i in items]
     window = work.window if head == "lm" else 1
-    act = activations(source, work.micro_rows, work.seq_len, window, work.autocast, head)
-    layers = text_config(read_config(source)).num_hidden_layers
-    items.append(Item(role, "activations", act.total(layers, gradient_checkpointing), phases=(TRAIN,)))
-    items.append(Item(role, "backward temporaries", BACKWARD_COPIES * act.largest, phases=(TRAIN,)))
+    chunk = work.logprob_chunk if head == "lm" and shard.strategy in ("single", "ddp") else 0  # where the layer fuses
+    act = activations(source, work.micro_rows, work.seq_len, window, mode, head, chunk)
+    config = text_config(read_config(source))
+    kept = act.total(config.num_hidden_layers, gradient_checkpointing)
+    items.append(Item(role, "activations", int(kept * COMPILED_ACTIVATIONS) if compiled else kept, phases=(TRAIN,)))
+    temporaries = BACKWARD_COPIES * act.largest
+    if chunk:  # the fused layer's own chunk, beside the largest kept tensor's gradients
+        temporaries = max(temporaries, memory.fused_chunk_bytes(min(chunk, work.micro_rows * window), config.vocab_size))
+    items.append(Item(role, "backward temporaries", temporaries, phases=(TRAIN,)))
     if shard.strategy == "fsdp2" or (shard.strategy == "deepspeed" and shard.zero_stage == 3):
-        # one block's weights gathered whole while it runs, and the next one prefetched
-        items.append(Item(role, "gathered weights", 2 * FLOAT32 * params // layers, phases=(TRAIN, SCORE)))
-    items.append(Item(role, "scoring temporaries", _scoring(source, head, work), phases=(SCORE,)))
+        # one block's weights gathered whole while it runs, and the next one prefetched (bf16 under mixed precision)
+        gathered = (2 if mode == "bf16" else FLOAT32) * 2 * params // config.num_hidden_layers
+        items.append(Item(role, "gathered weights", gathered, phases=(TRAIN, SCORE)))
+    items.append(Item(role, "scoring temporaries", _scoring(source, head, work, mode, chunk), phases=(SCORE,)))
     return items
 
 
 def frozen_items(role: str, source: ModelSource, head: str, work: Workload) -> list[Item]:
     """A model that only scores (reference, reward model): weights in `model.dtype` and its scoring pass."""
     params = parameter_count(source, head)
+    chunk = work.logprob_chunk if head == "lm" else 0
     return [
         Item(role, "weights", params * work.dtype_bytes),
-        Item(role, "scoring temporaries", _scoring(source, head, work), phases=(SCORE,)),
+        Item(role, "scoring temporaries", _scoring(source, head, work, work.compute(None), chunk), phases=(SCORE,)),
     ]
 
 
-def _scoring(source: ModelSource, head: str, work: Workload) -> int:
-    """Temporaries of a no-grad forward over ``work.score_rows`` rows."""
+def _scoring(source: ModelSource, head: str, work: Workload, mode: str, chunk: int) -> int:
+    """Temporaries of a no-grad forward over ``work.score_rows`` rows, computed as ``mode`` says."""
     vocab = text_config(read_config(source)).vocab_size if head == "lm" else 0
     window = work.window if head == "lm" else 1  # the training trace's key: one trace serves both
-    act = activations(source, work.score_rows, work.seq_len, window, work.autocast, head)
-    return memory.scoring_bytes(work.score_rows, work.window, vocab, act.per_layer)
+    act = activations(source, work.score_rows, work.seq_len, window, mode, head, chunk)
+    return memory.scoring_bytes(work.score_rows, work.window, vocab, act.per_layer, chunk)
 
 
 def offloads_while_generating(cfg) -> bool:
