@@ -54,3 +54,11 @@ def test_the_peak_is_the_largest_phase_not_the_sum():
     items = [Item("policy", "weights", 10), Item("policy", "activations", 50, (TRAIN,)),
              Item("generator", "kv_cache", 70, (GENERATE,)), Item("reference", "scoring temporaries", 20, (SCORE,))]
     assert peak(items) == (80, GENERATE)
+
+
+def test_bf16_master_weights_hold_bf16_weights_and_float32_masters_gradients_and_moments():
+    items = by_what(trained_state("policy", P, Sharding("single", 1), bf16=True, master=True))
+    assert items == {"weights": (2 * P, False), "master weights": (4 * P, False), "gradients": (4 * P, False),
+                     "optimizer": (8 * P, False)}
+    fsdp2 = by_what(trained_state("policy", P, Sharding("fsdp2", 4), bf16=True, master=True))
+    assert fsdp2 == {"weights": (P, False), "gradients": (P, False), "optimizer": (2 * P, False)}  # float32 shards

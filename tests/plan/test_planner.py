@@ -145,3 +145,21 @@ def test_lora_drops_the_reference_and_the_full_gradients_and_counts_the_adapters
     assert bytes_of(lora, "weights")["policy"] == bytes_of(full, "weights")["policy"]
     assert bytes_of(lora, "merged weights")["policy"] == 4 * 32 * sum(i * o for i, o in sizes.values())
     assert lora.groups[0].peak[0] < full.groups[0].peak[0]
+
+
+def test_the_plan_follows_the_trainer_precision_the_fused_output_layer_and_compiled_blocks(small_model):
+    """On CUDA in bf16: master weights beside bf16 weights; the fused output layer's scoring temporaries are one
+    chunk's, not the whole window's logits; compiled blocks keep `COMPILED_ACTIVATIONS` of the eager activations."""
+    from rlhf.plan.roles import COMPILED_ACTIVATIONS
+
+    base = [f"model.name_or_path={small_model}", "dataset.max_prompt_length=32", "cluster.device=cuda",
+            "cluster.device_memory_gb=80", "model.dtype=bfloat16", "train.micro_batch_size=64", "generator.max_new_tokens=64"]
+
+    def policy(*extra):
+        (group,) = make_plan(compose_config([*base, *extra])).groups
+        return {i.what: i.bytes for i in group.items if i.role == "policy"}
+
+    fused, plain, autocast, compiled = policy(), policy("model.logprob_chunk=0"), policy("train.mixed_precision=autocast"), policy("policy.compile=true")
+    assert fused["weights"] * 2 == fused["master weights"] and "master weights" not in autocast
+    assert fused["scoring temporaries"] < plain["scoring temporaries"]
+    assert compiled["activations"] == int(fused["activations"] * COMPILED_ACTIVATIONS)

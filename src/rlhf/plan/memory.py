@@ -46,7 +46,7 @@ def trained_state(
     all ``params``; fewer for LoRA adapters) have gradients and optimiser state.
 
     ``master`` (bf16 with `train.mixed_precision=master`): `single` holds bf16 weights, float32 masters and their
-    float32 gradients, and each backward's bf16 gradients until they are added in; FSDP2 keeps its float32 shards (and
+    float32 gradients (each bf16 gradient lives only until its hook adds it in); FSDP2 keeps its float32 shards (and
     gathers bf16 blocks, `rlhf.plan.roles`). Otherwise every strategy but DeepSpeed keeps float32 weights and gradients
     and runs bf16 under autocast; DDP also keeps a float32 gradient bucket per parameter. DeepSpeed keeps its weights and gradients in the compute dtype (bf16 or
     float32) and a float32 copy of its optimiser partition beside the moments; ZeRO shards the optimiser state (stage 1), gradients (2) and weights (3); FSDP2
@@ -57,7 +57,7 @@ def trained_state(
     extra = []
     if master and sharding.strategy == "single":
         weights = 2 * params
-        extra += [Item(role, "master weights", FLOAT32 * trained), Item(role, "bf16 gradients", 2 * trained)]
+        extra.append(Item(role, "master weights", FLOAT32 * trained))
     elif sharding.strategy == "ddp":
         extra.append(Item(role, "gradient buckets", FLOAT32 * trained))
     elif sharding.strategy == "fsdp2":
@@ -80,15 +80,16 @@ def scoring_bytes(rows: int, window: int, vocab: int, layer_bytes: int, chunk: i
     """A no-grad forward's temporaries: the window's float32 logits and their log-softmax (``chunk`` > 0, the fused
     output layer: those of one chunk of tokens, `fused_chunk_bytes`), plus one layer's activations (``layer_bytes``),
     which are freed as the next layer runs."""
-    if chunk > 0:
-        return fused_chunk_bytes(min(chunk, rows * window), vocab) + layer_bytes
+    if chunk > 0:  # no gradient: its logits, their log-softmax and one product for the entropy
+        return fused_chunk_bytes(min(chunk, rows * window), vocab, copies=3) + layer_bytes
     return 2 * rows * window * vocab * FLOAT32 + layer_bytes
 
 
-def fused_chunk_bytes(tokens: int, vocab: int) -> int:
-    """The fused output layer's (`rlhf.functional.fused_logprobs`) temporaries for one chunk of ``tokens``: its
-    logits, their log-softmax and the gradient with respect to them, float32, plus their cast for the matmul."""
-    return 4 * tokens * vocab * FLOAT32
+def fused_chunk_bytes(tokens: int, vocab: int, copies: int = 4) -> int:
+    """The fused output layer's (`rlhf.functional.fused_logprobs`) temporaries for one chunk of ``tokens``: ``copies``
+    float32 (tokens, vocab) tensors; in the backward its logits, their log-softmax, the gradient with respect to them
+    and that gradient's cast for the matmuls."""
+    return copies * tokens * vocab * FLOAT32
 
 
 def peak(items: list[Item]) -> tuple[int, str]:

@@ -1,10 +1,14 @@
 """Low-precision weights with float32 master copies, as the large trainers keep them.
 
 The model computes in bf16 (weights, activations, norms: no autocast, no per-micro-batch casts); the optimiser owns a
-float32 copy of each trained parameter. After each backward `accumulate` adds the bf16 gradients into the masters'
-float32 gradients (one multi-tensor add) and drops them, so gradients accumulate over micro batches in float32 and no
-bf16 gradient outlives its backward. The optimiser steps the masters, which `copy_to_weights` copies into the bf16
-weights once per optimiser step.
+float32 copy of each trained parameter. Each backward's bf16 gradient is added into the master's float32 gradient the
+moment autograd has accumulated it (a post-accumulate-grad hook) and dropped, so gradients accumulate over micro
+batches in float32 and no bf16 gradient outlives its backward. The optimiser steps the masters, which
+`copy_to_weights` copies into the bf16 weights once per optimiser step.
+
+(One multi-tensor add after each backward instead of the hooks was measured slower on an H100, bench/GPU.md: torch's
+multi-tensor add falls back to one kernel per tensor for float32 += bf16, and the first micro batch then pays a zero
+fill and an add where the hook pays one cast.)
 """
 
 from __future__ import annotations
@@ -23,18 +27,21 @@ class MasterWeights:
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.masters = [p.detach().float().clone() for p in self.params]
         module.to(dtype)  # in place: the same Parameter objects now hold bf16 data
+        self.hooks = [p.register_post_accumulate_grad_hook(self._into(m)) for p, m in zip(self.params, self.masters)]
 
-    def accumulate(self) -> None:
-        """The bf16 gradients of the last backward into the masters' float32 gradients (allocated at the first micro
-        batch of an optimiser step), then dropped. A parameter the backward did not reach adds nothing."""
-        pairs = [(m, p.grad) for m, p in zip(self.masters, self.params) if p.grad is not None]
-        for master, _ in pairs:
+    @staticmethod
+    def _into(master: torch.Tensor):
+        """The hook of one parameter: its bf16 gradient into ``master``'s float32 one (a cast at the first micro batch
+        of an optimiser step, an add after), then dropped."""
+
+        def accumulate(param: torch.Tensor) -> None:
             if master.grad is None:
-                master.grad = torch.zeros_like(master)
-        if pairs:
-            torch._foreach_add_([m.grad for m, _ in pairs], [g for _, g in pairs])
-        for param in self.params:
+                master.grad = param.grad.float()
+            else:
+                master.grad.add_(param.grad)
             param.grad = None
+
+        return accumulate
 
     def copy_to_weights(self) -> None:
         """The masters into the low-precision weights (after an optimiser step, or a checkpoint load)."""

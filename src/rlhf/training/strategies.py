@@ -131,10 +131,6 @@ class MasterWeightsStrategy(SingleStrategy):
     def autocast(self):
         return nullcontext()  # the weights are bf16 already
 
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-        self.master.accumulate()
-
     def optimizer_step(self) -> float:
         norm = step_if_finite(clip_gradients(self.master.masters, self.max_grad_norm), self.optimizer, self.scheduler)
         if math.isfinite(norm):
