@@ -55,6 +55,20 @@ def test_kill_9_then_resume_reproduces_the_uninterrupted_run(reference_run, tmp_
     resume_and_compare(args, run_dir, reference_run)
 
 
+def test_bf16_weights_with_float32_masters_resume_exactly(tmp_path):
+    """`model.dtype=bfloat16` (bf16 weights, float32 masters in the optimiser): a checkpoint keeps the masters, so
+    kill -9 and resume reproduce the uninterrupted run bitwise, as the float32 path does."""
+    steps = 40  # the kill must land mid-run (a step is ~40 ms here)
+    base = [f"train.num_steps={steps}", "eval.every=0", "seed=5", "model.dtype=bfloat16"]
+    reference = tmp_path / "reference" / "run"
+    reference.parent.mkdir()
+    run_cli(*base, f"hydra.run.dir={reference}", cwd=reference.parent)
+    run_dir = tmp_path / "run"
+    args = [*base, "checkpoint.every=2", "checkpoint.keep_last=0", f"hydra.run.dir={run_dir}"]
+    kill_at_a_checkpoint(args, run_dir, 4, steps)
+    resume_and_compare(args, run_dir, reference, steps)
+
+
 def kill_at_a_checkpoint(args: list[str], run_dir: Path, kill_after: int, steps: int = STEPS) -> None:
     """Start the CLI with ``args`` (its output in ``run_dir``) and SIGKILL it once a checkpoint of step >= ``kill_after``
     is complete, before the run ends."""

@@ -112,3 +112,26 @@ def test_tied_weights_have_one_master_under_both_names():
     named = master.by_name(model)
     assert named["lm_head.weight"] is named["model.embed_tokens.weight"]
     assert len(master.masters) == len({id(p) for p in model.parameters()})
+
+
+def test_policy_and_critic_train_in_bf16_with_float32_masters(tiny_model_dir, train_cfg, rollout):
+    """`model.dtype=bfloat16` on a CPU with bf16 arithmetic: the policy and the critic (its value head too) hold bf16
+    weights, take float32 logprobs and values, and one step moves their masters and, rounded, their weights."""
+    from rlhf.config.schema import CriticConfig, ModelConfig, PolicyConfig
+    from rlhf.training.critic import TorchCritic
+    from rlhf.training.policy import TorchPolicy
+
+    model_cfg = OmegaConf.structured(ModelConfig(name_or_path=tiny_model_dir, dtype="bfloat16"))
+    train = train_cfg(lr=1e-2)
+    policy = TorchPolicy(OmegaConf.structured(PolicyConfig()), model_cfg, train, 10, torch.device("cpu"))
+    critic = TorchCritic(OmegaConf.structured(CriticConfig()), model_cfg, tiny_model_dir, train, 10, torch.device("cpu"))
+    for model, out in ((policy, lambda: policy.logprobs(rollout)[0]), (critic, lambda: critic.values(rollout))):
+        assert isinstance(model.strategy, MasterWeightsStrategy)
+        assert {p.dtype for p in model.module.parameters()} == {torch.bfloat16}
+        before = [m.clone() for m in model.strategy.master.masters]
+        value = out()
+        model.backward((value * rollout.loss_mask).sum())
+        assert math.isfinite(model.optimizer_step())
+        moved = [not torch.equal(a, b) for a, b in zip(before, model.strategy.master.masters)]
+        assert sum(moved) > len(moved) // 2
+        assert all(torch.equal(p.detach(), m.to(torch.bfloat16)) for p, m in zip(model.strategy.master.params, model.strategy.master.masters))

@@ -85,7 +85,7 @@ class LoraConfig:
 class PolicyConfig:
     name: str = "torch"  # training backend: torch (CPU or GPU, under `strategy`) or an import path
     gradient_checkpointing: bool = False  # trade compute for activation memory
-    compile: bool = False  # torch.compile each decoder block (dynamic shapes: micro batches of new sizes reuse the graphs); the first steps pay the compile; strategy single or ddp, no policy.lora
+    compile: bool = False  # torch.compile each decoder block (dynamic shapes: micro batches of new sizes reuse the graphs); the first steps pay the compile; strategy single, ddp or fsdp2, no policy.lora
     strategy: StrategyConfig = field(default_factory=StrategyConfig)  # how training is spread over the policy's devices
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters; the reference is then the base model with adapters off
 

@@ -22,6 +22,11 @@ from transformers import AttentionInterface, PretrainedConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+try:  # torch's variable-length attention (torch 2.10 on); packed rows use it on CUDA where it fits (`uses_varlen`)
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:
+    varlen_attn = None
+
 from rlhf.trajectory import Trajectories
 
 IMPLEMENTATION = "rlhf_packed"  # the attention implementation name packed models run on
@@ -36,16 +41,22 @@ UNSUPPORTED = ("sliding_window", "softcap", "s_aux", "position_bias")  # attenti
 VARLEN_ON_CUDA = True  # packed rows through torch's variable-length attention where it runs (bench/gpu_check.py compares)
 
 
-def varlen_kernel():
-    """torch's variable-length (flash) attention and the keyword arguments that make it causal, or None where this
-    torch has none. Its CUDA kernels take half precision only; it has no CPU kernel."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
+def _varlen_kernel() -> tuple | None:
+    if varlen_attn is None:
         return None
     takes = inspect.signature(varlen_attn).parameters
     causal = {"is_causal": True} if "is_causal" in takes else {"window_size": (-1, 0)}
     return varlen_attn, causal, "enable_gqa" in takes, "scale" in takes
+
+
+VARLEN_KERNEL = _varlen_kernel()  # read once: packed attention asks on every layer of every forward
+
+
+def varlen_kernel() -> tuple | None:
+    """(torch's variable-length (flash) attention, the keyword arguments that make it causal, whether it takes
+    grouped-query heads, whether it takes a scale), or None where this torch has none. Its CUDA kernels take half
+    precision only; it has no CPU kernel."""
+    return VARLEN_KERNEL
 
 
 def uses_varlen(query: torch.Tensor, key: torch.Tensor) -> bool:
