@@ -31,3 +31,26 @@ class NoSpaceError(OSError):
 class RewardValueError(ValueError):
     """A reward function or reward model produced a score that is not a finite number of sane size; the message names
     the source, the row and the value, so the run stops before that score reaches a statistic or a loss."""
+
+
+class UserExit(RuntimeError):
+    """User code inside the run (a reward function, an environment, an agent) called ``sys.exit`` or raised
+    ``SystemExit``: the run reports it as that code's error (exit 6, the last complete step saved) instead of
+    ending as if it had finished."""
+
+
+def as_user_error(caught: BaseException) -> BaseException:
+    """``caught`` itself, or for a ``SystemExit`` a `UserExit` naming the function that raised it and its line."""
+    if not isinstance(caught, SystemExit):
+        return caught
+    tb = caught.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = "" if tb is None else (
+        f" in {tb.tb_frame.f_code.co_name} ({tb.tb_frame.f_code.co_filename}:{tb.tb_lineno})"
+    )
+    return UserExit(
+        f"sys.exit({caught.code!r}) was called{where} inside the run: user code (a reward function, an environment, "
+        f"an agent) must return a value or raise an exception, never end the process; the run stops here with the "
+        f"last complete step saved"
+    )

@@ -132,7 +132,14 @@ def main() -> float | None:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         raise SystemExit(exits.CONFIG_ERROR) from None
-    return run()
+    try:
+        return run()
+    except SystemExit as exit:
+        # `run` ends with this project's codes (`rlhf.exits`); 1 is Hydra reporting its own error, which is always the
+        # command line's or the config files' (an unknown key, a wrong type, an unknown group option or experiment)
+        if exit.code == 1:
+            raise SystemExit(exits.CONFIG_ERROR) from None
+        raise
 
 
 @hydra.main(config_path="pkg://rlhf.conf", config_name="config", version_base="1.3")

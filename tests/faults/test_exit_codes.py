@@ -115,3 +115,12 @@ def test_the_cli_exits_6_naming_the_reward_function_and_saves_the_last_complete_
     assert "saved the last complete step 1" in console
     assert (run_dir / "checkpoints" / "step_00000001" / "trainer_state.json").is_file()
     assert "Traceback (most recent call last)" in (run_dir / "train.log").read_text()
+
+
+@pytest.mark.parametrize("override", ["train.bogus=1", "train.lr=fast", "algorithm=nope", "experiment=nope"])
+def test_a_composition_error_exits_2_like_every_config_error(override):
+    """Hydra's own errors (unknown key without `+`, wrong type, unknown group option or experiment) exit with the
+    config-error code the README documents, 2, not Hydra's 1; Hydra's message stays."""
+    done = subprocess.run([sys.executable, "-m", "rlhf.train", override], capture_output=True, text=True, timeout=300)
+    assert done.returncode == exits.CONFIG_ERROR, done.stderr[-2000:]
+    assert done.stderr.strip(), "the message that names the key"

@@ -142,3 +142,16 @@ def test_a_model_saved_without_a_tokenizer_has_nothing_to_compare(tiny_model_dir
     with caplog.at_level(logging.WARNING, logger="rlhf.models.loading"):
         check_model_tokenizer(model_cfg_with(str(bare), tiny_model_dir), load_tokenizer(tiny_model_dir))
     assert caplog.text == ""
+
+
+@pytest.mark.parametrize("key", ["model.name_or_path", "critic.name_or_path", "reward.path"])
+def test_a_folder_that_does_not_exist_is_named_as_such(key, tmp_path):
+    """An absolute path to nothing: "no such folder" with the key, not transformers' "Repo id must be in the form"."""
+    from rlhf.config import compose_config, validate
+    from rlhf.plan import make_plan
+
+    missing = tmp_path / "no" / "such" / "folder"
+    cfg = compose_config(["algorithm=ppo", f"{key}={missing}"])
+    with pytest.raises(ConfigError, match=rf"{key}={missing}: no such folder; give a folder holding the model"):
+        validate(cfg)
+        make_plan(cfg)

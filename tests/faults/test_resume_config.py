@@ -4,6 +4,7 @@ changed key, refuses changes that break exact resume (seed, batch sizes, algorit
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -93,3 +94,28 @@ def test_a_checkpoint_without_a_recorded_config_resumes_with_a_warning(run_dir, 
         state = train(compose_config([*SMALL, "train.num_steps=3", "resume=auto", "train.micro_batch_size=8"]), run_dir)
     assert state.step == 3
     assert "records no config" in caplog.text
+
+
+def test_a_fresh_start_sets_an_earlier_runs_records_aside_instead_of_appending(tmp_path, caplog):
+    """A run killed before its first checkpoint, started again with `resume=auto` in the same folder: the new run's
+    records hold its own steps only; the dead run's move to previous_run_1/ (before, both were appended together:
+    a 30-step run's metrics.jsonl held 42 train rows)."""
+    from rlhf.tracking.tracker import Tracker
+
+    run = tmp_path / "run"
+    dead = Tracker(run, tensorboard=True)
+    for step in (1, 2, 3):
+        dead.log(step, {"objective/scores": 0.5})
+    dead.close()
+    (run / "prompts.jsonl").write_text('{"step": 1, "prompts": [0]}\n')
+    fresh = Tracker(run, tensorboard=True)  # resume=auto found no checkpoint: resume_step None
+    fresh.log(1, {"objective/scores": 0.7})
+    fresh.close()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["objective/scores"] for r in rows if "objective/scores" in r] == [0.7]
+    aside = run / "previous_run_1"
+    assert len((aside / "metrics.jsonl").read_text().splitlines()) == 3 and (aside / "prompts.jsonl").is_file()
+    assert (aside / "tensorboard").is_dir() and not (run / "prompts.jsonl").exists()
+    assert "a fresh start in" in caplog.text and "previous_run_1" in caplog.text
+    Tracker(run, tensorboard=False).close()  # another fresh start: the next free folder
+    assert (run / "previous_run_2" / "metrics.jsonl").is_file()

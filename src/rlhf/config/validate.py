@@ -7,6 +7,8 @@ config.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from omegaconf import DictConfig
@@ -244,6 +246,20 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     _require(
         cfg.model.dtype != "float16",
         "model.dtype=float16 would train without loss scaling and turn weights into NaN; use bfloat16 (or float32)",
+    )
+    cluster = cfg.cluster
+    memory_gb = cluster.device_memory_gb
+    _require(
+        memory_gb is None or (math.isfinite(memory_gb) and memory_gb > 0),
+        f"cluster.device_memory_gb={memory_gb} must be a positive number of GiB, or null to detect the device's",
+    )
+    _require(
+        cluster.num_cpus is None or cluster.num_cpus >= 1,
+        f"cluster.num_cpus={cluster.num_cpus} must be >= 1, or null for this machine's count",
+    )
+    _require(
+        cluster.object_store_memory is None or cluster.object_store_memory > 0,
+        f"cluster.object_store_memory={cluster.object_store_memory} must be > 0 bytes, or null for Ray's default",
     )
     _require(
         train.mixed_precision in MIXED_PRECISION,

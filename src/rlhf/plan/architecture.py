@@ -59,6 +59,12 @@ def read_config(source: ModelSource) -> PretrainedConfig:
     """The model's config, checked to hold the fields the plan needs; ConfigError naming ``source.key``."""
     path = resolve_model_path(source.name)
     if looks_local(path):
+        folder = Path(path).expanduser()
+        if not folder.is_dir():
+            raise ConfigError(
+                f"{source.key}={source.name}: no such folder; give a folder holding the model (config.json and its "
+                f"weights) or a hub name such as Qwen/Qwen2.5-0.5B"
+            )
         check_not_adapter(source.key, source.name, path)
     try:
         config = AutoConfig.from_pretrained(path, revision=source.revision, trust_remote_code=source.trust_remote_code)

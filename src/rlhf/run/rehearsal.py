@@ -21,6 +21,7 @@ import torch
 
 from rlhf.run import checkpoint, preflight
 from rlhf import exits, plan
+from rlhf.errors import as_user_error
 from rlhf.checks import hub, parity
 from rlhf.run.build import build_components
 from rlhf.config import ConfigError, validate
@@ -212,7 +213,8 @@ def rehearse(cfg, out: Path) -> list[StageResult]:
             start = time.perf_counter()
             try:
                 detail, status = stage(), "ok"
-            except Exception as err:  # noqa: BLE001 -- the report names it; the run's own handlers are not reached
+            except (Exception, SystemExit) as caught:  # noqa: BLE001 -- the report names it (sys.exit too)
+                err = as_user_error(caught)
                 log.debug("preflight stage %s failed", name, exc_info=True)
                 detail, status = f"{type(err).__name__}: {err}", "error"
                 code = exit_code(err)

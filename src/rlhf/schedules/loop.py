@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from rlhf.errors import as_user_error
 from rlhf.run import checkpoint
 from rlhf.data.prompts import epochs_done
 from rlhf.distributed.remote import WorkerError
@@ -78,21 +79,27 @@ def run_steps(
         updates = c.learner.updates  # an update begun in this step may have changed the models
         try:
             metrics, scored = step_fn(step)
-        except Exception as err:
+        except (Exception, SystemExit) as caught:  # SystemExit: user code called sys.exit (`as_user_error`)
+            err = as_user_error(caught)
             if c.learner.updates != updates:
                 log.error("step %d failed during its update: the models are mid-update, so nothing more is saved", step)
             else:
                 before.rewind(c)
                 streams = stream_states(step - 1) if stream_states is not None else before.streams
                 save_on_failure(c, cfg, tracker.checkpoint_root, state, step - 1, streams, err)
-            raise
+            if err is caught:
+                raise
+            raise err from caught
         state.step = step
         states = stream_states(step) if stream_states is not None else None
         try:
             record_step(c, cfg, sizes, tracker, state, metrics, scored, states, guard)
-        except Exception as err:
+        except (Exception, SystemExit) as caught:
+            err = as_user_error(caught)
             save_on_failure(c, cfg, tracker.checkpoint_root, state, step, states, err)
-            raise
+            if err is caught:
+                raise
+            raise err from caught
         every = cfg.checkpoint.every
         if stop.requested or (every and step % every == 0) or (every and step == train.num_steps):
             checkpoint.save(c, tracker.checkpoint_root, step, state.to_dict(), cfg.checkpoint.keep_last, states)

@@ -54,6 +54,28 @@ def console_line(step: int, num_steps: int, metrics: dict[str, float]) -> str:
     return " | ".join(parts)
 
 
+RECORDS = ("metrics.jsonl", "eval_generations.jsonl", PROMPTS_FILE, "tensorboard")  # what a run writes step by step
+
+
+def set_aside_records(output_dir: Path) -> Path | None:
+    """A fresh start in a folder that holds an earlier run's records (a run killed before its first checkpoint, then
+    started again with `resume=auto`, or the same folder reused): they move into ``previous_run_<n>/`` beside them, so
+    the new run's files hold its own steps only and nothing of the old run is lost. Returns that folder, or None."""
+    found = [output_dir / name for name in RECORDS if (output_dir / name).exists()]
+    if not found:
+        return None
+    n = 1
+    while (output_dir / f"previous_run_{n}").exists():
+        n += 1
+    aside = output_dir / f"previous_run_{n}"
+    aside.mkdir()
+    for path in found:
+        path.rename(aside / path.name)
+    log.warning("a fresh start in %s: the records found there (%s) moved to %s", output_dir,
+                ", ".join(p.name for p in found), aside)
+    return aside
+
+
 class Tracker:
     """Writes scalars and sample texts; `close` flushes everything. As a context manager it closes on errors too."""
 
@@ -73,6 +95,8 @@ class Tracker:
         if resume_step is not None:
             for path in (jsonl, output_dir / "eval_generations.jsonl", output_dir / PROMPTS_FILE):
                 _truncate_after(path, resume_step)
+        else:
+            set_aside_records(output_dir)
         self.log_every = settings.log_every if settings is not None else 1
         # decided before wandb starts, as wandb wraps the console streams
         bar = settings is not None and wants_bar(settings.progress_bar, sys.stderr)

@@ -1,0 +1,56 @@
+"""User code that calls `sys.exit` inside a run (a reward function here; environments and agents run through the same
+step) is reported as that code's error: exit 6, the function and its line named, the last complete step saved. Before
+this, `SystemExit` passed every `except Exception` and the run ended with exit 0, "finished", after 1 of 20 steps,
+with no model, no checkpoint and no message."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rlhf import exits
+
+REWARDS = '''
+import sys
+
+calls = 0
+
+
+def exits_on_call(prompts, responses, ground_truths, at=4, **_):
+    global calls
+    calls += 1
+    if calls == at:
+        sys.exit(0)
+    return [0.0] * len(responses)
+'''
+
+
+def run(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
+    (tmp_path / "exiting_rewards.py").write_text(REWARDS)
+    return subprocess.run(
+        [sys.executable, "-m", "rlhf.train", "train.num_steps=20", "eval.every=0", "logging.tensorboard=false",
+         f"hydra.run.dir={tmp_path / 'run'}", *overrides],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
+
+
+@pytest.mark.parametrize("schedule", ["sync", "async"])
+def test_sys_exit_in_a_reward_function_stops_the_run_as_its_error_with_the_last_step_saved(tmp_path, schedule):
+    # calls 1 and 2 score the evaluation at step 0, call 3 step 1, call 4 (step 2) exits
+    done = run(tmp_path, "reward.functions=[{name: exiting_rewards.exits_on_call}]", f"schedule={schedule}")
+    output = done.stdout + done.stderr
+    assert done.returncode == exits.RUN_RAISED, output[-3000:]
+    assert "UserExit: sys.exit(0) was called in exits_on_call (" in output
+    assert "exiting_rewards.py:11) inside the run" in output  # the line of sys.exit(0)
+    assert (tmp_path / "run" / "checkpoints" / "step_00000001" / "trainer_state.json").is_file()
+    assert not (tmp_path / "run" / "final_model").exists()
+
+
+def test_sys_exit_in_a_reward_function_fails_the_preflight_naming_it(tmp_path):
+    done = run(tmp_path, "reward.functions=[{name: exiting_rewards.exits_on_call, args: {at: 1}}]", "preflight=true")
+    output = done.stdout + done.stderr
+    assert done.returncode == exits.RUN_RAISED, output[-3000:]
+    assert "UserExit: sys.exit(0) was called in exits_on_call" in output
