@@ -76,7 +76,8 @@ def test_agent_function_file_trains(tmp_path):
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "label": str(a + b)}) + "\n" for a in range(5) for b in range(5)))
     steps = run(
-        tmp_path / "run", "train.num_steps=2", "env=agent_func", f"env.path={agent}", "env.max_turns=2", "dataset=jsonl", "dataset.max_prompt_length=60",
+        tmp_path / "run", "train.num_steps=2", "env=agent_func", f"env.path={agent}", "env.max_turns=2", "env.max_tokens=64",
+        "dataset=jsonl", "dataset.max_prompt_length=60",
         f"dataset.path={tasks}", "dataset.ground_truth_key=label", "dataset.chat_template='{{ messages[0].content }}'",
     )
     for s in (1, 2):

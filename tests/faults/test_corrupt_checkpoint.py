@@ -79,3 +79,14 @@ def test_resume_auto_with_every_checkpoint_broken_is_an_error_naming_each(run_di
     with pytest.raises(ConfigError, match="no checkpoint .* loads") as err:
         train(compose_config([*SMALL, "train.num_steps=5", "resume=auto"]), run_dir)
     assert all(str(run_dir / "checkpoints" / s / WEIGHTS) in str(err.value) for s in ("step_00000002", "step_00000004"))
+
+
+def test_a_checkpoint_missing_its_optimiser_state_is_skipped_by_resume_auto(run_dir, caplog):
+    """A newest checkpoint whose `policy/optim.pt` is gone (its trainer_state.json intact): resume=auto names the
+    missing file and resumes from the older one (before, it picked the broken one and failed loading it)."""
+    broken = run_dir / "checkpoints" / "step_00000004"
+    (broken / "policy" / "optim.pt").unlink()
+    with caplog.at_level(logging.INFO, logger="rlhf"):
+        state = train(compose_config([*SMALL, "train.num_steps=5", "resume=auto"]), run_dir)
+    assert f"{broken / 'policy' / 'optim.pt'} is missing" in caplog.text
+    assert state.step == 5 and "starting at step 2" in caplog.text

@@ -45,3 +45,14 @@ def check_prompt_budget(max_prompt_length: int, max_new_tokens: int, context: in
             f"model.name_or_path={model_name} (max_position_embeddings); set dataset.max_prompt_length<={budget} "
             f"(longer prompts are then dropped and counted) or lower generator.max_new_tokens"
         )
+
+
+def check_episode_budget(max_tokens: int, context: int | None, model_name: str) -> None:
+    """ConfigError unless an episode of `env.max_tokens` tokens (prompt, actions and observations) fits the model's
+    context: longer rows would train on positions the model never had."""
+    if context is not None and max_tokens > context:
+        raise ConfigError(
+            f"env.max_tokens={max_tokens} is longer than the {context}-token context of model.name_or_path={model_name}; "
+            f"set env.max_tokens<={context} (an episode that reaches it ends as truncated), or use a model with a "
+            f"longer context"
+        )

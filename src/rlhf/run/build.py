@@ -20,7 +20,7 @@ from rlhf.algorithms import build_algorithm
 from rlhf.errors import ConfigError
 from rlhf.parts import choose, typed_node
 from rlhf.config.validate import DerivedSizes
-from rlhf.data.context import check_prompt_budget, model_context
+from rlhf.data.context import check_episode_budget, check_prompt_budget, model_context
 from rlhf.data.prompts import PromptExample, PromptStream
 from rlhf.distributed.cluster import start
 from rlhf.distributed.layout import reference_is_base, used_roles
@@ -196,9 +196,11 @@ def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
     check_compilable(cfg.policy, model)
     if algorithm.needs_critic:
         check_targets(cfg.critic.lora, model, "critic.lora", critic_init_path(cfg))
+    context = model_context(model)
     if runner is None or runner.maker.uses_dataset:  # a prompt plus its response must fit the model's context
-        context = model_context(model)
         check_prompt_budget(cfg.dataset.max_prompt_length, cfg.generator.max_new_tokens, context, model.name_or_path)
+    if runner is not None:  # so must a whole episode
+        check_episode_budget(cfg.env.max_tokens, context, model.name_or_path)
     # 3. models
     if cfg.cluster.backend == "ray":
         models, backend = build_remote_models(cfg, sizes, algorithm, tokenizer)

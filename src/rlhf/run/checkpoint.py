@@ -90,6 +90,9 @@ def checkpoint_problem(path: Path) -> str | None:
     problems = [_state_problem(path / STATE_FILE)]
     if not (path / "rng.pt").is_file():
         problems.append(f"{path / 'rng.pt'} is missing")
+    for model in sorted(p.parent for p in path.glob("*/model")):  # a trained model: its optimiser state beside it
+        if not (model / "optim.pt").is_file() and not (model / "deepspeed").is_dir():
+            problems.append(f"{model / 'optim.pt'} is missing")
     problems += [safetensors_problem(file) for file in sorted(path.rglob("*.safetensors"))]
     problems += [_torch_file_problem(file) for file in sorted(path.rglob("*.pt"))]
     return next((problem for problem in problems if problem), None)
