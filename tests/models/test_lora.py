@@ -142,6 +142,17 @@ def test_bad_lora_values_are_refused_naming_the_key(overrides, message):
         validate(compose_config(overrides))
 
 
+def test_a_rank_past_the_narrowest_adapted_layer_is_refused_before_any_weights_load(tmp_path, monkeypatch):
+    """`policy.lora.rank=100000` on the 64-wide built-in model (217.6M adapter parameters were accepted before)."""
+    loaded = []
+    monkeypatch.setattr("rlhf.training.policy.load_causal_lm", lambda *a, **k: loaded.append(a) or pytest.fail("loaded"))
+    cfg = compose_config(["policy.lora.rank=100000", *SHORT])
+    with pytest.raises(ConfigError, match=r"policy.lora.rank=100000 is past the width of the adapted layer .* \(64\) of "
+                                          r"builtin:tiny_arith.*set policy.lora.rank <= 64"):
+        train(cfg, tmp_path / "run")
+    assert not loaded
+
+
 def test_target_modules_that_match_nothing_are_refused_before_any_weights_load(tmp_path, monkeypatch):
     loaded = []
     monkeypatch.setattr("rlhf.training.policy.load_causal_lm", lambda *a, **k: loaded.append(a) or pytest.fail("loaded"))

@@ -83,7 +83,9 @@ def unmatched_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
 
 def check_targets(lora_cfg, model_cfg, key: str = "policy.lora", name_or_path: str | None = None) -> None:
     """ConfigError when a target module matches no linear layer of the model (``name_or_path``, default
-    `model.name_or_path`); builds the model on the meta device from its config (no weights load)."""
+    `model.name_or_path`), or when the rank is past the narrowest adapted layer's width (the adapters would then hold
+    more than the layers they adapt: no longer low rank); builds the model on the meta device from its config (no
+    weights load)."""
     if not enabled(lora_cfg):
         return
     name_or_path = name_or_path or model_cfg.name_or_path
@@ -94,6 +96,16 @@ def check_targets(lora_cfg, model_cfg, key: str = "policy.lora", name_or_path: s
         raise ConfigError(
             f"{key}.target_modules: {missing} match no linear layer of {name_or_path}; its linear layers end "
             f"in {suffixes} (or use [{ALL_LINEAR}])"
+        )
+    layers = dict(model.named_modules())
+    widths = {name: min(layers[name].in_features, layers[name].out_features)
+              for name in adapted_layers(model, list(lora_cfg.target_modules))}
+    narrowest = min(widths, key=widths.get)
+    if lora_cfg.rank > widths[narrowest]:
+        raise ConfigError(
+            f"{key}.rank={lora_cfg.rank} is past the width of the adapted layer {narrowest} ({widths[narrowest]}) of "
+            f"{name_or_path}: a rank-r adapter of an m x n layer is low rank only for r < min(m, n); set {key}.rank "
+            f"<= {widths[narrowest]} (8 to 64 is usual), or drop that layer from {key}.target_modules"
         )
 
 
