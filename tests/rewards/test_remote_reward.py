@@ -121,3 +121,48 @@ def test_missing_url_names_the_key():
 
 def test_is_not_a_verifier():
     assert not getattr(remote, "is_verifier", False)
+
+
+class Dripper(BaseHTTPRequestHandler):
+    """Sends its headers, then the body one byte at a time, each well inside a per-read timeout, until told to stop."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        body = json.dumps({"scores": [1.0, 3.0]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body) * 1000))
+        self.end_headers()
+        while not self.server.stop.wait(0.2):  # one byte every 0.2 s, forever (until the test ends)
+            try:
+                self.wfile.write(b" ")
+                self.wfile.flush()
+            except OSError:
+                return
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_a_service_that_drips_its_reply_is_cut_off_at_the_whole_request_timeout():
+    """Each byte comes well inside the socket's timeout, so only a deadline on the whole reply ends the request:
+    `args.timeout_s` bounds the request, not each read (before, the run hung forever)."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Dripper)
+    httpd.stop = threading.Event()
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True).start()
+    outcome = []
+
+    def score():
+        try:
+            call(f"http://127.0.0.1:{httpd.server_address[1]}/score", timeout_s=1.0, max_retries=0)
+        except RemoteRewardError as err:
+            outcome.append(err)
+
+    worker = threading.Thread(target=score, daemon=True)
+    worker.start()
+    worker.join(timeout=120)  # generous: the deadline is 1 s; a hang would never end
+    httpd.stop.set()
+    httpd.shutdown()
+    httpd.server_close()
+    assert not worker.is_alive(), "the request never ended"
+    assert outcome and "took longer than args.timeout_s=1 s" in str(outcome[0])

@@ -36,11 +36,19 @@ class RemoteRewardError(RuntimeError):
 
 
 def _post(url: str, body: bytes, timeout_s: float) -> bytes:
-    """The body of the reply to one JSON POST of ``body``; raises on a transport failure or an HTTP error."""
+    """The body of the reply to one JSON POST of ``body``; raises on a transport failure or an HTTP error, and
+    TimeoutError when the whole reply has not come within ``timeout_s`` (the socket's own timeout bounds each read
+    only: a service that drips a byte at a time would otherwise hold the run forever)."""
     headers = {"Content-Type": "application/json"}
     request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    deadline = time.monotonic() + timeout_s
     with urllib.request.urlopen(request, timeout=timeout_s) as reply:
-        return reply.read()
+        chunks = []
+        while chunk := reply.read1(65536):
+            chunks.append(chunk)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the reply took longer than args.timeout_s={timeout_s:g} s")
+        return b"".join(chunks)
 
 
 def _post_with_retries(url: str, body: bytes, timeout_s: float, max_retries: int, backoff_s: float) -> bytes:
