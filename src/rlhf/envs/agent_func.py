@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rlhf.data.prompts import PromptExample
-from rlhf.envs.base import EnvConfig, EnvError
+from rlhf.envs.base import EnvConfig, EnvError, in_daemon_thread
 from rlhf.errors import ConfigError
 from rlhf.registry import register
 
@@ -88,11 +88,12 @@ def _appended_text(before: str, next_state: Any) -> str:
 
 
 async def _call(fn: Callable, *args: Any, **offered: Any) -> Any:
-    """``fn(*args, **the offered keywords it accepts)``: awaited, or in a worker thread when it is a plain function."""
+    """``fn(*args, **the offered keywords it accepts)``: awaited, or in a daemon thread when it is a plain function (one
+    that never returns is abandoned at `env.step_timeout_s` and cannot keep the process alive at exit)."""
     kwargs = _accepted(fn, offered)
     if inspect.iscoroutinefunction(fn):
         return await fn(*args, **kwargs)
-    result = await asyncio.to_thread(fn, *args, **kwargs)
+    result = await asyncio.wrap_future(in_daemon_thread(lambda: fn(*args, **kwargs), ()))
     return await result if inspect.isawaitable(result) else result  # e.g. an object with an async __call__
 
 

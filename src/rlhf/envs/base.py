@@ -18,9 +18,11 @@ resumed the same way. Episodes of one group (`algorithm.num_samples_per_prompt`)
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 from rlhf.data.prompts import PromptExample, PromptSplits
 from rlhf.envs.templates import TEMPLATES
@@ -133,3 +135,21 @@ def check_step(answer: Any) -> StepResult:
 def _short(value: Any, limit: int = 120) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def in_daemon_thread(fn: Callable, args: tuple) -> concurrent.futures.Future:
+    """Run ``fn(*args)`` in a daemon thread: one that hangs can be abandoned without blocking the process's exit."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def target() -> None:
+        try:
+            outcome = (future.set_result, fn(*args))
+        except BaseException as err:  # handed to the waiting episode
+            outcome = (future.set_exception, err)
+        try:
+            outcome[0](outcome[1])
+        except concurrent.futures.InvalidStateError:  # the episode stopped waiting (timed out): nobody to tell
+            pass
+
+    threading.Thread(target=target, daemon=True, name="rlhf-env-call").start()
+    return future

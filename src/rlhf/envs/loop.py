@@ -12,16 +12,14 @@ per distinct error), never the run.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import inspect
 import logging
-import threading
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from rlhf.data.mix import encode_prompt
 from rlhf.data.prompts import PromptExample
-from rlhf.envs.base import EnvError, EnvMaker, check_reset, check_step
+from rlhf.envs.base import EnvError, EnvMaker, check_reset, check_step, in_daemon_thread
 from rlhf.envs.templates import render
 from rlhf.generators.base import SamplingParams
 
@@ -76,24 +74,6 @@ class Episode:
         return [i for t in self.turns for i in t.observation_ids + t.action_ids]
 
 
-def _in_daemon_thread(fn: Callable, args: tuple) -> concurrent.futures.Future:
-    """Run ``fn(*args)`` in a daemon thread: one that hangs can be abandoned without blocking the process's exit."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def target() -> None:
-        try:
-            outcome = (future.set_result, fn(*args))
-        except BaseException as err:  # handed to the waiting episode
-            outcome = (future.set_exception, err)
-        try:
-            outcome[0](outcome[1])
-        except concurrent.futures.InvalidStateError:  # the episode stopped waiting (timed out): nobody to tell
-            pass
-
-    threading.Thread(target=target, daemon=True, name="rlhf-env-call").start()
-    return future
-
-
 class EpisodeRunner:
     """Plays batches of episodes of one environment with a generator (`run`)."""
 
@@ -119,7 +99,7 @@ class EpisodeRunner:
     def _start(fn: Callable, args: tuple):
         if inspect.iscoroutinefunction(fn):
             return fn(*args)
-        return asyncio.wrap_future(_in_daemon_thread(fn, args))
+        return asyncio.wrap_future(in_daemon_thread(fn, args))
 
     def _call_all(self, name: str, calls: list[tuple[Callable, tuple]]) -> list[Any]:
         """``fn(*args)`` for every call, at most `env.max_concurrency` at once; an exception is returned, not raised."""
