@@ -7,6 +7,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 HANGING_AGENT = '''
 import threading
 
@@ -16,8 +18,21 @@ def step(state, action, label=None, **_):
 '''
 
 
-def test_an_agent_step_that_never_returns_ends_the_run_instead_of_hanging_the_process(tmp_path):
-    (tmp_path / "hang_agent.py").write_text(HANGING_AGENT)
+BLOCKING_ASYNC_AGENT = '''
+import threading
+
+
+async def step(state, action, label=None, **_):
+    threading.Event().wait()  # blocks the event loop it runs on, forever (no await)
+'''
+
+
+@pytest.mark.parametrize("agent", [HANGING_AGENT, BLOCKING_ASYNC_AGENT], ids=["sync-never-returns", "async-blocks-its-loop"])
+def test_an_agent_step_that_never_returns_ends_the_run_instead_of_hanging_the_process(tmp_path, agent):
+    """Also an `async def step` that blocks its event loop (before: step_timeout_s never fired, nothing was printed,
+    and SIGTERM was acknowledged and ignored): environment coroutines run on a loop of their own, in a daemon thread,
+    so the waiting loop still times the call out."""
+    (tmp_path / "hang_agent.py").write_text(agent)
     (tmp_path / "tasks.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n' * 8)
     done = subprocess.run(
         [sys.executable, "-m", "rlhf.train", "env=agent_func", f"env.path={tmp_path / 'hang_agent.py'}",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import threading
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -79,7 +80,12 @@ class EpisodeRunner:
 
     def __init__(self, maker: EnvMaker, cfg, tokenizer, stop_id: int) -> None:
         self.maker, self.cfg, self.tokenizer, self.stop_id = maker, cfg, tokenizer, stop_id
-        self._loop = asyncio.new_event_loop()  # one loop for the run: async environments may keep loop-bound state
+        self._loop = asyncio.new_event_loop()  # waits for the calls and keeps their time limits
+        # the loop environment coroutines run on: one for the run (async environments may keep loop-bound state), in a
+        # daemon thread of its own, so a coroutine that blocks it (time.sleep instead of await asyncio.sleep) cannot
+        # stop `_loop` from timing the call out, and cannot keep the process alive at exit
+        self._env_loop = asyncio.new_event_loop()
+        threading.Thread(target=self._env_loop.run_forever, daemon=True, name="rlhf-env-loop").start()
         self._logged: set[str] = set()  # errors already logged (each distinct one once)
         self.stop_text = tokenizer.convert_ids_to_tokens(stop_id)  # what later observations follow
 
@@ -90,16 +96,27 @@ class EpisodeRunner:
             try:
                 result = await asyncio.wait_for(self._start(fn, args), timeout)
                 if inspect.isawaitable(result):  # a plain method that returned a coroutine
-                    result = await asyncio.wait_for(result, timeout)
+                    result = await asyncio.wait_for(self._on_env_loop(result), timeout)
                 return result
             except (asyncio.TimeoutError, TimeoutError):
-                raise EnvError(f"{name}() did not return within env.step_timeout_s={timeout:g} s") from None
+                raise EnvError(
+                    f"{name}() did not return within env.step_timeout_s={timeout:g} s (an async {name}() that blocks "
+                    f"its event loop, time.sleep instead of await asyncio.sleep, ends here too, and so do the calls "
+                    f"after it)"
+                ) from None
 
-    @staticmethod
-    def _start(fn: Callable, args: tuple):
+    def _start(self, fn: Callable, args: tuple):
         if inspect.iscoroutinefunction(fn):
-            return fn(*args)
+            return self._on_env_loop(fn(*args))
         return asyncio.wrap_future(in_daemon_thread(fn, args))
+
+    def _on_env_loop(self, awaitable) -> asyncio.Future:
+        """``awaitable`` run on the environments' own loop, awaitable from `_loop`."""
+
+        async def run():
+            return await awaitable
+
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(), self._env_loop))
 
     def _call_all(self, name: str, calls: list[tuple[Callable, tuple]]) -> list[Any]:
         """``fn(*args)`` for every call, at most `env.max_concurrency` at once; an exception is returned, not raised."""
