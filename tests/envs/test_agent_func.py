@@ -95,6 +95,16 @@ def test_next_state_that_does_not_extend_the_conversation_is_an_env_error(tmp_pa
         play(maker_for(tmp_path, source).make(TASK), ["4"])
 
 
+def test_an_extra_that_is_not_a_dict_is_an_env_error_naming_it(tmp_path):
+    """Before: "dictionary update sequence element #0 has length 3", naming neither the function nor the value."""
+    source = """
+    async def step(state, action, label):
+        return 0.0, state + action + " ok", True, "yes"
+    """
+    with pytest.raises(EnvError, match=r"agent_func step\(\) returned extra='yes' \(str\): the 4th value must be a dict"):
+        play(maker_for(tmp_path, source).make(TASK), ["4"])
+
+
 def test_each_maker_loads_its_own_module(tmp_path):
     """Module-level state is per loaded file: two makers of one path do not share it."""
     source = """

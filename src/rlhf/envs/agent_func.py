@@ -69,6 +69,11 @@ class AgentEpisode:
             got = type(answer).__name__
             raise EnvError(f"agent_func step() must return (reward, next_state, done, extra); got {got}")
         reward, next_state, done, extra = answer
+        if extra is not None and not isinstance(extra, dict):
+            raise EnvError(
+                f"agent_func step() returned extra={extra!r} ({type(extra).__name__}): the 4th value must be a dict "
+                f"(the step's info, e.g. {{'success': True}}) or None"
+            )
         info = dict(extra or {})
         observation = info.pop("observation", None)
         if observation is None:
