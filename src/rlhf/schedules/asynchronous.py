@@ -234,7 +234,8 @@ def take(producer: RolloutProducer, step: int, max_staleness: int, times: dict[s
         produced = producer.take(step)
     times["time/generation"] = produced.generation_s
     scored = produced.scored
-    return replace(scored, metrics=staleness_metrics(scored.versions, step - 1, max_staleness) | scored.metrics)
+    metrics = staleness_metrics(scored.versions, step - 1, max_staleness) | scored.metrics
+    return replace(scored, metrics=metrics, trainer_version=step - 1)
 
 
 @register("schedule", "async")

@@ -53,6 +53,7 @@ class Learner:
         self.shuffle, self.gap_watch, self.policy_packs = shuffle, gap_watch, policy_packs
         self.budget = Budget.of(train_cfg)
         self.updates = 0
+        self.fresh: torch.Tensor | None = None  # (B,) rows the trained weights generated (async); None = every row
 
     @property
     def trained(self) -> list[tuple[str, object]]:
@@ -89,6 +90,7 @@ class Learner:
         forwards in micro batches of the token budget. Without a pass for the pre-update logprobs
         (`old_logprobs_from_training`), `train` takes them from its own forward."""
         batch = scored.batch.to(self.device)
+        self.fresh = fresh_rows(scored)
         metrics = {
             "objective/scores": batch.scores.mean().item(),
             "val/sequence_lengths": batch.action_lengths.mean().item(),
@@ -175,8 +177,19 @@ class Learner:
         metrics = {"objective/entropy": masked_sum(entropy, mask, dim=1).mean().item()}
         metrics |= sample_train_gap(batch.gen_logp, batch.old_logp, mask)
         if self.gap_watch is not None:
-            self.gap_watch.observe(metrics["checks/logprob_gap_mean"])
+            self.observe_gap(batch, metrics["checks/logprob_gap_mean"])
         return metrics
+
+    def observe_gap(self, batch: Trajectories, gap: float) -> None:
+        """Hand the gap watch this step's generator-trainer gap, over the rows the trained weights generated: under
+        the async schedule a stale row's gap is the policy's own change since, not a fault, so a batch of stale rows
+        only is not observed (the start-up parity gate checks the numerics)."""
+        if self.fresh is None:
+            self.gap_watch.observe(gap)
+        elif bool(self.fresh.any()):
+            fresh = self.fresh.to(batch.loss_mask.device)
+            mask = batch.loss_mask * fresh[:, None]
+            self.gap_watch.observe(logprob_gap(batch.gen_logp, batch.old_logp, mask)["mean"])
 
     def logprobs_from_training(self, batch: Trajectories, rows: torch.Tensor, forward: Forward) -> dict[str, float]:
         """The metrics of the pre-update logprobs, from the training forward's (``forward``: detached, rows ``rows``
@@ -255,6 +268,14 @@ def merge_shares(results: list[tuple[bool, dict[str, float], Forward | None]]) -
             for f in fields(Forward)
         })
     return True, metrics, recorded
+
+
+def fresh_rows(scored: Scored) -> torch.Tensor | None:
+    """(B,) bool: the rows the trainer's current weights generated, when the schedule says which version generated
+    each row and which trains (async); None otherwise (every row is fresh)."""
+    if scored.versions is None or scored.trainer_version is None:
+        return None
+    return scored.versions == scored.trainer_version
 
 
 def sample_train_gap(gen_logp: torch.Tensor, train_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

@@ -31,6 +31,7 @@ class Scored:
     responses: list[str]  # (B,) decoded completions, special tokens removed
     metrics: dict[str, float]  # per-function reward means and the verifiable correct rate
     versions: torch.Tensor | None = None  # (B,) policy version that generated each row (async schedule), else None
+    trainer_version: int | None = None  # the policy version that trains on the batch (async), else None
 
     @property
     def scores(self) -> torch.Tensor:
@@ -68,6 +69,7 @@ def take_groups(scored: Scored, groups: list[list[int]]) -> Scored:
         responses=[scored.responses[row] for row in rows.tolist()],
         metrics=scored.metrics,
         versions=None if scored.versions is None else scored.versions[rows],
+        trainer_version=scored.trainer_version,
     )
 
 
@@ -86,6 +88,7 @@ def join(parts: list[Scored], pad_id: int) -> Scored:
         responses=[response for part in parts for response in part.responses],
         metrics=parts[0].metrics,
         versions=None if any(v is None for v in versions) else torch.cat(versions),
+        trainer_version=parts[0].trainer_version,
     )
 
 
