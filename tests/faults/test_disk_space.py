@@ -157,3 +157,19 @@ def test_train_reward_refuses_an_unwritable_save_dir_with_exit_2_before_training
         rlhf.train_reward.main()
     assert exited.value.code == exits.CONFIG_ERROR
     assert f"save_dir={blocker / 'rm'} is not writable: {blocker} is a file, not a folder" in capsys.readouterr().out  # Hydra's log
+
+
+def test_a_disk_filling_during_the_run_stops_it_with_the_last_step_saved(tmp_path, monkeypatch, caplog):
+    """Logs and samples fill the disk while it trains, `checkpoint.every=0`: before, every step trained, the final
+    export failed on the full disk and nothing was kept. Now the run stops once the room left drops under one more
+    checkpoint and the final model (`checkpoint.RESERVE`), saving the step it just finished."""
+    real = checkpoint.free_bytes
+    steps_seen = []
+    monkeypatch.setattr(checkpoint, "free_bytes", lambda path: 1024 if len(steps_seen) >= 3 else real(path))
+    original = checkpoint.check_room
+    monkeypatch.setattr(checkpoint, "check_room", lambda root, step: (steps_seen.append(step), original(root, step)))
+    cfg = compose_config([*SMALL, "train.num_steps=6", "checkpoint.every=0"])
+    with caplog.at_level(logging.ERROR, logger="rlhf"), pytest.raises(NoSpaceError, match=r"is nearly full: 0.0 MB free"):
+        train(cfg, tmp_path / "run")
+    assert [p.name for p in checkpoint.complete_checkpoints(tmp_path / "run" / "checkpoints")] == ["step_00000003"]
+    assert "saved the last complete step 3" in caplog.text

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlhf.disk import fsync_dir, fsync_tree, no_space_error, tree_bytes
+from rlhf.disk import free_bytes, fsync_dir, fsync_tree, megabytes, no_space_error, tree_bytes
 from rlhf.errors import FULL_DISK_ERRNOS, ConfigError, NoSpaceError
 from rlhf.models.loading import safetensors_problem
 
@@ -34,6 +34,7 @@ CONFIG_FILE = "config.yaml"  # the resolved config the checkpoint's step ran wit
 STATE_KEYS = ("step", "run", "prompts", "rewards", "rng")  # what `load` reads from it
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _RECORDS: dict[Path, tuple[str, int | None]] = {}  # checkpoint root -> (config text, estimated checkpoint bytes)
+RESERVE = 1.5  # room kept free for one more checkpoint and the final model (about a third of one), in checkpoints
 
 
 def checkpoint_root(cfg, run_dir: Path) -> Path:
@@ -169,6 +170,23 @@ def _checkpoint_bytes(root: Path) -> int | None:
     """About how big a checkpoint under ``root`` is: the newest complete one's size, else the run's estimate."""
     found = complete_checkpoints(root)
     return tree_bytes(found[-1]) if found else _RECORDS.get(Path(root).resolve(), ("", None))[1]
+
+
+def check_room(root: Path, step: int) -> None:
+    """NoSpaceError when the disk holding ``root`` has less room than one more checkpoint and the final model need
+    (`RESERVE` times a checkpoint's size): raised after a step is logged, the run's failure path then saves that step
+    while the room is still there, so logs and samples filling the disk never cost the finished work."""
+    needed = _checkpoint_bytes(root)
+    if not needed:
+        return
+    reserve = int(RESERVE * needed)
+    free = free_bytes(root)
+    if free < reserve:
+        raise NoSpaceError(
+            f"the disk holding {root} is nearly full: {megabytes(free)} MB free, under the {megabytes(reserve)} MB a "
+            f"checkpoint and the final model need; the run stops after step {step} and saves it while it can. Free "
+            f"space (or set checkpoint.dir to another disk), then resume=auto"
+        )
 
 
 def save(c, root: Path, step: int, run_state: dict[str, Any], keep_last: int, stream_states: dict | None = None) -> Path:

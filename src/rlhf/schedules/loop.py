@@ -94,6 +94,7 @@ def run_steps(
         states = stream_states(step) if stream_states is not None else None
         try:
             record_step(c, cfg, sizes, tracker, state, metrics, scored, states, guard)
+            checkpoint.check_room(tracker.checkpoint_root, step)  # a disk filling up stops the run while it can save
         except (Exception, SystemExit) as caught:
             err = as_user_error(caught)
             save_on_failure(c, cfg, tracker.checkpoint_root, state, step, states, err)
