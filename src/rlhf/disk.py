@@ -6,7 +6,7 @@ import os
 import shutil
 from pathlib import Path
 
-from rlhf.errors import NoSpaceError
+from rlhf.errors import FULL_DISK_ERRNOS, NoSpaceError
 
 
 def fsync_dir(path: Path) -> None:
@@ -50,3 +50,14 @@ def no_space_error(folder: Path, what: str, needed: int | None) -> NoSpaceError:
     """'No space left on <folder>: <what> needs about N MB, M MB free' (the need left out when unknown)."""
     need = f"{what} needs about {megabytes(needed)} MB, " if needed else ""
     return NoSpaceError(f"No space left on {folder}: {need}{megabytes(free_bytes(folder))} MB free")
+
+
+def out_of_space(err: BaseException, folder: Path, needed: int | None) -> bool:
+    """Whether a failed save of about ``needed`` bytes into ``folder`` ran out of disk: an OSError saying so, or
+    another error (torch's "unexpected pos", safetensors' own) raised while less than ``needed`` is free, the
+    serializers' way of reporting the same."""
+    if isinstance(err, NoSpaceError):
+        return False  # already named
+    if isinstance(err, OSError):
+        return err.errno in FULL_DISK_ERRNOS
+    return isinstance(err, Exception) and bool(needed) and free_bytes(folder) < needed

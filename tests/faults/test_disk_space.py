@@ -14,6 +14,7 @@ import pytest
 
 from rlhf.run import checkpoint, preflight
 from rlhf.config import ConfigError, compose_config
+from rlhf import disk
 from rlhf.disk import tree_bytes
 from rlhf.errors import NoSpaceError
 from rlhf.models.hf_folder import save_hf_folder
@@ -173,3 +174,26 @@ def test_a_disk_filling_during_the_run_stops_it_with_the_last_step_saved(tmp_pat
         train(cfg, tmp_path / "run")
     assert [p.name for p in checkpoint.complete_checkpoints(tmp_path / "run" / "checkpoints")] == ["step_00000003"]
     assert "saved the last complete step 3" in caplog.text
+
+
+@pytest.mark.parametrize("raised", [RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 476736 vs 476628"),
+                                    Exception("Error while serializing: IoError(Os { code: 28 })")])
+def test_a_serializer_reporting_a_full_disk_in_its_own_words_is_named_as_a_full_disk(tmp_path, monkeypatch, raised):
+    """torch's "unexpected pos" and safetensors' own error, raised with less room free than a checkpoint: "No space
+    left on <folder>: a checkpoint needs about N MB", not the serializer's words."""
+    write = checkpoint._write_state
+
+    def fill_disk_at_step_2(c, tmp, step, *args):
+        write(c, tmp, step, *args)
+        if step == 2:
+            monkeypatch.setattr(checkpoint, "free_bytes", lambda path: 512)  # the disk is full now
+            monkeypatch.setattr(disk, "free_bytes", lambda path: 512)
+            raise raised
+
+    monkeypatch.setattr(checkpoint, "_write_state", fill_disk_at_step_2)
+    monkeypatch.setattr(checkpoint, "check_room", lambda root, step: None)  # the run's own early stop aside
+    cfg = compose_config([*SMALL, "train.num_steps=3", "checkpoint.every=1", "checkpoint.keep_last=0"])
+    root = tmp_path / "checkpoints"
+    with pytest.raises(NoSpaceError, match=rf"^No space left on {root}: a checkpoint needs about [\d.]+ MB, 0.0 MB free$"):
+        train(cfg, tmp_path)
+    assert [p.name for p in checkpoint.complete_checkpoints(root)] == ["step_00000001"]

@@ -13,8 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from rlhf.disk import fsync_dir, fsync_tree, no_space_error  # the checkpoints' own flushes and messages
-from rlhf.errors import FULL_DISK_ERRNOS, NoSpaceError
+from rlhf.disk import fsync_dir, fsync_tree, no_space_error, out_of_space  # the checkpoints' own flushes and messages
 from rlhf.models.dtypes import tensor_bytes
 
 
@@ -26,10 +25,11 @@ def save_hf_folder(path: Path, model, tokenizer, **save_kwargs) -> None:
         with atomic_folder(Path(path)) as tmp:
             model.save_pretrained(tmp, **save_kwargs)
             tokenizer.save_pretrained(tmp)
-    except OSError as err:
-        if err.errno not in FULL_DISK_ERRNOS or isinstance(err, NoSpaceError):
+    except Exception as err:
+        needed = weights_bytes(model, save_kwargs.get("state_dict"))
+        if not out_of_space(err, Path(path).parent, needed):
             raise
-        raise no_space_error(Path(path), "the export", weights_bytes(model, save_kwargs.get("state_dict"))) from err
+        raise no_space_error(Path(path), "the export", needed) from err
 
 
 def weights_bytes(model, state_dict: dict | None = None) -> int:

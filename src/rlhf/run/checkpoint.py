@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlhf.disk import free_bytes, fsync_dir, fsync_tree, megabytes, no_space_error, tree_bytes
-from rlhf.errors import FULL_DISK_ERRNOS, ConfigError, NoSpaceError
+from rlhf.disk import free_bytes, fsync_dir, fsync_tree, megabytes, no_space_error, out_of_space, tree_bytes
+from rlhf.errors import ConfigError, NoSpaceError
 from rlhf.models.loading import safetensors_problem
 
 log = logging.getLogger("rlhf")
@@ -207,8 +207,9 @@ def save(c, root: Path, step: int, run_state: dict[str, Any], keep_last: int, st
         fsync_tree(tmp)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)  # a partial copy would only hold on to the space it took
-        if isinstance(err, OSError) and err.errno in FULL_DISK_ERRNOS and not isinstance(err, NoSpaceError):
-            raise no_space_error(root, "a checkpoint", _checkpoint_bytes(root)) from err
+        needed = _checkpoint_bytes(root)
+        if out_of_space(err, root, needed):
+            raise no_space_error(root, "a checkpoint", needed) from err
         raise
     _swap_in(tmp, final, root)
     log.info("checkpoint saved: %s", final)
