@@ -31,7 +31,7 @@ from rlhf.config import ConfigError, register_schema, validate
 from rlhf.config.compose import check_part_overrides
 from rlhf.config.moved import check_overrides
 from rlhf.distributed.remote import WorkerError
-from rlhf.run.lock import folder_lock
+from rlhf.run.lock import check_free, folder_lock
 from rlhf.run.state import NonFiniteError, NonFiniteGuard, RunState, StopSignals
 from rlhf.seeding import seed_everything
 from rlhf.tracking.progress import wants_bar
@@ -129,6 +129,9 @@ def main() -> float | None:
     try:
         check_overrides(sys.argv[1:])
         check_part_overrides(sys.argv[1:])
+        for override in sys.argv[1:]:  # a folder another run holds: refused before Hydra writes into it
+            if override.startswith("hydra.run.dir=") and "${" not in override:
+                check_free(Path(override.partition("=")[2]).expanduser(), "run folder (hydra.run.dir)")
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         raise SystemExit(exits.CONFIG_ERROR) from None

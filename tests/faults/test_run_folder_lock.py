@@ -83,6 +83,21 @@ def test_the_cli_refuses_a_held_run_folder_at_once_with_exit_2(tmp_path):
     assert took < 60, f"refusing took {took:.0f} s"  # no model is loaded before the lock is taken
 
 
+def test_a_refused_run_leaves_the_live_runs_folder_as_it_was(tmp_path):
+    """Refused before Hydra writes: the live run's `.hydra/config.yaml` and `train.log` are untouched (before, the
+    refused run had rewritten the one and written into the other)."""
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "config.yaml").write_text("the live run's config\n")
+    (run_dir / "train.log").write_text("the live run's log\n")
+    with folder_lock(run_dir, "run folder"):
+        proc = subprocess.run([sys.executable, "-m", "rlhf.train", "train.lr=3e-4", f"hydra.run.dir={run_dir}"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "is in use by another run" in proc.stderr, (proc.stdout + proc.stderr)[-2000:]
+    assert (run_dir / ".hydra" / "config.yaml").read_text() == "the live run's config\n"
+    assert (run_dir / "train.log").read_text() == "the live run's log\n"
+
+
 def test_train_reward_refuses_a_save_dir_held_by_another_run_with_exit_2(tmp_path, monkeypatch, capsys):
     save_dir = tmp_path / "rm"
     monkeypatch.setattr(rlhf.train_reward, "train", lambda cfg, out: pytest.fail("trained on a folder in use"))

@@ -65,6 +65,31 @@ def lock_path(folder: Path, beside: bool = False) -> Path:
     return folder.parent / f".{folder.name}{LOCK_FILE}" if beside else folder / LOCK_FILE
 
 
+def in_use(folder: Path, purpose: str, holder: dict) -> FolderInUseError:
+    return FolderInUseError(
+        f"{purpose} {folder} is in use by another run ({describe(holder)}); two runs in one folder would "
+        f"overwrite each other's checkpoints and logs. Stop that run, or choose another {purpose}"
+    )
+
+
+def check_free(folder: Path, purpose: str) -> None:
+    """FolderInUseError when a live process holds ``folder``'s lock, creating and writing nothing: the command line
+    asks before Hydra writes the folder's `.hydra/` and log, which a refused run must leave as the live run has them."""
+    path = lock_path(Path(folder))
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # no lock file: nobody holds the folder
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # conflicts with a holder's exclusive lock only
+    except BlockingIOError:
+        raise in_use(folder, purpose, _read_holder(fd)) from None
+    except OSError:
+        pass  # a filesystem without locks: `acquire` warns
+    finally:
+        os.close(fd)
+
+
 def acquire(folder: Path, purpose: str, path: Path) -> int | None:
     """Lock ``folder`` for this process through the lock file ``path`` (folders created if missing); returns its fd.
 
@@ -79,10 +104,7 @@ def acquire(folder: Path, purpose: str, path: Path) -> int | None:
         except BlockingIOError:
             holder = _read_holder(fd)
             os.close(fd)
-            raise FolderInUseError(
-                f"{purpose} {folder} is in use by another run ({describe(holder)}); two runs in one folder would "
-                f"overwrite each other's checkpoints and logs. Stop that run, or choose another {purpose}"
-            ) from None
+            raise in_use(folder, purpose, holder) from None
         except OSError as err:
             os.close(fd)
             log.warning(
