@@ -117,3 +117,26 @@ def test_boxed_format_wants_exactly_one_non_empty_box():
         "x \\boxed{\\sqrt{2}}.",
     ]
     assert boxed_format(prompts=[], responses=responses, ground_truths=[]) == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+
+
+def test_unreadable_ground_truths_are_refused_before_any_model_loads(tmp_path, monkeypatch):
+    """A dataset row whose truth math-verify cannot read stops the run at start, naming the row (before: at the step
+    that first drew it); plain numbers are taken as read without asking math-verify."""
+    from rlhf.config import compose_config
+    from rlhf.rewards.math import check_truths
+    from rlhf.train import train
+
+    check_truths(["42", "-3.5", "1,000", "\\frac{1}{2}"])  # readable
+    with pytest.raises(ConfigError, match=r"the ground truth of row 2 \(''\) holds no answer math-verify can read"):
+        check_truths(["1", "2", "", "3", ""])
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(f'{{"prompt": "{a}+{a}=", "answer": "{2 * a if a != 5 else ""}"}}\n' for a in range(12)))
+    loaded = []
+    monkeypatch.setattr("rlhf.run.build.build_local_models", lambda *a, **k: loaded.append(1))
+    cfg = compose_config([
+        "dataset=jsonl", f"dataset.path={rows}", "dataset.ground_truth_key=answer", "dataset.max_prompt_length=16",
+        "dataset.chat_template='{{ messages[0].content }}'", "reward.functions=[{name: math_verify}]",
+    ])
+    with pytest.raises(ConfigError, match=r"reward function math_verify: the ground truth of row \d+ \(''\)"):
+        train(cfg, tmp_path / "run")
+    assert not loaded

@@ -91,6 +91,14 @@ class RewardSet:
             check_args(fn, args, f"reward.functions[{i}]", fn_cfg.name)
             self.functions.append((fn_cfg.name, float(fn_cfg.weight), args, fn))
 
+    def check_truths(self, truths: list) -> None:
+        """Each function that reads ground truths a way of its own (``fn.check_truths(truths, **args)``, e.g.
+        `math_verify`'s parser) checks the dataset's before any model loads; ConfigError naming the row."""
+        for name, _, args, fn in self.functions:
+            check = getattr(fn, "check_truths", None)
+            if check is not None:
+                check(truths, **args)
+
     @property
     def verifiers(self) -> list[str]:
         """Names of the functions that check correctness against a ground truth."""

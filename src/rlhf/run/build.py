@@ -191,6 +191,8 @@ def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
             f"reward functions {rewards.verifiers} check answers against a ground truth, but {missing_truth} prompts "
             f"carry none; set dataset.ground_truth_key=<column> or choose other reward.functions"
         )
+    if runner is None or runner.maker.uses_dataset:
+        rewards.check_truths([ex.ground_truth for ex in splits.train + splits.eval])
     check_output_rows(cfg, tokenizer)
     check_targets(cfg.policy.lora, model)
     check_compilable(cfg.policy, model)
