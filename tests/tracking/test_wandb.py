@@ -99,3 +99,23 @@ def test_missing_wandb_is_a_config_error_before_any_model_loads(tmp_path, monkey
 def test_unknown_choices_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
         validate(compose_config([override]))
+
+
+def test_an_unreachable_wandb_server_is_a_config_error_before_any_model_loads(tmp_path, monkeypatch):
+    """Online mode with W&B's server not answering (a closed port here): refused in seconds before the models load
+    (before, about 100 s of wandb's retries after they had loaded, then exit 6). Offline mode is not checked."""
+    import socket
+
+    from rlhf.run.preflight import check_wandb
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed once the block ends: nothing listens there
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    loaded = []
+    monkeypatch.setattr("rlhf.train.build_components", lambda *a, **k: loaded.append(1))
+    with pytest.raises(ConfigError, match=rf"logging.wandb=true: the W&B server http://127.0.0.1:{port} does not answer"):
+        train(compose_config(["logging.wandb=true", "train.num_steps=1"]), tmp_path / "run")
+    assert not loaded
+    check_wandb(OmegaConf.merge(OmegaConf.structured(LoggingConfig), {"wandb": True, "wandb_mode": "offline"}))

@@ -13,9 +13,12 @@ import errno
 import fnmatch
 import json
 import logging
+import os
+import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 import yaml
@@ -235,3 +238,24 @@ def check_resume(cfg, path: Path) -> None:
             f"checkpoint.allow_config_change=true to go on with the new values"
         )
     log.warning("resume: checkpoint.allow_config_change=true: continuing with %s", "; ".join(breaking))
+
+
+WANDB_URL = "https://api.wandb.ai"  # where W&B runs log to unless WANDB_BASE_URL says otherwise
+
+
+def check_wandb(settings, timeout_s: float = 5.0) -> None:
+    """With `logging.wandb=true` in online mode, W&B's server answers a connection within ``timeout_s``, else
+    ConfigError before any model loads (before, wandb retried for about 100 s after the models had loaded, then the
+    run failed). Offline or disabled modes write locally and are not checked."""
+    mode = settings.wandb_mode or os.environ.get("WANDB_MODE", "online")
+    if not settings.wandb or mode in ("offline", "disabled", "dryrun"):
+        return
+    url = urlparse(os.environ.get("WANDB_BASE_URL", WANDB_URL))
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout_s).close()
+    except OSError as err:
+        raise ConfigError(
+            f"logging.wandb=true: the W&B server {url.geturl()} does not answer ({err}); set logging.wandb_mode=offline "
+            f"to log locally (wandb sync later), or logging.wandb=false"
+        ) from None
