@@ -74,3 +74,15 @@ def test_a_users_schedule_gets_the_checks_of_the_traits_it_declares(tmp_path, mo
     with pytest.raises(ConfigError, match=r"schedule=my_schedules.run shares the policy's devices with the generator"):
         validate(compose_config(["schedule.name=my_schedules.run", "cluster=ray_local"]))
     validate(compose_config(["schedule.name=my_schedules.plain", "cluster=ray_local"]))
+
+
+def test_vllm_on_the_cpu_with_heads_too_narrow_for_its_kernels_is_refused_at_validation(tmp_path, save_llama):
+    """head_dim 16 (64 wide, 4 heads): vLLM's CPU engine would fail after starting; refused before, naming the width."""
+    from rlhf.config import ConfigError, compose_config, validate
+
+    narrow = save_llama(tmp_path / "narrow", seed=0, num_attention_heads=4, head_dim=16)
+    cfg = compose_config(["generator=vllm", f"model.name_or_path={narrow}", "cluster.device=cpu"])
+    with pytest.raises(ConfigError, match=r"generator=vllm on the CPU: .* has attention heads of 16 dimensions, and "
+                                          r"vLLM's CPU attention kernels need at least 32; use generator=hf"):
+        validate(cfg)
+    validate(compose_config(["generator=vllm", "cluster.device=cpu"]))  # the built-in model's heads are 32 wide

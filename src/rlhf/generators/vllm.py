@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from transformers import AutoConfig
 
 from rlhf.errors import require
 from rlhf.generators.base import GeneratorConfig, SamplingParams, parameter_bytes, release_parameters, restore_parameters
@@ -137,6 +138,30 @@ class VllmGeneratorConfig(GeneratorConfig):
         )
 
 
+CPU_MIN_HEAD_DIM = 32  # vLLM's CPU attention kernels take no narrower heads (the engine fails after it starts)
+
+
+def runs_on_cpu(cfg) -> bool:
+    """Whether the run's generator engines start on the CPU (the local backend's device, or Ray's device_type)."""
+    if cfg.cluster.backend == "ray":
+        return cfg.cluster.device_type == "cpu"
+    return cfg.cluster.device == "cpu" or (cfg.cluster.device == "auto" and not torch.cuda.is_available())
+
+
+def model_head_dim(model_cfg) -> int | None:
+    """The model's attention head width from its config.json (no weights), or None when it cannot be read here (the
+    hub checks that come later name why)."""
+    try:
+        config = AutoConfig.from_pretrained(resolve_model_path(model_cfg.name_or_path), revision=model_cfg.revision,
+                                            trust_remote_code=model_cfg.trust_remote_code)
+    except (OSError, ValueError):
+        return None
+    config = getattr(config, "text_config", None) or config
+    head_dim = getattr(config, "head_dim", None)
+    heads = getattr(config, "num_attention_heads", None)
+    return head_dim or (config.hidden_size // heads if heads and getattr(config, "hidden_size", None) else None)
+
+
 @register("generator", "vllm")
 class VLLMGenerator:
     """One vLLM engine per process (one per generator rank on the Ray backend)."""
@@ -147,6 +172,13 @@ class VLLMGenerator:
     def check_run(config: VllmGeneratorConfig, cfg, ranks: dict[str, int]) -> None:
         """Its fit with the run: the context length, and one engine per device the cluster gives it."""
         longest = cfg.dataset.max_prompt_length + config.max_new_tokens
+        head_dim = model_head_dim(cfg.model) if runs_on_cpu(cfg) else None
+        require(
+            head_dim is None or head_dim >= CPU_MIN_HEAD_DIM,
+            f"generator=vllm on the CPU: model.name_or_path={cfg.model.name_or_path} has attention heads of {head_dim} "
+            f"dimensions, and vLLM's CPU attention kernels need at least {CPU_MIN_HEAD_DIM}; use generator=hf, a GPU, "
+            f"or a model with wider heads",
+        )
         require(
             config.max_model_len is None or config.max_model_len >= longest,
             f"generator.max_model_len={config.max_model_len} is shorter than dataset.max_prompt_length + "
