@@ -130,6 +130,7 @@ def main() -> float | None:
     try:
         check_overrides(sys.argv[1:])
         check_part_overrides(sys.argv[1:])
+        sweep.check_sweep_values(sys.argv[1:])
         for override in sys.argv[1:]:  # a folder another run holds: refused before Hydra writes into it
             if override.startswith("hydra.run.dir=") and "${" not in override:
                 check_free(Path(override.partition("=")[2]).expanduser(), "run folder (hydra.run.dir)")

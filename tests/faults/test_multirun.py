@@ -87,3 +87,17 @@ def test_a_single_run_still_exits_with_its_code():
         sweep.end_job(exits.CONFIG_ERROR, "config error: train.lr=-1.0 must be > 0")
     assert exited.value.code == exits.CONFIG_ERROR
     assert sweep.end_job(exits.FINISHED, "finished") is None
+
+
+def test_a_sweep_value_that_cannot_compose_is_refused_before_any_job_starts(tmp_path):
+    """`train.lr=fast,1e-3`: before, the sweep aborted at that job with Hydra's traceback and no summary; now the
+    value is named with the reason, and no job starts (the good values are not half run)."""
+    sweep_dir = tmp_path / "sweep"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlhf.train", "--multirun", "train.lr=fast,1e-3", *TINY, f"hydra.sweep.dir={sweep_dir}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == exits.CONFIG_ERROR, (proc.stdout + proc.stderr)[-3000:]
+    assert "config error: train.lr=fast in the sweep does not compose" in proc.stderr
+    assert "could not be converted to Float" in proc.stderr and "no job was started" in proc.stderr
+    assert not sweep_dir.exists()

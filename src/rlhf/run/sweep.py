@@ -17,12 +17,17 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
 from rlhf import exits
+from rlhf.config.compose import compose_config
+from rlhf.errors import ConfigError
 
 log = logging.getLogger("rlhf")
 
@@ -126,3 +131,31 @@ class SweepSummary(Callback):
         code = sweep_exit_code(write_summary(Path(config.hydra.sweep.dir)))
         if code != exits.FINISHED:
             raise SystemExit(code)
+
+
+def check_sweep_values(argv: list[str]) -> None:
+    """For `--multirun`, before any job starts: each value of each swept key composes with the others at their first
+    values, else ConfigError naming the key and the value (before, a wrong type in one value aborted the sweep partway,
+    with no summary). One composition per value, not per job."""
+    if "--multirun" not in argv and "-m" not in argv:
+        return
+    given = [a for a in argv if not a.startswith("-") and "=" in a and not a.startswith("hydra.")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(given)
+    except HydraException:
+        return  # Hydra reports a malformed override itself
+    first = [f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" if o.is_sweep_override() else text
+             for o, text in zip(parsed, given)]
+    for i, override in enumerate(parsed):
+        if not override.is_sweep_override():
+            continue
+        for value in override.sweep_string_iterator():
+            attempt = [*first[:i], f"{override.get_key_element()}={value}", *first[i + 1:]]
+            try:
+                compose_config(attempt)
+            except (HydraException, OmegaConfBaseException, ValueError) as err:
+                raise ConfigError(
+                    f"{override.get_key_element()}={value} in the sweep does not compose "
+                    f"({one_line(str(err.__cause__ or err))}); "
+                    f"no job was started: fix or drop that value"
+                ) from None
