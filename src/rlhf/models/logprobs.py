@@ -61,11 +61,7 @@ def window_logits(model: torch.nn.Module, batch: Trajectories, temperature: floa
     output layer (a vocabulary-sized matmul) runs on each row's window positions only: a hook hands it those
     positions of its input, row by row, so the logits are (B, T, V) however the rows are laid out.
     """
-    inputs, predicts, first, pick = forward_layout(model, batch)
-    # the token at window column t is predicted by the output at column predicts[:, t]; the model passes its output
-    # layer the last `keep` positions only, from the first of those columns (``first``)
-    keep = {"logits_to_keep": inputs["input_ids"].shape[1] - first} if keeps_logits(model) else {}
-    columns = predicts - first if keep else predicts
+    inputs, keep, columns, pick = head_layout(model, batch)
     picked = []
 
     def window_only(module, args):
@@ -84,6 +80,15 @@ def window_logits(model: torch.nn.Module, batch: Trajectories, temperature: floa
     window = logits if picked else pick(logits, columns)  # no output layer to hook: pick from the logits
     # in the model's dtype at temperature 1 (the log-softmax upcasts), else divided in float32
     return window if temperature == 1.0 else window.float() / temperature
+
+
+def head_layout(model: torch.nn.Module, batch: Trajectories) -> tuple[dict, dict, torch.Tensor, Callable]:
+    """(forward inputs, the `logits_to_keep` keyword or none, the column of the output layer's input that predicts each
+    window token (B, T), the function that picks those columns): `forward_layout`, with the output layer handed only
+    the last positions, from the first predicting column, where the model takes `logits_to_keep`."""
+    inputs, predicts, first, pick = forward_layout(model, batch)
+    keep = {"logits_to_keep": inputs["input_ids"].shape[1] - first} if keeps_logits(model) else {}
+    return inputs, keep, predicts - first if keep else predicts, pick
 
 
 def forward_layout(model: torch.nn.Module, batch: Trajectories) -> tuple[dict, torch.Tensor, int, Callable]:
@@ -141,9 +146,7 @@ def fused_window_logprobs(
     """`window_logprobs` with the output layer fused into the logprob (`rlhf.functional.fused_logprobs`): the layer's
     hooks take its input at the window positions and hand it an empty one, so it computes nothing, and the logprobs
     (with their own backward) come from its weight ``chunk`` tokens at a time. No (B, T, V) logits exist."""
-    inputs, predicts, first, pick = forward_layout(model, batch)
-    keep = {"logits_to_keep": inputs["input_ids"].shape[1] - first} if keeps_logits(model) else {}
-    columns = predicts - first if keep else predicts
+    inputs, keep, columns, pick = head_layout(model, batch)
     out: dict[str, torch.Tensor | None] = {}
 
     def take_window(module, args):

@@ -14,6 +14,7 @@ columns at all.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -41,22 +42,16 @@ UNSUPPORTED = ("sliding_window", "softcap", "s_aux", "position_bias")  # attenti
 VARLEN_ON_CUDA = True  # packed rows through torch's variable-length attention where it runs (bench/gpu_check.py compares)
 
 
-def _varlen_kernel() -> tuple | None:
+@functools.cache  # read once: packed attention asks on every layer of every forward
+def varlen_kernel() -> tuple | None:
+    """(torch's variable-length (flash) attention, the keyword arguments that make it causal, whether it takes
+    grouped-query heads, whether it takes a scale), or None where this torch has none. Its CUDA kernels take half
+    precision only; it has no CPU kernel."""
     if varlen_attn is None:
         return None
     takes = inspect.signature(varlen_attn).parameters
     causal = {"is_causal": True} if "is_causal" in takes else {"window_size": (-1, 0)}
     return varlen_attn, causal, "enable_gqa" in takes, "scale" in takes
-
-
-VARLEN_KERNEL = _varlen_kernel()  # read once: packed attention asks on every layer of every forward
-
-
-def varlen_kernel() -> tuple | None:
-    """(torch's variable-length (flash) attention, the keyword arguments that make it causal, whether it takes
-    grouped-query heads, whether it takes a scale), or None where this torch has none. Its CUDA kernels take half
-    precision only; it has no CPU kernel."""
-    return VARLEN_KERNEL
 
 
 def uses_varlen(query: torch.Tensor, key: torch.Tensor) -> bool:
