@@ -68,12 +68,17 @@ def test_compiled_blocks_sharded_by_fsdp2_take_the_eager_single_process_step(pol
     the compiled code). In a process group of world size 1 (gloo, started here) the step equals the eager one."""
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
-        monkeypatch.setenv(key, value)
-    torch.distributed.init_process_group("gloo")
+    # an in-process vLLM engine (the shared fixture, run earlier in this worker) leaves its own world-size-1 gloo
+    # group as the default one; FSDP2 shards over whatever default group there is, so reuse it and leave it be
+    ours = not torch.distributed.is_initialized()
+    if ours:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
+            monkeypatch.setenv(key, value)
+        torch.distributed.init_process_group("gloo")
+    assert torch.distributed.get_world_size() == 1
     try:
         train = train_cfg(lr=1e-2, adam_eps=1e-3)
         torch._dynamo.reset()
@@ -88,7 +93,8 @@ def test_compiled_blocks_sharded_by_fsdp2_take_the_eager_single_process_step(pol
         for name, tensor in eager.full_state_dict().items():
             torch.testing.assert_close(after[name], tensor, atol=1e-5, rtol=1e-5)
     finally:
-        torch.distributed.destroy_process_group()
+        if ours:
+            torch.distributed.destroy_process_group()
 
 
 def test_compile_under_deepspeed_or_with_lora_is_refused_before_any_model_loads():
