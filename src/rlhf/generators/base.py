@@ -63,6 +63,13 @@ def sleep_overrides(generator: type, config) -> list[str] | None:
     return [] if hasattr(generator, "sleep") else None
 
 
+def runs_on_cpu(cfg) -> bool:
+    """Whether the run's generator engines (or model) start on the CPU (the local backend's device, or Ray's device_type)."""
+    if cfg.cluster.backend == "ray":
+        return cfg.cluster.device_type == "cpu"
+    return cfg.cluster.device == "cpu" or (cfg.cluster.device == "auto" and not torch.cuda.is_available())
+
+
 def release_parameters(module: torch.nn.Module) -> dict[str, torch.Size]:
     """Free every parameter's storage (tied ones once), keeping the tensors; returns their shapes for
     `restore_parameters`. Buffers, being small, stay."""

@@ -3,15 +3,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from rlhf.errors import require
-from rlhf.generators.base import GeneratorConfig, SamplingParams, parameter_bytes, release_parameters, restore_parameters
+from rlhf.generators.base import (
+    GeneratorConfig, SamplingParams, parameter_bytes, release_parameters, restore_parameters, runs_on_cpu,
+)
 from rlhf.generators.memory import own_copy_memory
 from rlhf.micro_batches import halvings
 from rlhf.generators.decode import decode
+from rlhf.generators.static_decode import StaticDecoder
 from rlhf.models.loading import load_causal_lm
 from rlhf.registry import register
 from rlhf.trajectory import Trajectories, concat, from_completions
@@ -56,14 +59,40 @@ def truncate_at_stop(tokens: torch.Tensor, stop_id: int, pad_id: int) -> tuple[t
     return torch.where(mask.bool(), tokens, torch.full_like(tokens, pad_id)), mask, stopped
 
 
+DECODES = ("auto", "eager", "static")
+
+
 @dataclass
 class HfGeneratorConfig(GeneratorConfig):
     batch_size: int = 512  # sequences decoded together, to bound memory (more: calls of prompts of similar length)
-    compile: bool = False  # torch.compile the one-token decode steps (dynamic shapes; the prompt pass stays eager); the first calls pay the compile
+    compile: bool = False  # torch.compile the one-token decode steps (the prompt pass stays eager); the first calls pay the compile
+    decode: str = "auto"  # eager (growing cache, a row leaves the step it stops), static (preallocated cache, fixed-shape step per bucket), auto (static on CUDA, eager on CPU)
+    buckets: list[int] = field(default_factory=lambda: [2**i for i in range(10)])  # static decode: the batch sizes a step runs at (rows padded up to the next); the largest must hold generator.batch_size
+    graphs: bool | None = None  # static decode: record each bucket's step as a CUDA graph and replay it (null: on CUDA yes, on CPU no)
+    check_every: int = 8  # static decode: steps between looks at which rows stopped (the end, or a move to a smaller bucket)
 
     def check(self, at: str) -> None:
         super().check(at)
         require(self.batch_size >= 1, f"{at}.batch_size={self.batch_size} must be >= 1")
+        require(self.decode in DECODES, f"{at}.decode={self.decode} must be one of {', '.join(DECODES)}")
+        require(len(self.buckets) > 0 and all(b >= 1 for b in self.buckets),
+                f"{at}.buckets={list(self.buckets)} must list batch sizes >= 1")
+        require(self.check_every >= 1, f"{at}.check_every={self.check_every} must be >= 1")
+        if self.decode != "eager" or self.graphs:
+            require(max(self.buckets) >= self.batch_size,
+                    f"{at}.buckets={list(self.buckets)} do not cover {at}.batch_size={self.batch_size}: add a bucket of at "
+                    f"least {self.batch_size}, or lower {at}.batch_size")
+        require(not (self.graphs and self.decode == "eager"),
+                f"{at}.graphs=true records the static decode's steps: set {at}.decode=static (or auto), or {at}.graphs=null")
+
+
+def static_decode_on(config: HfGeneratorConfig, device: torch.device) -> tuple[bool, bool]:
+    """(static decode, CUDA graphs) for this generator on ``device``: `generator.decode` and `generator.graphs` with
+    their `auto`/null resolved (static and graphs on CUDA; eager on CPU, where the static step without graphs gains
+    too little to pay its compile in a short run: `bench/generate.py`)."""
+    cuda = device.type == "cuda"
+    static = config.decode == "static" or (config.decode == "auto" and cuda)
+    return static, static and (config.graphs if config.graphs is not None else cuda)
 
 
 @register("generator", "hf")
@@ -79,6 +108,16 @@ class HFGenerator:
         return min(rows, config.batch_size)
 
     @staticmethod
+    def check_run(config: HfGeneratorConfig, cfg, ranks: dict[str, int]) -> None:
+        """Its fit with the run: CUDA graphs need the generator on a GPU."""
+        require(
+            not (config.graphs and runs_on_cpu(cfg)),
+            f"generator.graphs=true records CUDA graphs, but this run's generator is on the CPU (cluster.device="
+            f"{cfg.cluster.device}, cluster.device_type={cfg.cluster.get('device_type')}): set generator.graphs=null, "
+            "or run on a GPU",
+        )
+
+    @staticmethod
     def memory_advice(config: HfGeneratorConfig, shares_devices: bool, rows: int) -> list[list[str]]:
         """Smaller decode batches, largest first."""
         return [[f"generator.batch_size={size}"] for size in halvings(min(config.batch_size, rows))]
@@ -91,10 +130,14 @@ class HFGenerator:
             model_cfg.name_or_path, model_cfg.dtype, model_cfg.revision, model_cfg.trust_remote_code, device
         ).eval()
         self.model.requires_grad_(False)
-        # `generator.compile`: the one-token decode steps through torch.compile (the prompt pass stays eager). The
-        # same module and weights, so pushes and sleep/wake reach it; dynamic shapes, so rows leaving the batch and
-        # the cache growing reuse one graph
-        self.step_model = torch.compile(self.model, dynamic=True) if cfg.compile else None
+        static, graphs = static_decode_on(cfg, device)
+        # `generator.decode=static`: preallocated buffers and one fixed-shape step per bucket, compiled and recorded
+        # as CUDA graphs as asked; it reads the weights where they live, so pushes reach it
+        self.static = StaticDecoder(self.model, tuple(cfg.buckets), cfg.check_every, cfg.compile, graphs) if static else None
+        # `generator.compile` for the eager loop: its one-token steps through torch.compile (the prompt pass stays
+        # eager). The same module and weights, so pushes and sleep/wake reach it; dynamic shapes, so rows leaving the
+        # batch and the cache growing reuse one graph
+        self.step_model = torch.compile(self.model, dynamic=True) if cfg.compile and not static else None
         self.stop_id = stop_token_id(tokenizer, cfg.stop_token)
         self.pad_id = int(tokenizer.pad_token_id)
 
@@ -112,9 +155,12 @@ class HFGenerator:
             raise KeyError(f"the generator's model has no weights named {unexpected[:3]}: pushed from another model?")
 
     def sleep(self) -> None:
-        """Free the weights until `wake_up` brings new ones."""
+        """Free the weights (and the static decode's cache and graphs, which read them) until `wake_up` brings new
+        ones."""
         self.freed_bytes = self.resident_bytes()
         self._shapes = release_parameters(self.model)
+        if self.static is not None:
+            self.static.free()
 
     @torch.no_grad()
     def wake_up(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -161,6 +207,9 @@ class HFGenerator:
         policy being trained)."""
         query_ids, query_mask = left_pad(prompts, self.pad_id)
         query_ids, query_mask = query_ids.to(self.device), query_mask.to(self.device)
-        raw, logprobs = decode(self.model, query_ids, query_mask, sampling, self.stop_id, self.pad_id, self.step_model)
+        if self.static is not None:
+            raw, logprobs = self.static.decode(query_ids, query_mask, sampling, self.stop_id, self.pad_id)
+        else:
+            raw, logprobs = decode(self.model, query_ids, query_mask, sampling, self.stop_id, self.pad_id, self.step_model)
         response_ids, response_mask, stopped = truncate_at_stop(raw, self.stop_id, self.pad_id)
         return from_completions(query_ids, query_mask, response_ids, response_mask, logprobs * response_mask, stopped)

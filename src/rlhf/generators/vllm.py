@@ -18,7 +18,9 @@ import torch
 from transformers import AutoConfig
 
 from rlhf.errors import require
-from rlhf.generators.base import GeneratorConfig, SamplingParams, parameter_bytes, release_parameters, restore_parameters
+from rlhf.generators.base import (
+    GeneratorConfig, SamplingParams, parameter_bytes, release_parameters, restore_parameters, runs_on_cpu,
+)
 from rlhf.generators.memory import ENGINE_SHARE, MemoryNeed
 from rlhf.generators.hf import left_pad, stop_token_id
 from rlhf.models.loading import resolve_model_path
@@ -139,13 +141,6 @@ class VllmGeneratorConfig(GeneratorConfig):
 
 
 CPU_MIN_HEAD_DIM = 32  # vLLM's CPU attention kernels take no narrower heads (the engine fails after it starts)
-
-
-def runs_on_cpu(cfg) -> bool:
-    """Whether the run's generator engines start on the CPU (the local backend's device, or Ray's device_type)."""
-    if cfg.cluster.backend == "ray":
-        return cfg.cluster.device_type == "cpu"
-    return cfg.cluster.device == "cpu" or (cfg.cluster.device == "auto" and not torch.cuda.is_available())
 
 
 def model_head_dim(model_cfg) -> int | None:

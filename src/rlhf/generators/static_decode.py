@@ -1,0 +1,351 @@
+"""The hf generator's fast decode: a preallocated KV cache and one fixed-shape step per batch bucket.
+
+The eager loop (`rlhf.generators.decode`) grows its cache every token, reads a stop flag from the device every token
+and launches every kernel from Python. Here everything a step touches lives in buffers allocated once per shape
+(`SlotState`): the cache, the attention mask over all its columns, the input token and position of every row, the
+rows' outputs. The step (`decode_step`) reads and advances those buffers in place and returns nothing, so it can be
+compiled once and, on CUDA, recorded as a CUDA graph per bucket and replayed with no host work at all. The host looks
+at the stop flags every ``check_every`` steps only; then it ends the decode when every row has stopped, and moves the
+rows still going into a smaller bucket when they fit one (the eager loop drops a row the step it stops; here finished
+rows ride along, masked, until the next check).
+
+Rows sit in *slots*: slot ``i`` of a bucket of ``b`` rows is row ``i`` of every buffer, and a bucket's buffers are the
+first ``b`` rows of the largest one's, so every bucket shares one cache. Weights are read where they live: a weight
+push (an in-place copy) reaches the recorded graphs; a sleep frees the cache and the graphs with the weights (the next
+decode allocates and records again).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from rlhf.generators.base import SamplingParams
+from rlhf.generators.decode import top_p_filter
+from rlhf.models.logprobs import keeps_logits
+from rlhf.trajectory import real_positions
+
+log = logging.getLogger("rlhf")
+
+CACHE_COLUMNS = 64  # cache lengths are rounded up to a multiple of this, so calls of similar lengths share buffers
+ATTENTION = ("sdpa", "eager")  # the attention implementations that take the boolean / additive 4D mask built here
+
+
+def bucket_for(rows: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket holding ``rows`` rows (``buckets`` sorted ascending)."""
+    for size in buckets:
+        if size >= rows:
+            return size
+    raise ValueError(f"{rows} rows do not fit generator.buckets={list(buckets)}: add a bucket of at least {rows}")
+
+
+def race_sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """A draw from each row's distribution by the exponential race: argmax of p / E with E ~ Exp(1) i.i.d. picks token
+    ``t`` with probability ``p_t`` (the smallest E / p wins), with no host sync and no `multinomial`, so it can sit
+    inside a recorded graph. Shapes: probs, noise (B, V) -> (B,)."""
+    return (probs / noise).argmax(dim=-1)
+
+
+def pick_tokens(
+    logits: torch.Tensor, greedy: bool, nucleus: bool, temperature: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token, its logprob) of each row, as `rlhf.generators.decode.next_tokens` picks them: argmax and its logprob at
+    temperature 1 when greedy; else a draw from the nucleus (``nucleus``: top_p < 1) at the temperature and its
+    logprob under the temperature-scaled distribution the trainer scores. ``temperature`` and ``top_p`` are 0-d
+    tensors, so a recorded step serves any value. Shapes: logits (B, V) -> (B,), (B,)."""
+    logits = logits.float()
+    if greedy:
+        token = logits.argmax(dim=-1)
+        return token, torch.log_softmax(logits, dim=-1).gather(-1, token[:, None]).squeeze(-1)
+    scaled = logits / temperature
+    kept = top_p_filter(scaled, top_p) if nucleus else scaled
+    token = race_sample(kept.softmax(dim=-1), torch.empty_like(scaled).exponential_())
+    return token, torch.log_softmax(scaled, dim=-1).gather(-1, token[:, None]).squeeze(-1)
+
+
+class SlotCache:
+    """A transformers-style KV cache over preallocated tensors: `update` writes the new keys and values at the cache
+    columns ``columns`` (a long tensor, read on the device) and returns every column, or the first ``width`` during
+    the prompt pass. What the decoder layers call; the model never asks it for a length (positions and the 4D mask
+    are always passed)."""
+
+    is_compileable = True
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], columns: torch.Tensor, width: int | None = None):
+        self.keys, self.values, self.columns, self.width = keys, values, columns, width
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys.index_copy_(2, self.columns, key_states.to(keys.dtype))
+        values.index_copy_(2, self.columns, value_states.to(values.dtype))
+        if self.width is None:
+            return keys, values
+        return keys[:, :, : self.width], values[:, :, : self.width]
+
+
+@dataclass
+class SlotState:
+    """Every tensor one bucket's step reads or writes: views of the first ``rows`` rows of the decoder's buffers.
+    Shapes: keys/values [layers x (rows, kv heads, L, head dim)], mask (rows, L) bool, token/position/length (rows,)
+    long, done (rows,) bool, column/step (1,) long, tokens/logprobs (rows, budget)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    mask: torch.Tensor  # which cache columns each row attends to
+    token: torch.Tensor  # the token each row feeds the next step
+    position: torch.Tensor  # that token's position in its row (real tokens only)
+    done: torch.Tensor  # the row has emitted its stop token (or is an empty slot)
+    length: torch.Tensor  # tokens the row has emitted, its stop token included
+    column: torch.Tensor  # the cache column this step writes (the same for every row)
+    step: torch.Tensor  # the response index this step writes
+    tokens: torch.Tensor  # each row's response so far
+    logprobs: torch.Tensor  # and its tokens' logprobs
+
+    def head(self, rows: int) -> "SlotState":
+        """The first ``rows`` slots (a smaller bucket), sharing every buffer."""
+        shared = ("column", "step")
+        return SlotState(**{
+            name: value if name in shared else [t[:rows] for t in value] if isinstance(value, list) else value[:rows]
+            for name, value in vars(self).items()
+        })
+
+    def gather(self, slots: torch.Tensor) -> None:
+        """Move slots ``slots`` (a long tensor) to the front, in that order, in place."""
+        for name, value in vars(self).items():
+            if name in ("column", "step"):
+                continue
+            for tensor in value if isinstance(value, list) else [value]:
+                tensor[: len(slots)] = tensor.index_select(0, slots)
+
+
+def as_attention_mask(model, attend: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The 4D mask the model's attention takes, from ``attend`` (bool, True = attend): as is for sdpa, additive for
+    the eager implementation. Shape: (B, 1, Q, K) -> (B, 1, Q, K)."""
+    if model.config._attn_implementation == "sdpa":
+        return attend
+    return torch.zeros(attend.shape, dtype=dtype, device=attend.device).masked_fill(~attend, torch.finfo(dtype).min)
+
+
+def decode_step(
+    model, state: SlotState, greedy: bool, nucleus: bool, temperature, top_p, stop_id: int, pad_id: int, width: int | None = None
+) -> None:
+    """One token for every slot, read from and written to ``state`` in place (nothing returned, nothing read on the
+    host): the slot's token goes in at its column, the next token is picked (`pick_tokens`) and recorded, rows that
+    have stopped record ``pad_id`` with logprob 0, and the inputs advance for the next step. ``width``: attend to the
+    first ``width`` cache columns only (the ones written so far; without graphs the host knows it), else to all."""
+    state.mask.index_fill_(1, state.column, True)
+    dtype = state.keys[0].dtype
+    out = model(
+        input_ids=state.token[:, None], position_ids=state.position[:, None], use_cache=True,
+        attention_mask=as_attention_mask(model, state.mask[:, None, None, :width], dtype),
+        past_key_values=SlotCache(state.keys, state.values, state.column, width),
+    )
+    token, logprob = pick_tokens(out.logits[:, -1], greedy, nucleus, temperature, top_p)
+    token = torch.where(state.done, torch.full_like(token, pad_id), token)
+    logprob = torch.where(state.done, torch.zeros_like(logprob), logprob)
+    state.tokens.index_copy_(1, state.step, token[:, None])
+    state.logprobs.index_copy_(1, state.step, logprob[:, None])
+    state.length.add_((~state.done).long())
+    state.done.logical_or_(token == stop_id)
+    state.token.copy_(token)
+    state.position.add_(1)
+    state.column.add_(1)
+    state.step.add_(1)
+
+
+def prompt_mask(query_mask: torch.Tensor) -> torch.Tensor:
+    """The prompt pass's (B, 1, Lq, Lq) bool mask: causal over each row's real tokens; a padding position sees
+    itself only, so no row of the attention is empty (an empty one is NaN, and NaN values cached at padding columns
+    would poison later steps even at weight 0). Shape: (B, Lq) -> (B, 1, Lq, Lq)."""
+    width = query_mask.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=query_mask.device).tril()
+    attend = causal[None] & query_mask.bool()[:, None, :]
+    return (attend | torch.eye(width, dtype=torch.bool, device=query_mask.device)[None])[:, None]
+
+
+class StaticDecoder:
+    """Decodes with preallocated buffers and one step per (bucket, greedy, nucleus), compiled (``compile``) and on
+    CUDA recorded as a CUDA graph (``graphs``). `decode` answers as `rlhf.generators.decode.decode` does."""
+
+    def __init__(self, model, buckets: tuple[int, ...], check_every: int, compile: bool, graphs: bool) -> None:
+        config = model.config
+        if config._attn_implementation not in ATTENTION:
+            raise ValueError(
+                f"generator.decode=static needs sdpa or eager attention, not {config._attn_implementation}: "
+                "set generator.decode=eager (or auto)"
+            )
+        if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+            raise ValueError("generator.decode=static serves full-attention models only (this one has sliding-window "
+                             "layers): set generator.decode=eager (or auto)")
+        self.model, self.buckets, self.check_every = model, tuple(sorted(buckets)), check_every
+        self.graphs = graphs
+        self.step_fn = torch.compile(decode_step) if compile else decode_step
+        self.state: SlotState | None = None  # the largest bucket's buffers; None until the first decode or after free
+        self.recorded: dict[tuple, tuple] = {}  # (bucket, greedy, nucleus) -> (CUDA graph, its state) once recorded
+        self.temperature = self.top_p = None
+        self.pool = None
+
+    def free(self) -> None:
+        """Drop the buffers and the recorded graphs (the generator sleeps; the weights they read are going)."""
+        self.state, self.recorded, self.pool = None, {}, None
+
+    def _buffers(self, rows: int, columns: int, budget: int, like: torch.Tensor) -> SlotState:
+        """The buffers for ``rows`` slots, ``columns`` cache columns and ``budget`` response tokens: the present ones
+        when they are large enough, else new ones (and the graphs recorded on the old ones are dropped)."""
+        state = self.state
+        if state is not None and state.mask.shape[0] >= rows and state.mask.shape[1] >= columns and state.tokens.shape[1] >= budget:
+            return state
+        if state is not None:
+            rows, columns = max(rows, state.mask.shape[0]), max(columns, state.mask.shape[1])
+            budget = max(budget, state.tokens.shape[1])
+        self.free()
+        config, device = self.model.config, like.device
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dtype = next(self.model.parameters()).dtype
+        cache = [torch.zeros(rows, heads, columns, head_dim, dtype=dtype, device=device) for _ in range(2 * config.num_hidden_layers)]
+        long = dict(dtype=torch.long, device=device)
+        self.state = SlotState(
+            keys=cache[0::2], values=cache[1::2], mask=torch.zeros(rows, columns, dtype=torch.bool, device=device),
+            token=torch.zeros(rows, **long), position=torch.zeros(rows, **long),
+            done=torch.ones(rows, dtype=torch.bool, device=device), length=torch.zeros(rows, **long),
+            column=torch.zeros(1, **long), step=torch.zeros(1, **long),
+            tokens=torch.zeros(rows, budget, **long), logprobs=torch.zeros(rows, budget, device=device),
+        )
+        self.temperature = torch.ones((), device=device)
+        self.top_p = torch.ones((), device=device)
+        return self.state
+
+    @torch.no_grad()
+    def decode(
+        self, query_ids: torch.Tensor, query_mask: torch.Tensor, sampling: SamplingParams, stop_id: int, pad_id: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample up to ``sampling.max_new_tokens`` tokens after each left-padded prompt. Returns (tokens (B, W),
+        logprobs (B, W)) as the eager loop does: W the longest response, a row's tokens up to its stop token, then
+        ``pad_id`` with logprob 0. Shapes: query_ids, query_mask (B, Lq)."""
+        rows, width = query_ids.shape
+        budget = sampling.max_new_tokens
+        bucket = bucket_for(rows, self.buckets)
+        columns = -(-(width + budget) // CACHE_COLUMNS) * CACHE_COLUMNS
+        full = self._buffers(bucket, columns, budget, query_ids)
+        self.temperature.fill_(sampling.temperature)
+        self.top_p.fill_(sampling.top_p)
+        mode = (sampling.greedy, sampling.top_p < 1.0)
+        state = full.head(bucket)
+        self._prefill(state, query_ids, query_mask, mode, stop_id, pad_id)
+        slot_rows = torch.arange(rows, device=query_ids.device)  # the batch row each slot holds
+        tokens = torch.full((rows, budget), pad_id, dtype=torch.long, device=query_ids.device)
+        logprobs = torch.zeros(rows, budget, device=query_ids.device)
+        longest, ran = 0, 1  # the prompt pass picked each row's first token
+        going = (~state.done[:rows]).nonzero().squeeze(1)
+        while ran < budget and len(going):
+            smaller = bucket_for(len(going), self.buckets)
+            if smaller < bucket:  # the rows still going move to the front and the steps run at the smaller bucket
+                longest = max(longest, self._flush(state, slot_rows, tokens, logprobs))
+                state.gather(going)
+                slot_rows = slot_rows[going]
+                bucket, state = smaller, full.head(smaller)
+                state.done[len(slot_rows) :] = True
+            steps = min(self.check_every, budget - ran)
+            for written in range(width + ran - 1, width + ran - 1 + steps):  # the cache column each step writes
+                self._step(state, bucket, mode, stop_id, pad_id, written + 1)
+            ran += steps
+            going = (~state.done[: len(slot_rows)]).nonzero().squeeze(1)  # the one host read per check
+        longest = max(longest, self._flush(state, slot_rows, tokens, logprobs))
+        return tokens[:, :longest], logprobs[:, :longest]
+
+    def _prefill(self, state: SlotState, query_ids, query_mask, mode: tuple[bool, bool], stop_id: int, pad_id: int) -> None:
+        """Run the prompts into the cache's first Lq columns, pick each row's first token from the prompt pass's last
+        logits and set every slot up for the first step (slots past the batch get a one-token dummy prompt and start
+        done)."""
+        rows, width = query_ids.shape
+        slots = state.mask.shape[0]
+        ids = torch.full((slots, width), pad_id, dtype=torch.long, device=query_ids.device)
+        mask = torch.zeros(slots, width, dtype=torch.long, device=query_ids.device)
+        ids[:rows], mask[:rows] = query_ids, query_mask
+        mask[rows:, -1] = 1
+        positions = real_positions(mask)
+        out = self.model(
+            input_ids=ids, position_ids=positions, use_cache=True,
+            attention_mask=as_attention_mask(self.model, prompt_mask(mask), state.keys[0].dtype),
+            past_key_values=SlotCache(state.keys, state.values, torch.arange(width, device=ids.device), width),
+            **({"logits_to_keep": 1} if keeps_logits(self.model) else {}),
+        )
+        token, logprob = pick_tokens(out.logits[:, -1], *mode, self.temperature, self.top_p)
+        state.done.zero_()
+        state.done[rows:] = True
+        token = torch.where(state.done, torch.full_like(token, pad_id), token)
+        state.mask.zero_()
+        state.mask[:, :width] = mask.bool()
+        state.tokens.fill_(pad_id)
+        state.logprobs.zero_()
+        state.tokens[:, 0], state.logprobs[:, 0] = token, torch.where(state.done, 0.0, logprob)
+        state.length.copy_((~state.done).long())
+        state.done.logical_or_(token == stop_id)
+        state.token.copy_(token)
+        state.position.copy_(positions[:, -1] + 1)
+        state.column.fill_(width)
+        state.step.fill_(1)
+
+    def _step(self, state: SlotState, bucket: int, mode: tuple[bool, bool], stop_id: int, pad_id: int, width: int) -> None:
+        """One step at ``bucket`` rows: replayed from its CUDA graph (recorded on first use; it attends over every cache
+        column), or called attending over the first ``width`` columns."""
+        if not self.graphs:
+            self.step_fn(self.model, state, *mode, self.temperature, self.top_p, stop_id, pad_id, width)
+            return
+        key = (bucket, *mode)
+        if key not in self.recorded:
+            self.recorded[key] = self._record(state, bucket, mode, stop_id, pad_id)
+        self.recorded[key].replay()
+
+    def _record(self, state: SlotState, bucket: int, mode: tuple[bool, bool], stop_id: int, pad_id: int):
+        """Record the step at ``bucket`` rows as a CUDA graph on the buffers (after warm-up calls on a side stream,
+        which also compile it); the warm-up steps advance nothing: the step's state is saved and restored."""
+        saved = {name: (value.clone() if torch.is_tensor(value) else None) for name, value in vars(state).items()}
+        cache = [(k.clone(), v.clone()) for k, v in zip(state.keys, state.values)]
+
+        def call():
+            self.step_fn(self.model, state, *mode, self.temperature, self.top_p, stop_id, pad_id)
+
+        def restore():
+            for name, value in saved.items():
+                if value is not None:
+                    getattr(state, name).copy_(value)
+            for (k, v), (k0, v0) in zip(zip(state.keys, state.values), cache):
+                k.copy_(k0)
+                v.copy_(v0)
+
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    call()
+                    restore()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self.pool):
+                call()
+            restore()  # recording ran the step's kernels on the buffers too
+        except torch.OutOfMemoryError as error:
+            need = sum(t.numel() * t.element_size() for pair in cache for t in pair)
+            raise torch.OutOfMemoryError(
+                f"recording the decode step for generator.buckets entry {bucket} ran out of GPU memory (its rows' "
+                f"cache alone is {need / 2**30:.2f} GiB, {torch.cuda.mem_get_info()[0] / 2**30:.2f} GiB free): drop the "
+                "largest buckets or lower generator.batch_size, or decode without graphs (generator.graphs=false) or "
+                "eagerly (generator.decode=eager)"
+            ) from error
+        log.info("generator: recorded the decode step for %d rows (greedy=%s, nucleus=%s)", bucket, *mode)
+        return graph
+
+    def _flush(self, state: SlotState, slot_rows: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor) -> int:
+        """Copy the responses of the slots holding batch rows into ``tokens``/``logprobs`` (B, budget); returns their
+        longest length (a host read)."""
+        held, budget = len(slot_rows), tokens.shape[1]
+        tokens[slot_rows] = state.tokens[:held, :budget]
+        logprobs[slot_rows] = state.logprobs[:held, :budget]
+        return int(state.length[:held].max())

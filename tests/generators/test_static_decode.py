@@ -1,0 +1,216 @@
+"""`generator.decode=static`: the preallocated-cache decode gives the eager loop's greedy tokens on every model family
+the presets use, samples from the same distribution, follows weight pushes and sleep/wake, and refuses what it cannot
+serve, before any model loads where the config alone shows it. (CUDA graph recording needs a GPU: `bench/gpu_check.py`
+checks it there; everything else of the path runs here.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf.config import ConfigError, compose_config, validate
+from rlhf.generators.base import SamplingParams
+from rlhf.generators.decode import decode
+from rlhf.generators.hf import left_pad
+from rlhf.generators.static_decode import StaticDecoder, SlotState, bucket_for, race_sample
+from rlhf.models.logprobs import window_logprobs
+
+STOP, PAD = 2, 0
+POWERS = (1, 2, 4, 8, 16)
+
+
+def family(name: str) -> torch.nn.Module:
+    """A tiny random model of a family the presets use (Llama, Qwen2 with biased q/k/v and grouped heads, GPT-NeoX
+    with partial rotary), weights redrawn wide so greedy picks are far from ties and rows stop at different steps."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=24, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=96)
+    model = {
+        "llama": lambda: LlamaForCausalLM(LlamaConfig(**shape)),
+        "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=2, **shape)),
+        "gpt_neox": lambda: GPTNeoXForCausalLM(GPTNeoXConfig(rotary_pct=0.25, **shape)),
+    }[name]()
+    with torch.no_grad():
+        for pname, param in model.named_parameters():
+            if "norm" not in pname and param.dim() > 1:
+                param.normal_(0.0, 0.3)
+    return model.eval()
+
+
+def prompts(count: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``count`` left-padded prompts of 1 to 9 tokens (no stop or pad token in them)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 10, (count,), generator=generator)
+    return left_pad([torch.randint(3, 24, (int(n),), generator=generator).tolist() for n in lengths], PAD)
+
+
+def assert_same(got, want) -> None:
+    (tokens, logprobs), (want_tokens, want_logprobs) = got, want
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(logprobs, want_logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt_neox"])
+def test_static_decode_gives_the_eager_loops_greedy_tokens(name):
+    """Batches of 1, 5 and 13 rows (buckets 1, 8, 16; rows moving to smaller buckets as they stop; looks every step
+    and every third), one decoder reused across calls of other prompt lengths: the eager loop's tokens exactly,
+    logprobs within float rounding."""
+    model = family(name)
+    greedy = SamplingParams(20, greedy=True)
+    for check_every in (1, 3):
+        static = StaticDecoder(model, POWERS, check_every, compile=False, graphs=False)
+        for count, seed in ((13, 0), (1, 1), (5, 2), (13, 3)):
+            query_ids, query_mask = prompts(count, seed)
+            want = decode(model, query_ids, query_mask, greedy, STOP, PAD)
+            got = static.decode(query_ids, query_mask, greedy, STOP, PAD)
+            assert_same(got, want)
+    stopped = (want[0] == STOP).any(dim=1)
+    assert stopped.any() and not stopped.all(), "rows should stop at different steps, some not at all"
+
+
+def test_rows_move_to_smaller_buckets_and_keep_their_answers():
+    """A batch of 9 (bucket 16) whose rows stop over several steps moves to bucket 8 (the gather moves the rows still
+    going to the front with their cache), and each row's answer stays its own."""
+    model = family("llama")
+    query_ids, query_mask = prompts(9, 0)
+    greedy = SamplingParams(30, greedy=True)
+    static = StaticDecoder(model, POWERS, 2, compile=False, graphs=False)
+    seen = []
+    step = StaticDecoder._step
+    static._step = lambda state, bucket, *rest: (seen.append(bucket), step(static, state, bucket, *rest))
+    assert_same(static.decode(query_ids, query_mask, greedy, STOP, PAD), decode(model, query_ids, query_mask, greedy, STOP, PAD))
+    assert seen[0] == 16 and min(seen) == 8 and seen == sorted(seen, reverse=True), seen
+
+
+def test_the_race_sampler_draws_each_token_with_its_probability():
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
+    draws = 40_000
+    torch.manual_seed(0)
+    picks = race_sample(probs.expand(draws, -1), torch.empty(draws, 5).exponential_())
+    freq = torch.bincount(picks, minlength=5).float() / draws
+    assert freq[4] == 0
+    assert (freq - probs).abs().max() < 4 * (0.25 / draws) ** 0.5
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (1.3, 0.8)])
+def test_seeded_sampling_draws_from_the_eager_samplers_distribution(temperature, top_p):
+    """One prompt, 3000 rows, three tokens each: the first token's frequencies match the model's (temperature-scaled,
+    nucleus-renormalised) probabilities, and the third token's match the eager sampler's frequencies; every logprob is
+    the temperature-scaled one the trainer scores."""
+    model = family("llama")
+    rows = 3000
+    query_ids, query_mask = prompts(1, 5)
+    query_ids, query_mask = query_ids.expand(rows, -1), query_mask.expand(rows, -1)
+    sampling = SamplingParams(3, temperature=temperature, top_p=top_p)
+    static = StaticDecoder(model, (rows,), 8, compile=False, graphs=False)
+    torch.manual_seed(1)
+    tokens, logprobs = static.decode(query_ids, query_mask, sampling, -1, PAD)
+    torch.manual_seed(2)
+    want_tokens, _ = decode(model, query_ids, query_mask, sampling, -1, PAD)
+
+    with torch.no_grad():
+        scaled = model(input_ids=query_ids[:1], attention_mask=query_mask[:1]).logits[0, -1] / temperature
+    probs = scaled.softmax(-1)
+    order = probs.sort(descending=True)
+    kept = torch.zeros_like(probs, dtype=torch.bool)
+    kept[order.indices[(order.values.cumsum(0) - order.values) < top_p]] = True
+    nucleus = torch.where(kept, probs, 0.0) / probs[kept].sum()
+    slack = 5 * (0.25 / rows) ** 0.5
+    first = torch.bincount(tokens[:, 0], minlength=len(probs)).float() / rows
+    assert (first - nucleus).abs().max() < slack
+    assert (first[~kept] == 0).all()
+    third, want_third = (torch.bincount(t[:, 2], minlength=len(probs)).float() / rows for t in (tokens, want_tokens))
+    assert (third - want_third).abs().max() < slack * 2**0.5
+    torch.testing.assert_close(logprobs[:, 0], scaled.log_softmax(-1)[tokens[:, 0]], atol=1e-5, rtol=0)
+
+
+def test_the_static_generator_follows_pushes_and_sleep_and_scores_as_the_trainer(
+    make_generator, tiny_model_dir, other_model_dir, encode
+):
+    """The hf generator with decode=static: the eager generator's greedy rollout; a weight push (in place) and a
+    sleep/wake reach its decode; its logprobs are the trainer's within float rounding."""
+    texts = ["1+1=", "12+34=", "5", "9+9+9+9=", "3+4=", "0=", "77+", "8+8=", "40+2="]
+    greedy = SamplingParams(10, greedy=True)
+    eager, static = make_generator(tiny_model_dir), make_generator(tiny_model_dir, decode="static", check_every=2)
+    assert static.static is not None and eager.static is None
+    assert static.model.config._attn_implementation == "sdpa", "the loader's attention takes the 4D masks built here"
+    first = static.generate(encode(texts), greedy)
+    want = eager.generate(encode(texts), greedy)
+    assert torch.equal(first.input_ids, want.input_ids) and torch.equal(first.loss_mask, want.loss_mask)
+    expected, _ = window_logprobs(eager.model, first, 1.0)
+    torch.testing.assert_close(first.gen_logp, expected, atol=1e-5, rtol=0)
+
+    donor = make_generator(other_model_dir)
+    static.update_weights(donor.model.state_dict())
+    assert torch.equal(static.generate(encode(texts), greedy).input_ids, donor.generate(encode(texts), greedy).input_ids)
+    static.sleep()
+    assert static.static.state is None, "the sleep frees the static cache with the weights"
+    static.update_weights(make_generator(tiny_model_dir).model.state_dict())
+    assert torch.equal(static.generate(encode(texts), greedy).input_ids, first.input_ids)
+
+
+@pytest.mark.slow
+def test_the_compiled_static_step_gives_the_eager_tokens_and_a_push_compiles_nothing():
+    """`generator.compile` with the static decode: the step under torch.compile gives the eager loop's greedy tokens
+    on batches of several buckets; after a weight push the same batches compile nothing more."""
+    torch._dynamo.reset()
+    model = family("llama")
+    greedy = SamplingParams(12, greedy=True)
+    static = StaticDecoder(model, POWERS, 4, compile=True, graphs=False)
+    batches = [prompts(count, seed) for count, seed in ((13, 0), (3, 1), (13, 2))]
+    for query_ids, query_mask in batches:
+        assert_same(static.decode(query_ids, query_mask, greedy, STOP, PAD), decode(model, query_ids, query_mask, greedy, STOP, PAD))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(0.9)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for query_ids, query_mask in batches:
+            assert_same(static.decode(query_ids, query_mask, greedy, STOP, PAD), decode(model, query_ids, query_mask, greedy, STOP, PAD))
+
+
+def test_slot_state_moves_rows_to_the_front_and_heads_share_the_buffers():
+    state = SlotState(
+        keys=[torch.arange(8.0).view(4, 1, 2, 1)], values=[torch.arange(8.0).view(4, 1, 2, 1) + 10],
+        mask=torch.eye(4, dtype=torch.bool), token=torch.arange(4), position=torch.arange(4) + 5,
+        done=torch.tensor([True, False, True, False]), length=torch.arange(4), column=torch.zeros(1, dtype=torch.long),
+        step=torch.ones(1, dtype=torch.long), tokens=torch.arange(8).view(4, 2), logprobs=torch.zeros(4, 2),
+    )
+    state.gather(torch.tensor([3, 1]))
+    head = state.head(2)
+    assert head.token.tolist() == [3, 1] and head.position.tolist() == [8, 6] and head.tokens.tolist() == [[6, 7], [2, 3]]
+    assert head.keys[0].flatten().tolist() == [6.0, 7.0, 2.0, 3.0] and not head.done.any()
+    head.token.fill_(0)
+    assert state.token[:2].tolist() == [0, 0] and head.column is state.column
+
+
+def test_a_batch_no_bucket_holds_and_a_sliding_window_model_are_refused():
+    with pytest.raises(ValueError, match=r"17 rows do not fit generator.buckets=\[1, 2, 4, 8, 16\]: add a bucket of at least 17"):
+        bucket_for(17, POWERS)
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    sliding = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=24, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+        use_sliding_window=True, sliding_window=8, max_window_layers=1,
+    ))
+    with pytest.raises(ValueError, match="sliding-window layers.*generator.decode=eager"):
+        StaticDecoder(sliding, POWERS, 8, compile=False, graphs=False)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["generator.decode=fast"], r"generator.decode=fast must be one of auto, eager, static"),
+        (["generator.decode=static", "generator.batch_size=600"],
+         r"generator.buckets=\[1, 2, .*, 512\] do not cover generator.batch_size=600: add a bucket of at least 600"),
+        (["generator.buckets=[]"], r"generator.buckets=\[\] must list batch sizes >= 1"),
+        (["generator.check_every=0"], r"generator.check_every=0 must be >= 1"),
+        (["generator.decode=eager", "generator.graphs=true"], r"generator.graphs=true records the static decode's steps"),
+        (["generator.graphs=true", "cluster.device=cpu"], r"generator.graphs=true records CUDA graphs, but this run's generator is on the CPU"),
+    ],
+)
+def test_bad_static_decode_keys_are_refused_before_any_model_loads(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(compose_config(overrides))
+
