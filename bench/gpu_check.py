@@ -1,4 +1,4 @@
-"""The GPU path, checked in one script: the trainer's speed on a Qwen2.5-0.5B-shaped model under today's path and
+"""The GPU path, checked in one script: the hf generator's decode paths (`bench/generate.py`), the trainer's speed on a Qwen2.5-0.5B-shaped model under today's path and
 each speed change (`bench/gpu_train.py`), one whole GRPO step with its stage times and the memory plan's estimate
 beside the measured peak, hybrid sleep/wake memory, the DDP / FSDP2 strategies at world size 1 (a process group
 started in this process, FSDP2 also with compiled blocks), and learning on the built-in task.
@@ -14,6 +14,7 @@ Models are built locally with random weights in the real shapes (no hub). The JS
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -29,6 +30,7 @@ from omegaconf import OmegaConf
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from cli_runs import matmul_peak, train_flops
+from generate import bench as generate_bench, follows_pushes
 from gpu_train import train_section
 from rlhf.algorithms import build_algorithm
 from rlhf.config.schema import ModelConfig, PolicyConfig, ReferenceConfig, StrategyConfig
@@ -44,8 +46,8 @@ from rlhf.run.state import NonFiniteGuard
 from rlhf.step.learner import Learner
 from rlhf.step.scored import Scored, with_groups
 
-SECTIONS = ("peak", "train", "grpo_step", "hybrid", "strategies", "learn")
-DEFAULT = ("peak", "train", "grpo_step", "hybrid", "strategies")  # learn: measured on 2026-11-23, unchanged since
+SECTIONS = ("peak", "generate", "train", "grpo_step", "hybrid", "strategies", "learn")
+DEFAULT = ("peak", "generate", "train", "grpo_step", "hybrid", "strategies")  # learn: measured on 2026-11-23, unchanged since
 QWEN2_5_0_5B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                     num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -98,6 +100,29 @@ def run_cli(args: list[str], out: Path) -> dict:
         "greedy_start": evals[0]["eval/greedy_correct_rate"], "greedy_end": evals[-1]["eval/greedy_correct_rate"],
         "sampled_start": evals[0]["eval/sampled_correct_rate"], "sampled_end": evals[-1]["eval/sampled_correct_rate"],
     }
+
+
+def generate_section(device: torch.device, tiny: bool, folder: str, deadline: float) -> dict:
+    """The hf generator's decode paths (`bench/generate.py`): tokens/s for 64 and 256 rows x 256 and 1024 new tokens
+    against the memory-bandwidth floor (tiny: 4 rows x 8 tokens, the paths this device runs), and whether the static
+    path (on CUDA, its recorded graphs) follows a weight push and a sleep/wake."""
+    cuda = device.type == "cuda"
+    paths = ["eager", "eager+compile", "static", "static+compile"] + (["graphs", "graphs+compile"] if cuda else [])
+    if tiny:
+        figures, made = generate_bench(folder, device, [4], [8], paths, prompt_len=8, repeats=1, deadline=deadline)
+    else:
+        figures, made = generate_bench(folder, device, [64, 256], [256, 1024], paths, prompt_len=64, repeats=2, deadline=deadline)
+    prompts = [[3 + (row * 7 + i) % 9 for i in range(5 + row)] for row in range(6)]
+    pushes = follows_pushes(made, "graphs" if cuda else "static", prompts)
+    for generator in made.values():  # the sections after this one measure memory: nothing of the generators stays
+        if generator.static is not None:
+            generator.static.free()
+    made.clear()
+    torch._dynamo.reset()
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"speed": figures, "pushes": [pushes]}
 
 
 def learn(device: torch.device, tiny: bool, work: Path) -> list[dict]:
@@ -304,6 +329,7 @@ def main() -> None:
         "train": lambda work, folder: train_section(
             folder, Qwen2Config(**shape), device, peak, args.tiny, start + args.budget_s * 0.6, args.quick
         ),
+        "generate": lambda work, folder: generate_section(device, args.tiny, folder, start + args.budget_s * 0.8),
         "grpo_step": lambda work, folder: grpo_step(device, args.tiny, folder, peak),
         "hybrid": lambda work, folder: hybrid(device, folder),
         "strategies": lambda work, folder: strategies(device, args.tiny, folder),

@@ -17,11 +17,16 @@ from gpu_train import CONFIGS  # noqa: E402
 @pytest.mark.slow
 def test_gpu_check_runs_at_tiny_scale_on_cpu(tmp_path):
     out = tmp_path / "figures.json"
-    sections = "peak,train,grpo_step,hybrid,strategies,learn"
+    sections = "peak,generate,train,grpo_step,hybrid,strategies,learn"
     done = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--device", "cpu", "--json", str(out), "--sections", sections],
                           check=True, capture_output=True, text=True, timeout=900)
     figures = json.loads(out.read_text())
     assert figures["peak"]["matmul_tflops"] > 0
+    speed = figures["generate"]["speed"]  # every decode path the CPU runs, timed, giving the eager loop's greedy tokens
+    assert [row["path"] for row in speed] == ["eager", "eager+compile", "static", "static+compile"]
+    assert all(row["tokens_per_s"] > 0 and row["greedy_same_as_eager"] for row in speed), speed
+    assert figures["generate"]["pushes"] == [{"path": "static", "same_after_push": True, "graphs_recorded_by_the_push": 0,
+                                              "same_after_sleep_wake": True}]
     for run in figures["learn"]:  # 10 steps: the run works and is measured (tests/e2e checks that it learns)
         assert run["s_per_step"] > 0 and 0 <= run["sampled_end"] <= 1, run
     train = figures["train"]

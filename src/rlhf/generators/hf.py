@@ -69,7 +69,7 @@ class HfGeneratorConfig(GeneratorConfig):
     decode: str = "auto"  # eager (growing cache, a row leaves the step it stops), static (preallocated cache, fixed-shape step per bucket), auto (static on CUDA, eager on CPU)
     buckets: list[int] = field(default_factory=lambda: [2**i for i in range(10)])  # static decode: the batch sizes a step runs at (rows padded up to the next); the largest must hold generator.batch_size
     graphs: bool | None = None  # static decode: record each bucket's step as a CUDA graph and replay it (null: on CUDA yes, on CPU no)
-    check_every: int = 8  # static decode: steps between looks at which rows stopped (the end, or a move to a smaller bucket)
+    check_every: int | None = None  # static decode: steps between looks at which rows stopped (the end, or a move to a smaller bucket); null: 8 on CUDA (a look waits for the GPU), 2 on CPU
 
     def check(self, at: str) -> None:
         super().check(at)
@@ -77,7 +77,7 @@ class HfGeneratorConfig(GeneratorConfig):
         require(self.decode in DECODES, f"{at}.decode={self.decode} must be one of {', '.join(DECODES)}")
         require(len(self.buckets) > 0 and all(b >= 1 for b in self.buckets),
                 f"{at}.buckets={list(self.buckets)} must list batch sizes >= 1")
-        require(self.check_every >= 1, f"{at}.check_every={self.check_every} must be >= 1")
+        require(self.check_every is None or self.check_every >= 1, f"{at}.check_every={self.check_every} must be >= 1 (or null)")
         if self.decode != "eager" or self.graphs:
             require(max(self.buckets) >= self.batch_size,
                     f"{at}.buckets={list(self.buckets)} do not cover {at}.batch_size={self.batch_size}: add a bucket of at "
@@ -86,13 +86,15 @@ class HfGeneratorConfig(GeneratorConfig):
                 f"{at}.graphs=true records the static decode's steps: set {at}.decode=static (or auto), or {at}.graphs=null")
 
 
-def static_decode_on(config: HfGeneratorConfig, device: torch.device) -> tuple[bool, bool]:
-    """(static decode, CUDA graphs) for this generator on ``device``: `generator.decode` and `generator.graphs` with
-    their `auto`/null resolved (static and graphs on CUDA; eager on CPU, where the static step without graphs gains
-    too little to pay its compile in a short run: `bench/generate.py`)."""
+def static_decode_on(config: HfGeneratorConfig, device: torch.device) -> tuple[bool, bool, int]:
+    """(static decode, CUDA graphs, steps between looks) for this generator on ``device``: `generator.decode`,
+    `generator.graphs` and `generator.check_every` with their `auto`/null resolved (static and graphs on CUDA; eager
+    on CPU, where the compiled static step gains 1.3-1.4x (`bench/generate.py`), too little to pay its compile in a
+    short run)."""
     cuda = device.type == "cuda"
     static = config.decode == "static" or (config.decode == "auto" and cuda)
-    return static, static and (config.graphs if config.graphs is not None else cuda)
+    graphs = static and (config.graphs if config.graphs is not None else cuda)
+    return static, graphs, config.check_every or (8 if cuda else 2)
 
 
 @register("generator", "hf")
@@ -130,10 +132,10 @@ class HFGenerator:
             model_cfg.name_or_path, model_cfg.dtype, model_cfg.revision, model_cfg.trust_remote_code, device
         ).eval()
         self.model.requires_grad_(False)
-        static, graphs = static_decode_on(cfg, device)
+        static, graphs, check_every = static_decode_on(cfg, device)
         # `generator.decode=static`: preallocated buffers and one fixed-shape step per bucket, compiled and recorded
         # as CUDA graphs as asked; it reads the weights where they live, so pushes reach it
-        self.static = StaticDecoder(self.model, tuple(cfg.buckets), cfg.check_every, cfg.compile, graphs) if static else None
+        self.static = StaticDecoder(self.model, tuple(cfg.buckets), check_every, cfg.compile, graphs) if static else None
         # `generator.compile` for the eager loop: its one-token steps through torch.compile (the prompt pass stays
         # eager). The same module and weights, so pushes and sleep/wake reach it; dynamic shapes, so rows leaving the
         # batch and the cache growing reuse one graph

@@ -1,0 +1,180 @@
+"""Benchmark: the hf generator's decode paths side by side (eager loop, eager loop compiled, static cache, static
+compiled, and on CUDA the static step replayed from CUDA graphs, with and without compile).
+
+Each path is an `HFGenerator` with its `generator.*` keys, on the same model folder and prompts, timed in turns
+(median of ``--repeats``, after a warm-up call that compiles and records). It prints seconds per call, real tokens
+per second, the ratio to the eager loop, whether greedy decoding gave the eager loop's tokens, and on CUDA the
+memory-bandwidth floor: per step the weights and the rows' cache read once, at the copy bandwidth measured in
+this run.
+
+    python bench/generate.py                         # CPU: the 3M model of bench/throughput.py, 64 rows x 64 tokens
+    python bench/generate.py --device cuda --shape qwen0.5b --rows 64,256 --new 256,1024
+
+On the CPU the rows sample at temperature 1 from a random 32-token model and stop at EOS after a few dozen tokens,
+like a young policy's in the GRPO step of `bench/throughput.py`; on CUDA (a 151,936-token vocabulary) rows
+practically never stop, so every row decodes ``--new`` tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from cli_runs import save_random_llama
+from rlhf.config.schema import ModelConfig
+from rlhf.generators.base import SamplingParams
+from rlhf.generators.hf import HFGenerator, HfGeneratorConfig
+from rlhf.models.loading import load_tokenizer
+
+SHAPES = {"0.1m": (64, 2, 128, 2), "3m": (256, 4, 512, 4), "qwen0.5b": (896, 24, 4864, 14)}
+PATHS = {  # name: generator keys
+    "eager": dict(decode="eager"),
+    "eager+compile": dict(decode="eager", compile=True),
+    "static": dict(decode="static", graphs=False),
+    "static+compile": dict(decode="static", compile=True, graphs=False),
+    "graphs": dict(decode="static", graphs=True),
+    "graphs+compile": dict(decode="static", compile=True, graphs=True),
+}
+EAGER_MAX_NEW = 256  # the eager paths on CUDA take ~20-40 ms a token: longer responses are skipped (minutes each)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a 1 GiB device-to-device copy (read + write), the best of five."""
+    source = torch.empty(2**28, dtype=torch.float32, device=device)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        start = time.perf_counter()
+        target.copy_(source)
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.numel() * 4 / best
+
+
+def floor_seconds(model, rows: int, prompt: int, new: int, bandwidth: float) -> float:
+    """The memory-bandwidth floor of decoding ``new`` tokens for ``rows`` rows: every step reads the weights once
+    and each row's cache so far once."""
+    config = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * heads * (config.hidden_size // config.num_attention_heads) * 2  # bf16 K, V
+    cache = sum(rows * (prompt + step) * per_token for step in range(new))
+    return (new * weights + cache) / bandwidth
+
+
+def measure(generators: dict[str, HFGenerator], prompts, sampling, repeats: int, device) -> tuple[dict, dict]:
+    """(median seconds per `generate` call, real tokens of the warm-up call) of each generator, called in turns (the
+    warm-up call first, which compiles and records)."""
+    tokens = {name: int(generator.generate(prompts, sampling).loss_mask.sum()) for name, generator in generators.items()}
+    times = {name: [] for name in generators}
+    for _ in range(repeats):
+        for name, generator in generators.items():
+            sync(device)
+            start = time.perf_counter()
+            generator.generate(prompts, sampling)
+            sync(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}, tokens
+
+
+def bench(folder: str, device: torch.device, rows_list, new_list, paths, prompt_len: int, repeats: int,
+          deadline: float = float("inf")) -> tuple[list[dict], dict[str, HFGenerator]]:
+    """(one row of figures per (rows, new tokens, path), the generators). One generator per path serves every size (a
+    compiled step compiles once per model, not once per size)."""
+    tokenizer = load_tokenizer(folder)
+    model_cfg = OmegaConf.structured(ModelConfig(name_or_path=folder, dtype="bfloat16" if device.type == "cuda" else "float32"))
+    bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
+    made = {
+        name: HFGenerator(OmegaConf.structured(HfGeneratorConfig(name="hf", batch_size=max(rows_list), **PATHS[name])),
+                          model_cfg, tokenizer, device)
+        for name in paths
+    }
+    results = []
+    for rows in rows_list:
+        for new in new_list:
+            if time.perf_counter() > deadline:
+                results.append({"rows": rows, "new_tokens": new, "skipped": "out of time"})
+                continue
+            chosen = {name: g for name, g in made.items()
+                      if not (name.startswith("eager") and device.type == "cuda" and new > EAGER_MAX_NEW)}
+            generator = torch.Generator().manual_seed(rows + new)
+            prompts = [torch.randint(3, 30, (prompt_len,), generator=generator).tolist() for _ in range(rows)]
+            greedy = {name: g.generate(prompts, SamplingParams(min(new, 32), greedy=True)).input_ids for name, g in chosen.items()}
+            torch.manual_seed(0)
+            seconds, tokens = measure(chosen, prompts, SamplingParams(new, temperature=1.0), repeats, device)
+            floor = floor_seconds(made[paths[0]].model, rows, prompt_len, new, bandwidth) if bandwidth else None
+            base = seconds.get("eager")
+            for name in chosen:
+                row = {"rows": rows, "new_tokens": new, "path": name, "s_per_call": round(seconds[name], 4),
+                       "tokens_per_s": round(tokens[name] / seconds[name]),
+                       "vs_eager": round(base / seconds[name], 2) if base else "",
+                       "greedy_same_as_eager": bool(torch.equal(greedy[name], greedy["eager"])) if "eager" in greedy else ""}
+                if floor is not None:
+                    row["floor_tokens_per_s"] = round(rows * new / floor)
+                results.append(row)
+                print(row, file=sys.stderr, flush=True)
+    return results, made
+
+
+def follows_pushes(made: dict[str, HFGenerator], name: str, prompts) -> dict:
+    """Whether generator ``name`` (a static path; on CUDA one that replays recorded graphs) decodes what the eager
+    loop decodes after a weight push (in place: no recording again) and after a sleep and a wake with new weights."""
+    eager, other = made["eager"], made[name]
+    greedy = SamplingParams(16, greedy=True)
+    recorded = len(other.static.recorded)
+    pushed = {key: value * 0.5 for key, value in eager.model.state_dict().items()}
+    for generator in (eager, other):
+        generator.update_weights(pushed)
+    after_push = torch.equal(other.generate(prompts, greedy).input_ids, eager.generate(prompts, greedy).input_ids)
+    recorded_again = len(other.static.recorded) - recorded
+    other.sleep()
+    woken = {key: value * 2.0 for key, value in pushed.items()}
+    for generator in (eager, other):
+        generator.update_weights(woken)
+    after_wake = torch.equal(other.generate(prompts, greedy).input_ids, eager.generate(prompts, greedy).input_ids)
+    return {"path": name, "same_after_push": after_push, "graphs_recorded_by_the_push": recorded_again,
+            "same_after_sleep_wake": after_wake}
+
+
+def model_folder(root: Path, shape: str) -> str:
+    hidden, layers, intermediate, heads = SHAPES[shape]
+    return str(save_random_llama(root / shape, hidden, layers, intermediate, 32, heads, positions=2048))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--shape", default="3m", choices=sorted(SHAPES))
+    parser.add_argument("--rows", default="64")
+    parser.add_argument("--new", default="64")
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--paths", default=None, help=f"comma-separated subset of {list(PATHS)} (default: all this device runs)")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    paths = args.paths.split(",") if args.paths else [p for p in PATHS if device.type == "cuda" or not p.startswith("graphs")]
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        results, _ = bench(model_folder(Path(tmp), args.shape), device, [int(r) for r in args.rows.split(",")],
+                        [int(n) for n in args.new.split(",")], paths, args.prompt_len, args.repeats)
+    keys = list(dict.fromkeys(k for r in results for k in r))
+    print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
+    for row in results:
+        print("| " + " | ".join(str(row.get(k, "")) for k in keys) + " |")
+
+
+if __name__ == "__main__":
+    main()
