@@ -23,7 +23,7 @@ def test_gpu_check_runs_at_tiny_scale_on_cpu(tmp_path):
     figures = json.loads(out.read_text())
     assert figures["peak"]["matmul_tflops"] > 0
     speed = figures["generate"]["speed"]  # every decode path the CPU runs, timed, giving the eager loop's greedy tokens
-    assert [row["path"] for row in speed] == ["eager", "eager+compile", "static", "static+compile"]
+    assert [row["path"] for row in speed] == ["eager", "static"]
     assert all(row["tokens_per_s"] > 0 and row["greedy_same_as_eager"] for row in speed), speed
     assert figures["generate"]["pushes"] == [{"path": "static", "same_after_push": True, "graphs_recorded_by_the_push": 0,
                                               "same_after_sleep_wake": True}]

@@ -214,3 +214,18 @@ def test_bad_static_decode_keys_are_refused_before_any_model_loads(overrides, me
     with pytest.raises(ConfigError, match=message):
         validate(compose_config(overrides))
 
+
+
+def test_the_memory_plan_counts_the_static_buffers_as_held_between_calls():
+    """On CUDA (`decode=auto` is static there) the plan holds the cache of the whole bucket (rows padded up) and every
+    column rounded up, through training unless the generator sleeps; on CPU the eager loop's estimate stays."""
+    from rlhf.generators.hf import HFGenerator, HfGeneratorConfig
+    from rlhf.generators.memory import GenerationWork, GeneratorShape, kv_cache_bytes
+
+    shape = GeneratorShape(params=1000, layers=2, kv_heads=2, head_dim=16, vocab=50)
+    work = lambda kind: GenerationWork(rows=100, seq_len=70, new_tokens=40, dtype_bytes=2, device_kind=kind, capacity=None)  # noqa: E731
+    needs = {n.what: n for n in HFGenerator.plan_memory(HfGeneratorConfig(name="hf"), shape, work("cuda"))}
+    assert needs["static_kv_cache"].bytes == kv_cache_bytes(2, 2, 16, 128 * 128, 2) and needs["static_kv_cache"].resident
+    assert needs["decode_step"].bytes == 2 * 3 * 128 * 50 * 4  # every bucket recorded: about twice the largest's three float32 (rows, vocab)
+    eager = {n.what for n in HFGenerator.plan_memory(HfGeneratorConfig(name="hf"), shape, work("cpu"))}
+    assert eager == {"weights", "kv_cache", "logits"}

@@ -11,10 +11,10 @@ from rlhf.errors import require
 from rlhf.generators.base import (
     GeneratorConfig, SamplingParams, parameter_bytes, release_parameters, restore_parameters, runs_on_cpu,
 )
-from rlhf.generators.memory import own_copy_memory
+from rlhf.generators.memory import FLOAT32, GenerationWork, GeneratorShape, MemoryNeed, kv_cache_bytes, own_copy_memory
 from rlhf.micro_batches import halvings
 from rlhf.generators.decode import decode
-from rlhf.generators.static_decode import StaticDecoder
+from rlhf.generators.static_decode import CACHE_COLUMNS, StaticDecoder, bucket_for
 from rlhf.models.loading import load_causal_lm
 from rlhf.registry import register
 from rlhf.trajectory import Trajectories, concat, from_completions
@@ -102,7 +102,24 @@ class HFGenerator:
     """Samples with its own copy of the policy weights, refreshed by `update_weights` after each step."""
 
     config = HfGeneratorConfig
-    plan_memory = staticmethod(own_copy_memory)  # its own weights; KV cache and logits while generating
+
+    @staticmethod
+    def plan_memory(config: HfGeneratorConfig, model: GeneratorShape, work: GenerationWork) -> list[MemoryNeed]:
+        """The eager loop: its own weights, a KV cache and logits while generating (`own_copy_memory`). The static
+        decode keeps its buffers between calls: a cache of the bucket's rows x every column a call needs, and a step's
+        (rows, vocabulary) float32 temporaries (logits, probabilities, noise), once per recorded graph (their pools
+        add up to about twice the largest bucket's)."""
+        static, graphs, _ = static_decode_on(config, torch.device(work.device_kind))
+        if not static:
+            return own_copy_memory(config, model, work)
+        rows = bucket_for(min(work.rows, config.batch_size), tuple(sorted(config.buckets)))
+        columns = -(-work.seq_len // CACHE_COLUMNS) * CACHE_COLUMNS
+        step = 3 * rows * model.vocab * FLOAT32 * (2 if graphs else 1)
+        return [
+            MemoryNeed("weights", model.params * work.dtype_bytes, resident=True),
+            MemoryNeed("static_kv_cache", kv_cache_bytes(model.layers, model.kv_heads, model.head_dim, rows * columns, work.dtype_bytes), resident=True),
+            MemoryNeed("decode_step", step, resident=graphs),
+        ]
 
     @staticmethod
     def rows_per_call(config: HfGeneratorConfig, rows: int) -> int:
