@@ -94,3 +94,15 @@ def test_every_python_block_compiles():
     for page in PAGES:
         for start, block in blocks(page, "python"):
             compile(block, f"{page.relative_to(ROOT)}:{start}", "exec")
+
+
+def test_the_config_reference_is_up_to_date():
+    """docs/config.md is what `python -m rlhf.config.reference` writes from the config classes today: a key added,
+    renamed or re-commented without regenerating it fails here."""
+    from rlhf.config.compose import register_schema
+    from rlhf.config.reference import reference
+
+    register_schema()
+    page = (ROOT / "docs" / "config.md").read_text()
+    assert page == reference(), "docs/config.md is stale: run python -m rlhf.config.reference > docs/config.md"
+    assert "| `generator.decode` | `auto` |" in page and "| `train.lr` |" in page and "### `algorithm/policy_loss=gspo`" in page
