@@ -106,3 +106,9 @@ def test_the_config_reference_is_up_to_date():
     page = (ROOT / "docs" / "config.md").read_text()
     assert page == reference(), "docs/config.md is stale: run python -m rlhf.config.reference > docs/config.md"
     assert "| `generator.decode` | `auto` |" in page and "| `train.lr` |" in page and "### `algorithm/policy_loss=gspo`" in page
+
+
+def test_the_metrics_reference_is_up_to_date():
+    from rlhf.tracking.metric_docs import page
+
+    assert (ROOT / "docs" / "metrics.md").read_text() == page(), "docs/metrics.md is stale: run python -m rlhf.tracking.metric_docs > docs/metrics.md"

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from rlhf.config import compose_config
+from rlhf.tracking.metric_docs import documented
 from rlhf.train import train
 
 CURVES = Path(__file__).with_name("curves.json")
@@ -50,6 +51,8 @@ def run_curve(algorithm: str, out: Path) -> dict[str, list[float]]:
     ])
     train(cfg, out)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    undocumented = sorted({key for row in rows for key in row if not documented(key)})
+    assert not undocumented, f"metrics missing from rlhf/tracking/metric_docs.py (docs/metrics.md): {undocumented}"
     rows = [row for row in rows if "objective/scores" in row]
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
     return {key: [row[key] for row in rows] for key in KEYS if key in rows[0]}
