@@ -58,9 +58,21 @@ def own_files(page: Path, line: int, folder: Path) -> None:
             (folder / name.group(1)).write_text(block)
 
 
+def words(command: str) -> list[str]:
+    """The shell words of ``command`` up to the first `;`, `&&`, `||` or `|` (what runs after it is another command)."""
+    lexer = shlex.shlex(command, posix=True, punctuation_chars=";&|")
+    lexer.whitespace_split = True
+    out = []
+    for word in lexer:
+        if word in (";", "&&", "||", "|", "&"):
+            break
+        out.append(word)
+    return out
+
+
 @pytest.mark.parametrize("where, command", COMMANDS, ids=[w for w, _ in COMMANDS])
 def test_every_documented_command_composes(where, command, tmp_path, monkeypatch):
-    module, *args = shlex.split(command)
+    module, *args = words(command)
     overrides = [a for a in args if a not in FLAGS and not a.startswith("hydra.")]
     if any(a.startswith("hydra.searchpath=") for a in args):  # the reader's own files: the blocks above it
         page, line = where.split(":")
