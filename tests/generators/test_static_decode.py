@@ -70,6 +70,26 @@ def test_static_decode_gives_the_eager_loops_greedy_tokens(name):
     assert stopped.any() and not stopped.all(), "rows should stop at different steps, some not at all"
 
 
+def test_buffers_grow_for_a_longer_call_and_serve_shorter_ones_after():
+    """A later call with longer prompts and a larger budget than the buffers hold gets new, larger buffers (the graphs
+    recorded on the old ones would be dropped); shorter calls after it reuse them; a row whose first token is its
+    stop token ends at once. Every call gives the eager loop's tokens."""
+    model = family("llama")
+    static = StaticDecoder(model, POWERS, 3, compile=False, graphs=False)
+    generator = torch.Generator().manual_seed(9)
+    long_prompts = left_pad([torch.randint(3, 24, (n,), generator=generator).tolist() for n in (60, 3, 41)], PAD)
+    calls = [(prompts(9, 4), 8), (long_prompts, 30), (prompts(5, 2), 6)]
+    shapes = []
+    for (query_ids, query_mask), budget in calls:
+        greedy = SamplingParams(budget, greedy=True)
+        want = decode(model, query_ids, query_mask, greedy, STOP, PAD)
+        assert_same(static.decode(query_ids, query_mask, greedy, STOP, PAD), want)
+        shapes.append((static.state.mask.shape, static.state.tokens.shape[1]))
+    assert shapes[0] == ((16, 64), 8) and shapes[1] == ((16, 128), 30) and shapes[2] == shapes[1]
+    first_stop, _ = decode(model, *calls[0][0], SamplingParams(8, greedy=True), STOP, PAD)
+    assert (first_stop[:, 0] == STOP).any(), "the first call should hold a row that stops on its first token"
+
+
 def test_rows_move_to_smaller_buckets_and_keep_their_answers():
     """A batch of 9 (bucket 16) whose rows stop over several steps moves to bucket 8 (the gather moves the rows still
     going to the front with their cache), and each row's answer stays its own."""
