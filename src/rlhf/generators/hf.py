@@ -81,7 +81,7 @@ class HfGeneratorConfig(GeneratorConfig):
         if self.decode != "eager" or self.graphs:
             require(max(self.buckets) >= self.batch_size,
                     f"{at}.buckets={list(self.buckets)} do not cover {at}.batch_size={self.batch_size}: add a bucket of at "
-                    f"least {self.batch_size}, or lower {at}.batch_size")
+                    f"least {self.batch_size}, lower {at}.batch_size, or decode eagerly ({at}.decode=eager)")
         require(not (self.graphs and self.decode == "eager"),
                 f"{at}.graphs=true records the static decode's steps: set {at}.decode=static (or auto), or {at}.graphs=null")
 

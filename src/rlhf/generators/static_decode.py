@@ -185,7 +185,7 @@ class StaticDecoder:
         cpu = next(model.parameters()).device.type == "cpu"
         self.step_fn = torch.compile(decode_step, options={"cpp_wrapper": True} if cpu else None) if compile else decode_step
         self.state: SlotState | None = None  # the largest bucket's buffers; None until the first decode or after free
-        self.recorded: dict[tuple, tuple] = {}  # (bucket, greedy, nucleus) -> (CUDA graph, its state) once recorded
+        self.recorded: dict[tuple, torch.cuda.CUDAGraph] = {}  # (bucket, greedy, nucleus) -> its step's graph, once recorded
         self.temperature = self.top_p = None
 
     def free(self) -> None:
