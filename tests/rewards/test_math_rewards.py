@@ -93,6 +93,21 @@ def test_pathological_expression_is_bounded_by_the_timeout():
 
 
 @needs_math_verify
+def test_a_slow_comparison_is_paid_once_per_distinct_answer(monkeypatch):
+    """A group of samples giving the same pathological answer costs one comparison (one timeout), not one each; a
+    different answer to the same truth is compared on its own."""
+    import rlhf.rewards.math as math_module
+
+    parse, verify, targets = math_module._math_verify_api()
+    calls = []
+    counting = lambda gold, answer, **kw: calls.append(str(answer)) or verify(gold, answer, **kw)  # noqa: E731
+    monkeypatch.setattr(math_module, "_math_verify_api", lambda: (parse, counting, targets))
+    scores, answered = math_module.score_answers([TOWER] * 6 + ["\\boxed{5}", "\\boxed{5}"], ["5"] * 8, timeout_s=1)
+    assert scores == [0.0] * 6 + [1.0, 1.0] and all(answered)
+    assert len(calls) == 2, calls
+
+
+@needs_math_verify
 def test_pathological_expression_is_bounded_off_the_main_thread_too():
     assert score_in_thread([TOWER, "\\boxed{5}"], ["5", "5"], timeout_s=1) == [0.0, 1.0]
 

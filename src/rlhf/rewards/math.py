@@ -69,14 +69,22 @@ def _parse_truth(truth: str, timeout_s: int) -> list:
 
 
 def score_answers(responses: list[str], truths: list[str], timeout_s: int) -> Graded:
-    """Per response: 1.0 when its final answer equals its truth, else 0.0; and whether it had an answer."""
+    """Per response: 1.0 when its final answer equals its truth, else 0.0; and whether it had an answer.
+
+    One parse per distinct truth, and one comparison per distinct (truth, extracted answer): a group's samples often
+    give the same answer, and a comparison that runs into the timeout (a huge truth, a pathological answer) costs
+    the timeout once, not once per sample."""
     parse, verify, targets = _math_verify_api()
-    golds = {truth: _parse_truth(truth, timeout_s) for truth in set(truths)}  # one parse per distinct truth
+    golds = {truth: _parse_truth(truth, timeout_s) for truth in set(truths)}
+    compared: dict[tuple, bool] = {}
     scores, answered = [], []
     for response, truth in zip(responses, truths):
         answer = parse(response, extraction_config=targets, parsing_timeout=timeout_s)  # [] if none; no raise
         answered.append(bool(answer))
-        scores.append(float(bool(answer) and verify(golds[truth], answer, timeout_seconds=timeout_s)))
+        key = (truth, tuple(str(part) for part in answer))
+        if answer and key not in compared:
+            compared[key] = bool(verify(golds[truth], answer, timeout_seconds=timeout_s))
+        scores.append(float(bool(answer) and compared[key]))
     return scores, answered
 
 
