@@ -124,3 +124,39 @@ def test_to_token_level_broadcasts_and_zeros_padding():
     out = to_token_level(adv, mask)
     assert out.shape == (4, 3)
     assert_close(out, expected)
+
+
+NO_SIGNAL = [0.1, 0.7, 0.9, -1.3]  # non-dyadic: their float means are an ulp off the value
+
+
+@pytest.mark.parametrize("value", NO_SIGNAL)
+def test_no_signal_gives_exactly_zero_advantage_in_every_estimator(value):
+    """All-equal scores or returns give advantage 0 to the bit (not an ulp divided by a tiny std, which Adam would
+    turn into a full-size step), in every critic-free estimator and in the batch whitening some of them use."""
+    from rlhf.functional.advantages import (
+        baseline_advantages, group_normalized_advantages, rebn_advantages, reinforce_pp_advantages, rloo_advantages,
+    )
+    from rlhf.functional.masked import masked_whiten
+
+    scores = torch.full((12,), value)
+    for advantages in (group_normalized_advantages(scores, 4), group_normalized_advantages(scores, 4, norm_by_std=False),
+                       rloo_advantages(scores, 6), baseline_advantages(scores)):
+        assert torch.equal(advantages, torch.zeros(12)), advantages
+    mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 0, 0, 0], [0, 0, 1, 1, 1]], dtype=torch.float32)
+    values = torch.where(mask.bool(), torch.full_like(mask, value), torch.full_like(mask, 5.0))  # padding differs
+    assert torch.equal(masked_whiten(values, mask), torch.zeros_like(mask))
+    last = torch.zeros_like(mask)
+    last[0, 3], last[1, 1], last[2, 4] = value, value, value  # the score at each row's last token
+    assert torch.equal(reinforce_pp_advantages(last, mask, gamma=1.0), torch.zeros_like(mask))
+    assert torch.equal(rebn_advantages(last, mask, gamma=1.0), torch.zeros_like(mask))
+    turns = torch.tensor([[0, 1, 0, 1, 1]], dtype=torch.float32)  # two turns, each ending with the same reward
+    assert torch.equal(rebn_advantages(turns * value * torch.tensor([[0, 1, 0, 0, 1.0]]), turns, gamma=0.0), torch.zeros_like(turns))
+
+
+def test_a_signal_still_whitens_as_before():
+    from rlhf.functional.masked import masked_whiten
+
+    values, mask = torch.tensor([[0.9, 0.9, 0.7]]), torch.ones(1, 3)
+    out = masked_whiten(values, mask)
+    assert out[0, 0] == out[0, 1] > 0 > out[0, 2]
+    torch.testing.assert_close(out.mean(), torch.tensor(0.0), atol=1e-6, rtol=0)

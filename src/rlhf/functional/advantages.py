@@ -41,12 +41,14 @@ def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
         raise ValueError("RLOO needs at least 2 samples per prompt")
     grouped = _groups(scores, group_size)
     others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
-    return (grouped - others_mean).reshape(-1)
+    all_equal = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)  # exactly 0, as in `group_normalized_advantages`
+    return torch.where(all_equal, torch.zeros_like(grouped), grouped - others_mean).reshape(-1)
 
 
 def baseline_advantages(scores: torch.Tensor) -> torch.Tensor:
-    """REINFORCE with the batch-mean baseline. Shape: (B,) -> (B,)."""
-    return scores - scores.mean()
+    """REINFORCE with the batch-mean baseline. Shape: (B,) -> (B,). A batch whose scores are all equal gets exactly
+    0 (its float mean can be an ulp off the value)."""
+    return torch.where((scores == scores[:1]).all(), torch.zeros_like(scores), scores - scores.mean())
 
 
 def greedy_baseline_advantages(scores: torch.Tensor, baselines: torch.Tensor) -> torch.Tensor:
@@ -117,11 +119,11 @@ def rebn_advantages(rewards: torch.Tensor, mask: torch.Tensor, gamma: float, eps
 
     Shape: rewards, mask (B, T) -> (B, T). Each turn's return (`turn_returns`) is centred and scaled by the mean
     and (biased) std over every turn of the batch, each turn counted once; a single-turn row's advantage is its
-    whitened reward. Fewer than two turns: only centred.
+    whitened reward. Fewer than two turns: only centred. Every turn's return equal: exactly 0.
     """
     per_token, per_turn, exists = turn_returns(rewards, mask, gamma)
     turns = per_turn[exists]
-    if turns.numel() == 0:
+    if turns.numel() == 0 or bool((turns == turns[0]).all()):  # no signal is exactly 0, not an ulp over a tiny std
         return torch.zeros_like(rewards)
     scale = turns.std(unbiased=False) + eps if turns.numel() > 1 else torch.ones((), dtype=rewards.dtype)
     return (per_token - turns.mean()) / scale * mask
