@@ -197,3 +197,25 @@ def test_a_serializer_reporting_a_full_disk_in_its_own_words_is_named_as_a_full_
     with pytest.raises(NoSpaceError, match=rf"^No space left on {root}: a checkpoint needs about [\d.]+ MB, 0.0 MB free$"):
         train(cfg, tmp_path)
     assert [p.name for p in checkpoint.complete_checkpoints(root)] == ["step_00000001"]
+
+
+def test_the_log_estimate_covers_what_a_run_folder_takes(tmp_path):
+    """Metrics, TensorBoard events, sample tables and evaluation completions of a real run: under the estimate (an
+    upper bound), and not absurdly far under it."""
+    cfg = compose_config([
+        "train.prompts_per_step=4", "algorithm.num_samples_per_prompt=2", "train.num_steps=10", "eval.every=5",
+        "eval.max_prompts=10", "eval.num_samples=2", "logging.sample_every=2", "checkpoint.save_final_model=false",
+    ])
+    train(cfg, tmp_path)
+    written = tree_bytes(tmp_path) - tree_bytes(tmp_path / "checkpoints")
+    assert written <= preflight.log_bytes(cfg) <= 40 * written, (written, preflight.log_bytes(cfg))
+
+
+def test_no_room_for_a_long_runs_logs_refuses_before_any_model_loads(tmp_path, monkeypatch, no_models):
+    """Room for a checkpoint but not for 100,000 steps of logs and evaluations: refused, naming the run folder."""
+    cfg = compose_config([*SMALL, "train.num_steps=100000", "eval.every=100", "eval.max_prompts=100", "eval.num_samples=4"])
+    free_space(monkeypatch, 2 * preflight.checkpoint_bytes(cfg))
+    assert preflight.log_bytes(cfg) > 8 * preflight.checkpoint_bytes(cfg)
+    with pytest.raises(ConfigError, match=r"hydra.run.dir=.*no space for the run's logs and evaluation completions: "
+                                          r"needs about [\d.]+ MB, [\d.]+ MB free; free some space there or point hydra.run.dir"):
+        train(cfg, tmp_path / "run")

@@ -2,7 +2,8 @@
 
 Every folder the run will write (run folder, `checkpoint.dir`, the exported model, `train_reward`'s `save_dir`)
 must be writable and have room for what it receives: a checkpoint is estimated from the models' parameter counts
-(read from their configs on the meta device, no weights) times the weights and AdamW's two moments. Too little
+(read from their configs on the meta device, no weights) times the weights and AdamW's two moments, the run
+folder's logs from the steps, the evaluations and the longest row. Too little
 room warns; far too little refuses. A resumed run compares its config with the one its checkpoint recorded: the
 changes are listed, and those that break exact resume are refused unless `checkpoint.allow_config_change`.
 """
@@ -36,6 +37,10 @@ from rlhf.plan.architecture import ModelSource
 log = logging.getLogger("rlhf")
 
 REFUSE_BELOW = 0.25  # free space under this share of the estimate refuses the run; under the whole estimate, a warning
+LOG_BYTES_PER_STEP = 8 * 1024  # metrics.jsonl and TensorBoard scalars of one step (about 4 KB measured), with room
+TEXT_BYTES_PER_TOKEN = 8  # a logged completion's text and its JSON, per token of prompt and response, with room
+ROW_OVERHEAD = 200  # the JSON keys and numbers around one logged completion
+EVAL_PROMPTS_IF_ALL = 1000  # eval.max_prompts=null: the split's size is unknown before the data loads; assumed
 STATE_COPIES = 3  # a trained parameter's checkpoint: its weight and AdamW's two moments, each in the model's dtype
 # keys whose change makes a resumed run diverge from the run it continues
 EXACT_RESUME_KEYS = ("seed", "train.*batch*", "train.prompts_per_step", "algorithm.*")
@@ -130,10 +135,23 @@ def checkpoint_bytes(cfg) -> int | None:
     return trained * STATE_COPIES * dtype_bytes(model.dtype)
 
 
+def log_bytes(cfg) -> int:
+    """About how many bytes a whole run's logs take in its run folder: each step's metrics (JSON Lines, TensorBoard),
+    the sample tables every `logging.sample_every` steps, and every evaluation's completions
+    (`eval.save_generations`), each completion as long as the longest row the run can produce."""
+    steps, ev, logging_cfg = cfg.train.num_steps, cfg.eval, cfg.logging
+    tokens = cfg.env.max_tokens if cfg.env.get("name") else cfg.dataset.max_prompt_length + cfg.generator.max_new_tokens
+    row = ROW_OVERHEAD + TEXT_BYTES_PER_TOKEN * tokens
+    evals = 2 + (ev.num_evals if ev.num_evals else steps // ev.every if ev.every else 0)
+    per_eval = (ev.max_prompts or EVAL_PROMPTS_IF_ALL) * (ev.num_samples + int(ev.greedy)) * row if ev.save_generations else 0
+    tables = (steps // logging_cfg.sample_every if logging_cfg.sample_every else 0) * logging_cfg.num_sample_texts * row
+    return steps * LOG_BYTES_PER_STEP + evals * per_eval + tables
+
+
 def train_outputs(cfg, out: Path, root: Path, checkpoint_size: int | None) -> list[Output]:
-    """The folders `rlhf.train` writes: the run folder, `checkpoint.dir`, and `<run folder>/final_model`."""
+    """The folders `rlhf.train` writes: the run folder (its logs), `checkpoint.dir`, and `<run folder>/final_model`."""
     outputs = [
-        Output("hydra.run.dir", out, out),
+        Output("hydra.run.dir", out, out, "the run's logs and evaluation completions", log_bytes(cfg)),
         Output("checkpoint.dir", root, root, "a checkpoint", checkpoint_size),
     ]
     if cfg.checkpoint.save_final_model:
