@@ -15,6 +15,11 @@ def _groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     return scores.view(-1, group_size)
 
 
+def _all_equal(grouped: torch.Tensor) -> torch.Tensor:
+    """Whether each group's scores are all the same, exactly. Shape: (B/G, G) -> (B/G, 1) bool."""
+    return (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
+
+
 def group_normalized_advantages(
     scores: torch.Tensor, group_size: int, norm_by_std: bool = True, eps: float = 1e-6
 ) -> torch.Tensor:
@@ -31,8 +36,7 @@ def group_normalized_advantages(
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if norm_by_std:
         centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
-    all_equal = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
-    return torch.where(all_equal, torch.zeros_like(centred), centred).reshape(-1)
+    return torch.where(_all_equal(grouped), torch.zeros_like(centred), centred).reshape(-1)
 
 
 def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -41,8 +45,8 @@ def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
         raise ValueError("RLOO needs at least 2 samples per prompt")
     grouped = _groups(scores, group_size)
     others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
-    all_equal = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)  # exactly 0, as in `group_normalized_advantages`
-    return torch.where(all_equal, torch.zeros_like(grouped), grouped - others_mean).reshape(-1)
+    # a group that scored all the same gets exactly 0, as in `group_normalized_advantages`
+    return torch.where(_all_equal(grouped), torch.zeros_like(grouped), grouped - others_mean).reshape(-1)
 
 
 def baseline_advantages(scores: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from rlhf.generators.base import (
 from rlhf.generators.memory import FLOAT32, GenerationWork, GeneratorShape, MemoryNeed, kv_cache_bytes, own_copy_memory
 from rlhf.micro_batches import halvings
 from rlhf.generators.decode import decode
-from rlhf.generators.static_decode import CACHE_COLUMNS, StaticDecoder, bucket_for
+from rlhf.generators.static_decode import StaticDecoder, bucket_for, cache_columns
 from rlhf.models.loading import load_causal_lm
 from rlhf.registry import register
 from rlhf.trajectory import Trajectories, concat, from_completions
@@ -113,7 +113,7 @@ class HFGenerator:
         if not static:
             return own_copy_memory(config, model, work)
         rows = bucket_for(min(work.rows, config.batch_size), tuple(sorted(config.buckets)))
-        columns = -(-work.seq_len // CACHE_COLUMNS) * CACHE_COLUMNS
+        columns = cache_columns(work.seq_len)
         step = 3 * rows * model.vocab * FLOAT32 * (2 if graphs else 1)
         return [
             MemoryNeed("weights", model.params * work.dtype_bytes, resident=True),

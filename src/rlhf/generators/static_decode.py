@@ -33,6 +33,11 @@ CACHE_COLUMNS = 64  # cache lengths are rounded up to a multiple of this, so cal
 ATTENTION = ("sdpa", "eager")  # the attention implementations that take the boolean / additive 4D mask built here
 
 
+def cache_columns(tokens: int) -> int:
+    """The cache length that holds ``tokens`` positions: rounded up to a multiple of `CACHE_COLUMNS`."""
+    return -(-tokens // CACHE_COLUMNS) * CACHE_COLUMNS
+
+
 def bucket_for(rows: int, buckets: tuple[int, ...]) -> int:
     """The smallest bucket holding ``rows`` rows (``buckets`` sorted ascending)."""
     for size in buckets:
@@ -229,8 +234,7 @@ class StaticDecoder:
         rows, width = query_ids.shape
         budget = sampling.max_new_tokens
         bucket = bucket_for(rows, self.buckets)
-        columns = -(-(width + budget) // CACHE_COLUMNS) * CACHE_COLUMNS
-        full = self._buffers(bucket, columns, budget, query_ids)
+        full = self._buffers(bucket, cache_columns(width + budget), budget, query_ids)
         self.temperature.fill_(sampling.temperature)
         self.top_p.fill_(sampling.top_p)
         mode = (sampling.greedy, sampling.top_p < 1.0)
