@@ -45,6 +45,14 @@ def save_random_llama(
     return folder
 
 
+def sync(device) -> None:
+    """Wait for the work queued on ``device`` (CUDA); nothing to wait for on the CPU."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
 def matmul_peak(device, sizes: tuple[int, ...], dtype) -> float:
     """The machine's matrix-product rate in FLOP/s: the best of square products of each size in ``sizes`` (warmed
     up, then timed over repeats), measured in this process."""
@@ -52,21 +60,17 @@ def matmul_peak(device, sizes: tuple[int, ...], dtype) -> float:
 
     import torch
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     best = 0.0
     for n in sizes:
         a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
         for _ in range(3):
             a @ b
         repeats = max(3, int(2e10 // (2 * n**3))) if device.type == "cpu" else 10
-        sync()
+        sync(device)
         start = time.perf_counter()
         for _ in range(repeats):
             a @ b
-        sync()
+        sync(device)
         best = max(best, 2 * n**3 * repeats / (time.perf_counter() - start))
     return best
 

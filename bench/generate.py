@@ -27,10 +27,11 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from cli_runs import save_random_llama
+from cli_runs import save_random_llama, sync
 from rlhf.config.schema import ModelConfig
 from rlhf.generators.base import SamplingParams
 from rlhf.generators.hf import HFGenerator, HfGeneratorConfig
+from rlhf.generators.memory import kv_cache_bytes
 from rlhf.models.loading import load_tokenizer
 
 SHAPES = {"0.1m": (64, 2, 128, 2), "3m": (256, 4, 512, 4), "qwen0.5b": (896, 24, 4864, 14)}
@@ -43,11 +44,6 @@ PATHS = {  # name: generator keys
     "graphs+compile": dict(decode="static", compile=True, graphs=True),
 }
 EAGER_MAX_NEW = 256  # the eager paths on CUDA take ~20-40 ms a token: longer responses are skipped (minutes each)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -70,8 +66,9 @@ def floor_seconds(model, rows: int, prompt: int, new: int, bandwidth: float) -> 
     config = model.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    per_token = 2 * config.num_hidden_layers * heads * (config.hidden_size // config.num_attention_heads) * 2  # bf16 K, V
-    cache = sum(rows * (prompt + step) * per_token for step in range(new))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    read = sum(rows * (prompt + step) for step in range(new))  # cached positions read over the steps
+    cache = kv_cache_bytes(config.num_hidden_layers, heads, head_dim, read, next(model.parameters()).element_size())
     return (new * weights + cache) / bandwidth
 
 

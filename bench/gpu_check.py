@@ -29,7 +29,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from cli_runs import matmul_peak, train_flops
+from cli_runs import matmul_peak, sync, train_flops
 from generate import bench as generate_bench, follows_pushes
 from gpu_train import train_section
 from rlhf.algorithms import build_algorithm
@@ -52,11 +52,6 @@ QWEN2_5_0_5B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=2
                     num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=512, max_position_embeddings=128, tie_word_embeddings=True)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def timed(device: torch.device, fn):

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 from omegaconf import OmegaConf
 
-from cli_runs import train_flops
+from cli_runs import sync, train_flops
 from rlhf.algorithms import build_algorithm
 from rlhf.config import compose_config
 from rlhf.config.schema import ModelConfig, PolicyConfig, TrainConfig
@@ -74,11 +74,6 @@ def synthetic(rows: int, prompt: int, response: int, vocab: int, samples: int) -
                              torch.full((rows, response), -2.0), torch.ones(rows, dtype=torch.bool))
     batch = replace(with_groups(batch, samples), scores=torch.randn(rows, generator=g))
     return Scored(batch, [""] * rows, [""] * rows, {})
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def build(folder: str, device: torch.device, switches: Switches, micro: int, samples: int):

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import ast
 import inspect
-import io
 import os
 import subprocess
 import sys
-import tokenize
 from pathlib import Path
 
 import pytest
@@ -19,6 +16,7 @@ from omegaconf.errors import ValidationError
 from rlhf.config import ConfigError, compose_config, validate
 from rlhf import registry
 from rlhf.config import schema
+from rlhf.config.reference import comments
 from rlhf.parts import GROUPS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -160,21 +158,10 @@ def test_derived_sizes_are_computed_not_written_back():
     assert OmegaConf.to_yaml(cfg) == before
 
 
-def _comment_lines(source: str) -> set[int]:
-    return {tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
-
-
 def _uncommented_fields(cls_or_module) -> list[str]:
-    """Dataclass fields declared in the source of ``cls_or_module`` without a trailing comment."""
-    source = Path(inspect.getsourcefile(cls_or_module)).read_text()
-    commented = _comment_lines(source)
-    missing = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ClassDef):
-            for item in node.body:
-                if isinstance(item, ast.AnnAssign) and item.lineno not in commented:
-                    missing.append(f"{node.name}.{item.target.id}")
-    return missing
+    """Dataclass fields declared in the source of ``cls_or_module`` without a trailing comment (the comments the config
+    reference prints, `rlhf.config.reference.comments`)."""
+    return [f"{cls}.{name}" for (cls, name), text in comments(inspect.getsourcefile(cls_or_module)).items() if not text]
 
 
 def test_every_schema_field_has_a_one_line_comment():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rlhf.config import compose_config
-from rlhf.run.sweep import check_sweep_values
+from rlhf.run.sweep import check_sweep_values, first_job
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = sorted({ROOT / "README.md", *ROOT.glob("*.md"), *(ROOT / "docs").rglob("*.md"), ROOT / "bench" / "README.md"})
@@ -81,7 +81,7 @@ def test_every_documented_command_composes(where, command, tmp_path, monkeypatch
         overrides.append(f"hydra.searchpath=[file://{tmp_path / 'myconf'}]")
     if "--multirun" in args or "-m" in args:
         check_sweep_values(["--multirun", *overrides])  # every swept value composes
-        overrides = [re.sub(r"=([^\[{'\"]*?),.*$", r"=\1", o) for o in overrides]  # then the first job's values
+        overrides = first_job(overrides)  # then the first job's values
     compose_config(overrides, config_name=CONFIGS[module])
 
 

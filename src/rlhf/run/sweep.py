@@ -133,6 +133,18 @@ class SweepSummary(Callback):
             raise SystemExit(code)
 
 
+def _at_first_values(parsed: list, texts: list[str]) -> list[str]:
+    """The overrides ``texts`` (parsed as ``parsed``) with each swept key at its first value."""
+    return [f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" if o.is_sweep_override() else text
+            for o, text in zip(parsed, texts)]
+
+
+def first_job(overrides: list[str]) -> list[str]:
+    """``overrides`` with each swept key at its first value: the sweep's first job (Hydra's parser reads the values,
+    ranges and choices included). Raises HydraException for a malformed override."""
+    return _at_first_values(OverridesParser.create().parse_overrides(overrides), overrides)
+
+
 def check_sweep_values(argv: list[str]) -> None:
     """For `--multirun`, before any job starts: each value of each swept key composes with the others at their first
     values, else ConfigError naming the key and the value (before, a wrong type in one value aborted the sweep partway,
@@ -144,8 +156,7 @@ def check_sweep_values(argv: list[str]) -> None:
         parsed = OverridesParser.create().parse_overrides(given)
     except HydraException:
         return  # Hydra reports a malformed override itself
-    first = [f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" if o.is_sweep_override() else text
-             for o, text in zip(parsed, given)]
+    first = _at_first_values(parsed, given)
     for i, override in enumerate(parsed):
         if not override.is_sweep_override():
             continue
