@@ -17,16 +17,21 @@ NEEDS = ("GPU", "hub model", "needs your server", "W&B login")  # what a command
 SHORT = ["train.num_steps=1", "eval.every=0", "eval.max_prompts=2", "eval.num_samples=1", "logging.tensorboard=false"]
 
 
-def using_it_commands() -> list[tuple[str, str]]:
-    """(command, comment) of each `python -m rlhf.*` line of the README's first block after "## Using it"."""
-    text = README.read_text()
-    block = re.search(r"## Using it\n+```bash\n(.*?)```", text, re.S).group(1)
+def block_commands(heading: str) -> list[tuple[str, str]]:
+    """(command, comment) of each line running `python -m rlhf.*` in the README's first bash block after
+    ``## <heading>``."""
+    block = re.search(rf"## {re.escape(heading)}\n+```bash\n(.*?)```", README.read_text(), re.S).group(1)
     found = []
     for line in block.splitlines():
         command, _, comment = line.partition("  # ")
-        if command.startswith("python -m rlhf."):
+        if "python -m rlhf." in command:
             found.append((command.strip(), comment.strip()))
     return found
+
+
+def using_it_commands() -> list[tuple[str, str]]:
+    """(command, comment) of each `python -m rlhf.*` line of the README's "Using it" block."""
+    return block_commands("Using it")
 
 
 COMMANDS = using_it_commands()
@@ -53,8 +58,7 @@ def test_each_readme_command_runs_as_written_on_the_default_model(command, tmp_p
 
 def your_model_commands() -> list[str]:
     """The `python -m rlhf.*` lines of the README's "Your model, your data, one GPU" block, comments dropped."""
-    block = re.search(r"## Your model, your data, one GPU\n+```bash\n(.*?)```", README.read_text(), re.S).group(1)
-    return [line.partition("  # ")[0].strip() for line in block.splitlines() if "python -m rlhf." in line]
+    return [command for command, _ in block_commands("Your model, your data, one GPU")]
 
 
 @pytest.mark.slow

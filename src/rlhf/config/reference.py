@@ -18,7 +18,7 @@ from omegaconf import MISSING
 
 from rlhf import registry
 from rlhf.config.schema import RewardTrainConfig, RunConfig
-from rlhf.parts import GROUPS, PartConfig
+from rlhf.parts import GROUPS, PartConfig, config_class
 
 INTRO = """# Config reference
 
@@ -67,36 +67,48 @@ def default(field: dataclasses.Field) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def rows(cls: type, prefix: str) -> list[str]:
-    """A table row per key of the dataclass ``cls`` under ``prefix``; nested dataclasses as dotted keys."""
+HEADER = ["| key | default | meaning |", "|---|---|---|"]
+
+
+def nested(field: dataclasses.Field) -> type | None:
+    """The dataclass a field holds as a node of its own (`policy.strategy`), or None for a plain key."""
+    if field.default_factory is dataclasses.MISSING:
+        return None
+    value = field.default_factory()
+    return type(value) if dataclasses.is_dataclass(value) else None
+
+
+def rows(cls: type, prefix: str, keys: list[dataclasses.Field] | None = None) -> list[str]:
+    """A table row per key of the dataclass ``cls`` (or of its fields ``keys``) under ``prefix``; nested dataclasses
+    as dotted keys."""
     out = []
-    for field in dataclasses.fields(cls):
+    for field in dataclasses.fields(cls) if keys is None else keys:
         key = f"{prefix}{field.name}"
-        if field.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(field.default_factory()):
-            out += rows(type(field.default_factory()), f"{key}.")
+        inner = nested(field)
+        if inner is not None:
+            out += rows(inner, f"{key}.")
             continue
         out.append(f"| `{key}` | `{default(field)}` | {comment(cls, field.name).replace('|', '/')} |")
     return out
 
 
 def table(cls: type, prefix: str) -> list[str]:
-    return ["| key | default | meaning |", "|---|---|---|", *rows(cls, prefix), ""]
+    return [*HEADER, *rows(cls, prefix), ""]
 
 
 def reference() -> str:
     """The whole page."""
     lines = [INTRO, "## The run's keys", ""]
     for field in dataclasses.fields(RunConfig):
-        if field.default_factory is not dataclasses.MISSING:
-            lines += [f"### `{field.name}`", "", comment(RunConfig, field.name), "", *table(type(field.default_factory()), f"{field.name}.")]
+        if (inner := nested(field)) is not None:
+            lines += [f"### `{field.name}`", "", comment(RunConfig, field.name), "", *table(inner, f"{field.name}.")]
     top = [f for f in dataclasses.fields(RunConfig) if f.default_factory is dataclasses.MISSING and f.default is not MISSING]
-    lines += ["### Top-level keys", "", "| key | default | meaning |", "|---|---|---|",
-              *[f"| `{f.name}` | `{default(f)}` | {comment(RunConfig, f.name)} |" for f in top], ""]
+    lines += ["### Top-level keys", "", *HEADER, *rows(RunConfig, "", top), ""]
     lines += ["## The parts' keys", "", "Each group's choices; the node holds the keys of the one chosen (`name` selects it).", ""]
     for group, kind in GROUPS.items():
         node = group.replace("/", ".")
         for name in registry.names(kind):
-            cls = getattr(registry.resolve(kind, name), "config", None) or PartConfig
+            cls = config_class(registry.resolve(kind, name), node, name) or PartConfig
             lines += [f"### `{group}={name}`", "", *table(cls, f"{node}.")]
     lines += ["## `python -m rlhf.train_reward`", "", "Training a reward model on preference pairs (conf/train_reward.yaml).", "",
               *table(RewardTrainConfig, "")]

@@ -108,18 +108,19 @@ class SlotState:
     tokens: torch.Tensor  # each row's response so far
     logprobs: torch.Tensor  # and its tokens' logprobs
 
+    SHARED = ("column", "step")  # one value for every slot: not cut by `head`, not moved by `gather`
+
     def head(self, rows: int) -> "SlotState":
         """The first ``rows`` slots (a smaller bucket), sharing every buffer."""
-        shared = ("column", "step")
         return SlotState(**{
-            name: value if name in shared else [t[:rows] for t in value] if isinstance(value, list) else value[:rows]
+            name: value if name in self.SHARED else [t[:rows] for t in value] if isinstance(value, list) else value[:rows]
             for name, value in vars(self).items()
         })
 
     def gather(self, slots: torch.Tensor) -> None:
         """Move slots ``slots`` (a long tensor) to the front, in that order, in place."""
         for name, value in vars(self).items():
-            if name in ("column", "step"):
+            if name in self.SHARED:
                 continue
             for tensor in value if isinstance(value, list) else [value]:
                 tensor[: len(slots)] = tensor.index_select(0, slots)
