@@ -68,6 +68,7 @@ def _load_builtins() -> None:
         "rlhf.envs.gem",
         "rlhf.envs.agent_func",
         "rlhf.envs.single_turn",
+        "rlhf.agents.endpoint",
     ):
         importlib.import_module(module)
 

@@ -17,13 +17,13 @@ from rlhf.config import ConfigError, compose_config, validate
         (["env=arith_retry", "env.step_timeout_s=0"], r"env.step_timeout_s=0.0 must be > 0"),
         (["env=arith_retry", "env.reward_reduce=mean"], r"env.reward_reduce='mean'; choose one of sum, last"),
         (["env=arith_retry", "env.template=llama"], r"env.template='llama'; choose one of no, qwen3_game"),
-        (["env.max_turns=3"], r"env has no `name`; choose one with env=<name> \(agent_func, arith_retry, gem, single_turn\)"),
+        (["env.max_turns=3"], r"env has no `name`; choose one with env=<name> \(agent_func, arith_retry, gem, openai_agent, single_turn\)"),
         (["env=arith_retry", "env.id=game:GuessTheNumber-v0"], r"env.id is not a key of env arith_retry \(its config ArithRetryConfig "
          r"has .*\); it is a key of env=gem"),
         (["env=gem", "env.path=agent.py"], r"env.path is not a key of env gem .* key of env=agent_func"),
         (["env=gem", "env.max_tokens=many"], r"env.max_tokens: Value 'many' of type 'str' could not be converted to Integer \(env gem, config GemConfig\)"),
         (["env=gem", "reward.path=models/rm"], r"reward.path=models/rm: environment 'gem' scores its own episodes"),
-        (["env.name=nosuchenv"], r"unknown env 'nosuchenv' \(config key `env.name`\). Registered: agent_func, arith_retry, gem, single_turn"),
+        (["env.name=nosuchenv"], r"unknown env 'nosuchenv' \(config key `env.name`\). Registered: agent_func, arith_retry, gem, openai_agent, single_turn"),
     ],
 )
 def test_bad_env_settings_are_refused_before_anything_loads(overrides, message):

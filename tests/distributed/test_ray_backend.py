@@ -139,6 +139,24 @@ def test_episodes_play_on_ray_with_two_generator_ranks_on_the_trainers_weights(r
         c.close()
 
 
+def test_an_openai_sdk_agent_plays_through_the_endpoint_on_ray_generators(ray_cluster):
+    """env=openai_agent on Ray: the endpoint in the driver batches the agents' requests onto two remote engines,
+    whose sampled logprobs are the trainer's."""
+    cfg, c = sync_components(
+        "env=openai_agent", "env.path=examples/agents/arith_retry.py", "env.chat_template=plain", "env.max_turns=2",
+        "env.max_tokens=32", "model=tiny_arith_retry", "cluster.roles.generator.devices_per_node=2",
+    )
+    try:
+        state = RunState()
+        for _ in range(2):
+            metrics, scored = train_step(c, state)
+            assert metrics["env/num_episodes"] == 32 and metrics["env/failed_episodes"] == 0
+            assert metrics["val/generator_logprob_diff"] < 1e-4
+            assert metrics["env/generate_calls"] < metrics["env/generated_rows"]  # requests share generate calls
+    finally:
+        c.close()
+
+
 def test_a_stale_push_to_ray_generators_stops_the_run(ray_cluster, monkeypatch):
     """checks.weight_sync on Ray: both engine ranks report what they hold, rank 0 computes what they should hold from
     the pushed Ray reference, and a push that never reached them stops the run naming the step."""

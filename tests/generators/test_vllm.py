@@ -241,3 +241,34 @@ def test_remax_baseline_is_the_score_of_vllms_greedy_response(engine, tokenizer,
     assert scored.batch.extras["baseline_scores"].tolist() == [n for n in lengths for _ in range(3)]
     assert scored.metrics["time/greedy_baseline"] > 0
     assert scored.metrics["objective/greedy_baseline_scores"] == pytest.approx(sum(lengths) / 4)
+
+
+def test_an_openai_sdk_agent_is_served_by_the_vllm_engine(engine, hf, tokenizer):
+    """env=openai_agent in front of vLLM: two-turn agents through the real SDK; each reply's tokens and logprobs are
+    what the engine sampled (the trainer's logprobs agree), and the agents' requests share generate calls."""
+    import openai
+
+    from rlhf.agents.endpoint import AgentRunner, OpenAIAgentConfig
+    from rlhf.data.prompts import PromptExample
+
+    async def agent(task, client):
+        llm = openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key, max_retries=0)
+        messages = [{"role": "user", "content": task.prompt}]
+        first = await llm.chat.completions.create(model=client.model, messages=messages, max_tokens=4)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": task.prompt}]
+        await llm.chat.completions.create(model=client.model, messages=messages, max_tokens=4)
+        return 1.0
+
+    cfg = OpenAIAgentConfig(name="openai_agent", chat_template="plain", max_tokens=40, num_parallel=8, batch_wait_s=5.0)
+    runner = AgentRunner(SimpleNamespace(run=agent), cfg, tokenizer, tokenizer.eos_token_id)
+    try:
+        tasks = [PromptExample(t, tuple(tokenizer(t)["input_ids"]), ground_truth=0) for t in ("1+2=", "3+4=")]
+        episodes = runner.run(engine, tasks, [0, 1], 2, SamplingParams(max_new_tokens=4))
+    finally:
+        runner.close()
+    assert len(episodes) == 4 and not any(ep.failed for ep in episodes)
+    assert runner.last_metrics["env/generate_calls"] == 2  # one per turn: the four agents' requests together
+    rows = episode_rows(episodes, "sum", tokenizer.pad_token_id)
+    expected, _ = window_logprobs(hf.model, rows, 1.0)
+    assert (rows.gen_logp[rows.loss_mask.bool()] != 0).all()
+    torch.testing.assert_close(rows.gen_logp, expected, atol=1e-4, rtol=0)

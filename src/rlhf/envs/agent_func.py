@@ -56,7 +56,7 @@ class AgentEpisode:
         """The first observation: the prompt, or what the user's ``reset`` returned for it."""
         self.seed, self.turn, self.state = seed, 0, self.prompt
         if self._reset is not None:
-            state = await _call(self._reset, self.prompt, self.label, turn=0, seed=seed)
+            state = await call_user(self._reset, self.prompt, self.label, turn=0, seed=seed)
             if not isinstance(state, str):
                 raise EnvError(f"agent_func reset() must return the initial state as a str; got {type(state).__name__}")
             self.state = state
@@ -64,7 +64,7 @@ class AgentEpisode:
 
     async def step(self, action: str) -> tuple[str, Any, bool, bool, dict]:
         """The user's ``step`` on the current state; the observation is the new text it appends (or names)."""
-        answer = await _call(self._step, self.state, action, self.label, turn=self.turn, seed=self.seed)
+        answer = await call_user(self._step, self.state, action, self.label, turn=self.turn, seed=self.seed)
         if not (isinstance(answer, tuple) and len(answer) == 4):
             got = type(answer).__name__
             raise EnvError(f"agent_func step() must return (reward, next_state, done, extra); got {got}")
@@ -92,7 +92,7 @@ def _appended_text(before: str, next_state: Any) -> str:
     return next_state[len(before) :]
 
 
-async def _call(fn: Callable, *args: Any, **offered: Any) -> Any:
+async def call_user(fn: Callable, *args: Any, **offered: Any) -> Any:
     """``fn(*args, **the offered keywords it accepts)``: awaited, or in a daemon thread when it is a plain function (one
     that never returns is abandoned at `env.step_timeout_s` and cannot keep the process alive at exit)."""
     kwargs = _accepted(fn, offered)
@@ -148,18 +148,18 @@ def load_functions(path: str | None) -> tuple[Callable, Callable | None]:
     file = Path(path).expanduser()
     if not file.is_file():
         raise ConfigError(f"env.path={path!r} is not a file; give the Python file that defines `{_EXAMPLE}`")
-    module = _load_module(file, path)
+    module = load_module(file, path)
     step = getattr(module, "step", None)
     if step is None:
         raise ConfigError(f"env.path={path!r} defines no `step`; add `{_EXAMPLE}`")
-    _check_function(step, "step", ("state", "action", "label"), path)
+    check_function(step, "step", ("state", "action", "label"), path)
     reset = getattr(module, "reset", None)
     if reset is not None:
-        _check_function(reset, "reset", ("state", "label"), path)
+        check_function(reset, "reset", ("state", "label"), path)
     return step, reset
 
 
-def _load_module(file: Path, path: str):
+def load_module(file: Path, path: str):
     """Execute ``file`` as a fresh module of its own (a unique name, so two runs' files never clash)."""
     name = f"rlhf_agent_func_{next(_module_numbers)}_{file.stem}"
     spec = importlib.util.spec_from_file_location(name, file)
@@ -175,7 +175,7 @@ def _load_module(file: Path, path: str):
     return module
 
 
-def _check_function(fn: Any, name: str, positional: tuple[str, ...], path: str) -> None:
+def check_function(fn: Any, name: str, positional: tuple[str, ...], path: str) -> None:
     """ConfigError unless ``fn`` is a plain or async function callable with ``positional`` arguments."""
     wanted = f"`async def {name}({', '.join(positional)}, **kw)`"
     if not callable(fn) or inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):

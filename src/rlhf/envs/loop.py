@@ -23,6 +23,7 @@ from rlhf.data.prompts import PromptExample
 from rlhf.envs.base import EnvError, EnvMaker, check_reset, check_step, in_daemon_thread
 from rlhf.envs.templates import render
 from rlhf.generators.base import SamplingParams
+from rlhf.trajectory import Trajectories
 
 log = logging.getLogger("rlhf")
 
@@ -38,6 +39,7 @@ class Turn:
     action: str = ""  # the decoded action given to `step`
     reward: float = 0.0  # what `step` returned for it
     stopped: bool = False  # the action ended with the stop token
+    version: int | None = None  # the policy version that sampled the action, when known
 
 
 @dataclass
@@ -212,14 +214,9 @@ class EpisodeRunner:
         for start in range(0, len(live), size):
             chunk = live[start : start + size]
             contexts = [episodes[i].token_ids() for i in chunk]
-            batch = generator.generate(contexts, sampling).to("cpu")
-            window, mask = batch.window_ids, batch.loss_mask.bool()
-            for row, (i, context) in enumerate(zip(chunk, contexts)):
-                keep = mask[row]
+            for (i, context), (ids, logp, stopped) in zip(zip(chunk, contexts), sampled(generator.generate(contexts, sampling))):
                 turn = episodes[i].turns[-1]
-                turn.action_ids = window[row][keep].tolist()
-                turn.action_logp = batch.gen_logp[row][keep].tolist()
-                turn.stopped = bool(batch.stopped[row])
+                turn.action_ids, turn.action_logp, turn.stopped = ids, logp, stopped
                 room = self.cfg.max_tokens - len(context)
                 if len(turn.action_ids) > room:  # cut to the budget: this action ends the episode
                     turn.action_ids, turn.action_logp, turn.stopped = turn.action_ids[:room], turn.action_logp[:room], False
@@ -252,6 +249,16 @@ class EpisodeRunner:
                 continue
             still.append(i)
         return still
+
+
+def sampled(batch: Trajectories) -> list[tuple[list[int], list[float], bool]]:
+    """Each row's sampled tokens, their generator logprobs and whether the stop token ended them, as lists."""
+    batch = batch.to("cpu")
+    window, mask = batch.window_ids, batch.loss_mask.bool()
+    return [
+        (window[row][mask[row]].tolist(), batch.gen_logp[row][mask[row]].tolist(), bool(batch.stopped[row]))
+        for row in range(len(batch))
+    ]
 
 
 def drop_failed_groups(episodes: list[Episode]) -> tuple[list[Episode], int]:

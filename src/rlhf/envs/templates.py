@@ -84,17 +84,26 @@ def _require_chat_template(tokenizer) -> None:
 
 def _chat_after_action(observation: str, tokenizer, stop_text: str) -> str:
     """The chat template's text between an assistant message's content and the next generation prompt's end."""
+    try:
+        return chat_after_reply([{"role": "user", "content": observation}], tokenizer, stop_text)
+    except ValueError as err:
+        raise ConfigError(f"env.template=chat: {err}; use env.template=qwen3_game, qwen3_general or no") from None
+
+
+def chat_after_reply(messages: list[dict], tokenizer, stop_text: str, tools=None, chat_template=None) -> str:
+    """The text a chat template writes after an assistant reply's content for the later ``messages``, up to the next
+    generation prompt's end, minus the stop token the reply already ends with. ValueError for a template that renders
+    an assistant message differently once a later message follows (nothing can then be appended after the sampled
+    reply)."""
     history = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _ACTION_PROBE}]
-    before = tokenizer.apply_chat_template(history, tokenize=False)
-    after = tokenizer.apply_chat_template(
-        history + [{"role": "user", "content": observation}], tokenize=False, add_generation_prompt=True
-    )
+    options = dict(tools=tools, chat_template=chat_template, tokenize=False)
+    before = tokenizer.apply_chat_template(history, **options)
+    after = tokenizer.apply_chat_template(history + list(messages), add_generation_prompt=True, **options)
     cut = before.rfind(_ACTION_PROBE) + len(_ACTION_PROBE)
     if cut < len(_ACTION_PROBE) or after[:cut] != before[:cut]:
-        raise ConfigError(
-            "env.template=chat: this tokenizer's chat template renders an assistant message differently once a later "
-            "message follows, so a later turn cannot be appended after the sampled action; use "
-            "env.template=qwen3_game, qwen3_general or no"
+        raise ValueError(
+            "this tokenizer's chat template renders an assistant message differently once a later message follows, "
+            "so later messages cannot be appended after the sampled reply"
         )
     tail = after[cut:]
     return tail[len(stop_text) :] if stop_text and tail.startswith(stop_text) else tail

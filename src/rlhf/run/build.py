@@ -95,7 +95,11 @@ class Components:
         return self.learner.shuffle
 
     def close(self) -> None:
-        """Release remote workers and placement groups (a no-op for the local backend)."""
+        """Release remote workers and placement groups (a no-op for the local backend) and stop an environment's
+        endpoint (env=openai_agent)."""
+        close_env = getattr(self.env, "close", None)
+        if callable(close_env):
+            close_env()
         if self.backend is not None:
             self.backend.shutdown()
             self.backend = None
@@ -269,7 +273,8 @@ def build_env(factory, cfg, tokenizer, rewards: RewardSet) -> EpisodeRunner:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     check_template(env.template, tokenizer, tokenizer.convert_ids_to_tokens(stop_id))
-    return EpisodeRunner(maker, env, tokenizer, stop_id)
+    runner = getattr(maker, "runner", EpisodeRunner)  # an environment may bring its own loop (openai_agent: an endpoint)
+    return runner(maker, env, tokenizer, stop_id)
 
 
 def build_local_models(cfg, sizes: DerivedSizes, algorithm, tokenizer, device) -> dict[str, Any]:

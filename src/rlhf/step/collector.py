@@ -45,6 +45,7 @@ class Collector:
         self.sampling, self.env = sampling, env
         self.prompts_per_step, self.samples_per_prompt = prompts_per_step, samples_per_prompt
         self.max_resample_rounds, self.greedy_baseline = max_resample_rounds, greedy_baseline
+        self.weights_version = 0  # weight pushes through `load_weights` (the async schedule's version when it gives one)
 
     @property
     def pad_id(self) -> int:
@@ -140,13 +141,16 @@ class Collector:
         generator = generator if generator is not None else self.generator
         tasks = examples if runner.maker.uses_dataset else [None] * len(examples)
         seeds = [task_seed(ex, runner.maker.uses_dataset, self.prompts.seed) for ex in examples]
+        if hasattr(runner, "version"):  # an endpoint tags each reply with the policy version that sampled it
+            runner.version = self.weights_version
         episodes = runner.run(generator, tasks, seeds, group_size, sampling)
         kept, failed = drop_failed_groups(episodes)
         if not kept:
             first = next(ep.error for ep in episodes if ep.failed)
             raise RuntimeError(f"every episode of the batch failed in environment {runner.cfg.name!r}; the first: {first}")
         batch = episode_rows(kept, runner.cfg.reward_reduce, self.pad_id)
-        return Scored(batch, [ep.turns[0].observation for ep in kept], [transcript(ep) for ep in kept], episode_metrics(kept, failed))
+        metrics = episode_metrics(kept, failed) | getattr(runner, "last_metrics", {})
+        return Scored(batch, [ep.turns[0].observation for ep in kept], [transcript(ep) for ep in kept], metrics)
 
     def score(self, repeated: list[PromptExample], batch: Trajectories, training: bool = True) -> Scored:
         """Decode and score trajectories of the prompts ``repeated`` (one row each)."""
@@ -187,6 +191,7 @@ class Collector:
         schedule's). Returns `perf/weight_sync_mb`, the push's size, when the weights pass through this process (the
         Ray backend sends them through the object store instead)."""
         self.generator.update_weights(weights, **({} if version is None else {"version": version}))
+        self.weights_version = version if version is not None else self.weights_version + 1
         if not isinstance(weights, dict):
             return {}
         return {"perf/weight_sync_mb": tensor_bytes(weights.values()) / 2**20}

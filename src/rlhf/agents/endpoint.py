@@ -1,0 +1,422 @@
+"""`env=openai_agent`: agents written against OpenAI's API, trained through an endpoint inside the run.
+
+The agent is a user file (`env.path`) defining
+
+    async def run(task, client) -> reward
+
+(plain ``def`` runs in a worker thread). ``task`` is an `AgentTask` (the dataset row's prompt and label, the reset
+seed); ``client`` a `ClientConfig`: the session's own ``base_url`` and ``api_key`` for the OpenAI SDK
+(``openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key)``), and ``client.environ()`` for an agent
+that runs a program reading ``OPENAI_BASE_URL``/``OPENAI_API_KEY``. The episode's reward is the number ``run``
+returns plus every reward posted to ``client.reward_url``; ``run`` may return None when it posted one.
+
+`AgentRunner` has the agent loop's interface (`run(generator, tasks, seeds, group_size, sampling) -> episodes`), so
+the Collector plays agent episodes as it plays environment episodes, in every schedule. One call opens a session
+per episode, starts the agents (at most `env.max_concurrency` at once), and serves their requests from the caller's
+thread: requests waiting together are batched into one generate call (up to `env.num_parallel` rows; the first
+waits at most `env.batch_wait_s` for the others). An episode is lost, not the run, when its agent raises, gives no
+reward, or makes no request for `env.step_timeout_s` while not waiting for a reply; later calls to its session get
+410. Rows: the session's last chain (`env.chains=last`), or every chain (`all`, with an estimator without groups).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Optional
+
+from rlhf.agents.messages import Limits, Message, RequestError, parse_messages, read_limits, read_tools, tool_parser
+from rlhf.agents.server import Server, make_app
+from rlhf.agents.sessions import Budget, Choice, Plan, Renderer, Reply, Session
+from rlhf.envs.agent_func import call_user, check_function, load_module
+from rlhf.envs.base import EnvConfig
+from rlhf.envs.loop import Episode, sampled
+from rlhf.errors import ConfigError, require
+from rlhf.registry import register
+
+log = logging.getLogger("rlhf")
+
+CHAINS = ("last", "all")  # `env.chains`
+# `env.chat_template=plain`: messages' texts back to back, each assistant reply closed by EOS (the tiny model's format)
+PLAIN_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+_EXAMPLE = "async def run(task, client): ... return reward"
+
+
+@dataclass(frozen=True)
+class AgentTask:
+    """What an agent is asked to do in one episode."""
+
+    prompt: str  # the dataset row's prompt text
+    label: Any  # its ground truth
+    seed: int  # the episode's reset seed (shared by the episodes of one group)
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """How an agent reaches its session."""
+
+    base_url: str  # the session's OpenAI base URL: http://127.0.0.1:<port>/sessions/<id>/v1
+    api_key: str  # the session's key (the endpoint also finds the session by it on the plain /v1 routes)
+    model: str  # the model name to ask for (`env.model_name`)
+    session_id: str  # the session's id (in its URLs)
+    reward_url: str  # POST {"reward": x, "finished": bool} here to add to the episode's reward
+
+    def environ(self) -> dict[str, str]:
+        """Environment variables for a program that reads OpenAI's."""
+        return {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key, "OPENAI_MODEL": self.model}
+
+
+@dataclass
+class OpenAIAgentConfig(EnvConfig):
+    path: Optional[str] = None  # the Python file defining `async def run(task, client) -> reward` (required)
+    host: str = "127.0.0.1"  # the interface the endpoint listens on (loopback unless you say otherwise)
+    port: int = 0  # the endpoint's port; 0 = a free one (logged at start)
+    model_name: str = "policy"  # the model name the endpoint serves (GET /v1/models; requests may name it or none)
+    chat_template: Optional[str] = None  # a Jinja chat template, or `plain`; null = the tokenizer's own
+    tool_parser: str = "hermes"  # how tool calls are read from sampled text: hermes, or an import path `pkg.module.fn`
+    chains: str = "last"  # rows per episode: last (the chain the session ended on) or all (needs an estimator without groups)
+    batch_wait_s: float = 0.02  # how long a request waits for others to share its generate call
+    max_n: int = 8  # the largest `n` one request may ask for
+
+    def check(self, at: str) -> None:
+        super().check(at)
+        require(self.chains in CHAINS, f"{at}.chains={self.chains!r}; choose one of {', '.join(CHAINS)}")
+        require(0 <= self.port <= 65535, f"{at}.port={self.port} must be in 0..65535 (0 = a free port)")
+        require(self.batch_wait_s >= 0, f"{at}.batch_wait_s={self.batch_wait_s} must be >= 0")
+        require(self.max_n >= 1, f"{at}.max_n={self.max_n} must be >= 1")
+
+
+def load_agent(path: str | None):
+    """The ``run`` function of the agent file ``path``, checked, or ConfigError naming `env.path` and the fix."""
+    if not path:
+        raise ConfigError(f"env.name=openai_agent needs env.path=<a Python file defining `{_EXAMPLE}`>")
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ConfigError(f"env.path={path!r} is not a file; give the Python file that defines `{_EXAMPLE}`")
+    run = getattr(load_module(file, path), "run", None)
+    if run is None:
+        raise ConfigError(f"env.path={path!r} defines no `run`; add `{_EXAMPLE}`")
+    check_function(run, "run", ("task", "client"), path)
+    return run
+
+
+@dataclass
+class Job:
+    """A request waiting for the generator."""
+
+    session: Session  # whose request it is
+    plan: Plan  # the chain and the context to generate after
+    limits: Limits  # the request's max_tokens, n and stop strings
+    tools: bool  # look for tool calls in the reply
+
+
+class AgentRunner:
+    """The endpoint and the sessions behind it; plays batches of agent episodes (`run`)."""
+
+    def __init__(self, maker, cfg, tokenizer, stop_id: int) -> None:
+        self.maker, self.cfg, self.tokenizer = maker, cfg, tokenizer
+        template = PLAIN_TEMPLATE if cfg.chat_template == "plain" else cfg.chat_template
+        if template is None and not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(
+                "env.name=openai_agent renders chat messages with the tokenizer's chat template, and this tokenizer has "
+                "none; set env.chat_template to a Jinja template (or `plain`: texts back to back, replies closed by EOS)"
+            )
+        self.render = Renderer(tokenizer, tokenizer.convert_ids_to_tokens(stop_id), template)
+        try:
+            self.render.after_reply([Message("user", "probe")], None)
+        except ValueError as err:
+            raise ConfigError(f"env.chat_template: {err}; give a template that renders earlier replies as they were") from None
+        self.parse = tool_parser(cfg.tool_parser)
+        self.model_name = cfg.model_name
+        self.lock = threading.Lock()  # guards the sessions (the server's thread and the serving thread share them)
+        self.jobs: queue.Queue[Job] = queue.Queue()
+        self.sessions: dict[str, Session] = {}
+        self.keys: dict[str, Session] = {}
+        self.closed: set[str] = set()  # ids and keys of sessions of earlier batches
+        self.sampling = None  # the sampling of the batch being played
+        self.version: int | None = None  # the policy version the generator holds (set by the Collector)
+        self.counts: dict[str, float] = {}
+        self.last_metrics: dict[str, float] = {}
+        self._agents = asyncio.new_event_loop()  # the agents' coroutines run here, in a daemon thread of its own
+        threading.Thread(target=self._agents.run_forever, daemon=True, name="rlhf-agents").start()
+        self._running = threading.Lock()
+        self.server = Server(make_app(self), cfg.host, cfg.port)
+        log.info("agent endpoint listening on %s (env.path=%s)", self.server.url, cfg.path)
+        for name in ("httpx", "httpx2"):  # the agents' HTTP clients log every request at INFO: keep the run's log readable
+            logging.getLogger(name).setLevel(max(logging.getLogger(name).getEffectiveLevel(), logging.WARNING))
+
+    def close(self) -> None:
+        self.server.close()
+        self._agents.call_soon_threadsafe(self._agents.stop)
+
+    # -- what the HTTP routes call (the server's thread) -----------------------------------------------------
+    def session_for(self, session_id: str | None, authorization: str | None) -> Session:
+        """The live session named by the URL, or by the bearer key; RequestError 401, 404 or 410 otherwise."""
+        if session_id is None:
+            key = (authorization or "").removeprefix("Bearer ").strip()
+            if not key:
+                raise RequestError("no session: use the session's base URL, or its key as the API key", 401)
+        name = session_id if session_id is not None else key
+        with self.lock:
+            session = self.sessions.get(session_id) if session_id is not None else self.keys.get(key)
+            if session is None or session.settled:
+                self._count("env/late_requests")
+                if session is not None or name in self.closed:
+                    raise RequestError("this session has ended (its episode is over, lost or timed out)", 410)
+                raise RequestError("no such session", 404)
+            return session
+
+    def submit(self, session: Session, route: str, body: dict):
+        """Plan an answer to one request: a recorded `Reply` (a retry, or a chain out of budget) or a future one."""
+        try:
+            model = body.get("model")
+            if model not in (None, self.model_name):
+                raise RequestError(f"model {model!r} is not served here; ask for {self.model_name!r}", 404, "model")
+            sampling = self.sampling
+            limits = read_limits(body, sampling.temperature, sampling.top_p, sampling.max_new_tokens, self.cfg.max_n)
+            if route == "chat":
+                messages = parse_messages(body.get("messages"))
+                tools, look_for_calls = read_tools(body)
+            else:
+                prompt = body.get("prompt")
+                if not isinstance(prompt, str) or not prompt:
+                    raise RequestError("prompt must be a non-empty string (token-id prompts are not served)", field_name="prompt")
+                look_for_calls = False
+            with self.lock:
+                if session.settled:
+                    raise RequestError("this session has ended (its episode is over, lost or timed out)", 410)
+                session.active = time.monotonic()
+                plan = session.plan_chat(messages, tools, self.render) if route == "chat" else session.plan_text(prompt, self.render)
+        except RequestError:
+            self._count("env/rejected_requests")
+            raise
+        except Exception as err:  # a chat template or tokenizer that cannot take these messages
+            self._count("env/rejected_requests")
+            raise RequestError(f"the chat template cannot render this request: {type(err).__name__}: {err}") from None
+        if plan.recorded is not None:
+            return plan.recorded
+        if plan.ended:
+            return Reply([Choice(Message("assistant", ""), "length", 0)], len(plan.chain.token_ids()), self.version)
+        if plan.context is not None:
+            self.jobs.put(Job(session, plan, limits, look_for_calls))
+        return plan.waiting
+
+    def post_reward(self, session: Session, body: dict) -> None:
+        reward, finished = body.get("reward", 0.0), body.get("finished", False)
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            raise RequestError(f"reward={reward!r} must be a finite number", field_name="reward")
+        if not isinstance(finished, bool):
+            raise RequestError(f"finished={finished!r} must be true or false", field_name="finished")
+        with self.lock:
+            if session.settled:
+                raise RequestError("this session has ended", 410)
+            session.reward = (session.reward or 0.0) + float(reward)
+            session.active = time.monotonic()
+            session.finished = finished
+
+    def _count(self, name: str, by: float = 1.0) -> None:
+        self.counts[name] = self.counts.get(name, 0.0) + by
+
+    # -- one batch of episodes (the caller's thread) ---------------------------------------------------------
+    def run(self, generator, tasks, seeds: list[int], group_size: int, sampling) -> list[Episode]:
+        """Play ``group_size`` episodes of each task; episodes of a task are contiguous (one group)."""
+        with self._running:
+            sessions = self._open(tasks, seeds, group_size, sampling)
+            started = {s.id: self._start(s) for s in sessions}
+            try:
+                self._serve(generator, sessions, started)
+            finally:
+                self._close(sessions, started)
+            episodes = []
+            for s in sessions:
+                if s.error is None and not any(c.num_replies for c in s.chains):
+                    s.error = "the agent asked the endpoint for nothing: no reply to train on"
+                if s.error is not None:
+                    self._count(_error_kind(s.error))
+                    episodes.append(Episode(s.group, s.seed, s.task, [], "failed", s.error))
+                else:
+                    episodes.extend(s.episodes(self.cfg.chains, self.render))
+            self.last_metrics = dict(sorted(self.counts.items()))
+            return episodes
+
+    def _open(self, tasks, seeds, group_size, sampling) -> list[Session]:
+        budget = Budget(self.cfg.max_tokens, self.cfg.max_turns)
+        sessions = [
+            Session(secrets.token_hex(8), "sk-" + secrets.token_hex(16), g, seeds[g], tasks[g], budget)
+            for g in range(len(tasks)) for _ in range(group_size)
+        ]
+        with self.lock:
+            self.sampling, self.counts = sampling, {}
+            for s in sessions:
+                s.active = None  # set when its agent starts
+                self.sessions[s.id], self.keys[s.key] = s, s
+        return sessions
+
+    def _start(self, session: Session):
+        """Start the agent of ``session`` on the agents' loop (at most `env.max_concurrency` at once)."""
+        base = f"{self.server.url}/sessions/{session.id}/"
+        client = ClientConfig(base + "v1", session.key, self.model_name, session.id, base + "reward")
+        task = AgentTask(session.task.text, session.task.ground_truth, session.seed)
+
+        async def agent():
+            async with self._limit:
+                with self.lock:
+                    session.active = time.monotonic()
+                return await call_user(self.maker.run, task, client)
+
+        return asyncio.run_coroutine_threadsafe(agent(), self._agents)
+
+    @property
+    def _limit(self) -> asyncio.Semaphore:
+        if getattr(self, "_semaphore", None) is None:
+            self._semaphore = asyncio.Semaphore(self.cfg.max_concurrency)  # made on the agents' loop
+        return self._semaphore
+
+    def _serve(self, generator, sessions: list[Session], started: dict) -> None:
+        """Answer requests until every session has settled."""
+        while True:
+            live = self._settle(sessions, started)
+            if not live and self.jobs.empty():
+                return
+            jobs = self._gather(live)
+            if jobs:
+                self._generate(generator, jobs)
+
+    def _settle(self, sessions: list[Session], started: dict) -> list[Session]:
+        """Settle the sessions whose agent returned, raised or idled past `env.step_timeout_s`; the live ones."""
+        now, live = time.monotonic(), []
+        with self.lock:
+            for s in sessions:
+                if s.settled:
+                    continue
+                future = started[s.id]
+                if future.done():
+                    self._finish(s, future)
+                elif s.active is not None and not _waiting(s) and now - s.active > self.cfg.step_timeout_s:
+                    s.error = (
+                        f"timed out: no request, reply or reward for env.step_timeout_s={self.cfg.step_timeout_s:g} s"
+                    )
+                    future.cancel()
+                else:
+                    live.append(s)
+        return live
+
+    def _finish(self, session: Session, future) -> None:
+        """Take the agent's outcome: its return value added to the reward, or why the episode is lost."""
+        try:
+            value = future.result()
+        except BaseException as err:  # the user's agent raised (or was cancelled)
+            session.error = f"run raised {type(err).__name__}: {err}"
+            return
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                session.error = f"run returned {value!r}; return a finite number (the reward) or None after posting one"
+                return
+            session.reward = (session.reward or 0.0) + float(value)
+        if session.reward is None:
+            session.error = "no reward: return a number from run() or POST one to client.reward_url"
+            return
+        session.finished = True
+
+    def _gather(self, live: list[Session]) -> list[Job]:
+        """The next requests to generate together: the first waits up to `env.batch_wait_s` for the others."""
+        try:
+            jobs = [self.jobs.get(timeout=0.05)]
+        except queue.Empty:
+            return []
+        deadline = time.monotonic() + self.cfg.batch_wait_s
+        while sum(j.limits.n for j in jobs) < self.cfg.num_parallel:
+            try:
+                jobs.append(self.jobs.get_nowait())
+                continue
+            except queue.Empty:
+                pass
+            with self.lock:  # every agent that can be running (`env.max_concurrency`) is waiting for a reply
+                everyone = sum(_waiting(s) for s in live) >= min(len(live), self.cfg.max_concurrency)
+            left = deadline - time.monotonic()
+            if everyone or left <= 0:
+                break
+            try:
+                jobs.append(self.jobs.get(timeout=min(left, 0.005)))
+            except queue.Empty:
+                pass
+        return jobs
+
+    def _generate(self, generator, jobs: list[Job]) -> None:
+        """One generate call for ``jobs`` (each job's ``n`` rows), each reply cut to its request's max_tokens."""
+        contexts = [job.plan.context for job in jobs for _ in range(job.limits.n)]
+        sampling = replace(self.sampling, max_new_tokens=max(job.limits.max_new_tokens for job in jobs))
+        try:
+            if hasattr(generator, "generate_versioned"):
+                batch, version = generator.generate_versioned(contexts, sampling)
+            else:
+                batch, version = generator.generate(contexts, sampling), self.version
+        except BaseException as err:
+            with self.lock:
+                for job in jobs:
+                    job.session.fail_request(job.plan, RequestError(f"generation failed: {err}", 500))
+            raise
+        rows = iter(sampled(batch))
+        self._count("env/generate_calls")
+        self._count("env/generated_rows", len(contexts))
+        with self.lock:
+            for job in jobs:
+                samples = []
+                for _ in range(job.limits.n):
+                    ids, logp, stopped = next(rows)
+                    limit = job.limits.max_new_tokens
+                    samples.append((ids[:limit], logp[:limit], stopped and len(ids) <= limit))
+                job.session.record(job.plan, samples, version, self.render, self.parse if job.tools else None, job.limits.stops)
+                job.session.active = time.monotonic()
+
+    def _close(self, sessions: list[Session], started: dict) -> None:
+        """Forget the batch's sessions (later calls get 410); agents still running are cancelled."""
+        with self.lock:
+            for s in sessions:
+                self.sessions.pop(s.id, None)
+                self.keys.pop(s.key, None)
+                self.closed.update((s.id, s.key))
+                if not started[s.id].done():
+                    started[s.id].cancel()
+                for key, value in s.counts.items():
+                    self._count(key, value)
+            while not self.jobs.empty():  # requests of agents that did not wait for their reply
+                job = self.jobs.get_nowait()
+                job.session.fail_request(job.plan, RequestError("this session has ended", 410))
+
+
+def _waiting(session: Session) -> bool:
+    """Whether the session has a request being answered."""
+    return any(chain.pending for chain in session.chains)
+
+
+def _error_kind(error: str) -> str:
+    if error.startswith("timed out"):
+        return "env/timed_out_episodes"
+    if error.startswith("no reward") or error.startswith("run returned"):
+        return "env/no_reward_episodes"
+    return "env/raised_episodes"
+
+
+@register("env", "openai_agent")
+class OpenAIAgentMaker:
+    """Loads the agent file (`env.path`); its `runner` is the `AgentRunner` the run plays episodes with."""
+
+    config = OpenAIAgentConfig
+    uses_dataset = True
+    runner = AgentRunner
+
+    def __init__(self, *, cfg, tokenizer=None, rewards=None) -> None:
+        self.path = cfg.path
+        self.run = load_agent(cfg.path)
+        tool_parser(cfg.tool_parser)

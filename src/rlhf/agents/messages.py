@@ -1,0 +1,243 @@
+"""Chat messages as the endpoint compares them, and the parsers that find tool calls in sampled text.
+
+A request's messages are normalised into `Message` values (`parse_messages`) so that a session can tell whether a
+request extends what it already holds: the same roles, texts and tool calls in the same order. An assistant message
+the agent sends back matches the reply the endpoint recorded when their texts agree (whitespace at the ends aside)
+and, where the agent repeats the tool calls, the calls agree too (name and parsed arguments).
+
+Tool calls: the sampled text of a reply is split by a parser (`env.tool_parser`) into the text shown as the reply's
+``content`` and OpenAI-style ``tool_calls``. The built-in ``hermes`` parser reads the Hermes/Qwen format, one JSON
+object ``{"name": ..., "arguments": {...}}`` inside each ``<tool_call>...</tool_call>``. A parser of your own is an
+import path to ``fn(text) -> ParsedReply``. Text that looks like a tool call but does not parse is returned as
+plain content and flagged (`ParsedReply.unparsed`, counted in ``env/unparsed_tool_calls``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from rlhf.errors import ConfigError
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class RequestError(ValueError):
+    """A request the endpoint cannot serve: answered with HTTP ``status`` and a message naming the field."""
+
+    def __init__(self, message: str, status: int = 400, field_name: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.field = status, field_name
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One function call: its name and its arguments as canonical JSON (keys sorted), so equal calls compare equal."""
+
+    name: str
+    arguments: str  # canonical JSON of the arguments object
+    id: str = field(default="", compare=False)  # the id the endpoint gave it (not part of equality)
+
+    def as_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class Message:
+    """One chat message, normalised: text content, tool calls, and the id a tool result answers."""
+
+    role: str
+    content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""
+
+    def as_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (tool-call arguments as a mapping, as HF templates expect)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def canonical_arguments(arguments: Any, where: str) -> str:
+    """Tool-call arguments (a JSON string or an object) as canonical JSON, or RequestError naming ``where``."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            raise RequestError(f"{where}: arguments are not JSON: {arguments[:80]!r}", field_name=where) from None
+    if not isinstance(arguments, dict):
+        raise RequestError(f"{where}: arguments must be a JSON object", field_name=where)
+    return json.dumps(arguments, sort_keys=True, ensure_ascii=False)
+
+
+def _content(raw: Any, where: str) -> str:
+    """A message's content as text: a string, null, or a list of text parts."""
+    if raw is None:
+        return ""
+    if isinstance(raw, str):
+        return raw
+    if isinstance(raw, list):
+        texts = []
+        for k, part in enumerate(raw):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise RequestError(f"{where}[{k}]: only text parts are served ({{'type': 'text', 'text': ...}})", field_name=where)
+            texts.append(part["text"])
+        return "".join(texts)
+    raise RequestError(f"{where} must be a string, null or a list of text parts", field_name=where)
+
+
+def parse_messages(raw: Any) -> list[Message]:
+    """A request's ``messages`` as `Message` values, or RequestError naming the first bad field."""
+    if not isinstance(raw, list) or not raw:
+        raise RequestError("messages must be a non-empty list", field_name="messages")
+    out = []
+    for k, message in enumerate(raw):
+        where = f"messages[{k}]"
+        if not isinstance(message, dict):
+            raise RequestError(f"{where} must be an object with a role and content", field_name=where)
+        role = message.get("role")
+        if role not in ROLES:
+            raise RequestError(f"{where}.role={role!r}; choose one of {', '.join(ROLES)}", field_name=f"{where}.role")
+        calls = []
+        for j, call in enumerate(message.get("tool_calls") or ()):
+            at = f"{where}.tool_calls[{j}]"
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise RequestError(f"{at} must hold function.name and function.arguments", field_name=at)
+            arguments = canonical_arguments(function.get("arguments", {}), f"{at}.function.arguments")
+            calls.append(ToolCall(function["name"], arguments, str(call.get("id") or "")))
+        tool_call_id = message.get("tool_call_id") or ""
+        out.append(Message(role, _content(message.get("content"), f"{where}.content"), tuple(calls), str(tool_call_id)))
+    return out
+
+
+def same_message(ours: Message, theirs: Message) -> bool:
+    """Whether a message sent back (``theirs``) is the one held (``ours``): see the module docstring."""
+    if ours.role != theirs.role:
+        return False
+    if ours.role != "assistant":
+        return ours == theirs
+    calls_agree = not theirs.tool_calls or theirs.tool_calls == ours.tool_calls
+    return ours.content.strip() == theirs.content.strip() and calls_agree
+
+
+def extends(held: list[Message], request: list[Message]) -> bool:
+    """Whether ``request`` starts with every message of ``held``, in order."""
+    return len(request) >= len(held) and all(same_message(a, b) for a, b in zip(held, request))
+
+
+@dataclass(frozen=True)
+class ParsedReply:
+    """Sampled text split into what the reply shows and the tool calls it makes."""
+
+    content: str  # the text outside the tool calls
+    tool_calls: tuple[ToolCall, ...] = ()
+    unparsed: bool = False  # text that looked like a tool call did not parse (returned as content)
+
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse_hermes(text: str) -> ParsedReply:
+    """Hermes/Qwen tool calls: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number of them."""
+    bodies = _HERMES.findall(text)
+    if not bodies:
+        return ParsedReply(text, unparsed="<tool_call>" in text)
+    calls = []
+    for body in bodies:
+        try:
+            call = json.loads(body)
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                raise ValueError("no name")
+            calls.append(ToolCall(call["name"], canonical_arguments(call.get("arguments", {}), "tool_call")))
+        except (ValueError, RequestError):
+            return ParsedReply(text, unparsed=True)
+    return ParsedReply(_HERMES.sub("", text).strip(), tuple(calls))
+
+
+TOOL_PARSERS: dict[str, Callable[[str], ParsedReply]] = {"hermes": parse_hermes}
+
+
+def tool_parser(name: str) -> Callable[[str], ParsedReply]:
+    """The parser named by `env.tool_parser`: a built-in name or an import path `pkg.module.fn`."""
+    if name in TOOL_PARSERS:
+        return TOOL_PARSERS[name]
+    module, _, attribute = name.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError, ValueError):
+        choices = ", ".join(TOOL_PARSERS)
+        raise ConfigError(f"env.tool_parser={name!r} is neither a built-in parser ({choices}) nor an importable `pkg.module.fn`") from None
+
+
+def with_call_ids(reply: ParsedReply, prefix: str) -> ParsedReply:
+    """``reply`` with its tool calls numbered ``<prefix>_0``, ``<prefix>_1``, ..."""
+    calls = tuple(ToolCall(c.name, c.arguments, f"{prefix}_{k}") for k, c in enumerate(reply.tool_calls))
+    return ParsedReply(reply.content, calls, reply.unparsed)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a request asks of the sampling, checked against the run's."""
+
+    max_new_tokens: int  # the request's max_tokens, at most `generator.max_new_tokens`
+    n: int  # choices to sample
+    stops: tuple[str, ...]  # strings that end a reply
+    stream: bool  # answer as server-sent events
+
+
+# parameters that would change the sampling distribution, so the trainer's logprobs would no longer describe it
+_DISTORTING = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "repetition_penalty": 1}
+
+
+def read_limits(body: dict, temperature: float, top_p: float, max_new_tokens: int, max_n: int) -> Limits:
+    """A request's sampling fields, or RequestError naming the field: temperature and top_p may only repeat the
+    run's (`generator.temperature`, `generator.top_p`: the trainer's logprobs assume them); max_tokens (or
+    max_completion_tokens) at most the run's `generator.max_new_tokens` is honoured (more is cut to it)."""
+    for name, run_value, key in (("temperature", temperature, "generator.temperature"), ("top_p", top_p, "generator.top_p")):
+        value = body.get(name)
+        if value is not None and not (isinstance(value, (int, float)) and abs(value - run_value) < 1e-6):
+            raise RequestError(
+                f"{name}={value!r}: this run samples with {key}={run_value:g} (the trainer's logprobs assume it); "
+                f"leave {name} out or send {run_value:g}", field_name=name,
+            )
+    for name, neutral in _DISTORTING.items():
+        value = body.get(name)
+        if value not in (None, neutral) and value != {}:
+            raise RequestError(f"{name}={value!r} would change the sampling the policy is trained on; leave it out", field_name=name)
+    wanted = body.get("max_completion_tokens", body.get("max_tokens"))
+    if wanted is None:
+        wanted = max_new_tokens
+    if not isinstance(wanted, int) or isinstance(wanted, bool) or wanted < 1:
+        raise RequestError(f"max_tokens={wanted!r} must be a positive integer", field_name="max_tokens")
+    n = body.get("n") or 1
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= max_n:
+        raise RequestError(f"n={n!r} must be an integer from 1 to env.max_n={max_n}", field_name="n")
+    stop = body.get("stop") or ()
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    if not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
+        raise RequestError("stop must be a non-empty string or a list of up to 4 of them", field_name="stop")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError(f"stream={stream!r} must be true or false", field_name="stream")
+    return Limits(min(wanted, max_new_tokens), n, stops, stream)
+
+
+def read_tools(body: dict) -> tuple[list | None, bool]:
+    """A chat request's ``tools`` (None when absent) and whether tool calls are looked for (``tool_choice``)."""
+    tools = body.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise RequestError("tools must be a list of tool objects", field_name="tools")
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise RequestError(f"tool_choice={choice!r}: auto and none are served", field_name="tool_choice")
+    return tools or None, bool(tools) and choice != "none"

@@ -1,0 +1,189 @@
+"""The HTTP side of the endpoint: OpenAI's routes on FastAPI, served by uvicorn in a thread of the run.
+
+Routes, each also under ``/sessions/<id>`` (a session's own base URL; without it, the session is the one whose key
+is the ``Authorization: Bearer`` token):
+
+- ``POST /v1/chat/completions``: messages, tools, tool_choice (auto, none), temperature and top_p (the run's
+  values only), max_tokens, n, stop, stream (server-sent events);
+- ``POST /v1/completions``: a text prompt;
+- ``GET /v1/models``: the one model served (`env.model_name`);
+- ``POST /sessions/<id>/reward``: ``{"reward": x, "finished": false}`` adds ``x`` to the episode's reward;
+  ``finished: true`` ends the episode.
+
+Every answer carries ``policy_version`` (also as the header ``x-policy-version``). Errors follow OpenAI's shape
+(``{"error": {"message", "type", "param"}}``) with 400 (a bad field, named), 401 (no session key), 404 (an unknown
+session or model) or 410 (a session that has ended), none of which the OpenAI SDK retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from rlhf.agents.messages import RequestError
+from rlhf.agents.sessions import Reply
+from rlhf.errors import ConfigError
+
+
+def error_response(err: RequestError) -> JSONResponse:
+    kind = {401: "authentication_error", 404: "not_found_error", 410: "session_closed"}.get(err.status, "invalid_request_error")
+    body = {"error": {"message": str(err), "type": kind, "param": err.field, "code": None}}
+    return JSONResponse(body, status_code=err.status)
+
+
+def chat_body(reply: Reply, model: str) -> dict[str, Any]:
+    """A chat completion object for ``reply``."""
+    choices = []
+    for k, choice in enumerate(reply.choices):
+        message: dict[str, Any] = {"role": "assistant", "content": choice.message.content}
+        if choice.message.tool_calls:
+            message["tool_calls"] = [c.as_openai() for c in choice.message.tool_calls]
+            message["content"] = choice.message.content or None
+        choices.append({"index": k, "message": message, "finish_reason": choice.finish_reason, "logprobs": None})
+    return _envelope("chat.completion", reply, model, choices)
+
+
+def completion_body(reply: Reply, model: str) -> dict[str, Any]:
+    """A text completion object for ``reply``."""
+    choices = [
+        {"index": k, "text": c.message.content, "finish_reason": c.finish_reason, "logprobs": None}
+        for k, c in enumerate(reply.choices)
+    ]
+    return _envelope("text_completion", reply, model, choices)
+
+
+def _envelope(kind: str, reply: Reply, model: str, choices: list) -> dict[str, Any]:
+    completion = sum(c.completion_tokens for c in reply.choices)
+    usage = {"prompt_tokens": reply.prompt_tokens, "completion_tokens": completion, "total_tokens": reply.prompt_tokens + completion}
+    prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
+    return {
+        "id": f"{prefix}-{uuid.uuid4().hex[:24]}", "object": kind, "created": int(time.time()), "model": model,
+        "choices": choices, "usage": usage, "policy_version": reply.version,
+    }
+
+
+def chat_events(body: dict[str, Any]):
+    """A chat completion as OpenAI's stream: one chunk per choice with its whole reply, one with its finish
+    reason, then ``[DONE]`` (the reply is sampled whole before it is sent)."""
+    base = {k: body[k] for k in ("id", "created", "model", "policy_version")} | {"object": "chat.completion.chunk"}
+    for choice in body["choices"]:
+        delta = dict(choice["message"])
+        for k, call in enumerate(delta.get("tool_calls") or ()):
+            call["index"] = k
+        yield _event(base | {"choices": [{"index": choice["index"], "delta": delta, "finish_reason": None}]})
+        yield _event(base | {"choices": [{"index": choice["index"], "delta": {}, "finish_reason": choice["finish_reason"]}]})
+    yield "data: [DONE]\n\n"
+
+
+def _event(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def make_app(hub) -> FastAPI:
+    """The routes, answering through ``hub`` (`rlhf.agents.endpoint.AgentRunner`)."""
+    app = FastAPI(title="rlhf agent endpoint", docs_url=None, redoc_url=None, openapi_url=None)
+
+    async def answer(request: Request, session_id: str | None, route: str):
+        try:
+            body = await _json(request)
+            session = hub.session_for(session_id, request.headers.get("authorization"))
+            pending = hub.submit(session, route, body)
+            reply = await asyncio.wrap_future(pending) if not isinstance(pending, Reply) else pending
+        except RequestError as err:
+            return error_response(err)
+        if route == "completions":
+            return JSONResponse(completion_body(reply, hub.model_name), headers=_version(reply))
+        out = chat_body(reply, hub.model_name)
+        if body.get("stream"):
+            return StreamingResponse(chat_events(out), media_type="text/event-stream", headers=_version(reply))
+        return JSONResponse(out, headers=_version(reply))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await answer(request, None, "chat")
+
+    @app.post("/sessions/{session_id}/v1/chat/completions")
+    async def session_chat(session_id: str, request: Request):
+        return await answer(request, session_id, "chat")
+
+    @app.post("/v1/completions")
+    async def complete(request: Request):
+        return await answer(request, None, "completions")
+
+    @app.post("/sessions/{session_id}/v1/completions")
+    async def session_complete(session_id: str, request: Request):
+        return await answer(request, session_id, "completions")
+
+    def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": hub.model_name, "object": "model", "created": 0, "owned_by": "rlhf"}]})
+
+    app.get("/v1/models")(models)
+    app.get("/sessions/{session_id}/v1/models")(models)
+
+    @app.post("/sessions/{session_id}/reward")
+    async def reward(session_id: str, request: Request):
+        try:
+            body = await _json(request)
+            hub.post_reward(hub.session_for(session_id, None), body)
+        except RequestError as err:
+            return error_response(err)
+        return JSONResponse({"ok": True})
+
+    return app
+
+
+async def _json(request: Request) -> dict:
+    try:
+        body = json.loads(await request.body() or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise RequestError(f"the request body is not JSON: {err}") from None
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    return body
+
+
+def _version(reply: Reply) -> dict[str, str]:
+    return {"x-policy-version": "" if reply.version is None else str(reply.version)}
+
+
+class Server:
+    """uvicorn serving ``app`` on ``host:port`` in a daemon thread; the socket is bound here, so a taken port is a
+    ConfigError naming `env.port` at once."""
+
+    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+        self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.socket.bind((host, port))
+        except OSError as err:
+            self.socket.close()
+            raise ConfigError(f"env.host={host} env.port={port}: cannot listen there ({err}); choose another port, or env.port=0 for a free one") from None
+        self.host, self.port = host, self.socket.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_keep_alive=30)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True, name="rlhf-agent-endpoint")
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the agent endpoint did not start on {host}:{self.port}")
+            time.sleep(0.01)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.socket.close()

@@ -1,0 +1,257 @@
+"""The endpoint for real: uvicorn on the loopback, the real `openai` SDK as the agents' client, the real HF generator
+on the tiny model. Rows hold exactly what the generator sampled (logprobs checked against the model), requests of
+concurrent agents share generate calls, and every fault loses at most its own episode, counted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import socket
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlhf.agents.endpoint import AgentRunner, OpenAIAgentConfig, OpenAIAgentMaker
+from rlhf.data.prompts import PromptExample
+from rlhf.envs.loop import drop_failed_groups
+from rlhf.envs.rows import episode_rows
+from rlhf.errors import ConfigError
+from rlhf.generators.base import SamplingParams
+
+SAMPLING = SamplingParams(max_new_tokens=4)
+
+
+def client_of(client, **options):
+    return openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key, max_retries=0, **options)
+
+
+def task(tokenizer, a: int, b: int) -> PromptExample:
+    text = f"{a}+{b}="
+    return PromptExample(text=text, token_ids=tuple(tokenizer(text)["input_ids"]), ground_truth=a + b)
+
+
+@pytest.fixture(scope="module")
+def generator(tiny_model_dir, tokenizer):
+    from omegaconf import OmegaConf
+
+    from rlhf.config.schema import ModelConfig
+    from rlhf.generators.hf import HFGenerator, HfGeneratorConfig
+
+    torch.manual_seed(0)
+    return HFGenerator(HfGeneratorConfig(name="hf"), OmegaConf.structured(ModelConfig(name_or_path=tiny_model_dir)), tokenizer, torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def runner(tokenizer):
+    cfg = OpenAIAgentConfig(name="openai_agent", chat_template="plain", max_tokens=40, max_turns=3, num_parallel=8,
+                            step_timeout_s=60.0, batch_wait_s=5.0)
+    runner = AgentRunner(SimpleNamespace(run=None), cfg, tokenizer, tokenizer.eos_token_id)
+    yield runner
+    runner.close()
+
+
+def play(runner, generator, tokenizer, agent, group_size=2, cfg=None, problems=((1, 2), (3, 4))):
+    runner.maker = SimpleNamespace(run=agent)
+    if cfg is not None:
+        runner.cfg = cfg
+    tasks = [task(tokenizer, a, b) for a, b in problems]
+    return runner.run(generator, tasks, list(range(len(tasks))), group_size, SAMPLING)
+
+
+async def ask_twice(task, client):
+    llm = client_of(client)
+    messages = [{"role": "user", "content": task.prompt}]
+    first = await llm.chat.completions.create(model=client.model, messages=messages)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": task.prompt}]
+    second = await llm.chat.completions.create(model=client.model, messages=messages)
+    return float(second.choices[0].message.content.strip() == str(task.label))
+
+
+def test_rows_hold_exactly_what_the_generator_sampled(runner, generator, tokenizer, tiny_model_dir):
+    episodes = play(runner, generator, tokenizer, ask_twice)
+    assert len(episodes) == 4 and not any(ep.failed for ep in episodes)
+    assert [ep.group for ep in episodes] == [0, 0, 1, 1]
+    for ep in episodes:
+        asked_again = tokenizer(ep.task.text, add_special_tokens=False)["input_ids"]
+        closing = [] if ep.turns[0].stopped else [tokenizer.eos_token_id]  # a reply cut short: the template's EOS is observed
+        assert len(ep.turns) == 2 and ep.turns[1].observation_ids == closing + asked_again
+        assert ep.turns[0].observation_ids == list(ep.task.token_ids)  # <bos>1+2= as the dataset tokenises it
+    # four sessions, two requests each: one generate call per turn, all four agents' requests in it
+    assert runner.last_metrics["env/generate_calls"] == 2 and runner.last_metrics["env/generated_rows"] == 8
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    for ep in episodes:
+        ids = torch.tensor(ep.token_ids())
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids[None]).logits[0].float(), dim=-1)
+        start, sampled, expected = 0, [], []
+        for turn in ep.turns:
+            start += len(turn.observation_ids)
+            for k, token in enumerate(turn.action_ids):
+                expected.append(logp[start + k - 1, token].item())
+            sampled += turn.action_logp
+            start += len(turn.action_ids)
+        assert sampled == pytest.approx(expected, abs=1e-4)  # the generator's logprobs, never zero-filled
+    rows = episode_rows(episodes, "sum", tokenizer.pad_token_id)
+    assert rows.gen_logp[rows.loss_mask.bool()].tolist() == [x for ep in episodes for t in ep.turns for x in t.action_logp]
+
+
+def test_a_retried_request_gets_the_recorded_reply_and_no_orphan_row(runner, generator, tokenizer):
+    async def retries(task, client):
+        body = {"model": client.model, "messages": [{"role": "user", "content": task.prompt}]}
+        async with httpx.AsyncClient() as http:
+            first, second = await asyncio.gather(*(http.post(f"{client.base_url}/chat/completions", json=body) for _ in range(2)))
+            third = await http.post(f"{client.base_url}/chat/completions", json=body)
+        answers = [r.json()["choices"][0]["message"]["content"] for r in (first, second, third)]
+        assert answers[0] == answers[1] == answers[2]
+        return 1.0
+
+    episodes = play(runner, generator, tokenizer, retries, group_size=1, problems=((1, 2),))
+    assert len(episodes) == 1 and len(episodes[0].turns) == 1
+    assert runner.last_metrics["env/retried_requests"] == 2 and runner.last_metrics["env/forked_chains"] == 0
+
+
+def test_streaming_completions_models_and_the_bearer_key_route(runner, generator, tokenizer):
+    seen = {}
+
+    async def many_routes(task, client):
+        plain = openai.AsyncOpenAI(base_url=client.base_url.split("/sessions/")[0] + "/v1", api_key=client.api_key, max_retries=0)
+        seen["models"] = [m.id async for m in plain.models.list()]
+        stream = await plain.chat.completions.create(model=client.model, messages=[{"role": "user", "content": task.prompt}], stream=True)
+        chunks = [chunk async for chunk in stream]
+        seen["streamed"] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        seen["finish"] = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        done = await client_of(client).completions.create(model=client.model, prompt="5+5=")
+        seen["completion"] = done.choices[0].text
+        seen["version"] = done.model_extra.get("policy_version", "missing")
+        return 0.0
+
+    episodes = play(runner, generator, tokenizer, many_routes, group_size=1, problems=((1, 2),))
+    assert seen["models"] == ["policy"] and seen["finish"] and seen["finish"][0] in ("stop", "length")
+    assert seen["version"] is None or isinstance(seen["version"], int)
+    (ep,) = episodes
+    assert ep.turns[-1].action == seen["completion"]  # env.chains=last: the completions chain came last
+
+
+def test_n_choices_and_concurrent_requests_in_one_session(runner, generator, tokenizer):
+    async def branches(task, client):
+        llm = client_of(client)
+        asked = [{"role": "user", "content": task.prompt}]
+        many = await llm.chat.completions.create(model=client.model, messages=asked, n=3)
+        assert len(many.choices) == 3
+        pick = many.choices[2].message.content
+        await asyncio.gather(*(
+            llm.chat.completions.create(model=client.model, messages=asked + [{"role": "assistant", "content": pick}, {"role": "user", "content": q}])
+            for q in ("1=", "2=")
+        ))
+        return 1.0
+
+    episodes = play(runner, generator, tokenizer, branches, group_size=1, problems=((1, 2),))
+    assert not episodes[0].failed
+    assert runner.last_metrics["env/forked_chains"] == 1  # the second concurrent request on one chain forked it
+
+
+def test_bad_requests_are_answered_with_the_field_named_and_the_episode_goes_on(runner, generator, tokenizer):
+    errors = {}
+
+    async def hostile(task, client):
+        llm = client_of(client)
+        asked = [{"role": "user", "content": task.prompt}]
+        for name, call in {
+            "temperature": llm.chat.completions.create(model=client.model, messages=asked, temperature=0.3),
+            "model": llm.chat.completions.create(model="gpt-9", messages=asked),
+            "role": llm.chat.completions.create(model=client.model, messages=[{"role": "robot", "content": "x"}]),
+        }.items():
+            try:
+                await call
+            except openai.APIStatusError as err:
+                errors[name] = (err.status_code, str(err))
+        async with httpx.AsyncClient() as http:
+            bad = await http.post(f"{client.base_url}/chat/completions", content=b"{not json")
+            errors["json"] = (bad.status_code, bad.text)
+            nobody = await http.post(client.base_url.split("/sessions/")[0] + "/v1/chat/completions", json={"messages": asked})
+            errors["no key"] = (nobody.status_code, nobody.text)
+            unknown = await http.post(client.base_url.split("/sessions/")[0] + "/sessions/nope/v1/chat/completions", json={"messages": asked})
+            errors["unknown"] = (unknown.status_code, unknown.text)
+        reply = await llm.chat.completions.create(model=client.model, messages=asked)
+        return float(reply.choices[0].message.content == "3")
+
+    episodes = play(runner, generator, tokenizer, hostile, group_size=1, problems=((1, 2),))
+    assert not episodes[0].failed
+    assert errors["temperature"][0] == 400 and "generator.temperature" in errors["temperature"][1]
+    assert errors["model"][0] == 404 and "'policy'" in errors["model"][1]
+    assert errors["role"][0] == 400 and "messages[0].role" in errors["role"][1]
+    assert errors["json"][0] == 400 and "not JSON" in errors["json"][1]
+    assert errors["no key"][0] == 401 and errors["unknown"][0] == 404
+    assert runner.last_metrics["env/rejected_requests"] == 3
+
+
+def test_agent_faults_lose_their_own_episode_counted_and_late_calls_get_410(runner, generator, tokenizer):
+    late = {}
+
+    async def agent(task, client):
+        llm = client_of(client, timeout=30)
+        reply = await llm.chat.completions.create(model=client.model, messages=[{"role": "user", "content": task.prompt}])
+        late["url"] = client.base_url
+        if task.label == 3:
+            raise KeyError("the agent broke")
+        if task.label == 7:
+            await asyncio.sleep(3600)  # hangs
+        if task.label == 11:
+            return None  # posts no reward
+        if task.label == 13:
+            async with httpx.AsyncClient() as http:
+                await http.post(client.reward_url, json={"reward": 0.25, "finished": True})
+            return None
+        return float(reply.choices[0].message.content == str(task.label))
+
+    cfg = OpenAIAgentConfig(**{**vars(runner.cfg), "step_timeout_s": 2.0})
+    saved = runner.cfg
+    try:
+        episodes = play(runner, generator, tokenizer, agent, group_size=1, cfg=cfg, problems=((1, 2), (3, 4), (5, 6), (6, 7), (4, 5)))
+    finally:
+        runner.cfg = saved
+    failed = {ep.task.ground_truth: ep.error for ep in episodes if ep.failed}
+    assert set(failed) == {3, 7, 11}
+    assert "KeyError" in failed[3] and "env.step_timeout_s" in failed[7] and "no reward" in failed[11]
+    kept, lost = drop_failed_groups(episodes)
+    assert lost == 3 and sorted(ep.task.ground_truth for ep in kept) == [9, 13]
+    assert next(ep for ep in kept if ep.task.ground_truth == 13).episode_return == 0.25
+    m = runner.last_metrics
+    assert (m["env/raised_episodes"], m["env/timed_out_episodes"], m["env/no_reward_episodes"]) == (1, 1, 1)
+    after = httpx.post(late["url"] + "/chat/completions", json={"messages": [{"role": "user", "content": "1"}]}, timeout=30)
+    assert after.status_code == 410 and "ended" in after.json()["error"]["message"]
+
+
+def test_a_taken_port_is_a_config_error_naming_env_port(tokenizer):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = OpenAIAgentConfig(name="openai_agent", chat_template="plain", port=port)
+        with pytest.raises(ConfigError, match=f"env.port={port}"):
+            AgentRunner(SimpleNamespace(run=None), cfg, tokenizer, tokenizer.eos_token_id)
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused_with_the_fix(tokenizer):
+    with pytest.raises(ConfigError, match="env.chat_template"):
+        AgentRunner(SimpleNamespace(run=None), OpenAIAgentConfig(name="openai_agent"), tokenizer, tokenizer.eos_token_id)
+
+
+@pytest.mark.parametrize("text, message", [
+    (None, "needs env.path"),
+    ("def step(x): pass\n", "defines no `run`"),
+    ("def run(task): pass\n", "cannot be called as"),
+    ("raise ValueError('boom')\n", "failed to load"),
+])
+def test_a_bad_agent_file_is_a_config_error_naming_env_path(tmp_path, text, message):
+    path = None
+    if text is not None:
+        path = tmp_path / "agent.py"
+        path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        OpenAIAgentMaker(cfg=OpenAIAgentConfig(name="openai_agent", path=None if path is None else str(path)))
