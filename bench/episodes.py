@@ -1,6 +1,8 @@
-"""Benchmark: multi-turn episodes per second on the built-in task, hf vs vLLM generator and sync vs async, side by side.
+"""Benchmark: multi-turn episodes per second on the built-in task, hf vs vLLM generator, sync vs async, and the
+in-process agent loop vs an OpenAI-SDK agent through the endpoint, side by side.
 
-Every variant trains the same `experiment=multiturn_tiny` work from the same seed through the real CLI
+Every variant trains the same work (`experiment=multiturn_tiny`; `--loops endpoint`: `experiment=agent_tiny`, the same
+task, model and budget played by examples/agents/arith_retry.py over HTTP) from the same seed through the real CLI
 (`python -m rlhf.train`); the variants alternate `--repeats` times so machine noise hits all alike. Step 1 is a
 warm-up and is left out. Per variant it prints the medians over steps of:
 
@@ -12,6 +14,7 @@ Examples:
   python bench/episodes.py                          # hf and vllm (if installed), sync and async
   python bench/episodes.py --generators hf          # without vLLM
   python bench/episodes.py -- train.prompts_per_step=64
+  python bench/episodes.py --loops env,endpoint --generators hf --schedules sync   # the endpoint's cost
 """
 
 from __future__ import annotations
@@ -24,14 +27,15 @@ from pathlib import Path
 
 from cli_runs import train_records
 
-WORK = ["experiment=multiturn_tiny", "eval.every=0", "eval.max_prompts=4", "logging.tensorboard=false", "checkpoint.save_final_model=false"]
+LOOPS = {"env": ["experiment=multiturn_tiny"], "endpoint": ["experiment=agent_tiny"]}  # the task in process, or through HTTP
+WORK = ["eval.every=0", "eval.max_prompts=4", "logging.tensorboard=false", "checkpoint.save_final_model=false"]
 GENERATORS = {"hf": [], "vllm": ["generator=vllm", "generator.kv_cache_memory_bytes=67108864"]}
 
 
-def run(generator: str, schedule: str, steps: int, extra: list[str], folder: Path) -> list[dict]:
+def run(loop: str, generator: str, schedule: str, steps: int, extra: list[str], folder: Path) -> list[dict]:
     """One training run; its per-step metric records (steps 2..)."""
-    overrides = [*WORK, *GENERATORS[generator], f"schedule={schedule}", f"train.num_steps={steps}", *extra]
-    return train_records(f"{generator}-{schedule}", overrides, folder)
+    overrides = [*LOOPS[loop], *WORK, *GENERATORS[generator], f"schedule={schedule}", f"train.num_steps={steps}", *extra]
+    return train_records(f"{loop}-{generator}-{schedule}", overrides, folder)
 
 
 def summary(records: list[dict]) -> dict[str, float]:
@@ -50,23 +54,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="training steps per run (step 1 is a warm-up)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds over every variant, alternated")
     parser.add_argument("--generators", default="hf,vllm", help="comma-separated: hf, vllm (skipped when not installed)")
+    parser.add_argument("--schedules", default="sync,async", help="comma-separated: sync, async, hybrid")
+    parser.add_argument("--loops", default="env", help="comma-separated: env (in process), endpoint (an OpenAI-SDK agent over HTTP)")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every variant (after --)")
     args = parser.parse_args()
     generators = [g for g in args.generators.split(",") if g != "vllm" or importlib.util.find_spec("vllm")]
-    variants = [(g, s) for g in generators for s in ("sync", "async")]
-    results: dict[tuple[str, str], list[dict]] = {v: [] for v in variants}
+    variants = [(l, g, s) for l in args.loops.split(",") for g in generators for s in args.schedules.split(",")]
+    results: dict[tuple[str, str, str], list[dict]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(args.repeats):
-            for generator, schedule in variants:
-                results[(generator, schedule)] += run(generator, schedule, args.steps, args.overrides, Path(tmp))
+            for loop, generator, schedule in variants:
+                results[(loop, generator, schedule)] += run(loop, generator, schedule, args.steps, args.overrides, Path(tmp))
     print(f"work: {' '.join(WORK + args.overrides)}, {args.steps} steps x {args.repeats} (medians over steps 2..)")
-    print(f"{'generator':<10}{'schedule':<9}{'episodes/s':>11}{'play eps/s':>11}{'turns/ep':>9}{'s/step':>8}")
+    print(f"{'loop':<9}{'generator':<10}{'schedule':<9}{'episodes/s':>11}{'play eps/s':>11}{'turns/ep':>9}{'s/step':>8}")
     base = None
-    for (generator, schedule), records in results.items():
+    for (loop, generator, schedule), records in results.items():
         s = summary(records)
-        base = base or s["step_rate"]
-        print(f"{generator:<10}{schedule:<9}{s['step_rate']:>11.1f}{s['play_rate']:>11.1f}{s['turns']:>9.2f}{s['step']:>8.3f}"
-              f"   x{s['step_rate'] / base:.2f} vs {variants[0][0]}/{variants[0][1]}")
+        base = base or s["play_rate"]
+        print(f"{loop:<9}{generator:<10}{schedule:<9}{s['step_rate']:>11.1f}{s['play_rate']:>11.1f}{s['turns']:>9.2f}{s['step']:>8.3f}"
+              f"   play x{s['play_rate'] / base:.2f} vs {'/'.join(variants[0])}")
 
 
 if __name__ == "__main__":

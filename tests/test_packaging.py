@@ -27,3 +27,4 @@ def test_wheel_contains_configs_and_builtin_model(tmp_path):
     assert "rlhf/assets/tiny_arith/tokenizer.json" in names
     modules = {f"rlhf/{p.relative_to(ROOT / 'src' / 'rlhf')}" for p in (ROOT / "src" / "rlhf").rglob("*.py")}
     assert modules <= names, f"modules missing from the wheel (a package without __init__.py?): {sorted(modules - names)}"
+    assert "rlhf/examples/agents/arith_retry.py" in names  # experiment=agent_tiny's env.path=builtin:agents/arith_retry.py

@@ -255,3 +255,24 @@ def test_a_bad_agent_file_is_a_config_error_naming_env_path(tmp_path, text, mess
         path.write_text(text)
     with pytest.raises(ConfigError, match=message):
         OpenAIAgentMaker(cfg=OpenAIAgentConfig(name="openai_agent", path=None if path is None else str(path)))
+
+
+def test_a_plain_function_agent_with_the_sync_client_and_one_that_exits(runner, generator, tokenizer):
+    """`def run` runs in a worker thread (the synchronous SDK works); SystemExit inside an agent loses its episode
+    only: the agents' event loop and the other agents go on."""
+
+    def sync_agent(task, client):
+        llm = openai.OpenAI(base_url=client.base_url, api_key=client.api_key, max_retries=0)
+        reply = llm.chat.completions.create(model=client.model, messages=[{"role": "user", "content": task.prompt}])
+        return float(reply.choices[0].message.content == str(task.label))
+
+    async def exiting(task, client):
+        await client_of(client).chat.completions.create(model=client.model, messages=[{"role": "user", "content": task.prompt}])
+        if task.label == 7:
+            raise SystemExit(3)
+        return 1.0
+
+    assert not any(ep.failed for ep in play(runner, generator, tokenizer, sync_agent, group_size=2))
+    episodes = play(runner, generator, tokenizer, exiting, group_size=1)
+    assert [ep.failed for ep in episodes] == [False, True] and "SystemExit" in episodes[1].error
+    assert not any(ep.failed for ep in play(runner, generator, tokenizer, exiting, group_size=1, problems=((1, 2), (2, 2))))

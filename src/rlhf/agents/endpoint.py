@@ -22,6 +22,7 @@ reward, or makes no request for `env.step_timeout_s` while not waiting for a rep
 from __future__ import annotations
 
 import asyncio
+from importlib import resources
 import logging
 import math
 import queue
@@ -50,6 +51,7 @@ PLAIN_TEMPLATE = (
     "{% endfor %}"
 )
 _EXAMPLE = "async def run(task, client): ... return reward"
+BUILTIN = "builtin:"  # `env.path=builtin:agents/arith_retry.py`: a file of the examples shipped with the package
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ class ClientConfig:
 
 @dataclass
 class OpenAIAgentConfig(EnvConfig):
-    path: Optional[str] = None  # the Python file defining `async def run(task, client) -> reward` (required)
+    path: Optional[str] = None  # the Python file defining `async def run(task, client) -> reward` (required); builtin:<file> = one of examples/
     host: str = "127.0.0.1"  # the interface the endpoint listens on (loopback unless you say otherwise)
     port: int = 0  # the endpoint's port; 0 = a free one (logged at start)
     model_name: str = "policy"  # the model name the endpoint serves (GET /v1/models; requests may name it or none)
@@ -100,7 +102,7 @@ def load_agent(path: str | None):
     """The ``run`` function of the agent file ``path``, checked, or ConfigError naming `env.path` and the fix."""
     if not path:
         raise ConfigError(f"env.name=openai_agent needs env.path=<a Python file defining `{_EXAMPLE}`>")
-    file = Path(path).expanduser()
+    file = Path(str(resources.files("rlhf.examples"))) / path[len(BUILTIN) :] if path.startswith(BUILTIN) else Path(path).expanduser()
     if not file.is_file():
         raise ConfigError(f"env.path={path!r} is not a file; give the Python file that defines `{_EXAMPLE}`")
     run = getattr(load_module(file, path), "run", None)
@@ -197,6 +199,8 @@ class AgentRunner:
                     raise RequestError("this session has ended (its episode is over, lost or timed out)", 410)
                 session.active = time.monotonic()
                 plan = session.plan_chat(messages, tools, self.render) if route == "chat" else session.plan_text(prompt, self.render)
+                if plan.context is not None:  # queued under the lock: a session seen waiting has its job queued
+                    self.jobs.put(Job(session, plan, limits, look_for_calls))
         except RequestError:
             self._count("env/rejected_requests")
             raise
@@ -207,8 +211,6 @@ class AgentRunner:
             return plan.recorded
         if plan.ended:
             return Reply([Choice(Message("assistant", ""), "length", 0)], len(plan.chain.token_ids()), self.version)
-        if plan.context is not None:
-            self.jobs.put(Job(session, plan, limits, look_for_calls))
         return plan.waiting
 
     def post_reward(self, session: Session, body: dict) -> None:
@@ -272,7 +274,10 @@ class AgentRunner:
             async with self._limit:
                 with self.lock:
                     session.active = time.monotonic()
-                return await call_user(self.maker.run, task, client)
+                try:
+                    return await call_user(self.maker.run, task, client)
+                except (SystemExit, KeyboardInterrupt) as err:  # would stop the agents' loop, and every agent with it
+                    raise RuntimeError(f"{type(err).__name__}({err}) inside run()") from None
 
         return asyncio.run_coroutine_threadsafe(agent(), self._agents)
 
@@ -344,7 +349,11 @@ class AgentRunner:
             with self.lock:  # every agent that can be running (`env.max_concurrency`) is waiting for a reply
                 everyone = sum(_waiting(s) for s in live) >= min(len(live), self.cfg.max_concurrency)
             left = deadline - time.monotonic()
-            if everyone or left <= 0:
+            if everyone:  # their jobs are all queued (`submit` queues under the lock): take them
+                while len(jobs) < self.cfg.num_parallel and not self.jobs.empty():
+                    jobs.append(self.jobs.get_nowait())
+                break
+            if left <= 0:
                 break
             try:
                 jobs.append(self.jobs.get(timeout=min(left, 0.005)))

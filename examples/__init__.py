@@ -1,0 +1,1 @@
+"""Examples shipped with the package as `rlhf.examples` (`builtin:<path>` in `env.path`)."""

@@ -1,0 +1,1 @@
+"""Agents written against OpenAI's API (env=openai_agent)."""
