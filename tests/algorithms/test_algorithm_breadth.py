@@ -101,5 +101,33 @@ def test_rollout_corrections_weight_the_loss_and_report_what_they_did(correction
     assert metrics["rollout_corr/ratio_mean"] == pytest.approx((1 + 4 + 1.5) / 3)
     # the loss is the surrogate (-A at ratio 1) weighted token by token
     loss, _ = algo.policy_loss(batch, Forward(old_logp.clone()), algo.denominator(batch))
-    expected = (-batch.advantages * batch.extras["is_weights"])[KL_MASK.bool()].sum() / 3
+    kept_tokens = batch.loss_mask.bool()  # the rejecting corrections take rejected tokens out of the mask
+    expected = (-batch.advantages * batch.extras["is_weights"])[kept_tokens].sum() / kept_tokens.sum()
     assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert kept_tokens.sum().item() == round(kept * 3)
+
+
+@pytest.mark.parametrize("correction", ["icepop", "geo_reject"])
+@pytest.mark.parametrize("drop", [True, False])
+def test_rejected_tokens_leave_every_term_unless_drop_rejected_is_false(correction, drop):
+    """Hand values: row 0 ratios [1, 4], row 1 [1.5], band [0.5, 1.8]. icepop rejects the token at ratio 4; geo_reject
+    the whole of row 0 (geometric mean 2). Dropped, they count in no term: the KL loss and the denominator see only
+    the kept tokens; kept in the mask (drop_rejected=false), only their policy-loss weight is 0."""
+    old_logp = torch.zeros(2, 3)
+    gen_logp = -torch.log(torch.tensor([[1.0, 4.0, 1.0], [1.5, 1.0, 1.0]]))
+    ref_logp = torch.tensor([[-0.5, -3.0, 0.0], [-1.0, 0.0, 0.0]])  # a different KL at every token
+    algo = make_algorithm(rollout_correction=correction, **CORRECTION_KEYS[correction], drop_rejected=drop,
+                          num_samples_per_prompt=2, beta=0.1)
+    batch, _ = algo.build_batch(trajectories(KL_MASK, 2, scores=torch.tensor([1.0, 0.0]), old_logp=old_logp,
+                                             gen_logp=gen_logp, ref_logp=ref_logp))
+    rejected = {"icepop": [[0, 1]], "geo_reject": [[0, 0], [0, 1]]}[correction]
+    expected_mask = KL_MASK.clone()
+    if drop:
+        for row, col in rejected:
+            expected_mask[row, col] = 0
+    assert batch.loss_mask.tolist() == expected_mask.tolist()
+    _, metrics = algo.policy_loss(batch, Forward(old_logp.clone()), algo.denominator(batch))
+    k3 = torch.exp(ref_logp - old_logp) - (ref_logp - old_logp) - 1  # the KL loss's per-token term at these values
+    assert algo.denominator(batch).item() == expected_mask.sum().item()
+    expected_kl = (k3 * expected_mask).sum() / expected_mask.sum()  # a mean over the tokens in the mask only
+    assert metrics["loss/kl_avg"].item() == pytest.approx(expected_kl.item(), rel=1e-6)

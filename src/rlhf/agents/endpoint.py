@@ -309,7 +309,9 @@ class AgentRunner:
                     self._finish(s, future)
                 elif s.active is not None and not _waiting(s) and now - s.active > self.cfg.step_timeout_s:
                     s.error = (
-                        f"timed out: no request, reply or reward for env.step_timeout_s={self.cfg.step_timeout_s:g} s"
+                        f"timed out: no request, reply or reward for env.step_timeout_s={self.cfg.step_timeout_s:g} s (an "
+                        f"async run() that blocks the event loop, time.sleep instead of await asyncio.sleep, stalls "
+                        f"every agent)"
                     )
                     future.cancel()
                 else:

@@ -19,7 +19,7 @@ from rlhf.functional import (
     masked_mean,
     masked_sum,
 )
-from rlhf.algorithms.rollout_corrections import correction_metrics
+from rlhf.algorithms.rollout_corrections import correction_metrics, kept_mask
 from rlhf.errors import ConfigError
 from rlhf.functional import FixedKLController
 from rlhf.parts import Part
@@ -97,7 +97,8 @@ class PolicyGradient:
             weights, flagged = self.correction(batch.old_logp, batch.gen_logp, mask)
             extras["is_weights"] = weights
             metrics |= correction_metrics(weights, flagged, batch.old_logp, batch.gen_logp, mask)
-        return replace(batch, advantages=advantages, returns=returns, extras=extras), metrics
+            mask = kept_mask(weights, mask, self.correction.config)  # rejected tokens leave every term (drop_rejected)
+        return replace(batch, advantages=advantages, returns=returns, extras=extras, loss_mask=mask), metrics
 
     def rollout_kl(self, batch: Trajectories) -> torch.Tensor | None:
         """KL of the pre-update policy to the reference per action token (0 elsewhere); None without a reference or

@@ -2,7 +2,9 @@
 
 A correction is ``fn(trainer_logp, generator_logp, mask, cfg) -> (weights (B, T), flagged (B, T) bool)``: detached
 per-token weights on the policy loss (0 drops a token) and the tokens it changed. `correction_metrics` reports
-what it did under `rollout_corr/`.
+what it did under `rollout_corr/`. The rejecting corrections (`icepop`, `geo_reject`) also take the tokens they
+reject out of the loss mask (`kept_mask`), so those tokens count in no term and no denominator, unless
+``drop_rejected=false`` asks for the weight alone.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class TruncationConfig(PartConfig):
 class BandConfig(PartConfig):
     low: float = 0.5  # ratios below this are masked (icepop) or their row rejected (geo_reject)
     high: float = 2.0  # ratios above this are masked (icepop) or their row rejected (geo_reject)
+    drop_rejected: bool = True  # rejected tokens leave the loss mask of every term (KL, entropy, the denominator), as verl; false: only their policy-loss weight is 0
 
     def check(self, at: str) -> None:
         require(
@@ -76,6 +79,14 @@ def icepop(trainer_logp, generator_logp, mask, cfg: BandConfig):
 def geo_reject(trainer_logp, generator_logp, mask, cfg: BandConfig):
     """Sequence rejection by the geometric-mean ratio: rows outside [low, high] are dropped from the loss."""
     return geometric_rejection_weights(trainer_logp, generator_logp, mask, cfg.low, cfg.high)
+
+
+def kept_mask(weights: torch.Tensor, mask: torch.Tensor, cfg) -> torch.Tensor:
+    """The loss mask after a correction: without the tokens it rejected (weight 0) when its config says
+    ``drop_rejected``, else ``mask`` as is. Shapes: (B, T) each."""
+    if not getattr(cfg, "drop_rejected", False):
+        return mask
+    return mask * (weights > 0).to(mask.dtype)
 
 
 def correction_metrics(
