@@ -12,6 +12,8 @@ from rlhf.config.schema import AlgorithmConfig
 from rlhf.parts import GROUPS, PartConfig, config_class
 
 PART_KINDS = {group.rpartition("/")[2]: kind for group, kind in GROUPS.items()}  # node -> registry kind
+# algorithm presets that need a value outside `algorithm` to run on the built-in task
+PRESET_NEEDS = {"opd": ["teacher.name_or_path=builtin:tiny_arith_teacher"]}  # its teacher: the default run's final policy
 
 
 def part_node(node: str, name: str | dict | None) -> dict | None:

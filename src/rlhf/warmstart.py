@@ -3,6 +3,7 @@
     python -m rlhf.warmstart                     # rebuilds src/rlhf/assets/tiny_arith (the committed one)
     python -m rlhf.warmstart --output-dir /tmp/m --steps 200
     python -m rlhf.warmstart --retry             # rebuilds src/rlhf/assets/tiny_arith_retry (env=arith_retry)
+    python -m rlhf.warmstart --teacher           # rebuilds src/rlhf/assets/tiny_arith_teacher (experiment=opd_arith_tiny)
 
 It trains a tiny Llama from scratch on addition demonstrations that are right only part of the time:
 by default 30% correct, 40% off by one (the most common single answer, so greedy decoding starts out
@@ -13,22 +14,31 @@ errors to fix; none of this runs inside `python -m rlhf.train`.
 again (`<bos>3+4=8<eos>3+4=`) with a retry that is right 30% of the time and repeats the rejected answer 40%
 of the time (so a greedy retry starts wrong too). Without it the model has never seen a token after <eos>
 and answers a retry with an empty string most of the time: RL would have nothing to reinforce there.
+
+``--teacher`` is not supervised: it runs the default training (`python -m rlhf.train` as it stands: GRPO from
+`tiny_arith`, 200 steps, seed 1) and keeps the policy it ends with, the stronger built-in model that
+`experiment=opd_arith_tiny` distils into a fresh `tiny_arith`.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 
+from rlhf.config.compose import compose_config
 from rlhf.data.arith import ALPHABET, arith_problems
 from rlhf.models.hf_folder import save_hf_folder
 from rlhf.models.tiny import build_char_tokenizer, build_tiny_llama
+from rlhf.train import train as rl_train
 
 DEFAULT_OUTPUT = Path(__file__).parent / "assets" / "tiny_arith"
 RETRY_OUTPUT = Path(__file__).parent / "assets" / "tiny_arith_retry"
+TEACHER_OUTPUT = Path(__file__).parent / "assets" / "tiny_arith_teacher"
 MIX = {"correct": 0.30, "off_by_one": 0.40, "random": 0.20, "malformed": 0.10}
 RETRY_MIX = {"correct": 0.30, "repeat": 0.40, "random": 0.20, "malformed": 0.10}  # answers after a wrong one
 
@@ -112,6 +122,15 @@ def train(
     print(f"saved to {output_dir}")
 
 
+def build_teacher(output_dir: Path, seed: int) -> None:
+    """The default training run's final policy, saved to ``output_dir`` (its evaluation left out: it changes nothing)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        rl_train(compose_config([f"seed={seed}", "eval.every=0", "logging.tensorboard=false"]), Path(tmp))
+        shutil.rmtree(output_dir, ignore_errors=True)
+        shutil.copytree(Path(tmp) / "final_model", output_dir)
+    print(f"saved to {output_dir}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", type=Path, default=None, help="where to save (default: the committed asset)")
@@ -121,7 +140,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seeds data and initialisation")
     parser.add_argument("--max-operand", type=int, default=9, help="operands range over 0..max-operand")
     parser.add_argument("--retry", action="store_true", help="also demonstrate env=arith_retry's retry turn")
+    parser.add_argument("--teacher", action="store_true", help="the distillation teacher: the default RL run's final policy")
     args = parser.parse_args(argv)
+    if args.teacher:
+        build_teacher(args.output_dir or TEACHER_OUTPUT, seed=1)
+        return
     output_dir = args.output_dir or (RETRY_OUTPUT if args.retry else DEFAULT_OUTPUT)
     train(output_dir, args.steps, args.batch_size, args.lr, args.seed, args.max_operand, args.retry)
 

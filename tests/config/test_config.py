@@ -17,6 +17,7 @@ from rlhf.config import ConfigError, compose_config, validate
 from rlhf import registry
 from rlhf.config import schema
 from rlhf.config.reference import comments
+from algorithm_nodes import PRESET_NEEDS
 from rlhf.parts import GROUPS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,6 +57,7 @@ def test_every_group_option_composes_and_validates(group):
         ("dataset", "parquet"): ["dataset.path=prompts.parquet"],
         ("reward", "reasoning_gym"): ["dataset=reasoning_gym"],  # it scores that dataset's generated problems
         ("cluster", "8gpu_split"): ["train.prompts_per_step=14", "train.micro_batch_size=56"],  # 7 training ranks
+        **{("algorithm", preset): overrides for preset, overrides in PRESET_NEEDS.items()},
     }
     for option in group_options(group):
         cfg = compose_config([f"{group}={option}", *needs.get((group, option), [])])

@@ -157,6 +157,23 @@ def test_an_openai_sdk_agent_plays_through_the_endpoint_on_ray_generators(ray_cl
         c.close()
 
 
+def test_a_distillation_teacher_runs_as_its_own_ray_role(ray_cluster):
+    """experiment=opd_arith_tiny on Ray: the teacher is a role of its own (two replicas splitting the rows), its
+    logprobs equal a local copy's, and the student's reverse KL to it is logged."""
+    from rlhf.models.reference import FrozenReference
+
+    cfg, c = sync_components("experiment=opd_arith_tiny", "cluster.roles.teacher.devices_per_node=2")
+    try:
+        assert c.backend.groups["teacher"] and len(c.backend.groups["teacher"].actors) == 2
+        metrics, scored = train_step(c, RunState())
+        assert metrics["distill/reverse_kl"] > 0 and metrics["distill/teacher_logprob"] < 0
+        local = FrozenReference(cfg.teacher, cfg.model, torch.device("cpu"), cfg.generator.temperature)
+        batch = scored.batch
+        torch.testing.assert_close(c.learner.teacher.rollout_logprobs(batch, 64), local.rollout_logprobs(batch, 64), atol=1e-5, rtol=0)
+    finally:
+        c.close()
+
+
 def test_a_stale_push_to_ray_generators_stops_the_run(ray_cluster, monkeypatch):
     """checks.weight_sync on Ray: both engine ranks report what they hold, rank 0 computes what they should hold from
     the pushed Ray reference, and a push that never reached them stops the run naming the step."""

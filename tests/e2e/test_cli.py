@@ -46,6 +46,7 @@ ALGORITHM_METRICS = {  # every preset of conf/algorithm: the metrics it logs bes
     "remax": POLICY_GRADIENT_METRICS + WITH_REFERENCE + ["objective/greedy_baseline_scores", "time/greedy_baseline"],
     "rloo": POLICY_GRADIENT_METRICS + WITH_REFERENCE,
     "ppo": POLICY_GRADIENT_METRICS + WITH_REFERENCE + ["loss/value_avg", "val/clipfrac_avg", "critic/grad_norm"],
+    "opd": POLICY_GRADIENT_METRICS + ["distill/reverse_kl", "distill/teacher_logprob"],
     "online_dpo": [
         "objective/kl", "objective/scores_margin", "logps/chosen", "logps/rejected", "reward/chosen", "reward/rejected",
         "reward_margin", "objective/loss",

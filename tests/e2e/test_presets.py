@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from rlhf.config import compose_config
+from algorithm_nodes import PRESET_NEEDS
 from rlhf.train import train
 from test_cli import ALGORITHM_METRICS, COMMON_METRICS, scalars, text_tags
 
@@ -34,7 +35,7 @@ def test_every_preset_is_covered_here():
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_preset_learns_and_logs_peer_metric_names(preset, tmp_path):
-    cfg = compose_config([f"algorithm={preset}", f"train.num_steps={STEPS}", f"eval.every={STEPS // 2}", "seed=3"])
+    cfg = compose_config([f"algorithm={preset}", *PRESET_NEEDS.get(preset, []), f"train.num_steps={STEPS}", f"eval.every={STEPS // 2}", "seed=3"])
     train(cfg, tmp_path)
     series = scalars(tmp_path)
     missing = [m for m in COMMON_METRICS + ALGORITHM_METRICS[preset] if m not in series]

@@ -25,9 +25,11 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.config import compose_config
-from rlhf.tracking.metric_docs import documented
-from rlhf.train import train
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers, also when run as a script
+from algorithm_nodes import PRESET_NEEDS  # noqa: E402
+from rlhf.config import compose_config  # noqa: E402
+from rlhf.tracking.metric_docs import documented  # noqa: E402
+from rlhf.train import train  # noqa: E402
 
 CURVES = Path(__file__).with_name("curves.json")
 BEFORE_REPLUMBING = Path(__file__).with_name("curves_before_replumbing.json")
@@ -45,7 +47,7 @@ KEYS = ("loss/policy_avg", "loss/value_avg", "objective/loss", "objective/scores
 def run_curve(algorithm: str, out: Path) -> dict[str, list[float]]:
     """Per-step metrics (KEYS, where the algorithm logs them) of a seeded 20-step run of ``algorithm=<name>``."""
     cfg = compose_config([
-        f"algorithm={algorithm}", f"train.num_steps={STEPS}", "eval.num_samples=0", "eval.greedy=false",
+        f"algorithm={algorithm}", *PRESET_NEEDS.get(algorithm, []), f"train.num_steps={STEPS}", "eval.num_samples=0", "eval.greedy=false",
         "logging.tensorboard=false", "logging.sample_every=0", "checkpoint.save_final_model=false",
         "eval.save_generations=false",
     ])

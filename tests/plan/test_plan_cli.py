@@ -41,6 +41,7 @@ def test_every_preset_is_planned_from_config_json_alone(experiment, folders):
     plan = make_plan(compose_config([f"experiment={experiment}", "cluster.device_memory_gb=80", *overrides]))
     text = render(plan)
     assert "policy" in text and "verdict:" in text
+    assert ("teacher" in text) == bool(cfg.teacher.name_or_path)  # a distillation teacher is planned as its own role
     assert all(group.peak[0] > 0 for group in plan.groups)
 
 

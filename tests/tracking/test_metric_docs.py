@@ -12,7 +12,7 @@ from rlhf.tracking.metric_docs import METRICS, STAGES, documented
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "rlhf"
 NAMESPACES = ("objective", "loss", "policy", "critic", "val", "logps", "reward", "dynamic_sampling", "rollout_corr",
-              "checks", "env", "eval", "async", "memory", "perf", "time", "train")
+              "checks", "env", "eval", "async", "memory", "perf", "time", "train", "distill")
 NAME = re.compile(rf"({'|'.join(NAMESPACES)})/[A-Za-z0-9_]+")
 NOT_METRICS = {"train/loss", "train/accuracy", "eval/loss", "eval/accuracy", "eval/margin"}  # train_reward's own log
 

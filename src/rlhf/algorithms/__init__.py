@@ -71,6 +71,12 @@ def build_algorithm(cfg, max_new_tokens: int):
     advantage, loss = parts(cfg)
     check_composition(advantage, loss)
     if advantage.trait("pairwise", False):
+        if cfg.distill_coef != 0:
+            raise ConfigError(
+                f"algorithm.distill_coef={cfg.distill_coef} adds the teacher's signal to per-token advantages, and "
+                f"algorithm.advantage={advantage.name} makes preference pairs; set algorithm.distill_coef=0 or choose a "
+                f"per-token algorithm"
+            )
         return PairwisePreference(cfg, advantage, loss)
     return PolicyGradient(cfg, advantage, loss, max_new_tokens, rollout_correction(cfg), kl_controller(cfg))
 

@@ -15,6 +15,7 @@ from rlhf.algorithms.base import AdvantageInputs, register_advantage
 from rlhf.errors import require
 from rlhf.functional import (
     baseline_advantages,
+    discounted_returns,
     gae_advantages,
     greedy_baseline_advantages,
     group_normalized_advantages,
@@ -138,6 +139,23 @@ def gae(inputs: AdvantageInputs, cfg: GaeConfig):
 def rebn(inputs: AdvantageInputs, cfg: DiscountConfig):
     """Per-turn returns discounted by `gamma`, normalised over every turn of the batch (return batch normalisation)."""
     return rebn_advantages(inputs.token_rewards(), inputs.mask, cfg.gamma), None
+
+
+@dataclass
+class DistillConfig(PartConfig):
+    gamma: float = 0.0  # 0: each token's own signal (as Tinker's cookbook); 1: the signal summed from the token to the end
+
+    def check(self, at: str) -> None:
+        require(0 <= self.gamma <= 1, f"{at}.gamma={self.gamma} must be in [0, 1]")
+
+
+@register_advantage("opd", config=DistillConfig, needs_teacher=True)
+def opd(inputs: AdvantageInputs, cfg: DistillConfig):
+    """On-policy distillation: the advantage of each sampled token is the teacher's signal, -(log p_behaviour -
+    log p_teacher) (`rlhf.functional.distill`), discounted over the following tokens by `gamma`; the reward is not used."""
+    if inputs.teacher_signal is None:
+        raise ValueError("algorithm.advantage=opd needs the teacher's logprobs; set teacher.name_or_path")
+    return discounted_returns(inputs.teacher_signal, inputs.mask, cfg.gamma), None
 
 
 @register_advantage("best_vs_worst", min_samples_per_prompt=2, pairwise=True)

@@ -28,16 +28,16 @@ from rlhf.registry import register
 
 def register_advantage(
     name: str, *, config: type = PartConfig, needs_critic: bool = False, min_samples_per_prompt: int = 1,
-    pairwise: bool = False, needs_greedy_baseline: bool = False,
+    pairwise: bool = False, needs_greedy_baseline: bool = False, needs_teacher: bool = False,
 ) -> Callable:
     """Decorator: register an advantage estimator under ``name`` with its config class and traits
     (``needs_greedy_baseline``: each step also generates and scores one greedy response per prompt, given as
-    ``AdvantageInputs.baselines``)."""
+    ``AdvantageInputs.baselines``; ``needs_teacher``: it reads ``AdvantageInputs.teacher_signal``)."""
 
     def add(fn: Callable) -> Callable:
         fn.config, fn.needs_critic = config, needs_critic
         fn.min_samples_per_prompt, fn.pairwise = min_samples_per_prompt, pairwise
-        fn.needs_greedy_baseline = needs_greedy_baseline
+        fn.needs_greedy_baseline, fn.needs_teacher = needs_greedy_baseline, needs_teacher
         return register("advantage", name)(fn)
 
     return add
@@ -78,6 +78,7 @@ class AdvantageInputs:
     values: torch.Tensor | None = None  # (B, T) the critic's values (estimators with needs_critic)
     turn_rewards: torch.Tensor | None = None  # (B, T) multi-turn: each turn's reward at its last action token
     baselines: torch.Tensor | None = None  # (B,) the score of the prompt's greedy response (estimators with needs_greedy_baseline)
+    teacher_signal: torch.Tensor | None = None  # (B, T) -(logp_behaviour - logp_teacher) per action token (a run with a teacher)
 
     def non_score_rewards(self) -> torch.Tensor:
         """The KL penalty of each row, -kl_coef * summed KL (0 when the KL is not in the reward). Shape: (B,)."""

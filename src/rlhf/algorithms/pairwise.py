@@ -30,6 +30,7 @@ class PairwisePreference:
     needs_greedy_baseline = False
     needs_reference = True
     needs_critic = False
+    needs_teacher = False
 
     def __init__(self, cfg, pairs: Part, pair_loss: Part) -> None:
         """``pairs``, ``pair_loss``: the parts the nodes `algorithm.advantage` and `algorithm.policy_loss` choose."""

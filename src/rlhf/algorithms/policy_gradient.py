@@ -18,6 +18,8 @@ from rlhf.functional import (
     loss_denominator,
     masked_mean,
     masked_sum,
+    reverse_kl,
+    teacher_signal,
 )
 from rlhf.algorithms.rollout_corrections import correction_metrics, kept_mask
 from rlhf.errors import ConfigError
@@ -49,6 +51,7 @@ class PolicyGradient:
         self.min_samples_per_prompt = int(advantage.trait("min_samples_per_prompt", 1))
         self.needs_greedy_baseline = bool(advantage.trait("needs_greedy_baseline", False))
         self.needs_reference = cfg.beta > 0
+        self.needs_teacher = bool(advantage.trait("needs_teacher", False)) or cfg.distill_coef != 0
         self.needs_entropy = cfg.entropy_coef != 0
         if kl_controller is not None and kl_controller.trait("needs_beta", False) and cfg.beta <= 0:
             raise ConfigError(
@@ -78,12 +81,15 @@ class PolicyGradient:
         self.kl_coef = self.kl_ctl.value  # the coefficient of this step, in the reward and in the loss alike
         mask = batch.loss_mask
         kl = self.rollout_kl(batch)
+        signal, metrics = self.teacher_signal(batch)
         inputs = AdvantageInputs(
             batch.scores, mask, group_size(batch.group_id), kl, self.kl_coef, self.cfg.kl_in_reward, batch.values,
-            batch.turn_rewards, batch.extras.get("baseline_scores"),
+            batch.turn_rewards, batch.extras.get("baseline_scores"), signal,
         )
         advantages, returns = self.advantage(inputs)
-        metrics = {
+        if signal is not None and self.cfg.distill_coef != 0:  # the teacher's term on top of any estimator's advantages
+            advantages = advantages + self.cfg.distill_coef * signal
+        metrics |= {
             "objective/rlhf_reward": inputs.sequence_rewards().mean().item(),
             "objective/non_score_reward": inputs.non_score_rewards().mean().item(),
         }
@@ -99,6 +105,19 @@ class PolicyGradient:
             metrics |= correction_metrics(weights, flagged, batch.old_logp, batch.gen_logp, mask)
             mask = kept_mask(weights, mask, self.correction.config)  # rejected tokens leave every term (drop_rejected)
         return replace(batch, advantages=advantages, returns=returns, extras=extras, loss_mask=mask), metrics
+
+    def teacher_signal(self, batch: Trajectories) -> tuple[torch.Tensor | None, dict[str, float]]:
+        """The teacher's per-token signal against the generator's logprobs (`rlhf.functional.distill`) and the
+        `distill/*` metrics, when the batch carries the teacher's logprobs (``extras['teacher_logp']``); else (None, {})."""
+        teacher_logp = batch.extras.get("teacher_logp")
+        if teacher_logp is None:
+            return None, {}
+        mask = batch.loss_mask
+        metrics = {
+            "distill/reverse_kl": reverse_kl(teacher_logp, batch.gen_logp, mask).item(),
+            "distill/teacher_logprob": masked_mean(teacher_logp, mask).item(),
+        }
+        return teacher_signal(teacher_logp, batch.gen_logp, mask), metrics
 
     def rollout_kl(self, batch: Trajectories) -> torch.Tensor | None:
         """KL of the pre-update policy to the reference per action token (0 elsewhere); None without a reference or

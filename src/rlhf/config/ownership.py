@@ -14,6 +14,7 @@ from dataclasses import MISSING, fields
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rlhf.config.schema import (
+    TeacherConfig,
     AlgorithmConfig, ClusterConfig, CriticConfig, ReferenceConfig, RewardConfig,
 )
 from rlhf.errors import ConfigError
@@ -65,6 +66,9 @@ def check_ownership(cfg, algorithm) -> None:
         _refuse("critic", cfg.critic, CriticConfig, {"name"}, f"algorithm.advantage={algo.advantage.name} trains no critic", lambda k: critic)
     if not algorithm.needs_reference:
         _refuse("reference", cfg.reference, ReferenceConfig, {"name"}, "algorithm.beta=0 loads no reference", lambda k: "algorithm.beta > 0")
+    if not algorithm.needs_teacher:
+        chosen = f"algorithm.advantage={algo.advantage.name} with algorithm.distill_coef=0 loads no teacher"
+        _refuse("teacher", cfg.teacher, TeacherConfig, set(), chosen, lambda k: "algorithm/advantage=opd or algorithm.distill_coef != 0")
     if not cfg.reward.path:
         model_keys = ("model_weight", "normalize", "clip")
         other = {f.name for f in fields(RewardConfig)} - set(model_keys)

@@ -43,6 +43,7 @@ class AlgorithmConfig:
     reuse_training_logprobs: bool = True  # skip the pre-update forward where the training forward gives the same logprobs (one optimiser step per step; pairwise: always)
     filter_groups: bool = False  # dynamic sampling (DAPO): drop groups whose scores all tie, draw more prompts to fill the step
     max_resample_rounds: int = 3  # filter_groups: extra prompt draws per step before training on the groups kept so far
+    distill_coef: float = 0.0  # on-policy distillation: weight of the teacher's per-token signal -(logp_behaviour - logp_teacher) added to every advantage (needs teacher.name_or_path); algorithm/advantage=opd uses the signal alone
 
 
 @dataclass
@@ -97,6 +98,11 @@ class ReferenceConfig:
 
 
 @dataclass
+class TeacherConfig:
+    name_or_path: Optional[str] = None  # the frozen teacher of on-policy distillation (hub name, folder, builtin:<name>); null = none. Same tokenizer as the policy; model.dtype and revision rules as the reference's
+
+
+@dataclass
 class CriticConfig:
     name: str = "torch"  # value-model backend (used by ppo): torch or an import path
     name_or_path: Optional[str] = None  # initial weights; null = reward.path when set, else the policy's model
@@ -146,6 +152,7 @@ class RolesConfig:
     reference: RoleConfig = field(default_factory=RoleConfig)  # reference-model replicas (rows split between them)
     critic: RoleConfig = field(default_factory=RoleConfig)  # critic training ranks (ppo; critic.strategy)
     reward: RoleConfig = field(default_factory=RoleConfig)  # reward-model replicas (reward.path set)
+    teacher: RoleConfig = field(default_factory=RoleConfig)  # distillation-teacher replicas (teacher.name_or_path set)
     generator: RoleConfig = field(default_factory=RoleConfig)  # generation engines, one per device
 
 
@@ -220,6 +227,7 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)  # how completions are scored
     policy: PolicyConfig = field(default_factory=PolicyConfig)  # the trained model's backend
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)  # the KL anchor
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)  # the distillation teacher (algorithm/advantage=opd, algorithm.distill_coef)
     critic: CriticConfig = field(default_factory=CriticConfig)  # the value model (ppo)
     train: TrainConfig = field(default_factory=TrainConfig)  # batch sizes, optimiser, run length
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # placement and devices

@@ -193,6 +193,11 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         f"algorithm.loss_agg={algo.loss_agg!r}; choose one of {', '.join(LOSS_AGGREGATIONS)}",
     )
     _require(algo.beta >= 0, f"algorithm.beta={algo.beta} must be >= 0")
+    _require(
+        not algorithm.needs_teacher or cfg.teacher.name_or_path,
+        f"algorithm.advantage={algo.advantage.name} with algorithm.distill_coef={algo.distill_coef} learns from a teacher's "
+        f"logprobs; set teacher.name_or_path to the teacher model (it must share the policy's tokenizer)",
+    )
     check_self_checks(cfg.checks)
     check_lora_values(cfg.policy.lora)
     check_lora_values(cfg.critic.lora, "critic.lora")

@@ -141,5 +141,6 @@ def start(cfg, algorithm, total_optimizer_steps: int, pad_id: int, build):
         "reference": RemoteReplicas(run.groups["reference"]) if "reference" in run.groups else None,
         "critic": RemoteTrainer(run.groups["critic"]) if "critic" in run.groups else None,
         "reward": RemoteReplicas(run.groups["reward"]) if "reward" in run.groups else None,
+        "teacher": RemoteReplicas(run.groups["teacher"]) if "teacher" in run.groups else None,
     }
     return run, handles

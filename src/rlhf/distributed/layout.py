@@ -1,6 +1,6 @@
 """Which roles a run places, how they group onto devices, and whether that fits a cluster. Pure: no Ray here.
 
-A role (policy, reference, critic, reward, generator) has ``num_nodes * devices_per_node`` ranks. Roles named together
+A role (policy, reference, teacher, critic, reward, generator) has ``num_nodes * devices_per_node`` ranks. Roles named together
 in `cluster.colocate` share one placement group: bundle i hosts rank i of each of them, each taking an equal
 fraction of the bundle's GPU (or CPU slot). Every other role gets a placement group of its own.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from rlhf.errors import ConfigError
 from rlhf.training.strategies import STRATEGIES
 
-ROLES = ("policy", "reference", "critic", "reward", "generator")
+ROLES = ("policy", "reference", "teacher", "critic", "reward", "generator")
 RENAMED_ROLES = {"actor": "policy", "ref": "reference"}  # earlier names of two roles, which `cluster.colocate` may still list
 
 
@@ -39,7 +39,7 @@ def reference_is_base(cfg) -> bool:
 
 
 def used_roles(cfg, algorithm) -> list[str]:
-    """The roles this run needs: actor and generator always; ref, critic and reward when the run uses them (a LoRA
+    """The roles this run needs: actor and generator always; ref, critic, reward and teacher when the run uses them (a LoRA
     policy is its own reference: see `reference_is_base`)."""
     roles = ["policy"]
     if algorithm.needs_reference and not reference_is_base(cfg):
@@ -48,6 +48,8 @@ def used_roles(cfg, algorithm) -> list[str]:
         roles.append("critic")
     if cfg.reward.path:
         roles.append("reward")
+    if cfg.teacher.name_or_path:
+        roles.append("teacher")
     return roles + ["generator"]
 
 

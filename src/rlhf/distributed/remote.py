@@ -187,13 +187,14 @@ class RemoteTrainer:
 
 
 class RemoteReplicas:
-    """Independent replicas of an inference role (ref, reward): rows are split between them, no collectives."""
+    """Independent replicas of an inference role (reference, teacher, reward): rows are split between them, no
+    collectives."""
 
     def __init__(self, group: ActorGroup) -> None:
         self.group = group
 
     def rollout_logprobs(self, batch: Trajectories, chunk: int) -> torch.Tensor:
-        """The reference's logprobs (B, T)."""
+        """The reference's (or the teacher's) logprobs (B, T)."""
         return torch.cat(self.group.call_split("rollout_logprobs", len(batch), batch.select, chunk, every_rank=False))
 
     def raw_scores(self, batch: Trajectories) -> torch.Tensor:

@@ -14,6 +14,7 @@ from rlhf.functional.advantages import (
     to_token_level,
     turn_returns,
 )
+from rlhf.functional.distill import reverse_kl, teacher_signal
 from rlhf.functional.fused_logprobs import fused_logprobs
 from rlhf.functional.gae import gae_advantages, last_token_index, token_level_rewards
 from rlhf.functional.importance import (
@@ -39,6 +40,8 @@ from rlhf.functional.masked import masked_mean, masked_sum, masked_var, masked_w
 from rlhf.functional.shaping import overlong_penalty
 
 __all__ = [
+    "reverse_kl",
+    "teacher_signal",
     "baseline_advantages",
     "discounted_returns",
     "greedy_baseline_advantages",

@@ -124,6 +124,8 @@ def role_memory(cfg, used: list[str], ranks: dict[str, int], work: roles.Workloa
                                               cfg.critic.gradient_checkpointing, ranks["critic"], work, cfg.critic.lora)
     if "reward" in used:
         items["reward"] = roles.frozen_items("reward", found["reward"], "value", work)
+    if "teacher" in used:
+        items["teacher"] = roles.frozen_items("teacher", found["teacher"], "lm", work)
     return items
 
 

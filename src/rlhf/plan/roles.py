@@ -92,6 +92,8 @@ def sources(cfg) -> dict[str, ModelSource]:
     found = {"policy": policy, "generator": policy, "reference": policy}
     if cfg.reference.name_or_path:
         found["reference"] = ModelSource("reference.name_or_path", cfg.reference.name_or_path, None, model.trust_remote_code)
+    if cfg.teacher.name_or_path:
+        found["teacher"] = ModelSource("teacher.name_or_path", cfg.teacher.name_or_path, None, model.trust_remote_code)
     critic = critic_init_path(cfg)
     critic_key = "critic.name_or_path" if cfg.critic.name_or_path else "reward.path" if cfg.reward.path else policy.key
     found["critic"] = ModelSource(critic_key, critic, None if critic != model.name_or_path else model.revision,

@@ -123,6 +123,7 @@ def check_model_sources(cfg) -> None:
         ("model.name_or_path", cfg.model.name_or_path),
         ("model.tokenizer", cfg.model.tokenizer),
         ("reference.name_or_path", cfg.reference.name_or_path),
+        ("teacher.name_or_path", cfg.teacher.name_or_path),
         ("reward.path", cfg.reward.path),
         ("critic.name_or_path", cfg.critic.name_or_path),
     ):
@@ -165,6 +166,7 @@ def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
     check_model_tokenizer(model, tokenizer)
     for key, path, used in (
         ("reference.name_or_path", cfg.reference.name_or_path, algorithm.needs_reference),
+        ("teacher.name_or_path", cfg.teacher.name_or_path, True),
         ("reward.path", cfg.reward.path, True),
         ("critic.name_or_path", cfg.critic.name_or_path, algorithm.needs_critic),
     ):
@@ -231,12 +233,13 @@ def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
     )
     learner = Learner(
         policy, models["reference"], models["critic"], algorithm, cfg.train, device, torch.Generator().manual_seed(cfg.seed), GapWatch.from_config(cfg), bool(packs()) if callable(packs) else False,
+        teacher=models["teacher"],
     )
     return Components(device, tokenizer, collector, learner, splits.eval, splits.report, backend)
 
 
 def build_model(role: str, cfg, device: torch.device, total_optimizer_steps: int, tokenizer=None):
-    """The component of ``role`` (policy, reference, critic, reward, generator) on ``device``: each local model, and what
+    """The component of ``role`` (policy, reference, teacher, critic, reward, generator) on ``device``: each local model, and what
     every Ray worker builds for its rank. ``tokenizer`` (the generator's) is loaded when not given."""
     model = cfg.model
     if role == "policy":
@@ -254,6 +257,9 @@ def build_model(role: str, cfg, device: torch.device, total_optimizer_steps: int
             "reference", cfg.reference.name, key="reference.name", cfg=cfg.reference, model_cfg=model, device=device,
             temperature=cfg.generator.temperature,
         )
+    if role == "teacher":  # frozen, scores like the reference: its own weights, the policy's dtype
+        return registry.build("reference", "frozen", key="teacher", cfg=cfg.teacher, model_cfg=model, device=device,
+                              temperature=cfg.generator.temperature)
     if role == "reward":
         return RewardModelScorer(cfg.reward, model.dtype, device, cfg.train.micro_batch_size)
     if role == "generator":
@@ -288,7 +294,7 @@ def build_local_models(cfg, sizes: DerivedSizes, algorithm, tokenizer, device) -
         log.info("critic initialised from %s", critic_init_path(cfg))
     return {
         "policy": built["policy"], "reference": built.get("reference"), "critic": built.get("critic"),
-        "reward": built.get("reward"), "generator": built["generator"],
+        "reward": built.get("reward"), "generator": built["generator"], "teacher": built.get("teacher"),
     }
 
 
@@ -299,5 +305,6 @@ def build_remote_models(cfg, sizes: DerivedSizes, algorithm, tokenizer) -> tuple
     if handles["reward"] is not None:
         reward = RewardModelScorer(cfg.reward, cfg.model.dtype, torch.device("cpu"), cfg.train.micro_batch_size, handles["reward"].raw_scores)
     reference = AdaptersOff(handles["policy"]) if algorithm.needs_reference and reference_is_base(cfg) else handles["reference"]
-    models = {"policy": handles["policy"], "reference": reference, "critic": handles["critic"], "reward": reward, "generator": handles["generator"]}
+    models = {"policy": handles["policy"], "reference": reference, "critic": handles["critic"], "reward": reward,
+              "generator": handles["generator"], "teacher": handles["teacher"]}
     return models, backend

@@ -3,7 +3,8 @@
 `update` reads top to bottom as the step's second half:
 
 1. `prepare`: the pre-update policy's logprobs (unless the training forward supplies them), the reference's
-   logprobs, the critic's values, then the algorithm's batch (advantages, returns, correction weights).
+   logprobs, the distillation teacher's, the critic's values, then the algorithm's batch (advantages, returns,
+   correction weights).
 2. `train`: `train.num_epochs` passes over the batch in shuffled mini batches; each trained model (the policy, and
    the critic for PPO) runs `accumulate` on every micro batch of a mini batch (forward, the algorithm's loss,
    backward), then takes one optimiser step.
@@ -46,9 +47,10 @@ class Learner:
 
     def __init__(
         self, policy, reference, critic, algorithm, train_cfg, device: torch.device, shuffle: torch.Generator,
-        gap_watch=None, policy_packs: bool = False,
+        gap_watch=None, policy_packs: bool = False, teacher=None,
     ) -> None:
         self.policy, self.reference, self.critic, self.algorithm = policy, reference, critic, algorithm
+        self.teacher = teacher  # the distillation teacher (frozen, scores like the reference), or None
         self.train_cfg, self.device = train_cfg, device
         self.shuffle, self.gap_watch, self.policy_packs = shuffle, gap_watch, policy_packs
         self.budget = Budget.of(train_cfg)
@@ -103,6 +105,8 @@ class Learner:
             metrics |= self.old_logprob_metrics(batch, entropy)
         if self.reference is not None:
             batch = replace(batch, ref_logp=self.reference.rollout_logprobs(batch, self.budget))
+        if self.teacher is not None:  # every sampled token scored by the teacher: on-policy distillation's signal
+            batch = replace(batch, extras=dict(batch.extras, teacher_logp=self.teacher.rollout_logprobs(batch, self.budget)))
         if self.critic is not None:
             batch = replace(batch, values=self.critic.rollout_values(batch, self.budget))
         batch, algorithm_metrics = self.algorithm.build_batch(batch)
