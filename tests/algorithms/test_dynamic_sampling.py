@@ -53,13 +53,29 @@ class FakeRun:
         self.drawn.append(n)
         return list(range(n))
 
-    def run(self, prompts: int, max_rounds: int = 3, filter_groups: bool = True, generator=None) -> Scored:
+    def run(self, prompts: int, max_rounds: int = 3, filter_groups: bool = True, generator=None, filter_on: str = "score") -> Scored:
         collector = Collector(
             None, self.tokenizer, None, None, None, prompts_per_step=prompts, samples_per_prompt=2,
-            max_resample_rounds=max_rounds if filter_groups else None,
+            max_resample_rounds=max_rounds if filter_groups else None, filter_on=filter_on,
         )
         collector.sample = self.sample
         return collector.collect(list(range(prompts)), draw=self.draw, generator=generator)
+
+
+def with_verdicts(scored: Scored, correct: list[list[int]]) -> Scored:
+    """``scored`` with each row's verifier verdict (``extras['correct']``), as `Collector.score` adds it."""
+    scored.batch.extras["correct"] = torch.tensor([c for group in correct for c in group], dtype=torch.float)
+    return scored
+
+
+def test_filtering_on_accuracy_keeps_groups_whose_verdicts_differ_whatever_the_scores(monkeypatch):
+    """Group 0: scores differ (a format bonus) but both wrong; group 1: one right; group 2: both right. DAPO's
+    accuracy filter keeps only group 1, where the score filter would keep groups 0 and 1."""
+    groups, verdicts = [[0.1, 0.0], [1.1, 0.0], [1.1, 1.1]], [[0, 0], [1, 0], [1, 1]]
+    by_accuracy = FakeRun(monkeypatch, [with_verdicts(scored_batch(groups, tag="a"), verdicts)]).run(prompts=3, max_rounds=0, filter_on="accuracy")
+    by_score = FakeRun(monkeypatch, [with_verdicts(scored_batch(groups, tag="a"), verdicts)]).run(prompts=3, max_rounds=0)
+    assert by_accuracy.prompts == ["a1", "a1"] and by_accuracy.batch.extras["correct"].tolist() == [1, 0]
+    assert by_score.prompts == ["a0", "a0", "a1", "a1"]
 
 
 def test_tied_groups_are_dropped_and_the_step_filled_from_a_second_draw(monkeypatch):

@@ -150,6 +150,7 @@ AGGREGATIONS = [
     ("seq_mean_token_mean", 3.0, 10.0 / 3.0),  # (2 + 4 + 4) / 3 sequences
     ("seq_mean_token_sum", 3.0, 26.0 / 3.0),  # (6 + 4 + 16) / 3 sequences
     ("seq_mean_token_sum_norm", 24.0, 26.0 / 24.0),  # (6 + 4 + 16) / (3 sequences * 8)
+    ("token_sum", 1.0, 26.0),  # the plain sum, as Tinker's loss functions return it
 ]
 
 

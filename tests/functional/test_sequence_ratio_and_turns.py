@@ -117,3 +117,13 @@ def test_gae_single_turn_right_padding_is_unchanged():
     )
     assert_close(padded_adv, torch.tensor([[0.65, 0.6, 0.0]]))
     assert_close(padded_ret, torch.tensor([[0.85, 1.0, 0.0]]))
+
+
+def test_rebn_with_the_bessel_corrected_std_and_geMs_eps():
+    """Two rows, one turn each: returns 1 and 3 (gamma 1). Biased std 1; unbiased sqrt(2); the eps is added to it."""
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 3.0]])
+    mask = torch.ones(2, 2)
+    biased = rebn_advantages(rewards, mask, gamma=1.0, eps=1e-6)
+    unbiased = rebn_advantages(rewards, mask, gamma=1.0, eps=1e-9, unbiased=True)
+    torch.testing.assert_close(biased, torch.tensor([[-1.0, -1.0], [1.0, 1.0]]) / (1 + 1e-6))
+    torch.testing.assert_close(unbiased, torch.tensor([[-1.0, -1.0], [1.0, 1.0]]) / (2**0.5 + 1e-9))

@@ -37,6 +37,8 @@ ALGORITHMS = tuple(sorted(p.stem for p in (Path(__file__).parents[2] / "conf" / 
 STEPS = 20
 # algorithms whose numerics changed on purpose after `curves_before_replumbing.json`, and why
 MOVED = {
+    "dapo": "as the paper: a truncated response gets the overlong shaping only, no non-stop penalty, and dynamic "
+    "sampling keeps groups whose verifier verdicts differ (algorithm.filter_on=auto), not their scores",
     "grpo": "a group whose samples all scored the same gets advantage exactly 0; before, a float32 mean an ulp off "
     "(scores such as 0.1) made it up to ~0.1, same-signed, which Adam turned into full-size steps",
 }

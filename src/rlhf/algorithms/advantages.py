@@ -135,10 +135,20 @@ def gae(inputs: AdvantageInputs, cfg: GaeConfig):
     return advantages, returns
 
 
-@register_advantage("rebn", config=DiscountConfig)
-def rebn(inputs: AdvantageInputs, cfg: DiscountConfig):
+@dataclass
+class RebnConfig(DiscountConfig):
+    unbiased_std: bool = False  # true: the Bessel-corrected std over the batch's turns (GEM's example); false: the biased one
+    eps: float = 1e-6  # added to the std before dividing (GEM's example: 1e-9)
+
+    def check(self, at: str) -> None:
+        super().check(at)
+        require(self.eps > 0, f"{at}.eps={self.eps} must be > 0")
+
+
+@register_advantage("rebn", config=RebnConfig)
+def rebn(inputs: AdvantageInputs, cfg: RebnConfig):
     """Per-turn returns discounted by `gamma`, normalised over every turn of the batch (return batch normalisation)."""
-    return rebn_advantages(inputs.token_rewards(), inputs.mask, cfg.gamma), None
+    return rebn_advantages(inputs.token_rewards(), inputs.mask, cfg.gamma, cfg.eps, cfg.unbiased_std), None
 
 
 @dataclass

@@ -34,7 +34,7 @@ class AlgorithmConfig:
     rollout_correction: Any = None  # node: algorithm/rollout_correction=token_tis, seq_tis, icepop, geo_reject (generator/trainer mismatch); null = off
     kl_ctl: Any = None  # node: algorithm/kl_ctl=fixed (algorithm.beta throughout) or adaptive (moves beta toward a target KL); null = fixed
     num_samples_per_prompt: int = 4  # completions sampled per prompt (the group size for grpo/rloo)
-    loss_agg: str = "token_mean"  # token_mean, seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm (Dr.GRPO)
+    loss_agg: str = "token_mean"  # token_mean, seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm (Dr.GRPO), token_sum (Tinker)
     loss_agg_norm: Optional[float] = None  # seq_mean_token_sum_norm's constant divisor; null = generator.max_new_tokens
     beta: float = 0.0  # KL coefficient to the reference (policy-gradient losses); 0 disables the reference
     kl_estimator: str = "k3"  # k1 (log ratio), k2 (squared log ratio / 2) or k3 (unbiased, non-negative)
@@ -43,6 +43,7 @@ class AlgorithmConfig:
     reuse_training_logprobs: bool = True  # skip the pre-update forward where the training forward gives the same logprobs (one optimiser step per step; pairwise: always)
     filter_groups: bool = False  # dynamic sampling (DAPO): drop groups whose scores all tie, draw more prompts to fill the step
     max_resample_rounds: int = 3  # filter_groups: extra prompt draws per step before training on the groups kept so far
+    filter_on: str = "score"  # filter_groups: what must differ within a kept group: score, accuracy (the verifiers' verdict), or auto (accuracy when reward.functions has a verifier, else score)
     distill_coef: float = 0.0  # on-policy distillation: weight of the teacher's per-token signal -(logp_behaviour - logp_teacher) added to every advantage (needs teacher.name_or_path); algorithm/advantage=opd uses the signal alone
 
 

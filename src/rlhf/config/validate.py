@@ -162,6 +162,14 @@ def check_token_budget(cfg: DictConfig, pairwise: bool) -> None:
     )
 
 
+FILTER_ON = ("score", "accuracy", "auto")  # `algorithm.filter_on`
+
+
+def _is_verifier(name: str) -> bool:
+    """Whether the reward function registered (or importable) as ``name`` is a verifier."""
+    return bool(getattr(registry.resolve("reward", name, key="reward.functions"), "is_verifier", False))
+
+
 def validate(cfg: DictConfig) -> DerivedSizes:
     """Every check that needs no model: choices, ranges, batch arithmetic. Returns the derived sizes."""
     check_unknown_keys(cfg)  # first: a `+typo=...` key would otherwise be silently ignored
@@ -225,6 +233,20 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         f"algorithm.policy_loss={algo.policy_loss.name}); raise num_samples_per_prompt or set filter_groups=false",
     )
     _require(algo.max_resample_rounds >= 0, f"algorithm.max_resample_rounds={algo.max_resample_rounds} must be >= 0")
+    _require(
+        algo.filter_on in FILTER_ON, f"algorithm.filter_on={algo.filter_on!r}; choose one of {', '.join(FILTER_ON)}",
+    )
+    _require(
+        algo.filter_on != "accuracy" or (cfg.env.name is None and any(_is_verifier(f.name) for f in cfg.reward.functions)),
+        "algorithm.filter_on=accuracy keeps groups whose verifiers disagree, and this run has no verifier scoring "
+        "single-turn responses (reward.functions, env=none); use filter_on=score, or auto (accuracy only where a "
+        "verifier is)",
+    )
+    _require(
+        algo.filter_groups or algo.filter_on == AlgorithmConfig.filter_on,
+        f"algorithm.filter_on={algo.filter_on} is read only with algorithm.filter_groups=true; set filter_groups=true "
+        f"or remove the override",
+    )
     _require(
         algo.filter_groups or algo.max_resample_rounds == AlgorithmConfig.max_resample_rounds,
         f"algorithm.max_resample_rounds={algo.max_resample_rounds} is read only with algorithm.filter_groups=true; "

@@ -118,16 +118,19 @@ def turn_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> tup
     return torch.where(valid, returns.gather(1, turn), torch.zeros_like(rewards)), returns, exists
 
 
-def rebn_advantages(rewards: torch.Tensor, mask: torch.Tensor, gamma: float, eps: float = 1e-6) -> torch.Tensor:
+def rebn_advantages(
+    rewards: torch.Tensor, mask: torch.Tensor, gamma: float, eps: float = 1e-6, unbiased: bool = False
+) -> torch.Tensor:
     """Per-turn discounted returns with return batch normalisation (REBN), as token advantages.
 
     Shape: rewards, mask (B, T) -> (B, T). Each turn's return (`turn_returns`) is centred and scaled by the mean
-    and (biased) std over every turn of the batch, each turn counted once; a single-turn row's advantage is its
-    whitened reward. Fewer than two turns: only centred. Every turn's return equal: exactly 0.
+    and std (+ ``eps``) over every turn of the batch, each turn counted once; the std is the biased one, or the
+    Bessel-corrected one with ``unbiased`` (as GEM's example computes it: ``returns.std() + 1e-9``). A single-turn
+    row's advantage is its whitened reward. Fewer than two turns: only centred. Every turn's return equal: exactly 0.
     """
     per_token, per_turn, exists = turn_returns(rewards, mask, gamma)
     turns = per_turn[exists]
     if turns.numel() == 0 or bool((turns == turns[0]).all()):  # no signal is exactly 0, not an ulp over a tiny std
         return torch.zeros_like(rewards)
-    scale = turns.std(unbiased=False) + eps if turns.numel() > 1 else torch.ones((), dtype=rewards.dtype)
+    scale = turns.std(unbiased=unbiased) + eps if turns.numel() > 1 else torch.ones((), dtype=rewards.dtype)
     return (per_token - turns.mean()) / scale * mask

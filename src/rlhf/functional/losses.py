@@ -7,7 +7,7 @@ import torch
 from rlhf.functional.masked import masked_sum
 
 
-LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm", "token_sum")
 
 
 def clipped_policy_loss(
@@ -140,11 +140,14 @@ def loss_denominator(mask: torch.Tensor, mode: str, norm_constant: float = 1.0) 
 
     Shape: mask (B, T) -> scalar. token_mean: valid tokens; seq_mean_token_mean and seq_mean_token_sum:
     sequences; seq_mean_token_sum_norm: sequences * ``norm_constant`` (Dr.GRPO divides every sequence's
-    token sum by the same constant, e.g. the generation budget, instead of its own length).
+    token sum by the same constant, e.g. the generation budget, instead of its own length); token_sum: 1 (the
+    mini batch's summed token losses, as Tinker's loss functions return them).
     """
     _check_mode(mode)
     if mode == "token_mean":
         return mask.sum().clamp(min=1)
+    if mode == "token_sum":
+        return torch.ones((), dtype=mask.dtype, device=mask.device)
     sequences = torch.tensor(float(mask.shape[0]))
     return sequences * norm_constant if mode == "seq_mean_token_sum_norm" else sequences
 
@@ -153,7 +156,7 @@ def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, denominato
     """Reduce per-token losses of one micro batch to its share of the mini-batch loss.
 
     Shape: loss, mask (B, T), denominator scalar (from `loss_denominator` on the mini batch) -> scalar.
-    token_mean, seq_mean_token_sum(_norm): sum over valid tokens / denominator. seq_mean_token_mean:
+    token_mean, seq_mean_token_sum(_norm), token_sum: sum over valid tokens / denominator. seq_mean_token_mean:
     each sequence's token mean, summed / denominator. Summing over micro batches gives the mini batch's loss.
     """
     _check_mode(mode)

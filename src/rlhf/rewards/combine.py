@@ -119,11 +119,24 @@ class RewardSet:
         if self.model is not None and "model_moments" in state:
             self.model.moments.load_state_dict(state["model_moments"])
 
+    @property
+    def has_verifier(self) -> bool:
+        """Whether a verifier (a function that says right or wrong: arith_correct, math_verify, ...) is among the functions."""
+        return any(getattr(fn, "is_verifier", False) for _, _, _, fn in self.functions)
+
     def score(
         self, prompts: list[str], responses: list[str], ground_truths: list, batch: Trajectories, training: bool = True
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """(scores (B,), metrics): weighted sum of every function and the model, plus the overlong shaping, then the
-        non-stop penalty (which replaces the whole score of a response that never stopped).
+        """(scores (B,), metrics): `score_rows` without the per-row verdict."""
+        scores, metrics, _ = self.score_rows(prompts, responses, ground_truths, batch, training)
+        return scores, metrics
+
+    def score_rows(
+        self, prompts: list[str], responses: list[str], ground_truths: list, batch: Trajectories, training: bool = True
+    ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor | None]:
+        """(scores (B,), metrics, correct (B,) bool or None): weighted sum of every function and the model, plus the
+        overlong shaping, then the non-stop penalty (which replaces the whole score of a response that never stopped);
+        ``correct``: every verifier passed and the response stopped (None without a verifier).
 
         ``training=False`` (evaluation) leaves the reward model's running statistics alone; the reward is the same.
         """
@@ -154,9 +167,10 @@ class RewardSet:
         checked_scores(f"the weighted sum of {self.source_names()}", total, len(responses))
         if self.cfg.non_stop_penalty:
             total = torch.where(stopped, total, torch.full_like(total, self.cfg.penalty_reward_value))
-        if has_verifier:  # a truncated response is never counted correct, whatever its text
-            metrics["objective/verifiable_correct_rate"] = (verified & stopped).float().mean().item()
-        return total, metrics
+        correct = verified & stopped if has_verifier else None  # a truncated response is never correct, whatever its text
+        if correct is not None:
+            metrics["objective/verifiable_correct_rate"] = correct.float().mean().item()
+        return total, metrics, correct
 
     def overlong_shaping(self, batch: Trajectories) -> torch.Tensor:
         """(B,) reward added for each response's length (`rlhf.functional.overlong_penalty`), on the CPU."""

@@ -229,13 +229,22 @@ def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
         generator, tokenizer, rewards, prompts, SamplingParams.of(gen),
         prompts_per_step=cfg.train.prompts_per_step, samples_per_prompt=cfg.algorithm.num_samples_per_prompt,
         max_resample_rounds=cfg.algorithm.max_resample_rounds if cfg.algorithm.filter_groups else None,
-        greedy_baseline=algorithm.needs_greedy_baseline, env=runner,
+        greedy_baseline=algorithm.needs_greedy_baseline, env=runner, filter_on=filter_on(cfg, rewards),
     )
     learner = Learner(
         policy, models["reference"], models["critic"], algorithm, cfg.train, device, torch.Generator().manual_seed(cfg.seed), GapWatch.from_config(cfg), bool(packs()) if callable(packs) else False,
         teacher=models["teacher"],
     )
     return Components(device, tokenizer, collector, learner, splits.eval, splits.report, backend)
+
+
+def filter_on(cfg, rewards: RewardSet) -> str:
+    """What dynamic sampling compares within a group: `algorithm.filter_on`, auto resolved (accuracy when a verifier
+    scores single-turn responses, else score)."""
+    chosen = cfg.algorithm.filter_on
+    if chosen == "auto":
+        chosen = "accuracy" if rewards.has_verifier and cfg.env.name is None else "score"
+    return chosen
 
 
 def build_model(role: str, cfg, device: torch.device, total_optimizer_steps: int, tokenizer=None):

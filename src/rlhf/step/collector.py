@@ -32,19 +32,21 @@ class Collector:
     """Prompts (or tasks) -> generated, scored groups, ready for the `Learner`.
 
     ``sampling`` is the training sampling (`generator.*`); ``samples_per_prompt`` responses (or episodes) form a group.
-    ``max_resample_rounds`` >= 0 turns on dynamic sampling (`algorithm.filter_groups`), None leaves it off.
+    ``max_resample_rounds`` >= 0 turns on dynamic sampling (`algorithm.filter_groups`), None leaves it off;
+    ``filter_on`` (score or accuracy) is what must differ within a kept group.
     ``greedy_baseline``: also score one greedy response per prompt (ReMax's baseline).
     """
 
     def __init__(
         self, generator, tokenizer, rewards, prompts: PromptStream, sampling: SamplingParams, *, prompts_per_step: int,
         samples_per_prompt: int, max_resample_rounds: int | None = None, greedy_baseline: bool = False,
-        env: EpisodeRunner | None = None,
+        env: EpisodeRunner | None = None, filter_on: str = "score",
     ) -> None:
         self.generator, self.tokenizer, self.rewards, self.prompts = generator, tokenizer, rewards, prompts
         self.sampling, self.env = sampling, env
         self.prompts_per_step, self.samples_per_prompt = prompts_per_step, samples_per_prompt
         self.max_resample_rounds, self.greedy_baseline = max_resample_rounds, greedy_baseline
+        self.filter_on = filter_on  # dynamic sampling keeps groups whose `score`s differ, or whose verdicts (`accuracy`)
         self.weights_version = 0  # weight pushes through `load_weights` (the async schedule's version when it gives one)
 
     @property
@@ -77,7 +79,8 @@ class Collector:
             scored = self.sample(examples, self.samples_per_prompt, sampling, generator=generator)
             rounds.append(scored)
             groups = group_rows(scored.batch.group_id)
-            signal = groups_with_signal(scored.scores, groups)
+            verdicts = scored.batch.extras["correct"] if self.filter_on == "accuracy" else scored.scores
+            signal = groups_with_signal(verdicts, groups)
             generated += len(groups)
             kept.append(take_groups(scored, signal[: wanted - num_kept]))
             num_kept += len(signal)
@@ -156,7 +159,9 @@ class Collector:
         """Decode and score trajectories of the prompts ``repeated`` (one row each)."""
         responses = self.tokenizer.batch_decode(batch.window_ids, skip_special_tokens=True)
         prompts = [ex.text for ex in repeated]
-        scores, metrics = self.rewards.score(prompts, responses, [ex.ground_truth for ex in repeated], batch, training)
+        scores, metrics, correct = self.rewards.score_rows(prompts, responses, [ex.ground_truth for ex in repeated], batch, training)
+        if self.filter_on == "accuracy" and correct is not None:  # dynamic sampling filters on the verdicts
+            batch = replace(batch, extras=dict(batch.extras, correct=correct.float()))
         return Scored(replace(batch, scores=scores).to("cpu"), prompts, responses, metrics)
 
     def evaluate(
