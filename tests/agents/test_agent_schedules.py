@@ -4,13 +4,13 @@ tests/generators/test_vllm.py.)"""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from run_records import records
 from rlhf.config.compose import compose_config
 from rlhf.errors import ConfigError
 from rlhf.config.validate import validate
@@ -22,11 +22,7 @@ SMALL = ["experiment=agent_tiny", "train.prompts_per_step=4", "algorithm.num_sam
 
 def run(out: Path, *overrides: str) -> dict[int, dict]:
     train(compose_config([*SMALL, *overrides]), out)
-    by_step: dict[int, dict] = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        by_step.setdefault(record["step"], {}).update(record)
-    return by_step
+    return records(out)
 
 
 @pytest.mark.parametrize("schedule", ["sync", "async", "hybrid"])

@@ -4,7 +4,6 @@ runs check what reaches the update and the logged metrics (config errors: tests/
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from run_records import records
 from rlhf.step.collector import Collector
 from rlhf.step.learner import Learner
 from rlhf.step.scored import Scored, with_groups
@@ -182,11 +182,7 @@ def run(tmp_path: Path, monkeypatch, *overrides: str) -> tuple[dict[int, dict], 
 
     monkeypatch.setattr(Learner, "train", recording)
     train(compose_config([*TINY, *overrides]), tmp_path / "run")
-    by_step: dict[int, dict] = {}
-    for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        by_step.setdefault(record["step"], {}).update(record)
-    return by_step, updated
+    return records(tmp_path / "run"), updated
 
 
 @pytest.mark.parametrize("schedule", ["sync", "async"])

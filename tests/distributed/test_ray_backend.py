@@ -124,35 +124,25 @@ def test_generator_samples_from_the_pushed_weights_not_stale_ones(ray_cluster):
         c.close()
 
 
-def test_episodes_play_on_ray_with_two_generator_ranks_on_the_trainers_weights(ray_cluster):
-    """env=arith_retry on Ray: each turn's live episodes are split over two engines; the logprobs they sampled
-    with are the trainer's (the weights pushed after every step reached both ranks)."""
-    cfg, c = sync_components("env=arith_retry", "model=tiny_arith_retry", "cluster.roles.generator.devices_per_node=2")
+ARITH_RETRY = ("env=arith_retry",)
+OPENAI_AGENT = ("env=openai_agent", "env.path=examples/agents/arith_retry.py", "env.chat_template=plain", "env.max_turns=2", "env.max_tokens=32")
+
+
+@pytest.mark.parametrize("env", [ARITH_RETRY, OPENAI_AGENT], ids=["arith_retry", "openai_agent"])
+def test_episodes_play_on_ray_with_two_generator_ranks_on_the_trainers_weights(ray_cluster, env):
+    """Multi-turn episodes on Ray, played by the agent loop (env=arith_retry) or by OpenAI-SDK agents through the
+    endpoint in the driver (env=openai_agent): each turn's requests are split over two engines; the logprobs they
+    sampled with are the trainer's (the weights pushed after every step reached both ranks)."""
+    cfg, c = sync_components(*env, "model=tiny_arith_retry", "cluster.roles.generator.devices_per_node=2")
     try:
         state = RunState()
         for _ in range(2):
             metrics, scored = train_step(c, state)
             assert metrics["env/num_episodes"] == 32 and metrics["env/failed_episodes"] == 0
             assert metrics["val/generator_logprob_diff"] < 1e-4
+            if env is OPENAI_AGENT:
+                assert metrics["env/generate_calls"] < metrics["env/generated_rows"]  # requests share generate calls
         assert 1.0 <= metrics["env/num_turns_per_episode"] <= 2.0 and any("[user]" in r for r in scored.responses)
-    finally:
-        c.close()
-
-
-def test_an_openai_sdk_agent_plays_through_the_endpoint_on_ray_generators(ray_cluster):
-    """env=openai_agent on Ray: the endpoint in the driver batches the agents' requests onto two remote engines,
-    whose sampled logprobs are the trainer's."""
-    cfg, c = sync_components(
-        "env=openai_agent", "env.path=examples/agents/arith_retry.py", "env.chat_template=plain", "env.max_turns=2",
-        "env.max_tokens=32", "model=tiny_arith_retry", "cluster.roles.generator.devices_per_node=2",
-    )
-    try:
-        state = RunState()
-        for _ in range(2):
-            metrics, scored = train_step(c, state)
-            assert metrics["env/num_episodes"] == 32 and metrics["env/failed_episodes"] == 0
-            assert metrics["val/generator_logprob_diff"] < 1e-4
-            assert metrics["env/generate_calls"] < metrics["env/generated_rows"]  # requests share generate calls
     finally:
         c.close()
 

@@ -71,15 +71,6 @@ def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def records(run_dir: Path) -> dict[int, dict]:
-    """The run's metrics.jsonl rows merged by step."""
-    by_step: dict[int, dict] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        by_step.setdefault(record["step"], {}).update(record)
-    return by_step
-
-
 def text_tags(run_dir: Path) -> list[str]:
     acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0})
     acc.Reload()

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_cli import records, run_cli
+from run_records import records
+from test_cli import run_cli
 
 from rlhf.models.tiny import build_char_tokenizer, build_tiny_llama
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
-from test_cli import records, run_cli
+from run_records import records
+from test_cli import run_cli
 from test_resume import kill_at_a_checkpoint, resume_and_compare
 from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_cli import records, run_cli
+from run_records import records
+from test_cli import run_cli
 from test_datasets_cli import local_env
 
 pytestmark = pytest.mark.slow

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from test_cli import records, run_cli
+from run_records import records
+from test_cli import run_cli
 
 pytestmark = pytest.mark.slow
 

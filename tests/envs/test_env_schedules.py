@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from run_records import records
 from rlhf.config.compose import compose_config
 from rlhf.train import train
 
@@ -30,11 +31,7 @@ async def step(state, action, label, turn=0, **kw):
 
 def run(out: Path, *overrides: str) -> dict[int, dict]:
     train(compose_config([*RETRY, *overrides]), out)
-    by_step: dict[int, dict] = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        by_step.setdefault(record["step"], {}).update(record)
-    return by_step
+    return records(out)
 
 
 def assert_same(a: dict[int, dict], b: dict[int, dict], steps) -> None:

@@ -5,11 +5,11 @@ Sleeping and waking must be invisible to the learning: a hybrid run reproduces t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
+from run_records import records
 from rlhf.config.compose import compose_config
 from rlhf.train import train
 
@@ -21,11 +21,7 @@ SAME = ("objective/scores", "objective/kl", "objective/entropy", "loss/policy_av
 def run(tmp_path: Path, name: str, *overrides: str) -> dict[int, dict]:
     out = tmp_path / name
     train(compose_config([*FAST, *overrides]), out)
-    by_step: dict[int, dict] = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        by_step.setdefault(record["step"], {}).update(record)
-    return by_step
+    return records(out)
 
 
 @pytest.mark.parametrize("offload", [False, True])

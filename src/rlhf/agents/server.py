@@ -107,21 +107,21 @@ def make_app(hub) -> FastAPI:
             return StreamingResponse(chat_events(out), media_type="text/event-stream", headers=_version(reply))
         return JSONResponse(out, headers=_version(reply))
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        return await answer(request, None, "chat")
+    def routes(route: str):
+        """The handlers of ``route``: on the plain /v1 path (session by key) and under a session's own URL."""
 
-    @app.post("/sessions/{session_id}/v1/chat/completions")
-    async def session_chat(session_id: str, request: Request):
-        return await answer(request, session_id, "chat")
+        async def by_key(request: Request):
+            return await answer(request, None, route)
 
-    @app.post("/v1/completions")
-    async def complete(request: Request):
-        return await answer(request, None, "completions")
+        async def in_session(session_id: str, request: Request):
+            return await answer(request, session_id, route)
 
-    @app.post("/sessions/{session_id}/v1/completions")
-    async def session_complete(session_id: str, request: Request):
-        return await answer(request, session_id, "completions")
+        return by_key, in_session
+
+    for route, path in (("chat", "chat/completions"), ("completions", "completions")):
+        by_key, in_session = routes(route)
+        app.post(f"/v1/{path}")(by_key)
+        app.post(f"/sessions/{{session_id}}/v1/{path}")(in_session)
 
     def models() -> JSONResponse:
         return JSONResponse({"object": "list", "data": [{"id": hub.model_name, "object": "model", "created": 0, "owned_by": "rlhf"}]})
