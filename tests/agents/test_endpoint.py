@@ -276,3 +276,29 @@ def test_a_plain_function_agent_with_the_sync_client_and_one_that_exits(runner, 
     episodes = play(runner, generator, tokenizer, exiting, group_size=1)
     assert [ep.failed for ep in episodes] == [False, True] and "SystemExit" in episodes[1].error
     assert not any(ep.failed for ep in play(runner, generator, tokenizer, exiting, group_size=1, problems=((1, 2), (2, 2))))
+
+
+def test_env_chains_all_trains_every_chain_of_a_session_in_its_group(runner, generator, tokenizer):
+    """A session whose agent rewrote a reply holds two chains: `env.chains=last` trains the fork (the chain the last
+    request extended), `all` trains both, each in the task's group with the session's reward."""
+
+    async def rewriting(task, client):
+        llm = client_of(client)
+        asked = [{"role": "user", "content": task.prompt}]
+        await llm.chat.completions.create(model=client.model, messages=asked)
+        await llm.chat.completions.create(model=client.model, messages=asked + [
+            {"role": "assistant", "content": "99"}, {"role": "user", "content": task.prompt}])
+        return 0.5
+
+    saved = runner.cfg
+    try:
+        last = play(runner, generator, tokenizer, rewriting, group_size=2, problems=((1, 2),))
+        runner.cfg = OpenAIAgentConfig(**{**vars(saved), "chains": "all"})
+        every = play(runner, generator, tokenizer, rewriting, group_size=2, problems=((1, 2),))
+    finally:
+        runner.cfg = saved
+    assert len(last) == 2 and len(every) == 4 and {ep.group for ep in every} == {0}
+    assert all(ep.episode_return == 0.5 for ep in every)
+    assert all(len(ep.turns) == 1 for ep in last)  # the fork: its history (with the rewritten "99") is one observation
+    assert sorted(len(ep.turns) for ep in every) == [1, 1, 1, 1]
+    assert runner.last_metrics["env/forked_chains"] == 2 and runner.last_metrics["env/rewritten_messages"] == 2
