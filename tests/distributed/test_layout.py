@@ -125,7 +125,7 @@ def test_used_roles(overrides, roles):
 
 def test_placement_specs_rejects_an_unknown_role():
     cluster = ray_cluster(colocate=[["policy", "reference"], ["critic", "value"]])
-    with pytest.raises(ConfigError, match=r"cluster.colocate\[1\] names 'value'; roles are policy, reference, critic, reward, generator"):
+    with pytest.raises(ConfigError, match=r"cluster.colocate\[1\] names 'value'; roles are policy, reference, teacher, critic, reward, generator"):
         placement_specs(cluster, ["policy", "reference", "generator"])
 
 

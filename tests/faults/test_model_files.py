@@ -32,7 +32,7 @@ def truncated_copy(folder: str, destination: Path) -> Path:
 
 def model_sources(**keys) -> OmegaConf:
     """The config nodes `check_model_sources` reads, with the given dotted keys set and the others null."""
-    cfg = OmegaConf.create({"model": {"name_or_path": None, "tokenizer": None}, "reference": {"name_or_path": None},
+    cfg = OmegaConf.create({"model": {"name_or_path": None, "tokenizer": None}, "reference": {"name_or_path": None}, "teacher": {"name_or_path": None},
                             "reward": {"path": None}, "critic": {"name_or_path": None}})
     for key, value in keys.items():
         OmegaConf.update(cfg, key.replace("__", "."), value)
@@ -51,9 +51,10 @@ def assert_names_the_damage(message: str, key: str, folder: Path) -> None:
 
 
 def test_truncated_policy_weights_are_named_before_any_model_loads(tiny_model_dir, tmp_path):
-    """model.name_or_path and reference.name_or_path with a truncated model.safetensors: ConfigError naming the key."""
+    """model.name_or_path, reference.name_or_path and teacher.name_or_path with a truncated model.safetensors:
+    ConfigError naming the key."""
     damaged = truncated_copy(tiny_model_dir, tmp_path / "policy")
-    for key in ("model.name_or_path", "reference.name_or_path"):
+    for key in ("model.name_or_path", "reference.name_or_path", "teacher.name_or_path"):
         with pytest.raises(ConfigError) as caught:
             sources = model_sources(**{"model__name_or_path": tiny_model_dir, key.replace(".", "__"): str(damaged)})
             check_model_sources(sources)

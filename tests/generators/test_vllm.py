@@ -222,8 +222,9 @@ def test_multi_turn_episodes_train_on_exactly_what_vllm_sampled(engine, hf, toke
 class LengthReward:
     """Scores a response by its length in characters: a reward that tells greedy responses apart."""
 
-    def score(self, prompts, responses, ground_truths, batch, training=True):
-        return torch.tensor([float(len(r)) for r in responses]), {}
+    def score_rows(self, prompts, responses, ground_truths, batch, training=True):
+        """(scores, metrics, per-row verdicts): `RewardSet.score_rows`'s shape, no verifier."""
+        return torch.tensor([float(len(r)) for r in responses]), {}, None
 
 
 def test_remax_baseline_is_the_score_of_vllms_greedy_response(engine, tokenizer, encode):

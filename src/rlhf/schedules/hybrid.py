@@ -48,9 +48,9 @@ def generator_asleep(c, offload: bool, metrics: dict[str, float], times: dict[st
 
 
 def wake(c) -> dict[str, float]:
-    """Wake the generator with the policy's whole new weights (asleep, it holds none)."""
-    c.collector.generator.update_weights(c.learner.policy.state_dict())
-    return {}
+    """Wake the generator with the policy's whole new weights (asleep, it holds none), through the Collector, which
+    counts the push (the policy version an agent endpoint reports) and its size (`perf/weight_sync_mb`)."""
+    return c.collector.load_weights(c.learner.policy.state_dict())
 
 
 def hybrid_step(c, cfg, state: RunState):
