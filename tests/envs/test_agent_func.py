@@ -18,7 +18,7 @@ from rlhf.errors import ConfigError
 
 TASK = PromptExample(text="2+2=", token_ids=(), ground_truth="4")
 
-# the seed-003 shape: next_state extends state + action with the feedback
+# OpenRLHF's agent-function shape: next_state extends state + action with the feedback
 RETRY = """
 async def step(state, action, label, **kw):
     if action.strip() == label:

@@ -1,5 +1,5 @@
 """Env runs in-process under every schedule: hybrid reproduces sync metric for metric, async plays within its staleness
-bound, resume=auto continues the same episode stream bitwise, and a seed-003 agent file trains.
+bound, resume=auto continues the same episode stream bitwise, and an OpenRLHF-style agent file trains.
 
 (The CLI runs of the preset, GEM and the agent file are in tests/e2e/test_env_cli.py; Ray in
 tests/distributed/test_ray_backend.py; vLLM in tests/generators/test_vllm.py.)"""
@@ -67,7 +67,7 @@ def test_resume_continues_the_same_episode_stream(tmp_path):
 
 
 def test_agent_function_file_trains(tmp_path):
-    """`env=agent_func` with a seed-003-shaped step function over a JSONL of tasks: wrong first answers retry."""
+    """`env=agent_func` with an OpenRLHF-shaped step function over a JSONL of tasks: wrong first answers retry."""
     agent = tmp_path / "my_agent.py"
     agent.write_text(AGENT)
     tasks = tmp_path / "tasks.jsonl"
