@@ -1,4 +1,4 @@
-"""The parts #21 added, composed by config: REINFORCE++ (with and without a group baseline), ReMax, CISPO and the
+"""Parts composed by config: REINFORCE++ (with and without a group baseline), ReMax, CISPO and the
 rollout corrections, each through `build_batch` / `policy_loss` on hand-computed values."""
 
 import math

@@ -67,7 +67,7 @@ def test_curve_is_reproduced_bitwise(algorithm, tmp_path):
     curve = run_curve(algorithm, tmp_path)
     assert_same_run(curve, json.loads(CURVES.read_text())[algorithm])
     before = json.loads(BEFORE_REPLUMBING.read_text()).get(algorithm)
-    if before is None:  # a preset added after the re-plumbing (#21's recipes): only its own record applies
+    if before is None:  # a preset recorded only after the re-plumbing: only its own record applies
         return
     if algorithm in MOVED:
         assert curve["objective/scores"][0] == before["objective/scores"][0]  # the same first batch
