@@ -56,6 +56,9 @@ def test_opd_without_the_teachers_logprobs_says_what_to_set():
     (["algorithm.distill_coef=0.5"], r"algorithm.distill_coef=0.5 learns from a teacher's logprobs; set teacher.name_or_path"),
     (["teacher.name_or_path=builtin:tiny_arith_teacher"], r"teacher.name_or_path=.* is not read by this run's choice .*algorithm/advantage=opd or algorithm.distill_coef"),
     (["algorithm=online_dpo", "algorithm.distill_coef=1", "teacher.name_or_path=builtin:tiny_arith_teacher"], r"algorithm.distill_coef=1.0 adds the teacher's signal to per-token advantages"),
+    (["algorithm=opd", "teacher.url=http://127.0.0.1:9/v1"], r"teacher.url=http://127.0.0.1:9/v1 needs teacher.name_or_path too"),
+    (["algorithm=opd", "teacher.name_or_path=builtin:tiny_arith_teacher", "teacher.url=http://127.0.0.1:9/v1", "generator.temperature=0.7"],
+     r"teacher.url=.* returns the server's raw logprobs \(temperature 1\), and generator.temperature=0.7"),
 ])
 def test_a_misconfigured_teacher_is_refused_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):

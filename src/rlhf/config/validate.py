@@ -201,6 +201,19 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         f"algorithm.loss_agg={algo.loss_agg!r}; choose one of {', '.join(LOSS_AGGREGATIONS)}",
     )
     _require(algo.beta >= 0, f"algorithm.beta={algo.beta} must be >= 0")
+    teacher = cfg.teacher
+    _require(
+        not teacher.url or teacher.name_or_path,
+        f"teacher.url={teacher.url} needs teacher.name_or_path too: the teacher's tokenizer is checked against the "
+        f"policy's (and it names the model sent to the endpoint unless teacher.model does)",
+    )
+    _require(
+        not teacher.url or gen.temperature == 1.0,
+        f"teacher.url={teacher.url} returns the server's raw logprobs (temperature 1), and generator.temperature="
+        f"{gen.temperature} samples at another; use generator.temperature=1 or a local teacher (teacher.url=null)",
+    )
+    _require(teacher.timeout_s > 0 and teacher.max_concurrency >= 1,
+             f"teacher.timeout_s={teacher.timeout_s} must be > 0 and teacher.max_concurrency={teacher.max_concurrency} >= 1")
     _require(
         not algorithm.needs_teacher or cfg.teacher.name_or_path,
         f"algorithm.advantage={algo.advantage.name} with algorithm.distill_coef={algo.distill_coef} learns from a teacher's "

@@ -48,7 +48,7 @@ def used_roles(cfg, algorithm) -> list[str]:
         roles.append("critic")
     if cfg.reward.path:
         roles.append("reward")
-    if cfg.teacher.name_or_path:
+    if cfg.teacher.name_or_path and not cfg.teacher.url:  # a remote teacher (teacher.url) takes no devices here
         roles.append("teacher")
     return roles + ["generator"]
 

@@ -24,6 +24,7 @@ from rlhf.data.context import check_episode_budget, check_prompt_budget, model_c
 from rlhf.data.prompts import PromptExample, PromptStream
 from rlhf.distributed.cluster import start
 from rlhf.distributed.layout import reference_is_base, used_roles
+from rlhf.models.remote_teacher import RemoteTeacher
 from rlhf.envs.base import seed_tasks
 from rlhf.envs.loop import EpisodeRunner
 from rlhf.generators.base import SamplingParams
@@ -123,7 +124,7 @@ def check_model_sources(cfg) -> None:
         ("model.name_or_path", cfg.model.name_or_path),
         ("model.tokenizer", cfg.model.tokenizer),
         ("reference.name_or_path", cfg.reference.name_or_path),
-        ("teacher.name_or_path", cfg.teacher.name_or_path),
+        ("teacher.name_or_path", None if cfg.teacher.url else cfg.teacher.name_or_path),  # remote: its tokenizer only
         ("reward.path", cfg.reward.path),
         ("critic.name_or_path", cfg.critic.name_or_path),
     ):
@@ -215,6 +216,8 @@ def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
         log.info("placed on Ray: %s", ", ".join(f"{role} x{len(group)}" for role, group in backend.groups.items()))
     else:
         models, backend = build_local_models(cfg, sizes, algorithm, tokenizer, device), None
+    if cfg.teacher.url:  # a remote teacher: no weights here, its logprobs asked of teacher.url
+        models["teacher"] = RemoteTeacher(cfg.teacher)
     if models["reward"] is not None:
         rewards.model = models["reward"]
     policy, generator = models["policy"], verified(models["generator"], cfg.checks.weight_sync)
