@@ -32,7 +32,7 @@ def truncated_copy(folder: str, destination: Path) -> Path:
 
 def model_sources(**keys) -> OmegaConf:
     """The config nodes `check_model_sources` reads, with the given dotted keys set and the others null."""
-    cfg = OmegaConf.create({"model": {"name_or_path": None, "tokenizer": None}, "reference": {"name_or_path": None}, "teacher": {"name_or_path": None},
+    cfg = OmegaConf.create({"model": {"name_or_path": None, "tokenizer": None}, "reference": {"name_or_path": None}, "teacher": {"name_or_path": None, "url": None},
                             "reward": {"path": None}, "critic": {"name_or_path": None}})
     for key, value in keys.items():
         OmegaConf.update(cfg, key.replace("__", "."), value)
