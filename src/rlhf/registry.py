@@ -64,6 +64,7 @@ def _load_builtins() -> None:
         "rlhf.schedules.sync",
         "rlhf.schedules.asynchronous",
         "rlhf.schedules.hybrid",
+        "rlhf.schedules.streaming",
         "rlhf.envs.builtin",
         "rlhf.envs.gem",
         "rlhf.envs.agent_func",

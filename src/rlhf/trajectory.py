@@ -210,6 +210,12 @@ def _pad(t: torch.Tensor, left: int, right: int, value: float) -> torch.Tensor:
     return torch.nn.functional.pad(t, (left, right), value=value) if left or right else t
 
 
+def _window_extra(part: Trajectories, key: str, window: int) -> torch.Tensor:
+    """``part.extras[key]``, a per-token extra (B, T) padded on the right with 0 to ``window`` columns; a per-row one as is."""
+    value, width = part.extras[key], part.loss_mask.shape[1]
+    return _pad(value, 0, window - width, 0) if value.dim() > 1 and value.shape[1] == width else value
+
+
 def concat(parts: list[Trajectories], pad_id: int) -> Trajectories:
     """Stack rows of different widths: the context before each window is padded on the left, the window on the
     right, so every row's window starts at the same column. Rows keep their group ids."""
@@ -234,7 +240,7 @@ def concat(parts: list[Trajectories], pad_id: int) -> Trajectories:
     return Trajectories(
         input_ids=stack("input_ids", pad_id),
         attention_mask=stack("attention_mask", 0),
-        extras={k: torch.cat([p.extras[k] for p in parts]) for k in parts[0].extras},
+        extras={k: torch.cat([_window_extra(p, k, window) for p in parts]) for k in parts[0].extras},
         rows_per_unit=parts[0].rows_per_unit,
         **per_token,
         **per_row,

@@ -22,6 +22,10 @@ def check_generation(cfg: DictConfig, ranks: dict[str, int]) -> None:
     check_run = generator.trait("check_run")
     if check_run is not None:
         check_run(generator.config, cfg, ranks)
+    schedule_part = choose("schedule", schedule, "schedule")
+    schedule_check = schedule_part.trait("check_run")
+    if schedule_check is not None:
+        schedule_check(schedule_part.config, cfg)
     if schedule_trait(schedule, "sleeps_generator"):
         needed = sleep_overrides(generator.obj, generator.config)
         _require(

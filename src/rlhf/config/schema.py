@@ -236,7 +236,7 @@ class RunConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)  # the value model (ppo)
     train: TrainConfig = field(default_factory=TrainConfig)  # batch sizes, optimiser, run length
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # placement and devices
-    schedule: Any = MISSING  # node: schedule=sync, async (generation overlaps training) or hybrid (generator sleeps while training), or your own; typed by its config class (rlhf.schedules)
+    schedule: Any = MISSING  # node: schedule=sync, async (generation overlaps training), stream (rows decode continuously; weights load mid-response) or hybrid (generator sleeps while training), or your own; typed by its config class (rlhf.schedules)
     env: Any = MISSING  # node: env=none (single-turn prompts), arith_retry, gem, agent_func, single_turn, or your own; typed by its config class (rlhf.envs)
     eval: EvalConfig = field(default_factory=EvalConfig)  # periodic evaluation
     logging: LoggingConfig = field(default_factory=LoggingConfig)  # console and TensorBoard

@@ -44,13 +44,16 @@ class PromptStream:
         self.position = 0
         self._order = self._permutation(0)
         self._ids: dict[str, int] | None = None  # prompt text -> index in ``examples``, built on first use
+        self.replay: list[int] = []  # indices drawn again before the stream goes on (drawn but never trained before a resume)
 
     def _permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
 
     def next_batch(self, size: int) -> list[PromptExample]:
-        """``size`` prompts; a batch may span the end of one epoch and the start of the next."""
-        batch = []
+        """``size`` prompts; a batch may span the end of one epoch and the start of the next. Prompts to `replay` come
+        first."""
+        batch = [self.examples[i] for i in self.replay[:size]]
+        del self.replay[:size]
         while len(batch) < size:
             if self.position == len(self._order):
                 self.epoch += 1
@@ -61,9 +64,10 @@ class PromptStream:
             self.position += take
         return batch
 
-    def state_dict(self) -> dict[str, int]:
-        """Where the stream stands; the order itself follows from (seed, epoch)."""
-        return {"seed": self.seed, "epoch": self.epoch, "position": self.position, "size": len(self.examples)}
+    def state_dict(self) -> dict:
+        """Where the stream stands (and what it replays first, when anything); the order follows from (seed, epoch)."""
+        state = {"seed": self.seed, "epoch": self.epoch, "position": self.position, "size": len(self.examples)}
+        return state | ({"replay": list(self.replay)} if self.replay else {})
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["size"] != len(self.examples) or state["seed"] != self.seed:
@@ -72,6 +76,7 @@ class PromptStream:
                 f"{len(self.examples)} and seed {self.seed}: resuming would replay or skip prompts"
             )
         self.epoch, self.position = state["epoch"], state["position"]
+        self.replay = list(state.get("replay", []))
         self._order = self._permutation(self.epoch)
 
     def ids_of(self, texts: list[str]) -> list[int | None]:
@@ -90,5 +95,5 @@ class PromptStream:
 
 
 def epochs_done(state: dict[str, int]) -> float:
-    """Fractional epochs consumed at a `PromptStream.state_dict` ``state``."""
-    return state["epoch"] + state["position"] / state["size"]
+    """Fractional epochs consumed at a `PromptStream.state_dict` ``state`` (prompts waiting to be replayed not counted)."""
+    return state["epoch"] + (state["position"] - len(state.get("replay", ()))) / state["size"]

@@ -102,6 +102,7 @@ class HFGenerator:
     """Samples with its own copy of the policy weights, refreshed by `update_weights` after each step."""
 
     config = HfGeneratorConfig
+    continues_responses = True  # a prompt may end in a response's sampled prefix (schedule=stream continues it)
 
     @staticmethod
     def plan_memory(config: HfGeneratorConfig, model: GeneratorShape, work: GenerationWork) -> list[MemoryNeed]:

@@ -162,6 +162,7 @@ class VLLMGenerator:
     """One vLLM engine per process (one per generator rank on the Ray backend)."""
 
     config = VllmGeneratorConfig
+    continues_responses = True  # a prompt may end in a response's sampled prefix (schedule=stream continues it)
 
     @staticmethod
     def check_run(config: VllmGeneratorConfig, cfg, ranks: dict[str, int]) -> None:

@@ -53,7 +53,7 @@ METRICS: dict[str, tuple[str, str]] = {  # name -> (meaning, when logged)
     "reward/model_std": ("standard deviation of the reward model's raw scores", "reward=model"),
     "reward/overlong_penalty": ("mean overlong-shaping penalty (DAPO)", "reward.overlong_buffer_len set"),
     "dynamic_sampling/rounds": ("generate calls the step took to fill the batch with groups that carry a signal", "algorithm.filter_groups"),
-    "dynamic_sampling/kept_share": ("groups with a signal / groups generated", "algorithm.filter_groups"),
+    "dynamic_sampling/kept_share": ("groups with a signal / groups generated (schedule=stream: / groups passed over or trained)", "algorithm.filter_groups"),
     "dynamic_sampling/kept_groups": ("groups with a signal trained on", "algorithm.filter_groups"),
     "rollout_corr/kept_share": ("share of action tokens the correction keeps", "algorithm/rollout_correction set"),
     "rollout_corr/masked_share": ("share of action tokens it drops (no gradient)", "algorithm/rollout_correction set"),
@@ -104,9 +104,16 @@ METRICS: dict[str, tuple[str, str]] = {  # name -> (meaning, when logged)
     "eval/<mode>_reward_model": ("mean reward-model score on the evaluation prompts", "eval steps, reward=model"),
     "eval/<mode>_<key>": ("an environment's figure on the evaluation episodes (success_rate, episode_return, ...)", "eval steps, env set"),
     # schedules
-    "async/policy_version": ("the policy version that generated the step's batch", "schedule=async"),
-    "async/staleness_mean": ("mean steps between a row's policy version and the trainer's", "schedule=async"),
-    "async/staleness_max": ("largest such staleness in the batch", "schedule=async"),
+    "async/policy_version": ("the policy version that trains on the step's batch", "schedule=async or stream"),
+    "async/staleness_mean": ("mean steps between a row's policy version (stream: its oldest token's) and the trainer's", "schedule=async or stream"),
+    "async/staleness_max": ("largest such staleness in the batch", "schedule=async or stream"),
+    "async/token_staleness_mean": ("mean versions between a trained token's sampler and the trainer", "schedule=stream"),
+    "async/token_staleness_max": ("largest such token staleness (at most schedule.max_staleness)", "schedule=stream"),
+    "async/versions_per_row": ("mean distinct policy versions among a row's tokens (> 1: weights loaded mid-response)", "schedule=stream"),
+    "async/stale_token_share": ("share of tokens out of the loss for being older than schedule.max_token_version_gap", "schedule=stream"),
+    "stream/occupancy": ("rows decoding per chunk / schedule.in_flight, since the last step", "schedule=stream"),
+    "stream/tokens_per_s": ("tokens sampled per second of decoding, since the last step", "schedule=stream"),
+    "stream/weight_loads": ("pushed weights the generator loaded mid-stream since the last step", "schedule=stream"),
     "memory/generator_freed_mb": ("MiB the generator released while asleep", "schedule=hybrid"),
     # counters, sizes, times
     "step": ("the RL step", EVERY_STEP),
@@ -116,7 +123,7 @@ METRICS: dict[str, tuple[str, str]] = {  # name -> (meaning, when logged)
     "perf/padding_fraction": ("share of padding in what the training forwards computed", EVERY_STEP),
     "perf/weight_sync_mb": ("MiB of weights pushed to the generator", "local backend"),
     "time/<stage>": ("seconds of a stage of the step: generation, logprobs, training, weight_sync, greedy_baseline "
-                     "(ReMax), wait_for_rollout (async), generator_sleep and optimizer_offload (hybrid)", EVERY_STEP),
+                     "(ReMax), wait_for_rollout (async, stream), generator_sleep and optimizer_offload (hybrid)", EVERY_STEP),
     "time/step": ("seconds of the whole step", EVERY_STEP),
     "time/total": ("seconds since the run started", EVERY_STEP),
 }

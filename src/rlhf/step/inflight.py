@@ -1,0 +1,96 @@
+"""Responses in flight: sampled a chunk of tokens at a time, so new weights can load between chunks.
+
+A `Row` keeps what it has sampled so far, each token with its logprob and the policy version that sampled it. The
+streaming schedule calls `advance` on every unfinished row: one generate call continues each row from its prompt and
+the tokens it holds, for at most ``chunk`` more tokens, under whatever weights the generator holds now. An unfinished
+response therefore continues under new weights: its prefix is read again by the new weights (as a prompt is), and
+only its new tokens are sampled by them. This works with any generator that samples from a prompt of token ids (hf,
+vLLM, a Ray engine); vLLM's prefix cache spares the re-read until the weights change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from rlhf.data.prompts import PromptExample
+from rlhf.generators.base import SamplingParams
+from rlhf.generators.hf import left_pad
+from rlhf.trajectory import Trajectories, from_completions
+
+
+@dataclass
+class Row:
+    """One response being sampled, possibly under several policy versions."""
+
+    prompt: tuple[int, ...]  # the prompt's token ids
+    tokens: list[int] = field(default_factory=list)  # sampled so far
+    logprobs: list[float] = field(default_factory=list)  # the generator's logprob of each, under the version that sampled it
+    versions: list[int] = field(default_factory=list)  # the policy version that sampled each
+    stopped: bool = False  # ended by the stop token
+
+    def done(self, limit: int) -> bool:
+        """Stopped, or holding ``limit`` tokens (`generator.max_new_tokens`)."""
+        return self.stopped or len(self.tokens) >= limit
+
+
+@dataclass
+class Group:
+    """A prompt's ``samples_per_prompt`` rows, in flight together and trained together."""
+
+    index: int  # draw order: the streaming schedule trains groups in this order
+    example: PromptExample
+    rows: list[Row]
+    version: int  # the policy version that sampled its first tokens
+
+    @classmethod
+    def of(cls, index: int, example: PromptExample, size: int, version: int) -> "Group":
+        return cls(index, example, [Row(tuple(example.token_ids)) for _ in range(size)], version)
+
+    def done(self, limit: int) -> bool:
+        return all(row.done(limit) for row in self.rows)
+
+
+def advance(generator, rows: list[Row], sampling: SamplingParams, chunk: int, version: int) -> int:
+    """Sample up to ``chunk`` more tokens for each unfinished row with one generate call (``version``: the weights
+    ``generator`` holds). Rows never pass `sampling.max_new_tokens`; a stop token ends a row. Returns the tokens
+    sampled (kept)."""
+    limit = sampling.max_new_tokens
+    rows = [row for row in rows if not row.done(limit)]
+    if not rows:
+        return 0
+    budget = min(chunk, max(limit - len(row.tokens) for row in rows))
+    out = generator.generate([list(row.prompt) + row.tokens for row in rows], replace(sampling, max_new_tokens=budget))
+    ids, mask, logp, stopped = (t.cpu() for t in (out.window_ids, out.loss_mask, out.gen_logp, out.stopped))
+    kept = 0
+    for i, row in enumerate(rows):
+        sampled = int(mask[i].sum())
+        take = min(sampled, limit - len(row.tokens))  # a row nearer its limit than the chunk keeps only what fits
+        row.tokens += ids[i, :take].tolist()
+        row.logprobs += logp[i, :take].tolist()
+        row.versions += [version] * take
+        row.stopped = bool(stopped[i]) and take == sampled  # its stop token kept
+        kept += take
+    return kept
+
+
+def group_batch(group: Group, pad_id: int) -> Trajectories:
+    """A finished group's rows as single-turn trajectories (group id 0), with ``extras['token_versions']`` (B, T)
+    long: the version that sampled each response token (the last version past a row's end)."""
+    rows = group.rows
+    query_ids, query_mask = left_pad([list(row.prompt) for row in rows], pad_id)
+    width = max(1, max(len(row.tokens) for row in rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width))
+    logp = torch.zeros((len(rows), width))
+    versions = torch.full((len(rows), width), max(v for row in rows for v in row.versions or [group.version]), dtype=torch.long)
+    for i, row in enumerate(rows):
+        n = len(row.tokens)
+        ids[i, :n] = torch.tensor(row.tokens, dtype=torch.long)
+        mask[i, :n] = 1.0
+        logp[i, :n] = torch.tensor(row.logprobs)
+        versions[i, :n] = torch.tensor(row.versions, dtype=torch.long)
+    stopped = torch.tensor([row.stopped for row in rows])
+    batch = from_completions(query_ids, query_mask, ids, mask, logp, stopped)
+    return replace(batch, group_id=torch.zeros(len(rows), dtype=torch.long), extras={"token_versions": versions})

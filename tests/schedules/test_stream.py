@@ -1,0 +1,267 @@
+"""The streaming schedule: responses continued across weight pushes, per-token versions, the staleness bounds, the
+checkpoint's replay of groups drawn ahead, dynamic sampling, failures, and the config it refuses.
+
+Runs go through `rlhf.train.train` in this process with the built-in tiny model and the HF generator.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf.config.compose import compose_config
+from rlhf.config.validate import validate
+from rlhf.data.prompts import PromptExample, PromptStream, epochs_done
+from rlhf.errors import ConfigError
+from rlhf.functional.staleness import fresh_enough, oldest_version, token_staleness, versions_per_row
+from rlhf.generators.base import SamplingParams
+from rlhf.run import checkpoint
+from rlhf.run.checkpoint import STATE_FILE
+from rlhf.schedules.asynchronous import THREAD_NAME
+from rlhf.step.inflight import Group, Row, advance, group_batch
+from rlhf.step.learner import Learner
+from rlhf.train import train
+from rlhf.trajectory import concat, from_completions
+from test_async import slow_down
+
+FAST = ["schedule=stream", "train.prompts_per_step=4", "algorithm.num_samples_per_prompt=4", "train.micro_batch_size=16",
+        "eval.max_prompts=8", "eval.num_samples=1", "logging.tensorboard=false", "checkpoint.save_final_model=false"]
+
+
+def run(tmp_path: Path, *overrides: str) -> list[dict]:
+    """Train in this process with schedule=stream; the per-step metric records."""
+    out = tmp_path / "run"
+    train(compose_config([*FAST, *overrides]), out)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "async/token_staleness_max" in r]
+
+
+# --- pure pieces ----------------------------------------------------------------------------------------------
+
+
+def test_token_versions_by_hand():
+    """Trainer at version 5; row 0 sampled at 3, 4, 4 (one pad), row 1 at 5, 5 (two pads), row 2 nothing."""
+    versions = torch.tensor([[3, 4, 4, 9], [5, 5, 9, 9], [9, 9, 9, 9]])
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]])
+    assert token_staleness(versions, 5)[0, :3].tolist() == [2, 1, 1]
+    assert versions_per_row(versions, mask).tolist() == [2, 1, 0]
+    assert oldest_version(versions, mask)[:2].tolist() == [3, 5]
+    assert fresh_enough(versions, mask, 5, None) is mask
+    assert fresh_enough(versions, mask, 5, 1).tolist() == [[0, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]]
+    assert fresh_enough(versions, mask, 5, 0).tolist() == [[0, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]]
+
+
+def test_prompt_stream_replays_first_and_round_trips_it():
+    examples = [PromptExample(text=str(i), token_ids=(i,), ground_truth=str(i)) for i in range(5)]
+    stream = PromptStream(examples, seed=0)
+    order = [ex.text for ex in stream.next_batch(3)]
+    state = stream.state_dict() | {"replay": [int(order[2]), int(order[1])]}
+    assert epochs_done(state) == pytest.approx(1 / 5), "prompts waiting to be replayed are not consumed yet"
+    again = PromptStream(examples, seed=0)
+    again.load_state_dict(state)
+    assert [ex.text for ex in again.next_batch(3)] == [order[2], order[1], stream.next_batch(1)[0].text]
+    assert "replay" not in again.state_dict()
+
+
+def test_concat_pads_per_token_extras_to_the_widest_window(rollout):
+    narrow = rollout.select(torch.tensor([0]))
+    narrow = from_completions(narrow.input_ids[:, :-2], narrow.attention_mask[:, :-2], narrow.window_ids[:, :2],
+                              narrow.loss_mask[:, :2], narrow.gen_logp[:, :2], narrow.stopped)
+    wide = rollout.select(torch.tensor([1]))
+    parts = [
+        type(narrow)(**{**narrow.__dict__, "extras": {"token_versions": torch.tensor([[3, 4]]), "row": torch.tensor([1.0])}}),
+        type(wide)(**{**wide.__dict__, "extras": {"token_versions": torch.tensor([[5, 5, 5, 5]]), "row": torch.tensor([2.0])}}),
+    ]
+    joined = concat(parts, pad_id=0)
+    assert joined.extras["token_versions"].tolist() == [[3, 4, 0, 0], [5, 5, 5, 5]]
+    assert joined.extras["row"].tolist() == [1.0, 2.0]
+
+
+# --- responses continued across weight pushes ----------------------------------------------------------------
+
+
+def teacher_forced_logp(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The model's logprob of each of ``tokens`` after ``prompt`` (and the tokens before it)."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+    return logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def test_chunked_greedy_decoding_equals_one_decode(make_generator, tiny_model_dir, encode):
+    """Continuing each row from its sampled prefix, a token at a time, gives exactly the one-call decode."""
+    generator = make_generator(tiny_model_dir)
+    prompts = encode(["1+2=", "12+30=", "7"])
+    greedy = SamplingParams(10, greedy=True)
+    whole = generator.generate(prompts, greedy)
+    rows = [Row(tuple(p)) for p in prompts]
+    calls = 0
+    while not all(row.done(10) for row in rows):
+        advance(generator, rows, greedy, chunk=1, version=0)
+        calls += 1
+    assert calls == max(len(row.tokens) for row in rows) and calls > 1
+    for i, row in enumerate(rows):
+        n = int(whole.loss_mask[i].sum())
+        assert row.tokens == whole.window_ids[i, :n].tolist()
+        assert row.stopped == bool(whole.stopped[i])
+        assert torch.allclose(torch.tensor(row.logprobs), whole.gen_logp[i, :n], atol=1e-5)
+
+
+def test_a_push_between_chunks_samples_the_rest_of_each_response_with_the_new_weights(make_generator, tiny_model_dir, encode):
+    """Rows half-sampled by version 0 go on under version 1: the new tokens carry version 1 and the new weights'
+    logprobs (teacher-forced on the row's own prefix), the old ones keep version 0 and the old logprobs."""
+    generator = make_generator(tiny_model_dir)
+    old_model = make_generator(tiny_model_dir).model
+    prompts = encode(["1+2=", "12+30=", "7", "5+5="])
+    sampling = SamplingParams(12, temperature=1.0)
+    rows = [Row(tuple(p)) for p in prompts]
+    advance(generator, rows, sampling, chunk=3, version=0)
+    first = [len(row.tokens) for row in rows]
+    assert all(1 <= n <= 3 for n in first)
+    new = {k: v + 0.2 * torch.randn_like(v) for k, v in generator.model.state_dict().items()}
+    generator.update_weights(new)
+    while not all(row.done(12) for row in rows):
+        advance(generator, rows, sampling, chunk=3, version=1)
+    continued = [row for row, n in zip(rows, first) if len(row.tokens) > n]
+    assert continued, "no row outlived the first chunk"
+    for row, n in zip(rows, first):
+        assert row.versions == [0] * n + [1] * (len(row.tokens) - n)
+        assert len(row.tokens) <= 12
+        old = teacher_forced_logp(old_model, list(row.prompt), row.tokens)
+        fresh = teacher_forced_logp(generator.model, list(row.prompt), row.tokens)
+        sampled = torch.tensor(row.logprobs)
+        assert torch.allclose(sampled[:n], old[:n], atol=1e-4)
+        assert torch.allclose(sampled[n:], fresh[n:], atol=1e-4)
+        if len(row.tokens) > n:
+            assert not torch.allclose(sampled[n:], old[n:], atol=1e-3), "the continuation must be the new weights'"
+
+
+def test_a_row_keeps_only_what_fits_its_limit(make_generator, tiny_model_dir, encode):
+    """A chunk larger than a row's room: the row ends at `max_new_tokens`, not stopped."""
+    generator = make_generator(tiny_model_dir)
+    row = Row(tuple(encode(["1+2="])[0]), tokens=[3] * 9, logprobs=[0.0] * 9, versions=[0] * 9)
+    advance(generator, [row], SamplingParams(10, greedy=True), chunk=5, version=2)
+    assert len(row.tokens) == 10 and row.versions[-1] == 2
+    assert row.done(10)
+
+
+def test_group_batch_carries_each_tokens_version(encode):
+    group = Group.of(7, PromptExample("1+2=", tuple(encode(["1+2="])[0]), "3"), 2, version=4)
+    group.rows[0].tokens, group.rows[0].logprobs, group.rows[0].versions = [5, 2], [-0.5, -0.1], [4, 5]
+    group.rows[1].tokens, group.rows[1].logprobs, group.rows[1].versions = [6], [-1.0], [5]
+    group.rows[0].stopped = True
+    batch = group_batch(group, pad_id=0)
+    assert batch.window_ids.tolist() == [[5, 2], [6, 0]]
+    assert batch.loss_mask.tolist() == [[1, 1], [1, 0]]
+    assert batch.extras["token_versions"][:, :1].tolist() == [[4], [5]] and batch.extras["token_versions"][0, 1] == 5
+    assert batch.stopped.tolist() == [True, False] and batch.group_id.tolist() == [0, 0]
+
+
+# --- runs -----------------------------------------------------------------------------------------------------
+
+
+def test_slow_trainer_bounds_every_token_and_tags_its_version(tmp_path, monkeypatch):
+    """The generator runs ahead of a slow trainer, one version at most; every token's staleness is within it."""
+    slow_down(monkeypatch, Learner, "update", 0.3)
+    records = run(tmp_path, "train.num_steps=5", "schedule.chunk_tokens=1")
+    assert [r["async/staleness_max"] for r in records][0] == 0
+    assert max(r["async/staleness_max"] for r in records) == 1
+    assert all(r["async/token_staleness_max"] <= 1 and r["async/policy_version"] == r["step"] - 1 for r in records)
+    assert all(0 < r["stream/occupancy"] <= 1 for r in records)
+    assert not [t for t in threading.enumerate() if t.name == THREAD_NAME]
+
+
+def test_zero_staleness_is_on_policy(tmp_path, monkeypatch):
+    slow_down(monkeypatch, Learner, "update", 0.1)
+    records = run(tmp_path, "train.num_steps=4", "schedule.max_staleness=0", "schedule.chunk_tokens=1")
+    assert [r["async/token_staleness_max"] for r in records] == [0, 0, 0, 0]
+    assert [r["async/versions_per_row"] for r in records] == [1, 1, 1, 1]
+
+
+def test_token_gap_masks_exactly_the_stale_tokens(tmp_path, monkeypatch):
+    """max_token_version_gap=0 with max_staleness=1: each token is 0 or 1 version old, so the masked share is the
+    mean token staleness."""
+    slow_down(monkeypatch, Learner, "update", 0.3)
+    records = run(tmp_path, "train.num_steps=4", "schedule.max_token_version_gap=0", "schedule.chunk_tokens=1")
+    assert any(r["async/stale_token_share"] > 0 for r in records)
+    for r in records:
+        assert r["async/stale_token_share"] == pytest.approx(r["async/token_staleness_mean"])
+
+
+def test_checkpoint_replays_the_groups_drawn_ahead(tmp_path, monkeypatch):
+    """With the trainer slow, the producer has drawn step 3's groups when step 2 is saved: the checkpoint lists
+    them to be drawn again, and they are exactly the prompts the uninterrupted run trains at step 3."""
+    slow_down(monkeypatch, Learner, "update", 0.4)
+    out = tmp_path / "run"
+    train(compose_config([*FAST, "train.num_steps=3", "checkpoint.every=2", "checkpoint.keep_last=0"]), out)
+    state = json.loads((out / "checkpoints" / "step_00000002" / STATE_FILE).read_text())
+    trained = {json.loads(line)["step"]: json.loads(line)["prompts"] for line in (out / "prompts.jsonl").read_text().splitlines()}
+    assert state["prompts"]["replay"][:4] == trained[3]
+
+
+def test_learns_the_builtin_task(tmp_path):
+    records_dir = tmp_path / "run"
+    train(compose_config(["schedule=stream", "algorithm/rollout_correction=token_tis", "train.num_steps=60",
+                          "eval.every=60", "logging.tensorboard=false", "checkpoint.save_final_model=false"]), records_dir)
+    rows = {}
+    for line in (records_dir / "metrics.jsonl").read_text().splitlines():
+        rows.setdefault(json.loads(line)["step"], {}).update(json.loads(line))
+    assert rows[60]["eval/greedy_correct_rate"] > rows[0]["eval/greedy_correct_rate"] + 0.2
+
+
+def test_dynamic_sampling_passes_over_groups_without_a_signal(tmp_path):
+    records = run(tmp_path, "algorithm=dapo", "train.num_steps=3", "algorithm.max_resample_rounds=2")
+    assert all(0 < r["dynamic_sampling/kept_share"] <= 1 for r in records)
+    assert all(r["dynamic_sampling/kept_groups"] <= 4 for r in records)
+
+
+def test_a_failing_reward_stops_the_run_with_its_error_and_no_thread_left(tmp_path, monkeypatch):
+    """Scoring runs in the producer thread: its error reaches the trainer, which stops, and the thread is gone."""
+    from rlhf.step.collector import Collector
+
+    original, calls = Collector.score, []
+
+    def breaking(self, repeated, batch, training=True):
+        calls.append(1)
+        if training and len(calls) > 6:
+            raise ValueError("the reward broke")
+        return original(self, repeated, batch, training)
+
+    monkeypatch.setattr(Collector, "score", breaking)
+    with pytest.raises(ValueError, match="the reward broke"):
+        run(tmp_path, "train.num_steps=4", "eval.every=0")
+    assert not [t for t in threading.enumerate() if t.name == THREAD_NAME]
+
+
+# --- bad config -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["schedule.max_token_version_gap=-1"], r"schedule.max_token_version_gap=-1 must be >= 0"),
+    (["schedule.in_flight=8"], r"schedule.in_flight=8 rows cannot hold one step's groups .* raise it to at least 64"),
+    (["schedule.chunk_tokens=0"], r"schedule.chunk_tokens=0 must be >= 1"),
+    (["schedule.max_staleness=-1"], r"schedule.max_staleness=-1 must be >= 0"),
+    (["env=arith_retry", "model=tiny_arith_retry"], r"env=arith_retry plays episodes: use schedule=async"),
+    (["algorithm=remax"], r"algorithm.advantage=remax scores a greedy response"),
+    (["algorithm/policy_loss=importance_sampling"], r"unclipped ratio.*rollout_correction=token_tis"),
+    (["generator.name=test_stream.PlainGenerator"], r"does not say it continues a response"),
+])
+def test_bad_config_is_refused_before_any_model_loads(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(compose_config(["schedule=stream", "train.prompts_per_step=16", "algorithm.num_samples_per_prompt=4", *overrides]))
+
+
+class PlainGenerator:
+    """A generator that says nothing about continuing responses (a user's own)."""
+
+    from rlhf.generators.hf import HfGeneratorConfig as config
+
+
+def test_importance_sampling_is_accepted_with_a_correction_or_on_policy():
+    base = ["schedule=stream", "algorithm/policy_loss=importance_sampling"]
+    validate(compose_config([*base, "algorithm/rollout_correction=token_tis"]))
+    validate(compose_config([*base, "schedule.max_staleness=0"]))
