@@ -83,7 +83,7 @@ def recorder(monkeypatch):
     pytest.param(VLLM, marks=pytest.mark.slow, id="vllm"),
     pytest.param([*VLLM, "policy.lora.target_modules=[q_proj,down_proj]"], marks=pytest.mark.slow, id="vllm-some-layers"),
 ])
-@pytest.mark.parametrize("schedule", ["sync", "async"])
+@pytest.mark.parametrize("schedule", ["sync", "async", "stream"])
 def test_the_generator_decodes_what_the_trainers_adapters_decode_after_every_push(generator, schedule, recorder, tmp_path):
     cfg = compose_config([*RUN, *generator, f"schedule={schedule}"])
     train(cfg, tmp_path / "run")

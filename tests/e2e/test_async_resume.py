@@ -1,9 +1,10 @@
-"""kill -9, then resume=auto, under schedule=async and schedule=hybrid: the resumed run trains the same prompts in
-the same order as an uninterrupted run (`prompts.jsonl`), and async never exceeds `schedule.max_staleness`.
+"""kill -9, then resume=auto, under schedule=async, stream and hybrid: the resumed run trains the same prompts in
+the same order as an uninterrupted run (`prompts.jsonl`), and async and stream never exceed `schedule.max_staleness`.
 
 The killed run is the real CLI. It hangs in the policy loss of step HANG_STEP (a test hook plugged in by config),
 so the kill lands at a known point: step HANG_STEP - 1 trained and logged after the last checkpoint (step 2) and,
-under async, batches HANG_STEP and HANG_STEP + 1 drawn and sampled ahead of training. The reference and the resumed
+under async and stream, batches HANG_STEP and HANG_STEP + 1 drawn and sampled ahead of training (stream: possibly
+half-sampled, then drawn again on resume). The reference and the resumed
 run go through `rlhf.train.train` in this process (two interpreters fewer).
 """
 
@@ -34,7 +35,10 @@ COMMON = [
     "checkpoint.save_final_model=false", "checkpoint.every=2", "checkpoint.keep_last=0", "seed=3",
     "algorithm.policy_loss.name=hang_loss.hang_on_a_call",
 ]
-SCHEDULES = {"async": ["schedule=async", "schedule.max_staleness=1"], "hybrid": ["schedule=hybrid"]}
+SCHEDULES = {
+    "async": ["schedule=async", "schedule.max_staleness=1"], "hybrid": ["schedule=hybrid"],
+    "stream": ["schedule=stream", "schedule.max_staleness=1", "schedule.chunk_tokens=1"],
+}
 
 HANG_LOSS = '''
 import os

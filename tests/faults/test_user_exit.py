@@ -37,10 +37,12 @@ def run(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("schedule", ["sync", "async"])
+@pytest.mark.parametrize("schedule", ["sync", "async", "stream"])
 def test_sys_exit_in_a_reward_function_stops_the_run_as_its_error_with_the_last_step_saved(tmp_path, schedule):
-    # calls 1 and 2 score the evaluation at step 0, call 3 step 1, call 4 (step 2) exits
-    done = run(tmp_path, "reward.functions=[{name: exiting_rewards.exits_on_call}]", f"schedule={schedule}")
+    # calls 1 and 2 score the evaluation at step 0, call 3 step 1, call 4 (step 2) exits; stream scores each of a
+    # step's 16 groups as it ends: calls 3-18 are step 1's, call 20 one of step 2's
+    at = 20 if schedule == "stream" else 4
+    done = run(tmp_path, f"reward.functions=[{{name: exiting_rewards.exits_on_call, args: {{at: {at}}}}}]", f"schedule={schedule}")
     output = done.stdout + done.stderr
     assert done.returncode == exits.RUN_RAISED, output[-3000:]
     assert "UserExit: sys.exit(0) was called in exits_on_call (" in output

@@ -42,15 +42,17 @@ class VerifiedGenerator:
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor], **kwargs) -> None:
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None, **kwargs) -> None:
+        """Load and verify; ``version``: the step after which these weights were pushed, when a schedule that may
+        skip superseded pushes (async, stream) says which it loads (else the count of pushes tells)."""
         push, self.pushes = self.pushes, self.pushes + 1
         self.inner.update_weights(state_dict, **kwargs)
         if self.mode == "every" or (self.mode == "first" and push == 0):
-            self.verify(push, state_dict)
+            self.verify(push, state_dict, version)
 
-    def verify(self, push: int, state_dict: dict[str, torch.Tensor]) -> None:
+    def verify(self, push: int, state_dict: dict[str, torch.Tensor], version: int | None = None) -> None:
         """WeightSyncError unless the generator holds ``state_dict`` (as its dtype rounds it)."""
-        step = self.first_step + push
+        step = self.first_step + push if version is None else version
         after = f"the initial push (before step {step + 1})" if push == 0 else f"the push after step {step}"
         if getattr(self.inner, "asleep", False):
             raise WeightSyncError(

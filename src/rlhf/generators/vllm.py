@@ -267,6 +267,11 @@ class VLLMGenerator:
         response_ids, response_mask, logprobs, stopped = response_rows(outputs, self.stop_id, self.pad_id)
         return from_completions(query_ids, query_mask, response_ids, response_mask, logprobs, stopped)
 
+    def close(self) -> None:
+        """Shut the engine down now, not when it is garbage-collected: its teardown also tears down this process's
+        parallel state, which by then may be a newer engine's (a failed run's traceback can keep an engine alive)."""
+        self.llm.llm_engine.engine_core.shutdown()
+
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Replace the weights in place; the prefix cache is dropped, since its KV came from the old weights."""
         if self.asleep:

@@ -96,11 +96,14 @@ class Components:
         return self.learner.shuffle
 
     def close(self) -> None:
-        """Release remote workers and placement groups (a no-op for the local backend) and stop an environment's
-        endpoint (env=openai_agent)."""
+        """Release remote workers and placement groups (a no-op for the local backend), stop an environment's
+        endpoint (env=openai_agent) and shut down a local generator engine that asks to be (vLLM)."""
         close_env = getattr(self.env, "close", None)
         if callable(close_env):
             close_env()
+        close_generator = getattr(self.generator, "close", None) if self.backend is None else None
+        if callable(close_generator):
+            close_generator()
         if self.backend is not None:
             self.backend.shutdown()
             self.backend = None

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from rlhf.checks.weight_sync import VerifiedGenerator
 from rlhf.run import checkpoint
 from rlhf.errors import require
 from rlhf.generators.base import SamplingParams
@@ -65,7 +66,8 @@ class VersionedGenerator:
         with self.changed:
             pending, version, self._pending = self._pending, self.published, None
         if pending is not None:
-            self.inner.update_weights(pending)
+            # a verified generator names the step of the push it loads (a newer one may have superseded some)
+            self.inner.update_weights(pending, **({"version": version} if isinstance(self.inner, VerifiedGenerator) else {}))
             self.version = version
 
     def generate_versioned(self, prompts: list[list[int]], sampling: SamplingParams) -> tuple[Trajectories, int]:
@@ -177,8 +179,9 @@ class RolloutProducer:
                 break
             except queue.Empty:
                 if not self.thread.is_alive() and self.ready.empty():
-                    if self.error is not None:
-                        raise self.error
+                    if self.error is not None:  # handed over once: a traceback holding the producer would hold the engine
+                        error, self.error = self.error, None
+                        raise error
                     raise RuntimeError(f"the rollout producer stopped before batch {index}")
         if produced.index != index:
             raise RuntimeError(f"rollout producer out of order: expected batch {index}, got {produced.index}")

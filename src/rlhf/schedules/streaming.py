@@ -232,6 +232,8 @@ class StreamingProducer:
         the last `train.prompts_per_step` as they are). Re-raises the producer's error."""
         if self.thread.ident is None:
             self.thread.start()
+        if self.error is not None:  # even with the step's groups ready: the generator is broken (a failed weight load)
+            raise self.take_error()
         first = self.consumed[step - 1]
         want = self.prompts_per_step
         most = want * (1 + self.collector.max_resample_rounds) if self.filtering else want
@@ -243,7 +245,7 @@ class StreamingProducer:
                 self.wanted = max(self.wanted, index + 1)
                 while index not in self.ready:
                     if self.error is not None or not self.thread.is_alive():
-                        raise self.error or RuntimeError(f"the streaming producer stopped before group {index}")
+                        raise self.take_error() or RuntimeError(f"the streaming producer stopped before group {index}")
                     self.lock.wait(timeout=0.1)
                 finished = self.ready[index]
                 taken.append(finished)
@@ -259,6 +261,12 @@ class StreamingProducer:
         if self.filtering:
             stats |= {"kept": len(kept), "taken": len(taken)}
         return (kept if kept else taken[-want:]), stats
+
+    def take_error(self) -> BaseException | None:
+        """The producer's error, handed over once: the producer lets go of it, or the error's traceback (which holds
+        the frames that hold the producer) would keep the generator's engine alive in a reference cycle."""
+        error, self.error = self.error, None
+        return error
 
     def _has_signal(self, finished: Finished) -> bool:
         scored = finished.scored
@@ -353,13 +361,17 @@ def run(c, cfg, sizes, tracker, state: RunState, stop) -> RunState:
     collector.generator = generator
     producer = StreamingProducer(collector, generator, cfg.schedule, state.step, cfg.train.num_steps)
     try:
-        return run_steps(
+        state = run_steps(
             c, cfg, sizes, tracker, state, stop, lambda step: stream_step(c, cfg, state, producer, step),
             stream_states=producer.states_after, guard=generator.lock,
         )
     finally:
         producer.close()
         collector.generator = generator.inner
+    error = producer.take_error()
+    if error is not None:  # after the last step's groups (a weight load that failed its check): still a failure
+        raise error
+    return state
 
 
 run.config = StreamConfig  # its keys (`schedule.*`)
