@@ -10,10 +10,13 @@ import sys
 from pathlib import Path
 
 
-def train_records(name: str, overrides: list[str], folder: Path, source: Path | None = None) -> list[dict]:
+def train_records(
+    name: str, overrides: list[str], folder: Path, source: Path | None = None, keep_eval: bool = False
+) -> list[dict]:
     """Run `python -m rlhf.train <overrides>` in a fresh subfolder of ``folder``; its step records after step 1
-    (step 1 is a warm-up). ``source``: run the `rlhf` package of another checkout (its ``src`` folder) instead of
-    the installed one. Exits with the run's stderr tail if it fails."""
+    (step 1 is a warm-up), or with ``keep_eval`` every record (evaluation rows, step 0's too). ``source``: run the
+    `rlhf` package of another checkout (its ``src`` folder) instead of the installed one. Exits with the run's
+    stderr tail if it fails."""
     out = folder / f"{name}-{len(list(folder.iterdir()))}"
     cmd = [sys.executable, "-m", "rlhf.train", *overrides, f"hydra.run.dir={out}"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -23,7 +26,7 @@ def train_records(name: str, overrides: list[str], folder: Path, source: Path | 
     if proc.returncode != 0:
         sys.exit(f"{name} run failed ({proc.returncode}):\n{proc.stdout[-1500:]}\n{proc.stderr[-3000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in records if "time/step" in r and r["step"] > 1]
+    return records if keep_eval else [r for r in records if "time/step" in r and r["step"] > 1]
 
 
 def save_random_llama(

@@ -48,6 +48,7 @@ def _load_builtins() -> None:
     _BUILTINS_LOADED = True
     for module in (
         "rlhf.data.arith",
+        "rlhf.data.count",
         "rlhf.data.mix",
         "rlhf.data.preferences",
         "rlhf.data.reasoning_gym",

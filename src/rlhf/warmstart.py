@@ -4,6 +4,7 @@
     python -m rlhf.warmstart --output-dir /tmp/m --steps 200
     python -m rlhf.warmstart --retry             # rebuilds src/rlhf/assets/tiny_arith_retry (env=arith_retry)
     python -m rlhf.warmstart --teacher           # rebuilds src/rlhf/assets/tiny_arith_teacher (experiment=opd_arith_tiny)
+    python -m rlhf.warmstart --count             # rebuilds src/rlhf/assets/tiny_count (dataset=count, the long-tail task)
 
 It trains a tiny Llama from scratch on addition demonstrations that are right only part of the time:
 by default 30% correct, 40% off by one (the most common single answer, so greedy decoding starts out
@@ -14,6 +15,9 @@ errors to fix; none of this runs inside `python -m rlhf.train`.
 again (`<bos>3+4=8<eos>3+4=`) with a retry that is right 30% of the time and repeats the rejected answer 40%
 of the time (so a greedy retry starts wrong too). Without it the model has never seen a token after <eos>
 and answers a retry with an empty string most of the time: RL would have nothing to reinforce there.
+
+``--count`` demonstrates the counting task (`dataset=count`): 35% exact, 35% stopping a little early or late (up to
+a fifth of N), 20% at a random length, 10% malformed; its model has room for 128 positions.
 
 ``--teacher`` is not supervised: it runs the default training (`python -m rlhf.train` as it stands: GRPO from
 `tiny_arith`, 200 steps, seed 1) and keeps the policy it ends with, the stronger built-in model that
@@ -32,6 +36,7 @@ import torch
 
 from rlhf.config.compose import compose_config
 from rlhf.data.arith import ALPHABET, arith_problems
+from rlhf.data.count import CountDatasetConfig, count_answer
 from rlhf.models.hf_folder import save_hf_folder
 from rlhf.models.tiny import build_char_tokenizer, build_tiny_llama
 from rlhf.train import train as rl_train
@@ -39,6 +44,8 @@ from rlhf.train import train as rl_train
 DEFAULT_OUTPUT = Path(__file__).parent / "assets" / "tiny_arith"
 RETRY_OUTPUT = Path(__file__).parent / "assets" / "tiny_arith_retry"
 TEACHER_OUTPUT = Path(__file__).parent / "assets" / "tiny_arith_teacher"
+COUNT_OUTPUT = Path(__file__).parent / "assets" / "tiny_count"
+COUNT_MIX = {"correct": 0.35, "near": 0.35, "random": 0.20, "malformed": 0.10}
 MIX = {"correct": 0.30, "off_by_one": 0.40, "random": 0.20, "malformed": 0.10}
 RETRY_MIX = {"correct": 0.30, "repeat": 0.40, "random": 0.20, "malformed": 0.10}  # answers after a wrong one
 
@@ -90,15 +97,45 @@ def build_examples(
     return examples
 
 
+def count_demonstration(n: int, rng: random.Random, max_count: int) -> str:
+    """One noisy demonstration of counting to ``n``: exact, near (off by up to a fifth of n), random or malformed."""
+    kind = rng.choices(list(COUNT_MIX), weights=list(COUNT_MIX.values()))[0]
+    if kind == "correct":
+        return count_answer(n)
+    if kind == "near":
+        spread = max(1, n // 5)
+        return count_answer(max(1, n + rng.choice([d for d in range(-spread, spread + 1) if d])))
+    if kind == "random":
+        return count_answer(rng.randint(1, max_count))
+    return "".join(rng.choice(ALPHABET) for _ in range(rng.randint(1, 8)))
+
+
+def build_count_examples(tokenizer, max_count: int, per_problem: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    """(token ids of prompt + demonstration + EOS, 1 where the loss applies) for every count 1..max_count."""
+    rng = random.Random(seed)
+    examples = []
+    for n in range(1, max_count + 1):
+        prompt_ids = tokenizer(f"{n}=")["input_ids"]
+        for _ in range(per_problem):
+            reply = tokenizer(count_demonstration(n, rng, max_count), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            examples.append((prompt_ids + reply, [0] * len(prompt_ids) + [1] * len(reply)))
+    return examples
+
+
 def train(
-    output_dir: Path, steps: int, batch_size: int, lr: float, seed: int, max_operand: int, retry: bool = False
+    output_dir: Path, steps: int, batch_size: int, lr: float, seed: int, max_operand: int, retry: bool = False,
+    count: bool = False,
 ) -> None:
     torch.manual_seed(seed)
     tokenizer = build_char_tokenizer(ALPHABET)
     model = build_tiny_llama(
-        len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
+        len(tokenizer), max_positions=128 if count else 64, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )
-    examples = build_examples(tokenizer, max_operand, per_problem=64, seed=seed, retry=retry)
+    if count:
+        examples = build_count_examples(tokenizer, CountDatasetConfig.max_count, per_problem=64, seed=seed)
+    else:
+        examples = build_examples(tokenizer, max_operand, per_problem=64, seed=seed, retry=retry)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / steps)
     rng = random.Random(seed)
@@ -141,12 +178,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-operand", type=int, default=9, help="operands range over 0..max-operand")
     parser.add_argument("--retry", action="store_true", help="also demonstrate env=arith_retry's retry turn")
     parser.add_argument("--teacher", action="store_true", help="the distillation teacher: the default RL run's final policy")
+    parser.add_argument("--count", action="store_true", help="the counting task's model (dataset=count)")
     args = parser.parse_args(argv)
     if args.teacher:
         build_teacher(args.output_dir or TEACHER_OUTPUT, seed=1)
         return
-    output_dir = args.output_dir or (RETRY_OUTPUT if args.retry else DEFAULT_OUTPUT)
-    train(output_dir, args.steps, args.batch_size, args.lr, args.seed, args.max_operand, args.retry)
+    output_dir = args.output_dir or (COUNT_OUTPUT if args.count else RETRY_OUTPUT if args.retry else DEFAULT_OUTPUT)
+    train(output_dir, args.steps, args.batch_size, args.lr, args.seed, args.max_operand, args.retry, args.count)
 
 
 if __name__ == "__main__":

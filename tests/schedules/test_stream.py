@@ -111,6 +111,26 @@ def test_chunked_greedy_decoding_equals_one_decode(make_generator, tiny_model_di
         assert torch.allclose(torch.tensor(row.logprobs), whole.gen_logp[i, :n], atol=1e-5)
 
 
+def test_rows_joining_and_leaving_the_batch_decode_as_they_would_alone(make_generator, tiny_model_dir, encode):
+    """The hf generator's continuous batch: a row that joins a batch mid-decode (its prompt of another length), one
+    left out of a call (its cache dropped, read again later) and one that goes on throughout each end exactly as the
+    one-call greedy decode of their prompt alone."""
+    generator = make_generator(tiny_model_dir)
+    prompts = encode(["1+2=", "12+30=", "7", "45+5=9"])
+    greedy = SamplingParams(12, greedy=True)
+    alone = [generator.generate([p], greedy) for p in prompts]
+    rows = [Row(tuple(p)) for p in prompts]
+    advance(generator, rows[:2], greedy, chunk=2, version=0)
+    advance(generator, [rows[0], rows[2]], greedy, chunk=3, version=0)  # row 1 left out, row 2 joins
+    advance(generator, [rows[0], rows[1], rows[3]], greedy, chunk=1, version=0)  # row 2 left out, row 1 read again
+    while not all(row.done(12) for row in rows):
+        advance(generator, rows, greedy, chunk=4, version=0)
+    for row, one in zip(rows, alone):
+        n = int(one.loss_mask[0].sum())
+        assert row.tokens == one.window_ids[0, :n].tolist() and row.stopped == bool(one.stopped[0])
+        assert torch.allclose(torch.tensor(row.logprobs), one.gen_logp[0, :n], atol=1e-4)
+
+
 def test_a_push_between_chunks_samples_the_rest_of_each_response_with_the_new_weights(make_generator, tiny_model_dir, encode):
     """Rows half-sampled by version 0 go on under version 1: the new tokens carry version 1 and the new weights'
     logprobs (teacher-forced on the row's own prefix), the old ones keep version 0 and the old logprobs."""

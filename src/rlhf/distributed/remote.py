@@ -212,6 +212,18 @@ class RemoteGenerator:
         parts = self.group.call_split("generate", len(prompts), prompts.__getitem__, sampling, every_rank=False)
         return concat(parts, self.pad_id)
 
+    def continue_rows(self, requests: list, sampling: SamplingParams, steps: int) -> list:
+        """schedule=stream: each row to the engine of rank key % engines, so it finds its KV cache there again."""
+        ranks = len(self.group)
+        shares = {rank: [i for i, request in enumerate(requests) if request[0] % ranks == rank] for rank in range(ranks)}
+        shares = {rank: rows for rank, rows in shares.items() if rows}
+        results = self.group.call("continue_rows", {rank: ([requests[i] for i in rows], sampling, steps) for rank, rows in shares.items()})
+        answers: list = [None] * len(requests)
+        for rank, rows in shares.items():
+            for i, answer in zip(rows, results[rank]):
+                answers[i] = answer
+        return answers
+
     def update_weights(self, state) -> None:
         """``state``: a weights dict or a Ray reference to one (each engine fetches it from the object store).
         A sleeping engine wakes with these weights."""

@@ -13,6 +13,7 @@ from rlhf.generators.base import (
 )
 from rlhf.generators.memory import FLOAT32, GenerationWork, GeneratorShape, MemoryNeed, kv_cache_bytes, own_copy_memory
 from rlhf.micro_batches import halvings
+from rlhf.generators.continuous import ContinuousBatch, Continued, Request
 from rlhf.generators.decode import decode
 from rlhf.generators.static_decode import StaticDecoder, bucket_for, cache_columns
 from rlhf.models.loading import load_causal_lm
@@ -102,7 +103,7 @@ class HFGenerator:
     """Samples with its own copy of the policy weights, refreshed by `update_weights` after each step."""
 
     config = HfGeneratorConfig
-    continues_responses = True  # a prompt may end in a response's sampled prefix (schedule=stream continues it)
+    continues_responses = True  # `continue_rows`: rows go on from their KV cache (schedule=stream)
 
     @staticmethod
     def plan_memory(config: HfGeneratorConfig, model: GeneratorShape, work: GenerationWork) -> list[MemoryNeed]:
@@ -163,10 +164,12 @@ class HFGenerator:
 
         self._shapes: dict[str, torch.Size] | None = None  # set while asleep: the released parameters' shapes
         self.freed_bytes = 0  # what the last sleep released
+        self._continuous: ContinuousBatch | None = None  # schedule=stream's rows in flight; new weights drop them
 
     @torch.no_grad()
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load ``state_dict``: every weight, or some of them (a LoRA policy's adapted layers; the rest stay)."""
+        self._continuous = None  # rows in flight are read again under the new weights
         if self._shapes is not None:
             self.wake_up(state_dict)
             return
@@ -178,6 +181,7 @@ class HFGenerator:
         """Free the weights (and the static decode's cache and graphs, which read them) until `wake_up` brings new
         ones."""
         self.freed_bytes = self.resident_bytes()
+        self._continuous = None
         self._shapes = release_parameters(self.model)
         if self.static is not None:
             self.static.free()
@@ -208,6 +212,15 @@ class HFGenerator:
     def resident_bytes(self) -> int:
         """Bytes of weights this generator holds now (0 while asleep)."""
         return parameter_bytes(self.model)
+
+    def continue_rows(self, requests: list[Request], sampling: SamplingParams, steps: int) -> list[Continued]:
+        """schedule=stream: each row continued by up to ``steps`` tokens from the KV cache it left in this generator
+        (`rlhf.generators.continuous`); a row it does not hold, or holds from older weights, is read first."""
+        if self.asleep:
+            raise RuntimeError("the generator is asleep; wake_up() it with the new weights before generating")
+        if self._continuous is None:
+            self._continuous = ContinuousBatch(self.model)
+        return self._continuous.run(requests, sampling, steps, self.stop_id, self.pad_id)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Trajectories:

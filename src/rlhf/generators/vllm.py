@@ -21,6 +21,7 @@ from rlhf.errors import require
 from rlhf.generators.base import (
     GeneratorConfig, SamplingParams, parameter_bytes, release_parameters, restore_parameters, runs_on_cpu,
 )
+from rlhf.generators.continuous import Continued, Request, continue_by_generate
 from rlhf.generators.memory import ENGINE_SHARE, MemoryNeed
 from rlhf.generators.hf import left_pad, stop_token_id
 from rlhf.models.loading import resolve_model_path
@@ -162,7 +163,7 @@ class VLLMGenerator:
     """One vLLM engine per process (one per generator rank on the Ray backend)."""
 
     config = VllmGeneratorConfig
-    continues_responses = True  # a prompt may end in a response's sampled prefix (schedule=stream continues it)
+    continues_responses = True  # `continue_rows`: a response's prefix is read as a prompt (schedule=stream)
 
     @staticmethod
     def check_run(config: VllmGeneratorConfig, cfg, ranks: dict[str, int]) -> None:
@@ -266,6 +267,11 @@ class VLLMGenerator:
         query_ids, query_mask = left_pad(prompts, self.pad_id)
         response_ids, response_mask, logprobs, stopped = response_rows(outputs, self.stop_id, self.pad_id)
         return from_completions(query_ids, query_mask, response_ids, response_mask, logprobs, stopped)
+
+    def continue_rows(self, requests: list[Request], sampling: SamplingParams, steps: int) -> list[Continued]:
+        """schedule=stream: each row's tokens sampled on from as a prompt (the prefix cache holds their KV until the
+        weights change)."""
+        return continue_by_generate(self, requests, sampling, steps)
 
     def close(self) -> None:
         """Shut the engine down now, not when it is garbage-collected: its teardown also tears down this process's

@@ -68,3 +68,22 @@ def integer_format(prompts, responses, ground_truths, **_) -> list[float]:
 def length_penalty(prompts, responses, ground_truths, target_chars: int = 0, **_) -> list[float]:
     """Minus the number of characters beyond ``target_chars``: discourages rambling."""
     return [-float(max(0, len(r) - target_chars)) for r in responses]
+
+
+@register("reward", "count_correct")
+@verifier
+def count_correct(prompts, responses, ground_truths, **_) -> list[float]:
+    """1.0 when the response is exactly the count (`dataset=count`), else 0.0."""
+    return [float(r.strip() == str(g)) for r, g in zip(responses, ground_truths)]
+
+
+@register("reward", "count_closeness")
+def count_closeness(prompts, responses, ground_truths, **_) -> list[float]:
+    """How near a well-formed count stops: 1 - |len(response) - N| / N, at least 0; 0 for a response that is not
+    the start of 1234567890 repeated (`dataset=count`)."""
+    scores = []
+    for response, truth in zip(responses, ground_truths):
+        response, n = response.strip(), len(str(truth))
+        pattern = ("1234567890" * (len(response) // 10 + 1))[: len(response)]
+        scores.append(max(0.0, 1.0 - abs(len(response) - n) / n) if response and response == pattern else 0.0)
+    return scores

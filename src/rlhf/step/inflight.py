@@ -2,22 +2,27 @@
 
 A `Row` keeps what it has sampled so far, each token with its logprob and the policy version that sampled it. The
 streaming schedule calls `advance` on every unfinished row: one generate call continues each row from its prompt and
-the tokens it holds, for at most ``chunk`` more tokens, under whatever weights the generator holds now. An unfinished
-response therefore continues under new weights: its prefix is read again by the new weights (as a prompt is), and
-only its new tokens are sampled by them. This works with any generator that samples from a prompt of token ids (hf,
-vLLM, a Ray engine); vLLM's prefix cache spares the re-read until the weights change.
+the tokens it holds, for at most ``chunk`` more tokens, under whatever weights the generator holds now
+(`rlhf.generators.continuous`: the hf generator keeps each row's KV cache between calls and reads every row again
+after new weights; vLLM reads a row's tokens as a prompt, its prefix cache sparing the re-read until the weights
+change). An unfinished response therefore continues under new weights, its new tokens sampled by them.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from rlhf.data.prompts import PromptExample
 from rlhf.generators.base import SamplingParams
+from rlhf.generators.continuous import continue_by_generate
 from rlhf.generators.hf import left_pad
 from rlhf.trajectory import Trajectories, from_completions
+
+
+_KEYS = itertools.count()  # row keys, unique in the process
 
 
 @dataclass
@@ -25,6 +30,7 @@ class Row:
     """One response being sampled, possibly under several policy versions."""
 
     prompt: tuple[int, ...]  # the prompt's token ids
+    key: int = field(default_factory=lambda: next(_KEYS))  # names the row to the generator while it is in flight
     tokens: list[int] = field(default_factory=list)  # sampled so far
     logprobs: list[float] = field(default_factory=list)  # the generator's logprob of each, under the version that sampled it
     versions: list[int] = field(default_factory=list)  # the policy version that sampled each
@@ -53,26 +59,27 @@ class Group:
 
 
 def advance(generator, rows: list[Row], sampling: SamplingParams, chunk: int, version: int) -> int:
-    """Sample up to ``chunk`` more tokens for each unfinished row with one generate call (``version``: the weights
-    ``generator`` holds). Rows never pass `sampling.max_new_tokens`; a stop token ends a row. Returns the tokens
-    sampled (kept)."""
+    """Sample up to ``chunk`` more tokens for each unfinished row (``version``: the weights ``generator`` holds), by
+    its `continue_rows` (the hf generator continues each row from its KV cache) or else one generate call on each
+    row's tokens. Rows never pass `sampling.max_new_tokens`; a stop token ends a row. Returns the tokens sampled."""
     limit = sampling.max_new_tokens
     rows = [row for row in rows if not row.done(limit)]
     if not rows:
         return 0
-    budget = min(chunk, max(limit - len(row.tokens) for row in rows))
-    out = generator.generate([list(row.prompt) + row.tokens for row in rows], replace(sampling, max_new_tokens=budget))
-    ids, mask, logp, stopped = (t.cpu() for t in (out.window_ids, out.loss_mask, out.gen_logp, out.stopped))
-    kept = 0
-    for i, row in enumerate(rows):
-        sampled = int(mask[i].sum())
-        take = min(sampled, limit - len(row.tokens))  # a row nearer its limit than the chunk keeps only what fits
-        row.tokens += ids[i, :take].tolist()
-        row.logprobs += logp[i, :take].tolist()
-        row.versions += [version] * take
-        row.stopped = bool(stopped[i]) and take == sampled  # its stop token kept
-        kept += take
-    return kept
+    requests = [(row.key, list(row.prompt) + row.tokens, limit - len(row.tokens)) for row in rows]
+    continue_rows = getattr(generator, "continue_rows", None)
+    if continue_rows is not None:
+        answers = continue_rows(requests, sampling, chunk)
+    else:
+        answers = continue_by_generate(generator, requests, sampling, chunk)
+    sampled = 0
+    for row, (tokens, logprobs, stopped) in zip(rows, answers):
+        row.tokens += tokens
+        row.logprobs += logprobs
+        row.versions += [version] * len(tokens)
+        row.stopped = stopped
+        sampled += len(tokens)
+    return sampled
 
 
 def group_batch(group: Group, pad_id: int) -> Trajectories:

@@ -1,0 +1,99 @@
+"""Benchmark: sync, async and stream on the long-tail counting task, side by side in one run.
+
+The same GRPO work (`experiment=stream_count_tiny`: correct responses of 1 to 60 tokens, most of them short) trains
+the same number of steps, so the same number of samples, under each schedule through the real CLI, the schedules
+alternated `--repeats` times so machine noise hits them alike. Step 1 is a warm-up and is left out of the speeds.
+Prints per schedule: seconds per step, samples and generated tokens per second, the generator's share of busy time,
+and the learning over the same sample budget (the training score over the last quarter of the steps, and the
+evaluation at the end against the start); for stream, the policy versions per row and the token staleness. Then
+the throughput ratios stream / async and stream / sync.
+
+Examples:
+  python bench/streaming.py                                # HF generator, one process (generator thread + trainer)
+  python bench/streaming.py --ray                          # generator and trainer in separate Ray workers
+  python bench/streaming.py --ray -- generator=vllm generator.kv_cache_memory_bytes=67108864
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+from cli_runs import train_records
+
+SCHEDULES = {
+    "sync": ["schedule=sync"],
+    "async": ["schedule=async", "schedule.max_staleness=1"],
+    "stream": ["schedule=stream", "schedule.max_staleness=1"],
+}
+COMMON = ["experiment=stream_count_tiny", "logging.tensorboard=false", "checkpoint.save_final_model=false"]
+# Ray: one trainer rank (the reference beside it) and one generation engine, each its own process (the two cores)
+RAY = ["cluster=ray_local", "cluster.roles.policy.devices_per_node=1", "cluster.roles.reference.devices_per_node=1",
+       "cluster.colocate=[[policy,reference]]", "cluster.num_cpus=2"]
+
+
+def summary(records: list[dict], first: dict, last: dict) -> dict[str, float]:
+    """Speeds over the steps after the warm-up, learning over all of them (``first``/``last``: the eval rows)."""
+    steps = sorted({r["step"] for r in records})
+    by_step = {r["step"]: r for r in records}
+    seconds = statistics.median(by_step[s]["time/step"] for s in steps)
+    rows = statistics.mean(by_step[s]["episode"] / s for s in steps)
+    lengths = statistics.mean(by_step[s]["val/sequence_lengths"] for s in steps)
+    tail = steps[-max(1, len(steps) // 4):]
+    out = {
+        "s/step": seconds,
+        "samples/s": rows / seconds,
+        "tokens/s": rows * lengths / seconds,
+        "generation share": statistics.median(by_step[s]["time/generation"] / by_step[s]["time/step"] for s in steps),
+        "score (last quarter)": statistics.mean(by_step[s]["objective/scores"] for s in tail),
+        "eval correct start": first.get("eval/greedy_correct_rate", float("nan")),
+        "eval correct end": last.get("eval/greedy_correct_rate", float("nan")),
+        "eval sampled score end": last.get("eval/sampled_scores", float("nan")),
+    }
+    if "async/versions_per_row" in by_step[steps[0]]:
+        out["versions/row"] = statistics.mean(by_step[s]["async/versions_per_row"] for s in steps)
+        out["token staleness"] = statistics.mean(by_step[s]["async/token_staleness_mean"] for s in steps)
+    return out
+
+
+def run(name: str, steps: int, extra: list[str], folder: Path) -> dict[str, float]:
+    overrides = [*COMMON, *SCHEDULES[name], f"train.num_steps={steps}", f"eval.every={steps}", *extra]
+    records = train_records(name, overrides, folder, keep_eval=True)
+    evals = [r for r in records if "eval/greedy_correct_rate" in r]
+    steps_only = [r for r in records if "time/step" in r and r["step"] > 1]
+    return summary(steps_only, evals[0], evals[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=40, help="training steps per run (the same samples for each schedule)")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of the three schedules, alternated")
+    parser.add_argument("--ray", action="store_true", help="generator and trainer as separate Ray workers")
+    parser.add_argument("--schedules", default="sync,async,stream", help="which to run, comma-separated")
+    parser.add_argument("--chunk-tokens", type=int, default=None, help="schedule.chunk_tokens for stream (default: its default)")
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every schedule (after --)")
+    args = parser.parse_args()
+    extra = (RAY if args.ray else []) + args.overrides
+    names = args.schedules.split(",")
+    results: dict[str, list[dict]] = {name: [] for name in names}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(args.repeats):
+            for name in names:
+                own = [f"schedule.chunk_tokens={args.chunk_tokens}"] if name == "stream" and args.chunk_tokens else []
+                results[name].append(run(name, args.steps, extra + own, Path(tmp)))
+    merged = {name: {k: statistics.mean(r[k] for r in rs) for k in rs[0]} for name, rs in results.items()}
+    keys = list(dict.fromkeys(k for m in merged.values() for k in m))
+    print(f"work: {' '.join(COMMON + extra)}, {args.steps} steps x {args.repeats} run(s) per schedule")
+    print("| figure | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for key in keys:
+        print(f"| {key} | " + " | ".join(f"{merged[n][key]:.3f}" if key in merged[n] else "" for n in names) + " |")
+    for base in ("async", "sync"):
+        if "stream" in merged and base in merged:
+            print(f"throughput stream / {base} = {merged['stream']['samples/s'] / merged[base]['samples/s']:.2f}x (samples/s)")
+
+
+if __name__ == "__main__":
+    main()
