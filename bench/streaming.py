@@ -8,7 +8,12 @@ and the learning over the same sample budget (the training score over the last q
 evaluation at the end against the start); for stream, the policy versions per row and the token staleness. Then
 the throughput ratios stream / async and stream / sync.
 
+`--engine` measures the hf generator alone instead (one thread, no training): rows per second decoding the task's
+prompts batch by batch (8 prompts x 8 samples a generate call, as sync and async do) against continuous batching
+(`rlhf.generators.continuous`: rows join as others finish, `--widths` rows in flight).
+
 Examples:
+  python bench/streaming.py --engine                       # the decode alone: batch at a time vs continuous
   python bench/streaming.py                                # HF generator, one process (generator thread + trainer)
   python bench/streaming.py --ray                          # generator and trainer in separate Ray workers
   python bench/streaming.py --ray -- generator=vllm generator.kv_cache_memory_bytes=67108864
@@ -66,6 +71,48 @@ def run(name: str, steps: int, extra: list[str], folder: Path) -> dict[str, floa
     return summary(steps_only, evals[0], evals[-1])
 
 
+def engine(widths: list[int], chunk: int, rows: int) -> None:
+    """Rows per second of the hf generator on the counting prompts: batch at a time, then continuously at each width."""
+    import random
+    import time
+
+    import torch
+    from omegaconf import OmegaConf
+
+    from rlhf.config.schema import ModelConfig
+    from rlhf.data.count import count_problems
+    from rlhf.generators.base import SamplingParams
+    from rlhf.generators.hf import HFGenerator, HfGeneratorConfig
+    from rlhf.models.loading import load_tokenizer
+    from rlhf.step.inflight import Row, advance
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer("builtin:tiny_count")
+    model = OmegaConf.structured(ModelConfig(name_or_path="builtin:tiny_count"))
+    generator = HFGenerator(HfGeneratorConfig(name="hf", decode="eager"), model, tokenizer, torch.device("cpu"))
+    prompts = [tokenizer(prompt)["input_ids"] for prompt, _ in count_problems(60)]
+    sampling, rng = SamplingParams(64), random.Random(0)
+    group = lambda: [rng.choice(prompts)] * 8  # noqa: E731  8 samples of a prompt
+    start, done, tokens = time.perf_counter(), 0, 0
+    while done < rows:
+        out = generator.generate([p for _ in range(8) for p in group()], sampling)
+        done, tokens = done + len(out), tokens + int(out.loss_mask.sum())
+    seconds = time.perf_counter() - start
+    print(f"| batch at a time (64 rows a call) | {done / seconds:.0f} | {tokens / seconds:.0f} | 1.00 |")
+    base = done / seconds
+    for width in widths:
+        start, done, tokens, flight = time.perf_counter(), 0, 0, []
+        while done < rows:
+            while len(flight) + 8 <= width:
+                flight += [Row(tuple(p)) for p in group()]
+            tokens += advance(generator, flight, sampling, chunk, 0)
+            done += sum(row.done(64) for row in flight)
+            flight = [row for row in flight if not row.done(64)]
+        seconds = time.perf_counter() - start
+        print(f"| continuous, {width} rows in flight, {chunk}-token chunks | {done / seconds:.0f} | {tokens / seconds:.0f} | {done / seconds / base:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40, help="training steps per run (the same samples for each schedule)")
@@ -74,7 +121,14 @@ def main() -> None:
     parser.add_argument("--schedules", default="sync,async,stream", help="which to run, comma-separated")
     parser.add_argument("--chunk-tokens", type=int, default=None, help="schedule.chunk_tokens for stream (default: its default)")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every schedule (after --)")
+    parser.add_argument("--engine", action="store_true", help="the hf decode alone: batch at a time vs continuous")
+    parser.add_argument("--widths", default="64,128,256", help="--engine: rows in flight, comma-separated")
+    parser.add_argument("--rows", type=int, default=1280, help="--engine: rows decoded per measurement")
     args = parser.parse_args()
+    if args.engine:
+        print("| decode | rows/s | tokens/s | x batch at a time |\n|---|---|---|---|")
+        engine([int(w) for w in args.widths.split(",")], args.chunk_tokens or 8, args.rows)
+        return
     extra = (RAY if args.ray else []) + args.overrides
     names = args.schedules.split(",")
     results: dict[str, list[dict]] = {name: [] for name in names}

