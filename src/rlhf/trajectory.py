@@ -206,6 +206,18 @@ def from_completions(
     )
 
 
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask), each (B, longest prompt), padded on the left."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        if prompt:
+            ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            mask[row, width - len(prompt) :] = 1
+    return ids, mask
+
+
 def _pad(t: torch.Tensor, left: int, right: int, value: float) -> torch.Tensor:
     return torch.nn.functional.pad(t, (left, right), value=value) if left or right else t
 

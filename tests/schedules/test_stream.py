@@ -191,7 +191,8 @@ def test_slow_trainer_bounds_every_token_and_tags_its_version(tmp_path, monkeypa
     assert [r["async/staleness_max"] for r in records][0] == 0
     assert max(r["async/staleness_max"] for r in records) == 1
     assert all(r["async/token_staleness_max"] <= 1 and r["async/policy_version"] == r["step"] - 1 for r in records)
-    assert all(0 < r["stream/occupancy"] <= 1 for r in records)
+    assert all(0 <= r["stream/occupancy"] <= 1 for r in records)  # 0: nothing left to decode since the last step
+    assert any(r["stream/occupancy"] > 0 for r in records)
     assert not [t for t in threading.enumerate() if t.name == THREAD_NAME]
 
 

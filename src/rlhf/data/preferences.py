@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from rlhf.data.arith import arith_problems
-from rlhf.generators.hf import left_pad
+from rlhf.trajectory import left_pad
 from rlhf.registry import register
 
 

@@ -21,7 +21,7 @@ from transformers import DynamicCache
 from rlhf.generators.base import SamplingParams
 from rlhf.generators.decode import next_tokens
 from rlhf.models.logprobs import keeps_logits
-from rlhf.trajectory import real_positions
+from rlhf.trajectory import left_pad, real_positions
 
 Request = tuple[int, list[int], int]  # (key, tokens so far, tokens it may still sample)
 Continued = tuple[list[int], list[float], bool]  # (tokens sampled now, their logprobs, stopped)
@@ -122,8 +122,6 @@ class ContinuousBatch:
 
     def _add(self, rows: list[tuple[int, list[int]]], pad_id: int) -> None:
         """Read the new rows' tokens (one prefill) and join them to the batch, caches aligned on the right."""
-        from rlhf.generators.hf import left_pad
-
         device = next(self.model.parameters()).device
         ids, mask = (t.to(device) for t in left_pad([tokens for _, tokens in rows], pad_id))
         positions = real_positions(mask)

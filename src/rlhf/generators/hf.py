@@ -18,7 +18,7 @@ from rlhf.generators.decode import decode
 from rlhf.generators.static_decode import StaticDecoder, bucket_for, cache_columns
 from rlhf.models.loading import load_causal_lm
 from rlhf.registry import register
-from rlhf.trajectory import Trajectories, concat, from_completions
+from rlhf.trajectory import Trajectories, concat, from_completions, left_pad
 from rlhf.models.fingerprint import fingerprint
 
 
@@ -32,18 +32,6 @@ def stop_token_id(tokenizer, stop_token: str) -> int:
     if token_id is None or token_id == tokenizer.unk_token_id:
         raise ValueError(f"generator.stop_token={stop_token!r} is not a single token of this tokenizer")
     return int(token_id)
-
-
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, mask), each (B, longest prompt), padded on the left."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        if prompt:
-            ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            mask[row, width - len(prompt) :] = 1
-    return ids, mask
 
 
 def truncate_at_stop(tokens: torch.Tensor, stop_id: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -23,10 +23,10 @@ from rlhf.generators.base import (
 )
 from rlhf.generators.continuous import Continued, Request, continue_by_generate
 from rlhf.generators.memory import ENGINE_SHARE, MemoryNeed
-from rlhf.generators.hf import left_pad, stop_token_id
+from rlhf.generators.hf import stop_token_id
 from rlhf.models.loading import resolve_model_path
 from rlhf.registry import register
-from rlhf.trajectory import Trajectories, from_completions
+from rlhf.trajectory import Trajectories, from_completions, left_pad
 from rlhf.models.fingerprint import fingerprint
 
 log = logging.getLogger(__name__)

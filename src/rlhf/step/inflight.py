@@ -18,8 +18,7 @@ import torch
 from rlhf.data.prompts import PromptExample
 from rlhf.generators.base import SamplingParams
 from rlhf.generators.continuous import continue_by_generate
-from rlhf.generators.hf import left_pad
-from rlhf.trajectory import Trajectories, from_completions
+from rlhf.trajectory import Trajectories, from_completions, left_pad
 
 
 _KEYS = itertools.count()  # row keys, unique in the process
