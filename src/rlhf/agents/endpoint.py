@@ -127,6 +127,7 @@ class AgentRunner:
 
     def __init__(self, maker, cfg, tokenizer, stop_id: int) -> None:
         self.maker, self.cfg, self.tokenizer = maker, cfg, tokenizer
+        self._limit = asyncio.Semaphore(cfg.max_concurrency)  # agents running at once; binds to the agents' loop at first use
         template = PLAIN_TEMPLATE if cfg.chat_template == "plain" else cfg.chat_template
         if template is None and not getattr(tokenizer, "chat_template", None):
             raise ConfigError(
@@ -280,12 +281,6 @@ class AgentRunner:
                     raise RuntimeError(f"{type(err).__name__}({err}) inside run()") from None
 
         return asyncio.run_coroutine_threadsafe(agent(), self._agents)
-
-    @property
-    def _limit(self) -> asyncio.Semaphore:
-        if getattr(self, "_semaphore", None) is None:
-            self._semaphore = asyncio.Semaphore(self.cfg.max_concurrency)  # made on the agents' loop
-        return self._semaphore
 
     def _serve(self, generator, sessions: list[Session], started: dict) -> None:
         """Answer requests until every session has settled."""

@@ -149,11 +149,11 @@ class Rehearsal:
     def sleep_and_wake(self) -> str:
         self.c.generator.sleep()
         freed = self.c.generator.freed_bytes
-        self.c.generator.update_weights(self.c.policy.state_dict())  # wakes it with the new weights
+        self.c.collector.load_weights(self.c.learner.weights())  # wakes it with the new weights, as schedule=hybrid does
         return f"{freed / 2**20:.0f} MiB freed asleep"
 
     def push(self) -> str:
-        self.c.generator.update_weights(self.c.policy.state_dict())
+        self.c.collector.load_weights(self.c.learner.weights())  # what every schedule's push sends
         return f"verified (checks.weight_sync={self.cfg.checks.weight_sync})"
 
     def evaluate(self) -> str:

@@ -199,12 +199,18 @@ class RolloutProducer:
 
     def close(self, timeout: float = 60.0) -> None:
         """Stop after the current generate call and join the thread."""
-        self.stopping.set()
-        if self.thread.ident is None:
-            return
-        self.thread.join(timeout)
-        if self.thread.is_alive():
-            log.warning("the rollout producer did not stop within %.0f s (a generate call is still running)", timeout)
+        stop_thread(self.stopping, self.thread, timeout, "the rollout producer")
+
+
+def stop_thread(stopping: threading.Event, thread: threading.Thread, timeout: float, name: str) -> None:
+    """Ask a producer ``thread`` to stop (``stopping``) and join it; warn, naming it, if it is still in a generate call
+    after ``timeout`` seconds. A thread never started needs nothing."""
+    stopping.set()
+    if thread.ident is None:
+        return
+    thread.join(timeout)
+    if thread.is_alive():
+        log.warning("%s did not stop within %.0f s (a generate call is still running)", name, timeout)
 
 
 def staleness_metrics(versions: torch.Tensor, trainer_version: int, bound: int) -> dict[str, float]:

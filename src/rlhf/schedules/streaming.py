@@ -36,7 +36,7 @@ from rlhf.parts import PartConfig
 from rlhf.registry import register, resolve
 from rlhf.run import checkpoint
 from rlhf.run.state import RunState
-from rlhf.schedules.asynchronous import THREAD_NAME, VersionedGenerator, staleness_metrics
+from rlhf.schedules.asynchronous import THREAD_NAME, VersionedGenerator, staleness_metrics, stop_thread
 from rlhf.schedules.loop import one_step, push_to_generator, run_steps, timed
 from rlhf.step.inflight import Group, advance, group_batch
 from rlhf.step.scored import Scored, groups_with_signal, join, with_groups
@@ -149,6 +149,7 @@ class StreamingProducer:
         self.wanted = 0  # groups the trainer waits for (beyond the bound when dynamic sampling passes groups over)
         self.stopping = threading.Event()
         self.error: BaseException | None = None
+        self.loaded = base  # the policy version the generator held at the last chunk
         self.stats = {"decode_s": 0.0, "chunks": 0, "tokens": 0, "slots": 0, "loads": 0}  # since the last `take`
         self.thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
 
@@ -169,9 +170,9 @@ class StreamingProducer:
         """Load pushed weights, start groups where there is room, sample one chunk; the groups that finished."""
         limit = self.collector.sampling.max_new_tokens
         with self.generator.pinned() as (generator, version):
-            if version != getattr(self, "_version", version):
+            if version != self.loaded:
                 self.stats["loads"] += 1
-            self._version = version
+                self.loaded = version
             self._start_groups(version)
             with self.lock:
                 rows = [row for group in self.drawn if group.index not in self.ready for row in group.rows if not row.done(limit)]
@@ -287,12 +288,7 @@ class StreamingProducer:
 
     def close(self, timeout: float = 60.0) -> None:
         """Stop after the current chunk and join the thread."""
-        self.stopping.set()
-        if self.thread.ident is None:
-            return
-        self.thread.join(timeout)
-        if self.thread.is_alive():
-            log.warning("the streaming producer did not stop within %.0f s (a generate call is still running)", timeout)
+        stop_thread(self.stopping, self.thread, timeout, "the streaming producer")
 
 
 def step_batch(finished: list[Finished], pad_id: int, trainer_version: int, config: StreamConfig) -> Scored:
