@@ -131,6 +131,17 @@ def test_rows_joining_and_leaving_the_batch_decode_as_they_would_alone(make_gene
         assert torch.allclose(torch.tensor(row.logprobs), one.gen_logp[0, :n], atol=1e-4)
 
 
+def test_a_call_without_rows_lets_every_row_go(make_generator, tiny_model_dir, encode):
+    """Asked for no rows, the continuous batch drops what it held; a row asked for later is read from scratch."""
+    generator = make_generator(tiny_model_dir)
+    row = Row(tuple(encode(["1+2="])[0]))
+    advance(generator, [row], SamplingParams(6, greedy=True), chunk=1, version=0)
+    assert generator.continue_rows([], SamplingParams(6), 1) == [] and generator._continuous.keys == []
+    advance(generator, [row], SamplingParams(6, greedy=True), chunk=6, version=0)
+    alone = generator.generate([list(row.prompt)], SamplingParams(6, greedy=True))
+    assert row.tokens == alone.window_ids[0, : int(alone.loss_mask[0].sum())].tolist()
+
+
 def test_a_push_between_chunks_samples_the_rest_of_each_response_with_the_new_weights(make_generator, tiny_model_dir, encode):
     """Rows half-sampled by version 0 go on under version 1: the new tokens carry version 1 and the new weights'
     logprobs (teacher-forced on the row's own prefix), the old ones keep version 0 and the old logprobs."""

@@ -54,6 +54,10 @@ class ContinuousBatch:
 
     def __init__(self, model) -> None:
         self.model = model
+        self._clear()
+
+    def _clear(self) -> None:
+        """No rows in flight."""
         self.keys: list[int] = []  # the rows' keys, in the order the cache holds them
         self.lengths: list[int] = []  # tokens each row holds (prompt and sampled)
         self.cache: DynamicCache | None = None
@@ -64,6 +68,9 @@ class ContinuousBatch:
     @torch.no_grad()
     def run(self, requests: list[Request], sampling: SamplingParams, steps: int, stop_id: int, pad_id: int) -> list[Continued]:
         """Continue each requested row by up to ``steps`` tokens (see the module's contract)."""
+        if not requests:
+            self._clear()
+            return []
         wanted = {key: (tokens, room) for key, tokens, room in requests}
         self._keep([i for i, key in enumerate(self.keys) if key in wanted and len(wanted[key][0]) == self.lengths[i]])
         held = set(self.keys)
@@ -107,7 +114,7 @@ class ContinuousBatch:
         if len(rows) == len(self.keys):
             return
         if not rows:
-            self.__init__(self.model)
+            self._clear()
             return
         index = torch.tensor(rows, device=self.mask.device)
         self.cache.batch_select_indices(index)
