@@ -36,6 +36,15 @@ def test_every_stage_of_a_step_runs_and_nothing_is_left_behind(schedule, tmp_pat
     assert list(out.iterdir()) == []  # the checkpoint and export went to temporary folders, now gone
 
 
+def test_a_lora_policy_rehearses_the_hybrid_wake_with_every_weight(tmp_path):
+    """Asleep, the generator holds no weights: the rehearsed wake sends all of them, as schedule=hybrid's does, not
+    the adapted layers a LoRA policy pushes after a step (which a sleeping generator cannot load)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    results = rehearse(compose_config(["schedule=hybrid", "policy.lora.rank=8", "policy.lora.alpha=16"]), out)
+    assert set(statuses(results).values()) == {"ok"}, [(r.name, r.detail) for r in results if r.status != "ok"]
+
+
 def test_a_failing_stage_is_named_with_its_error_and_the_rest_are_not_run(tmp_path, monkeypatch):
     (tmp_path / "raising_rewards.py").write_text(RAISING_REWARD)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -149,7 +149,7 @@ class Rehearsal:
     def sleep_and_wake(self) -> str:
         self.c.generator.sleep()
         freed = self.c.generator.freed_bytes
-        self.c.collector.load_weights(self.c.learner.weights())  # wakes it with the new weights, as schedule=hybrid does
+        self.c.collector.load_weights(self.c.policy.state_dict())  # every weight: asleep it holds none (schedule=hybrid's wake)
         return f"{freed / 2**20:.0f} MiB freed asleep"
 
     def push(self) -> str:
