@@ -14,7 +14,7 @@ from rlhf.config.validate import validate
 from rlhf.data.count import CountDatasetConfig, count_answer, count_dataset, count_problems
 from rlhf.errors import ConfigError
 from rlhf.models.loading import load_causal_lm, load_tokenizer
-from rlhf.rewards.rules import count_closeness, count_correct
+from rlhf.rewards.rules import count_closeness, exact_match
 
 
 def test_answers_count_up_through_the_digits():
@@ -43,7 +43,7 @@ def test_dataset_evaluates_on_a_shuffled_sample_of_the_same_prompts():
 def test_rewards_score_exact_counts_and_near_misses():
     truths = ["12345", "12345", "12345", "12345", "1234567890"]
     responses = ["12345", "1234", "1234567", "12x45", ""]
-    assert count_correct(None, responses, truths) == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert exact_match(None, responses, truths) == [1.0, 0.0, 0.0, 0.0, 0.0]
     assert count_closeness(None, responses, truths) == pytest.approx([1.0, 0.8, 0.6, 0.0, 0.0])
     assert count_closeness(None, ["1234567890123456789012"], ["12"]) == [0.0]  # 10 too long: clipped at 0
 

@@ -23,7 +23,7 @@ import pytest
 
 from rlhf.config.compose import compose_config
 from rlhf.train import train
-from test_resume import assert_same_curve, checkpoint_steps, metrics_by_step
+from test_resume import assert_same_curve, checkpoint_steps, metrics_by_step, sigterm_after
 
 pytestmark = pytest.mark.slow
 
@@ -135,15 +135,7 @@ def test_sigterm_under_stream_on_the_long_tail_task_then_resume_trains_the_same_
             "checkpoint.save_final_model=false", "checkpoint.keep_last=0", "schedule.chunk_tokens=4", "seed=3"]
     reference_dir, run_dir = tmp_path / "reference", tmp_path / "run"
     train(compose_config(args), reference_dir)
-    proc = subprocess.Popen([sys.executable, "-m", "rlhf.train", *args, f"hydra.run.dir={run_dir}"], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 300
-    while not (run_dir / "metrics.jsonl").exists() or len(metrics_by_step(run_dir)) < 2:
-        assert proc.poll() is None and time.time() < deadline
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 5, out[-2000:]
+    sigterm_after([*args, f"hydra.run.dir={run_dir}"], run_dir, 2, tmp_path)
     (saved,) = checkpoint_steps(run_dir)
     assert saved < steps
     state = json.loads((run_dir / "checkpoints" / f"step_{saved:08d}" / "trainer_state.json").read_text())

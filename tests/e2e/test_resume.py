@@ -131,19 +131,26 @@ def test_resume_from_a_path_that_is_no_checkpoint_fails_clearly(tmp_path):
     assert "not a complete checkpoint folder" in proc.stdout + proc.stderr
 
 
-def test_sigterm_saves_a_checkpoint_and_the_run_resumes(reference_run, tmp_path):
-    run_dir = tmp_path / "run"
-    args = [f"train.num_steps={STEPS}", "eval.every=0", "seed=5", f"hydra.run.dir={run_dir}"]
+def sigterm_after(args: list[str], run_dir: Path, steps: int, cwd: Path) -> str:
+    """Start the CLI with ``args``, send SIGTERM once ``steps`` steps are logged in ``run_dir``, and return its output;
+    it must exit 5 (interrupted and saved: rlhf.exits.INTERRUPTED_SAVED), not finish."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlhf.train", *args], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [sys.executable, "-m", "rlhf.train", *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     deadline = time.time() + 300
-    while not (run_dir / "metrics.jsonl").exists() or len(metrics_by_step(run_dir)) < 3:
+    while not (run_dir / "metrics.jsonl").exists() or len(metrics_by_step(run_dir)) < steps:
         assert proc.poll() is None and time.time() < deadline
         time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 5, out[-2000:]  # interrupted and saved (rlhf.exits.INTERRUPTED_SAVED), not finished
+    assert proc.returncode == 5, out[-2000:]
+    return out
+
+
+def test_sigterm_saves_a_checkpoint_and_the_run_resumes(reference_run, tmp_path):
+    run_dir = tmp_path / "run"
+    args = [f"train.num_steps={STEPS}", "eval.every=0", "seed=5", f"hydra.run.dir={run_dir}"]
+    out = sigterm_after(args, run_dir, 3, tmp_path)
     assert "SIGTERM" in out and "resume=auto" in out
     (saved,) = checkpoint_steps(run_dir)
     assert saved == max(metrics_by_step(run_dir)) < STEPS

@@ -181,7 +181,7 @@ def test_a_row_keeps_only_what_fits_its_limit(make_generator, tiny_model_dir, en
 
 
 def test_group_batch_carries_each_tokens_version(encode):
-    group = Group.of(7, PromptExample("1+2=", tuple(encode(["1+2="])[0]), "3"), 2, version=4)
+    group = Group.of(7, PromptExample("1+2=", tuple(encode(["1+2="])[0]), "3"), 2)
     group.rows[0].tokens, group.rows[0].logprobs, group.rows[0].versions = [5, 2], [-0.5, -0.1], [4, 5]
     group.rows[1].tokens, group.rows[1].logprobs, group.rows[1].versions = [6], [-1.0], [5]
     group.rows[0].stopped = True

@@ -91,7 +91,6 @@ class HFGenerator:
     """Samples with its own copy of the policy weights, refreshed by `update_weights` after each step."""
 
     config = HfGeneratorConfig
-    continues_responses = True  # `continue_rows`: rows go on from their KV cache (schedule=stream)
 
     @staticmethod
     def plan_memory(config: HfGeneratorConfig, model: GeneratorShape, work: GenerationWork) -> list[MemoryNeed]:

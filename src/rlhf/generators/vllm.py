@@ -163,7 +163,6 @@ class VLLMGenerator:
     """One vLLM engine per process (one per generator rank on the Ray backend)."""
 
     config = VllmGeneratorConfig
-    continues_responses = True  # `continue_rows`: a response's prefix is read as a prompt (schedule=stream)
 
     @staticmethod
     def check_run(config: VllmGeneratorConfig, cfg, ranks: dict[str, int]) -> None:

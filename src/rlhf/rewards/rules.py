@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 
+from rlhf.data.count import count_answer
 from rlhf.registry import register
 
 _INTEGER = re.compile(r"-?\d+")
@@ -70,13 +71,6 @@ def length_penalty(prompts, responses, ground_truths, target_chars: int = 0, **_
     return [-float(max(0, len(r) - target_chars)) for r in responses]
 
 
-@register("reward", "count_correct")
-@verifier
-def count_correct(prompts, responses, ground_truths, **_) -> list[float]:
-    """1.0 when the response is exactly the count (`dataset=count`), else 0.0."""
-    return [float(r.strip() == str(g)) for r, g in zip(responses, ground_truths)]
-
-
 @register("reward", "count_closeness")
 def count_closeness(prompts, responses, ground_truths, **_) -> list[float]:
     """How near a well-formed count stops: 1 - |len(response) - N| / N, at least 0; 0 for a response that is not
@@ -84,6 +78,6 @@ def count_closeness(prompts, responses, ground_truths, **_) -> list[float]:
     scores = []
     for response, truth in zip(responses, ground_truths):
         response, n = response.strip(), len(str(truth))
-        pattern = ("1234567890" * (len(response) // 10 + 1))[: len(response)]
-        scores.append(max(0.0, 1.0 - abs(len(response) - n) / n) if response and response == pattern else 0.0)
+        well_formed = bool(response) and response == count_answer(len(response))
+        scores.append(max(0.0, 1.0 - abs(len(response) - n) / n) if well_formed else 0.0)
     return scores

@@ -28,7 +28,6 @@ import time
 from dataclasses import dataclass, replace
 from typing import Optional
 
-import torch
 
 from rlhf.errors import require
 from rlhf.functional.staleness import fresh_enough, oldest_version, token_staleness, versions_per_row
@@ -76,10 +75,10 @@ def check_run(config: StreamConfig, cfg) -> None:
     samples, prompts = algorithm.num_samples_per_prompt, cfg.train.prompts_per_step
     generator = resolve("generator", cfg.generator.name, key="generator.name")
     require(
-        bool(getattr(generator, "continues_responses", False)),
+        callable(getattr(generator, "continue_rows", None)),
         f"schedule=stream loads new weights mid-response, but generator={cfg.generator.name} does not say it continues a "
-        "response from its sampled prefix (a class attribute `continues_responses = True`): use generator=hf or vllm, "
-        "or schedule=async",
+        "response from its sampled prefix (a `continue_rows` method; `rlhf.generators.continuous.continue_by_generate` "
+        "makes one from `generate`): use generator=hf or vllm, or schedule=async",
     )
     rows = prompts * samples
     require(
@@ -196,7 +195,7 @@ class StreamingProducer:
             allowed = self._allowed(version)
             while self.next_index < allowed and busy + self.group_size <= self.in_flight:
                 example = self.collector.prompts.next_batch(1)[0]
-                self.drawn.append(Group.of(self.next_index, example, self.group_size, version))
+                self.drawn.append(Group.of(self.next_index, example, self.group_size))
                 self.next_index += 1
                 busy += self.group_size
 
@@ -271,8 +270,7 @@ class StreamingProducer:
 
     def _has_signal(self, finished: Finished) -> bool:
         scored = finished.scored
-        verdicts = scored.batch.extras["correct"] if self.collector.filter_on == "accuracy" else scored.scores
-        return bool(groups_with_signal(verdicts, [list(range(len(scored.batch)))]))
+        return bool(groups_with_signal(self.collector.verdicts(scored), [list(range(len(scored.batch)))]))
 
     def states_after(self, step: int) -> dict:
         """The prompt stream's, reward statistics' and RNGs' states for a checkpoint after ``step``: the stream as

@@ -79,8 +79,7 @@ class Collector:
             scored = self.sample(examples, self.samples_per_prompt, sampling, generator=generator)
             rounds.append(scored)
             groups = group_rows(scored.batch.group_id)
-            verdicts = scored.batch.extras["correct"] if self.filter_on == "accuracy" else scored.scores
-            signal = groups_with_signal(verdicts, groups)
+            signal = groups_with_signal(self.verdicts(scored), groups)
             generated += len(groups)
             kept.append(take_groups(scored, signal[: wanted - num_kept]))
             num_kept += len(signal)
@@ -102,6 +101,11 @@ class Collector:
             "dynamic_sampling/kept_groups": float(trained),
         }
         return replace(result, metrics=metrics)
+
+    def verdicts(self, scored: Scored):
+        """What must differ within a group for dynamic sampling to keep it: the verifier's verdicts
+        (`filter_on=accuracy`) or the scores. Shape: (B,)."""
+        return scored.batch.extras["correct"] if self.filter_on == "accuracy" else scored.scores
 
     def sample(
         self, examples: list[PromptExample], samples_per_prompt: int, sampling: SamplingParams, training: bool = True,

@@ -17,7 +17,6 @@ import torch
 
 from rlhf.data.prompts import PromptExample
 from rlhf.generators.base import SamplingParams
-from rlhf.generators.continuous import continue_by_generate
 from rlhf.trajectory import Trajectories, from_completions, left_pad
 
 
@@ -47,30 +46,25 @@ class Group:
     index: int  # draw order: the streaming schedule trains groups in this order
     example: PromptExample
     rows: list[Row]
-    version: int  # the policy version that sampled its first tokens
 
     @classmethod
-    def of(cls, index: int, example: PromptExample, size: int, version: int) -> "Group":
-        return cls(index, example, [Row(tuple(example.token_ids)) for _ in range(size)], version)
+    def of(cls, index: int, example: PromptExample, size: int) -> "Group":
+        return cls(index, example, [Row(tuple(example.token_ids)) for _ in range(size)])
 
     def done(self, limit: int) -> bool:
         return all(row.done(limit) for row in self.rows)
 
 
 def advance(generator, rows: list[Row], sampling: SamplingParams, chunk: int, version: int) -> int:
-    """Sample up to ``chunk`` more tokens for each unfinished row (``version``: the weights ``generator`` holds), by
-    its `continue_rows` (the hf generator continues each row from its KV cache) or else one generate call on each
-    row's tokens. Rows never pass `sampling.max_new_tokens`; a stop token ends a row. Returns the tokens sampled."""
+    """Sample up to ``chunk`` more tokens for each unfinished row (``version``: the weights ``generator`` holds) with
+    its `continue_rows` (`rlhf.generators.continuous`). Rows never pass `sampling.max_new_tokens`; a stop token ends
+    a row. Returns the tokens sampled."""
     limit = sampling.max_new_tokens
     rows = [row for row in rows if not row.done(limit)]
     if not rows:
         return 0
     requests = [(row.key, list(row.prompt) + row.tokens, limit - len(row.tokens)) for row in rows]
-    continue_rows = getattr(generator, "continue_rows", None)
-    if continue_rows is not None:
-        answers = continue_rows(requests, sampling, chunk)
-    else:
-        answers = continue_by_generate(generator, requests, sampling, chunk)
+    answers = generator.continue_rows(requests, sampling, chunk)
     sampled = 0
     for row, (tokens, logprobs, stopped) in zip(rows, answers):
         row.tokens += tokens
@@ -83,14 +77,14 @@ def advance(generator, rows: list[Row], sampling: SamplingParams, chunk: int, ve
 
 def group_batch(group: Group, pad_id: int) -> Trajectories:
     """A finished group's rows as single-turn trajectories (group id 0), with ``extras['token_versions']`` (B, T)
-    long: the version that sampled each response token (the last version past a row's end)."""
+    long: the version that sampled each response token (0 past a row's end, as `concat` pads it)."""
     rows = group.rows
     query_ids, query_mask = left_pad([list(row.prompt) for row in rows], pad_id)
     width = max(1, max(len(row.tokens) for row in rows))
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width))
     logp = torch.zeros((len(rows), width))
-    versions = torch.full((len(rows), width), max(v for row in rows for v in row.versions or [group.version]), dtype=torch.long)
+    versions = torch.zeros((len(rows), width), dtype=torch.long)
     for i, row in enumerate(rows):
         n = len(row.tokens)
         ids[i, :n] = torch.tensor(row.tokens, dtype=torch.long)
