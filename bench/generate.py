@@ -87,43 +87,85 @@ def measure(generators: dict[str, HFGenerator], prompts, sampling, repeats: int,
     return {name: statistics.median(values) for name, values in times.items()}, tokens
 
 
-def bench(folder: str, device: torch.device, rows_list, new_list, paths, prompt_len: int, repeats: int,
-          deadline: float = float("inf")) -> tuple[list[dict], dict[str, HFGenerator]]:
-    """(one row of figures per (rows, new tokens, path), the generators). One generator per path serves every size (a
-    compiled step compiles once per model, not once per size)."""
+def bench(folder: str, device: torch.device, sizes, paths, prompt_len: int, repeats: int,
+          deadline: float = float("inf"), strict: bool = True) -> tuple[list[dict], dict[str, HFGenerator]]:
+    """(one row of figures per (rows, new tokens) of ``sizes`` and path, the generators). One generator per path
+    serves every size (a compiled step compiles once per model, not once per size). Sizes are taken in the order
+    given; one that would start past ``deadline`` is skipped. Not ``strict``: a path that raises is reported in a row
+    of its own and left out of the sizes after, so one broken path costs only its own figures."""
     tokenizer = load_tokenizer(folder)
     model_cfg = OmegaConf.structured(ModelConfig(name_or_path=folder, dtype="bfloat16" if device.type == "cuda" else "float32"))
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
     made = {
-        name: HFGenerator(OmegaConf.structured(HfGeneratorConfig(name="hf", batch_size=max(rows_list), **PATHS[name])),
+        name: HFGenerator(OmegaConf.structured(HfGeneratorConfig(name="hf", batch_size=max(r for r, _ in sizes), **PATHS[name])),
                           model_cfg, tokenizer, device)
         for name in paths
     }
     results = []
-    for rows in rows_list:
-        for new in new_list:
-            if time.perf_counter() > deadline:
-                results.append({"rows": rows, "new_tokens": new, "skipped": "out of time"})
-                continue
-            chosen = {name: g for name, g in made.items()
-                      if not (name.startswith("eager") and device.type == "cuda" and new > EAGER_MAX_NEW)}
-            generator = torch.Generator().manual_seed(rows + new)
-            prompts = [torch.randint(3, 30, (prompt_len,), generator=generator).tolist() for _ in range(rows)]
-            greedy = {name: g.generate(prompts, SamplingParams(min(new, 32), greedy=True)).input_ids for name, g in chosen.items()}
-            torch.manual_seed(0)
-            seconds, tokens = measure(chosen, prompts, SamplingParams(new, temperature=1.0), repeats, device)
-            floor = floor_seconds(made[paths[0]].model, rows, prompt_len, new, bandwidth) if bandwidth else None
-            base = seconds.get("eager")
-            for name in chosen:
-                row = {"rows": rows, "new_tokens": new, "path": name, "s_per_call": round(seconds[name], 4),
-                       "tokens_per_s": round(tokens[name] / seconds[name]),
-                       "vs_eager": round(base / seconds[name], 2) if base else "",
-                       "greedy_same_as_eager": bool(torch.equal(greedy[name], greedy["eager"])) if "eager" in greedy else ""}
-                if floor is not None:
-                    row["floor_tokens_per_s"] = round(rows * new / floor)
-                results.append(row)
-                print(row, file=sys.stderr, flush=True)
+
+    def broke(name: str, rows: int, new: int, error: Exception) -> None:
+        if strict:
+            raise error
+        del made[name]
+        results.append({"rows": rows, "new_tokens": new, "path": name, "error": f"{type(error).__name__}: {error}"[:600]})
+        print(results[-1], file=sys.stderr, flush=True)
+
+    for rows, new in sizes:
+        if time.perf_counter() > deadline:
+            results.append({"rows": rows, "new_tokens": new, "skipped": "out of time"})
+            continue
+        generator = torch.Generator().manual_seed(rows + new)
+        prompts = [torch.randint(3, 30, (prompt_len,), generator=generator).tolist() for _ in range(rows)]
+        greedy = {}
+        for name in [n for n in made if not (n.startswith("eager") and device.type == "cuda" and new > EAGER_MAX_NEW)]:
+            try:
+                greedy[name] = made[name].generate(prompts, SamplingParams(min(new, 32), greedy=True)).input_ids
+            except Exception as error:  # noqa: BLE001 - reported as the path's row
+                broke(name, rows, new, error)
+        chosen = {name: made[name] for name in greedy}
+        torch.manual_seed(0)
+        seconds, tokens = measure(chosen, prompts, SamplingParams(new, temperature=1.0), repeats, device)
+        floor = floor_seconds(next(iter(made.values())).model, rows, prompt_len, new, bandwidth) if bandwidth else None
+        base = seconds.get("eager")
+        for name in chosen:
+            row = {"rows": rows, "new_tokens": new, "path": name, "s_per_call": round(seconds[name], 4),
+                   "tokens_per_s": round(tokens[name] / seconds[name]),
+                   "vs_eager": round(base / seconds[name], 2) if base else "",
+                   "greedy_same_as_eager": bool(torch.equal(greedy[name], greedy["eager"])) if "eager" in greedy else "",
+                   "greedy_rows_same": same_rows(greedy[name], greedy["eager"]) if "eager" in greedy else ""}
+            if floor is not None:
+                row["floor_tokens_per_s"] = round(rows * new / floor)
+            results.append(row)
+            print(row, file=sys.stderr, flush=True)
     return results, made
+
+
+def same_rows(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The share of rows whose greedy tokens are the same in ``a`` and ``b`` (B, L); rows of different widths compare
+    over the shorter."""
+    width = min(a.shape[1], b.shape[1])
+    return round((a[:, :width] == b[:, :width]).all(dim=1).float().mean().item(), 3)
+
+
+def greedy_float32(folder: str, device: torch.device, paths, rows: int = 8, new: int = 32) -> list[dict]:
+    """Whether each of ``paths`` decodes the eager loop's greedy tokens in float32 (in bf16 a random model's near-tied
+    logits can flip with the kernels' rounding; float32 tells a bug from rounding)."""
+    tokenizer = load_tokenizer(folder)
+    model_cfg = OmegaConf.structured(ModelConfig(name_or_path=folder, dtype="float32"))
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 30, (12 + row % 5,), generator=generator).tolist() for row in range(rows)]
+    out, reference = [], None
+    for name in ["eager", *[p for p in paths if p != "eager"]]:
+        made = HFGenerator(OmegaConf.structured(HfGeneratorConfig(name="hf", batch_size=rows, **PATHS[name])), model_cfg, tokenizer, device)
+        ids = made.generate(prompts, SamplingParams(new, greedy=True)).input_ids
+        reference = ids if reference is None else reference
+        if name != "eager":
+            out.append({"path": name, "dtype": "float32", "rows": rows, "new_tokens": new,
+                        "greedy_same_as_eager": bool(torch.equal(ids, reference)), "greedy_rows_same": same_rows(ids, reference)})
+        if made.static is not None:
+            made.static.free()
+        del made
+    return out
 
 
 def follows_pushes(made: dict[str, HFGenerator], name: str, prompts) -> dict:
@@ -142,8 +184,9 @@ def follows_pushes(made: dict[str, HFGenerator], name: str, prompts) -> dict:
     for generator in (eager, other):
         generator.update_weights(woken)
     after_wake = torch.equal(other.generate(prompts, greedy).input_ids, eager.generate(prompts, greedy).input_ids)
+    nucleus = other.generate(prompts, SamplingParams(16, temperature=0.8, top_p=0.9))  # the nucleus step, recorded too
     return {"path": name, "same_after_push": after_push, "graphs_recorded_by_the_push": recorded_again,
-            "same_after_sleep_wake": after_wake}
+            "same_after_sleep_wake": after_wake, "nucleus_tokens": int(nucleus.loss_mask.sum())}
 
 
 def model_folder(root: Path, shape: str) -> str:
@@ -165,8 +208,8 @@ def main() -> None:
     paths = args.paths.split(",") if args.paths else [p for p in PATHS if device.type == "cuda" or not p.startswith("graphs")]
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        results, _ = bench(model_folder(Path(tmp), args.shape), device, [int(r) for r in args.rows.split(",")],
-                        [int(n) for n in args.new.split(",")], paths, args.prompt_len, args.repeats)
+        sizes = [(int(r), int(n)) for r in args.rows.split(",") for n in args.new.split(",")]
+        results, _ = bench(model_folder(Path(tmp), args.shape), device, sizes, paths, args.prompt_len, args.repeats)
     keys = list(dict.fromkeys(k for r in results for k in r))
     print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
     for row in results:

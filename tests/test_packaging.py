@@ -28,3 +28,18 @@ def test_wheel_contains_configs_and_builtin_model(tmp_path):
     modules = {f"rlhf/{p.relative_to(ROOT / 'src' / 'rlhf')}" for p in (ROOT / "src" / "rlhf").rglob("*.py")}
     assert modules <= names, f"modules missing from the wheel (a package without __init__.py?): {sorted(modules - names)}"
     assert "rlhf/examples/agents/arith_retry.py" in names  # experiment=agent_tiny's env.path=builtin:agents/arith_retry.py
+
+
+def test_configs_compose_without_the_optional_stacks():
+    """A machine without the agent endpoint's web stack (FastAPI, uvicorn) or the distributed engines (such as the
+    GPU machine the figures in bench/GPU.md come from) still composes and checks configs: those load only when used."""
+    code = (
+        "import sys\n"
+        "for name in ('fastapi', 'uvicorn', 'ray', 'deepspeed', 'vllm'): sys.modules[name] = None\n"
+        "from rlhf.config import compose_config\n"
+        "cfg = compose_config(['algorithm=grpo'])\n"
+        "print(cfg.algorithm.name)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("grpo")

@@ -12,7 +12,7 @@ from rlhf.config import ConfigError, compose_config, validate
 from rlhf.generators.base import SamplingParams
 from rlhf.generators.decode import decode
 from rlhf.generators.hf import left_pad
-from rlhf.generators.static_decode import StaticDecoder, SlotState, bucket_for, race_sample
+from rlhf.generators.static_decode import StaticDecoder, SlotState, bucket_for, decode_step, race_sample
 from rlhf.models.logprobs import window_logprobs
 
 STOP, PAD = 2, 0
@@ -112,6 +112,22 @@ def test_the_race_sampler_draws_each_token_with_its_probability():
     freq = torch.bincount(picks, minlength=5).float() / draws
     assert freq[4] == 0
     assert (freq - probs).abs().max() < 4 * (0.25 / draws) ** 0.5
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(6, greedy=True), SamplingParams(6), SamplingParams(6, 0.7, 0.8)],
+                         ids=["greedy", "sample", "nucleus"])
+def test_the_recorded_step_reads_nothing_on_the_host(sampling):
+    """A CUDA graph cannot record a step that reads a tensor on the host (a Python branch on a tensor, `.item()`):
+    the step as the graphs call it (attending over every cache column) traces as one graph in every sampling mode,
+    the nucleus's 0-d top_p tensor included."""
+    model = family("qwen2")
+    decoder = StaticDecoder(model, (1, 2, 4), check_every=2, compile=False, graphs=False)
+    traced = torch.compile(decode_step, fullgraph=True, backend="eager")
+    decoder._step = lambda state, bucket, mode, stop_id, pad_id, width: traced(
+        model, state, *mode, decoder.temperature, decoder.top_p, stop_id, pad_id)
+    ids, mask = torch.randint(3, 20, (3, 5)), torch.ones(3, 5, dtype=torch.long)
+    tokens, _ = decoder.decode(ids, mask, sampling, STOP, PAD)
+    assert tokens.shape[0] == 3 and 1 <= tokens.shape[1] <= 6
 
 
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (1.3, 0.8)])

@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rlhf.agents.messages import Limits, Message, RequestError, parse_messages, read_limits, read_tools, tool_parser
-from rlhf.agents.server import Server, make_app
 from rlhf.agents.sessions import Budget, Choice, Plan, Renderer, Reply, Session
 from rlhf.envs.agent_func import call_user, check_function, load_module
 from rlhf.envs.base import EnvConfig
@@ -153,6 +152,8 @@ class AgentRunner:
         self._agents = asyncio.new_event_loop()  # the agents' coroutines run here, in a daemon thread of its own
         threading.Thread(target=self._agents.run_forever, daemon=True, name="rlhf-agents").start()
         self._running = threading.Lock()
+        from rlhf.agents.server import Server, make_app  # FastAPI and uvicorn load only when an endpoint serves
+
         self.server = Server(make_app(self), cfg.host, cfg.port)
         log.info("agent endpoint listening on %s (env.path=%s)", self.server.url, cfg.path)
         for name in ("httpx", "httpx2"):  # the agents' HTTP clients log every request at INFO: keep the run's log readable

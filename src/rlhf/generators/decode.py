@@ -16,10 +16,11 @@ from rlhf.models.logprobs import keeps_logits
 from rlhf.trajectory import real_positions
 
 
-def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+def top_p_filter(logits: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
     """``logits`` with every token outside the nucleus set to -inf: the most probable tokens whose probabilities
-    first reach ``top_p`` (the most probable one always stays). Shape: (B, V) -> (B, V)."""
-    if top_p >= 1.0:
+    first reach ``top_p`` (the most probable one always stays). A 0-d tensor ``top_p`` (a recorded decode step's) is
+    never read on the host: the filter always runs. Shape: (B, V) -> (B, V)."""
+    if not torch.is_tensor(top_p) and top_p >= 1.0:
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
