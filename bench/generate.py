@@ -75,7 +75,11 @@ def floor_seconds(model, rows: int, prompt: int, new: int, bandwidth: float) -> 
 def measure(generators: dict[str, HFGenerator], prompts, sampling, repeats: int, device) -> tuple[dict, dict]:
     """(median seconds per `generate` call, real tokens of the warm-up call) of each generator, called in turns (the
     warm-up call first, which compiles and records)."""
-    tokens = {name: int(generator.generate(prompts, sampling).loss_mask.sum()) for name, generator in generators.items()}
+    tokens = {}
+    for name, generator in generators.items():
+        began = time.perf_counter()
+        tokens[name] = int(generator.generate(prompts, sampling).loss_mask.sum())
+        print(f"{name}: warm-up call {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
     times = {name: [] for name in generators}
     for _ in range(repeats):
         for name, generator in generators.items():
@@ -119,7 +123,9 @@ def bench(folder: str, device: torch.device, sizes, paths, prompt_len: int, repe
         greedy = {}
         for name in [n for n in made if not (n.startswith("eager") and device.type == "cuda" and new > EAGER_MAX_NEW)]:
             try:
+                began = time.perf_counter()
                 greedy[name] = made[name].generate(prompts, SamplingParams(min(new, 32), greedy=True)).input_ids
+                print(f"{name} {rows}x{new}: greedy call {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
             except Exception as error:  # noqa: BLE001 - reported as the path's row
                 broke(name, rows, new, error)
         chosen = {name: made[name] for name in greedy}

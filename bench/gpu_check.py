@@ -97,17 +97,17 @@ def run_cli(args: list[str], out: Path) -> dict:
     }
 
 
-def generate_section(device: torch.device, tiny: bool, folder: str, deadline: float) -> dict:
+def generate_section(device: torch.device, tiny: bool, folder: str, deadline: float, paths=None, sizes=None) -> dict:
     """The hf generator's decode paths (`bench/generate.py`): tokens/s for 64 and 256 rows x 256 and 1024 new tokens
     against the memory-bandwidth floor (tiny: 4 rows x 8 tokens, uncompiled), and whether the static
     path (on CUDA, its recorded graphs) follows a weight push and a sleep/wake."""
     cuda = device.type == "cuda"
-    paths = ["eager", "eager+compile", "static", "static+compile"] + (["graphs", "graphs+compile"] if cuda else [])
+    paths = paths or ["eager", "eager+compile", "static", "static+compile"] + (["graphs", "graphs+compile"] if cuda else [])
     if tiny:  # the compiled paths' code is the same generators' (tests/generators compile them): CI skips their compile
         paths = ["eager", "static"]
         figures, made = generate_bench(folder, device, [(4, 8)], paths, prompt_len=8, repeats=1, deadline=deadline)
     else:  # the target's size first, so a run short of time still measures it
-        sizes = [(256, 1024), (64, 256), (256, 256), (64, 1024)]
+        sizes = sizes or [(256, 1024), (64, 256), (256, 256), (64, 1024)]
         figures, made = generate_bench(folder, device, sizes, paths, prompt_len=64, repeats=1, deadline=deadline, strict=False)
     prompts = [[3 + (row * 7 + i) % 9 for i in range(5 + row)] for row in range(6)]
     followed = "graphs" if "graphs" in made else "static"
@@ -142,7 +142,7 @@ def learn(device: torch.device, tiny: bool, work: Path) -> list[dict]:
     return [run_cli([f"cluster.device={device}", *extra, *short], work / f"learn{i}") for i, extra in enumerate(runs)]
 
 
-def grpo_step(device: torch.device, tiny: bool, folder: str, peak: float) -> dict:
+def grpo_step(device: torch.device, tiny: bool, folder: str, peak: float, compile: bool = True) -> dict:
     """One whole GRPO step on the Qwen2.5-0.5B shape (16 prompts x 4 samples, 256 + 256 tokens, micro batch 16, no
     gradient checkpointing), every trainer speed change on (bf16 weights with fp32 masters, fused output layer,
     varlen attention, `policy.compile` on CUDA): stage seconds, tokens/s, training MFU, peak memory against the
@@ -155,7 +155,7 @@ def grpo_step(device: torch.device, tiny: bool, folder: str, peak: float) -> dic
     gen_cfg = HfGeneratorConfig(name="hf", max_new_tokens=sizes[1], batch_size=sizes[2] * sizes[3], stop_token="<eos>")
     micro = 4 if tiny else 16
     try:
-        return grpo_steps(device, folder, shape, model_cfg, algo_cfg, gen_cfg, micro, sizes, peak, compile=not tiny)
+        return grpo_steps(device, folder, shape, model_cfg, algo_cfg, gen_cfg, micro, sizes, peak, compile=compile and not tiny)
     except torch.OutOfMemoryError:
         return {"micro_batch_rows": micro, "result": "out of memory"}
 
@@ -321,6 +321,9 @@ def main() -> None:
     parser.add_argument("--sections", default=",".join(DEFAULT), help=f"comma-separated subset of {SECTIONS}")
     parser.add_argument("--json", help="also write the figures to this JSON file (rewritten after each section)")
     parser.add_argument("--quick", action="store_true", help="train: today's path and all changes only")
+    parser.add_argument("--paths", help="generate: comma-separated decode paths of bench/generate.py (default: every one)")
+    parser.add_argument("--sizes", help="generate: rows x new tokens to measure, in order, such as 256x1024,64x256")
+    parser.add_argument("--no-policy-compile", action="store_true", help="grpo_step: without policy.compile (no compile wait)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="train: configurations past this many seconds are skipped")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -333,13 +336,17 @@ def main() -> None:
                      "torch": torch.__version__}
     peak = peak_matmul_flops(device, args.tiny)
     results["peak"] = {"matmul_tflops": round(peak / 1e12, 4)}
+    print(f"peak: {results['peak']}", file=sys.stderr, flush=True)
     shape = TINY if args.tiny else QWEN2_5_0_5B
     runs = {
         "train": lambda work, folder: train_section(
             folder, Qwen2Config(**shape), device, peak, args.tiny, start + args.budget_s * 0.6, args.quick
         ),
-        "generate": lambda work, folder: generate_section(device, args.tiny, folder, start + args.budget_s * 0.8),
-        "grpo_step": lambda work, folder: grpo_step(device, args.tiny, folder, peak),
+        "generate": lambda work, folder: generate_section(
+            device, args.tiny, folder, start + args.budget_s * 0.8, args.paths and args.paths.split(","),
+            args.sizes and [tuple(int(n) for n in size.split("x")) for size in args.sizes.split(",")],
+        ),
+        "grpo_step": lambda work, folder: grpo_step(device, args.tiny, folder, peak, not args.no_policy_compile),
         "hybrid": lambda work, folder: hybrid(device, folder),
         "strategies": lambda work, folder: strategies(device, args.tiny, folder),
         "learn": lambda work, folder: learn(device, args.tiny, work),
