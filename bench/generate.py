@@ -153,32 +153,13 @@ def same_rows(a: torch.Tensor, b: torch.Tensor) -> float:
     return round((a[:, :width] == b[:, :width]).all(dim=1).float().mean().item(), 3)
 
 
-def greedy_float32(folder: str, device: torch.device, paths, rows: int = 8, new: int = 32) -> list[dict]:
-    """Whether each of ``paths`` decodes the eager loop's greedy tokens in float32 (in bf16 a random model's near-tied
-    logits can flip with the kernels' rounding; float32 tells a bug from rounding)."""
-    tokenizer = load_tokenizer(folder)
-    model_cfg = OmegaConf.structured(ModelConfig(name_or_path=folder, dtype="float32"))
-    generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 30, (12 + row % 5,), generator=generator).tolist() for row in range(rows)]
-    out, reference = [], None
-    for name in ["eager", *[p for p in paths if p != "eager"]]:
-        made = HFGenerator(OmegaConf.structured(HfGeneratorConfig(name="hf", batch_size=rows, **PATHS[name])), model_cfg, tokenizer, device)
-        ids = made.generate(prompts, SamplingParams(new, greedy=True)).input_ids
-        reference = ids if reference is None else reference
-        if name != "eager":
-            out.append({"path": name, "dtype": "float32", "rows": rows, "new_tokens": new,
-                        "greedy_same_as_eager": bool(torch.equal(ids, reference)), "greedy_rows_same": same_rows(ids, reference)})
-        if made.static is not None:
-            made.static.free()
-        del made
-    return out
-
-
 def follows_pushes(made: dict[str, HFGenerator], name: str, prompts) -> dict:
     """Whether generator ``name`` (a static path; on CUDA one that replays recorded graphs) decodes what the eager
-    loop decodes after a weight push (in place: no recording again) and after a sleep and a wake with new weights."""
+    loop decodes after a weight push (in place: no recording again) and after a sleep and a wake with new weights;
+    and how many tokens its nucleus step (top_p < 1, recorded too) sampled."""
     eager, other = made["eager"], made[name]
     greedy = SamplingParams(16, greedy=True)
+    other.generate(prompts, greedy)  # this batch's bucket is recorded before the count
     recorded = len(other.static.recorded)
     pushed = {key: value * 0.5 for key, value in eager.model.state_dict().items()}
     for generator in (eager, other):
@@ -190,9 +171,51 @@ def follows_pushes(made: dict[str, HFGenerator], name: str, prompts) -> dict:
     for generator in (eager, other):
         generator.update_weights(woken)
     after_wake = torch.equal(other.generate(prompts, greedy).input_ids, eager.generate(prompts, greedy).input_ids)
-    nucleus = other.generate(prompts, SamplingParams(16, temperature=0.8, top_p=0.9))  # the nucleus step, recorded too
-    return {"path": name, "same_after_push": after_push, "graphs_recorded_by_the_push": recorded_again,
+    nucleus = other.generate(prompts, SamplingParams(16, temperature=0.8, top_p=0.9))
+    return {"same_after_push": after_push, "graphs_recorded_by_the_push": recorded_again,
             "same_after_sleep_wake": after_wake, "nucleus_tokens": int(nucleus.loss_mask.sum())}
+
+
+def float32_checks(folder: str, device: torch.device, paths, rows: int = 8, new: int = 32) -> list[dict]:
+    """Whether each of ``paths`` decodes the eager loop's greedy tokens in float32, and still does after a weight push
+    and after a sleep and a wake (`follows_pushes`). Float32, because in bf16 a random model's near-tied logits flip
+    with the kernels' rounding: here a difference is a bug."""
+    tokenizer = load_tokenizer(folder)
+    model_cfg = OmegaConf.structured(ModelConfig(name_or_path=folder, dtype="float32"))
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 30, (12 + row % 5,), generator=generator).tolist() for row in range(rows)]
+
+    def made(name: str) -> HFGenerator:
+        return HFGenerator(OmegaConf.structured(HfGeneratorConfig(name="hf", batch_size=rows, **PATHS[name])), model_cfg, tokenizer, device)
+
+    out = []
+    for name in paths:
+        eager, other = made("eager"), made(name)
+        reference = eager.generate(prompts, SamplingParams(new, greedy=True)).input_ids
+        ids = other.generate(prompts, SamplingParams(new, greedy=True)).input_ids
+        row = {"path": name, "dtype": "float32", "rows": rows, "new_tokens": new,
+               "greedy_same_as_eager": bool(torch.equal(ids, reference)), "greedy_rows_same": same_rows(ids, reference)}
+        out.append(row | follows_pushes({"eager": eager, name: other}, name, prompts))
+        other.static.free()
+        del eager, other
+    return out
+
+
+def decode_profile(generator: HFGenerator, prompts, new: int, top: int = 8) -> list[dict]:
+    """Where one call of ``generator`` (a path without graphs, whose kernels the profiler sees one by one) spends its
+    time: the ``top`` kernels (CUDA) or operators (CPU) by their own time, with their share and count."""
+    cuda = next(generator.model.parameters()).device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    generator.generate(prompts, SamplingParams(new))  # buffers allocated outside the profile
+    with torch.profiler.profile(activities=activities) as profile:
+        generator.generate(prompts, SamplingParams(new))
+        sync(next(generator.model.parameters()).device)
+    own = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = [e for e in profile.key_averages() if getattr(e, own) > 0 and (cuda or not e.key.startswith("ProfilerStep"))]
+    total = sum(getattr(e, own) for e in events)
+    events.sort(key=lambda e: getattr(e, own), reverse=True)
+    return [{"name": e.key[:80], "ms": round(getattr(e, own) / 1e3, 2), "share": round(getattr(e, own) / total, 3),
+             "calls": e.count} for e in events[:top]]
 
 
 def model_folder(root: Path, shape: str) -> str:

@@ -25,11 +25,13 @@ def test_gpu_check_runs_at_tiny_scale_on_cpu(tmp_path):
     speed = figures["generate"]["speed"]  # every decode path the CPU runs, timed, giving the eager loop's greedy tokens
     assert [row["path"] for row in speed] == ["eager", "static"]
     assert all(row["tokens_per_s"] > 0 and row["greedy_same_as_eager"] for row in speed), speed
-    (pushes,) = figures["generate"]["pushes"]
-    assert pushes.pop("nucleus_tokens") > 0, pushes
-    assert pushes == {"path": "static", "same_after_push": True, "graphs_recorded_by_the_push": 0, "same_after_sleep_wake": True}
-    assert figures["generate"]["greedy_float32"] == [  # float32: the static path's greedy tokens are the eager loop's
-        {"path": "static", "dtype": "float32", "rows": 8, "new_tokens": 32, "greedy_same_as_eager": True, "greedy_rows_same": 1.0}]
+    (checked,) = figures["generate"]["float32"]  # float32: the static path's greedy tokens are the eager loop's
+    assert checked.pop("nucleus_tokens") > 0, checked
+    assert checked == {"path": "static", "dtype": "float32", "rows": 8, "new_tokens": 32, "greedy_same_as_eager": True,
+                       "greedy_rows_same": 1.0, "same_after_push": True, "graphs_recorded_by_the_push": 0,
+                       "same_after_sleep_wake": True}
+    top = figures["generate"]["static_profile"]["top"]  # where the static step's time goes, by operator
+    assert top and all(row["ms"] > 0 and 0 < row["share"] <= 1 for row in top), top
     for run in figures["learn"]:  # 10 steps: the run works and is measured (tests/e2e checks that it learns)
         assert run["s_per_step"] > 0 and 0 <= run["sampled_end"] <= 1, run
     train = figures["train"]
