@@ -166,16 +166,18 @@ class Trajectories:
         return self._map(lambda t: t.to(device))
 
 
-def group_size(group_id: torch.Tensor) -> int:
-    """G when rows come in contiguous groups of G equal ids (a prompt's samples in a row); else ValueError.
+def group_size(group_id: torch.Tensor) -> int | torch.Tensor:
+    """G when rows come in contiguous groups of G equal ids (a prompt's samples in a row); the (P,) sizes of the
+    groups when they differ (failed episodes left some short); ValueError when a group's rows are not contiguous.
 
     Shape: group_id (B,).
     """
-    size = int((group_id == group_id[0]).sum().item()) if len(group_id) else 1
-    blocks = group_id.view(-1, size) if len(group_id) % size == 0 else None
-    if blocks is None or not (blocks == blocks[:, :1]).all() or blocks[:, 0].unique().numel() != blocks.shape[0]:
-        raise ValueError(f"rows must come in contiguous groups of equal size; got group ids {group_id.tolist()}")
-    return size
+    if not len(group_id):
+        return 1
+    ids, sizes = torch.unique_consecutive(group_id.cpu(), return_counts=True)
+    if ids.unique().numel() != ids.numel():
+        raise ValueError(f"rows must come in contiguous groups; got group ids {group_id.tolist()}")
+    return int(sizes[0]) if bool((sizes == sizes[0]).all()) else sizes
 
 
 @dataclass

@@ -71,12 +71,15 @@ def test_group_size_accepts_contiguous_equal_groups():
     assert group_size(torch.tensor([4, 1, 2])) == 1
 
 
+def test_groups_of_different_sizes_give_each_size():  # groups that lost failed episodes
+    assert group_size(torch.tensor([0, 0, 1, 2, 2, 2])).tolist() == [2, 1, 3]
+
+
 @pytest.mark.parametrize(
     "ids",
     [
         [0, 1, 0, 1],  # interleaved samples of two prompts
         [0, 0, 1, 1, 0, 0],  # a group split in two
-        [0, 0, 1],  # unequal sizes
     ],
 )
 def test_group_size_rejects_non_contiguous_ids(ids):

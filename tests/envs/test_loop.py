@@ -14,7 +14,8 @@ import torch
 
 from rlhf.data.prompts import PromptExample, PromptStream
 from rlhf.envs.base import EnvConfig
-from rlhf.envs.loop import EpisodeRunner, drop_failed_groups
+from rlhf.envs.loop import EpisodeRunner, drop_failed
+from rlhf.trajectory import group_size
 from rlhf.envs.rows import episode_rows
 from rlhf.generators.base import SamplingParams
 from rlhf.training.policy import TorchPolicy
@@ -26,7 +27,7 @@ CPU = torch.device("cpu")
 
 def env_cfg(**overrides):
     values = dict(name="toy", template="no", num_parallel=3, max_turns=3, max_tokens=64, max_concurrency=4,
-                  step_timeout_s=30.0, reward_reduce="sum", eval_size=32)
+                  step_timeout_s=30.0, max_failed_share=0.5, reward_reduce="sum", eval_size=32)
     assert set(values) == {f.name for f in fields(EnvConfig)}  # every key the agent loop may read
     return SimpleNamespace(**values | overrides)
 
@@ -147,14 +148,17 @@ def test_turn_rewards_sit_on_each_turns_last_action_token(make_generator, tiny_m
 
 
 @pytest.mark.parametrize("cls", [Retry, AsyncRetry])
-def test_faults_lose_the_episode_and_its_group_not_the_run(make_generator, tiny_model_dir, tokenizer, cls, caplog):
+def test_faults_lose_their_episodes_not_their_groups_nor_the_run(make_generator, tiny_model_dir, tokenizer, cls, caplog):
     faults = {1: "raise", 4: "malformed"}
     episodes, _ = play(make_generator, tiny_model_dir, tokenizer, Maker(faults, cls), env_cfg(), groups=3)
     failed = [i for i, ep in enumerate(episodes) if ep.failed]
     assert failed == [1, 4]
     assert "KeyError" in episodes[1].error and "step() must return" in episodes[4].error
-    kept, count = drop_failed_groups(episodes)
-    assert count == 2 and [ep.group for ep in kept] == [0, 0, 0] and kept[0].seed == 2  # only the third task survives
+    kept, count, short = drop_failed(episodes, min_group=2)  # groups of 3: the two hit keep 2 each
+    assert (count, short) == (2, 0) and [ep.group for ep in kept] == [0, 0, 1, 1, 2, 2, 2]
+    assert [ep.seed for ep in kept] == [0, 0, 1, 1, 2, 2, 2]
+    kept, count, short = drop_failed(episodes, min_group=3)  # an estimator that needs 3: the hit groups go whole
+    assert (count, short) == (2, 4) and [ep.seed for ep in kept] == [2, 2, 2]
     assert sum("episode lost" in r.message for r in caplog.records) == 2  # each distinct error logged once
 
 
@@ -171,8 +175,25 @@ def test_every_episode_failing_stops_the_run(make_generator, tiny_model_dir, tok
     tasks = [PromptExample("", (), ground_truth=s) for s in (5, 6)]
     collector = Collector(make_generator(tiny_model_dir), tokenizer, None, PromptStream(tasks, seed=1), SamplingParams(4),
                           prompts_per_step=2, samples_per_prompt=2, env=runner)
-    with pytest.raises(RuntimeError, match="every episode of the batch failed.*KeyError"):
+    with pytest.raises(RuntimeError, match="4 of the batch's 4 episodes failed.*env.max_failed_share=0.5.*KeyError"):
         collector.collect()
+
+
+@pytest.mark.parametrize("share, stops", [(0.5, False), (0.2, True)])
+def test_a_batch_stops_the_run_only_past_the_failed_share(make_generator, tiny_model_dir, tokenizer, share, stops):
+    """One episode of four fails (25%): the run goes on with a group of one less under env.max_failed_share=0.5 (GRPO's
+    advantages over the ragged groups), and stops under 0.2, naming the key."""
+    runner = EpisodeRunner(Maker({1: "raise"}), env_cfg(max_failed_share=share), tokenizer, tokenizer.eos_token_id)
+    tasks = [PromptExample("", (), ground_truth=s) for s in (5, 6)]
+    collector = Collector(make_generator(tiny_model_dir), tokenizer, None, PromptStream(tasks, seed=1), SamplingParams(4),
+                          prompts_per_step=2, samples_per_prompt=2, env=runner, min_group=1)
+    if stops:
+        with pytest.raises(RuntimeError, match=r"1 of the batch's 4 episodes failed .*env.max_failed_share=0.2"):
+            collector.collect()
+        return
+    scored = collector.collect()
+    assert scored.batch.group_id.tolist() == [0, 1, 1] and scored.metrics["env/failed_episodes"] == 1.0
+    assert group_size(scored.batch.group_id).tolist() == [1, 2]
 
 
 def test_token_budget_truncates_the_action_and_ends_the_episode(make_generator, tiny_model_dir, tokenizer):
@@ -213,3 +234,12 @@ def test_a_dataset_prompt_keeps_the_datasets_own_tokens(make_generator, tiny_mod
     episodes = runner.run(make_generator(tiny_model_dir), [row, other], [0, 1], 1, SamplingParams(4))
     assert episodes[0].turns[0].observation_ids == list(row.token_ids)  # no BOS: the row's own tokenisation
     assert episodes[1].turns[0].observation_ids == tokenizer("1+2=")["input_ids"]  # BOS added
+
+
+def test_an_evaluation_that_loses_every_episode_is_reported_not_the_runs_end(make_generator, tiny_model_dir, tokenizer):
+    runner = EpisodeRunner(Maker({i: "raise" for i in range(8)}), env_cfg(), tokenizer, tokenizer.eos_token_id)
+    tasks = [PromptExample("", (), ground_truth=s) for s in (5, 6)]
+    collector = Collector(make_generator(tiny_model_dir), tokenizer, None, PromptStream(tasks, seed=1), SamplingParams(4),
+                          prompts_per_step=2, samples_per_prompt=2, env=runner)
+    metrics, results = collector.evaluate(tasks, SimpleNamespace(max_prompts=None, greedy=True, num_samples=0))
+    assert metrics == {"eval/greedy_failed_episodes": 2.0} and results == {}

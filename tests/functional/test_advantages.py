@@ -4,7 +4,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from rlhf.functional import baseline_advantages, group_normalized_advantages, rloo_advantages, to_token_level
+from rlhf.functional import (
+    baseline_advantages, best_and_worst, group_means, group_normalized_advantages, rloo_advantages, to_token_level,
+)
 
 # Three contiguous groups of G = 2.
 SCORES = torch.tensor([0.0, 4.0, 1.0, 1.0, 3.0, -1.0])
@@ -160,3 +162,42 @@ def test_a_signal_still_whitens_as_before():
     out = masked_whiten(values, mask)
     assert out[0, 0] == out[0, 1] > 0 > out[0, 2]
     torch.testing.assert_close(out.mean(), torch.tensor(0.0), atol=1e-6, rtol=0)
+
+
+RAGGED = torch.tensor([3, 2, 4])  # groups that lost failed episodes: 3, 2 and 4 rows left
+RAGGED_SCORES = torch.tensor([1.0, 0.0, 0.5, 2.0, 2.0, 0.3, -1.0, 0.3, 4.0])
+
+
+def per_group(fn, scores, sizes):
+    """``fn`` (an equal-groups estimator) applied to each group on its own, concatenated."""
+    return torch.cat([fn(part, len(part)) for part in scores.split(sizes.tolist())])
+
+
+@pytest.mark.parametrize("norm_by_std", [True, False])
+def test_grpo_over_ragged_groups_is_grpo_of_each_group(norm_by_std):
+    got = group_normalized_advantages(RAGGED_SCORES, RAGGED, norm_by_std)
+    want = per_group(lambda s, g: group_normalized_advantages(s, g, norm_by_std), RAGGED_SCORES, RAGGED)
+    assert_close(got, want)
+    assert got[3:5].eq(0).all()  # the tied group of two gives exactly 0
+
+
+def test_rloo_over_ragged_groups_is_rloo_of_each_group():
+    assert_close(rloo_advantages(RAGGED_SCORES, RAGGED), per_group(rloo_advantages, RAGGED_SCORES, RAGGED))
+
+
+def test_group_means_and_best_and_worst_over_ragged_groups():
+    assert_close(group_means(RAGGED_SCORES, RAGGED), torch.tensor([0.5] * 3 + [2.0] * 2 + [0.9] * 4))
+    best, worst = best_and_worst(RAGGED_SCORES, RAGGED)
+    assert best.tolist() == [0, 3, 8] and worst.tolist() == [1, 3, 6]  # row indices; ties: the first
+    equal = torch.tensor([3, 3, 3])  # sizes that happen to be equal give what the int form gives
+    assert_close(group_means(RAGGED_SCORES, equal), group_means(RAGGED_SCORES, 3))
+    assert [t.tolist() for t in best_and_worst(RAGGED_SCORES, equal)] == [t.tolist() for t in best_and_worst(RAGGED_SCORES, 3)]
+
+
+def test_ragged_groups_that_do_not_add_up_or_are_too_small_are_rejected():
+    with pytest.raises(ValueError, match="groups of sizes"):
+        group_normalized_advantages(RAGGED_SCORES, torch.tensor([3, 2]))
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        group_normalized_advantages(RAGGED_SCORES, torch.tensor([1, 4, 4]))
+    with pytest.raises(ValueError, match="RLOO needs at least 2"):
+        rloo_advantages(RAGGED_SCORES, torch.tensor([8, 1]))

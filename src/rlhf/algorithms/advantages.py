@@ -15,9 +15,11 @@ from rlhf.algorithms.base import AdvantageInputs, register_advantage
 from rlhf.errors import require
 from rlhf.functional import (
     baseline_advantages,
+    best_and_worst,
     discounted_returns,
     gae_advantages,
     greedy_baseline_advantages,
+    group_means,
     group_normalized_advantages,
     last_token_index,
     masked_whiten,
@@ -107,9 +109,9 @@ def reinforce_pp(inputs: AdvantageInputs, cfg: DiscountConfig):
 def reinforce_pp_baseline(inputs: AdvantageInputs, cfg: DiscountConfig):
     """REINFORCE++ with a baseline: each row's score minus its group's mean score (at the last action token) first,
     then REINFORCE++'s returns and batch whitening."""
-    group_means = inputs.scores.view(-1, inputs.group_size).mean(dim=1).repeat_interleave(inputs.group_size)
     rewards = inputs.token_rewards().clone()
-    rewards[torch.arange(rewards.shape[0], device=rewards.device), last_token_index(inputs.mask)] -= group_means
+    rewards[torch.arange(rewards.shape[0], device=rewards.device), last_token_index(inputs.mask)] -= group_means(
+        inputs.scores, inputs.group_size)
     return reinforce_pp_advantages(rewards, inputs.mask, cfg.gamma), None
 
 
@@ -171,6 +173,4 @@ def opd(inputs: AdvantageInputs, cfg: DistillConfig):
 @register_advantage("best_vs_worst", min_samples_per_prompt=2, pairwise=True)
 def best_vs_worst(inputs: AdvantageInputs, cfg: PartConfig):
     """Preference pairs: each prompt's highest- against its lowest-scored sample (first on ties), as row indices."""
-    grouped = inputs.scores.view(-1, inputs.group_size)
-    offsets = torch.arange(grouped.shape[0], device=inputs.scores.device) * inputs.group_size
-    return offsets + grouped.argmax(dim=1), offsets + grouped.argmin(dim=1)
+    return best_and_worst(inputs.scores, inputs.group_size)

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from rlhf.functional import masked_sum, token_level_rewards
+from rlhf.functional import GroupSizes, masked_sum, token_level_rewards
 from rlhf.parts import PartConfig
 from rlhf.registry import register
 
@@ -71,7 +71,7 @@ class AdvantageInputs:
 
     scores: torch.Tensor  # (B,) reward after the non-stop penalty
     mask: torch.Tensor  # (B, T) the loss mask
-    group_size: int  # rows per group; a group's rows are contiguous
+    group_size: GroupSizes  # rows per group (an int), or each group's size (a (P,) tensor) when they differ; a group's rows are contiguous
     kl: torch.Tensor | None = None  # (B, T) KL of the pre-update policy to the reference (0 outside the mask)
     kl_coef: float = 0.0  # this step's KL coefficient
     kl_in_reward: bool = False  # the KL is a reward penalty (else a loss term, and the rewards are the scores)

@@ -60,7 +60,7 @@ def probe(c, cfg) -> dict[str, float]:
         if c.env is None:  # plain prompts need no scoring
             batch = c.generator.generate([list(ex.token_ids) for ex in examples], sampling).to(c.device)
         else:  # an environment's episodes are played (and scored) to build the rows
-            batch = c.collector.play(examples, 1, sampling).batch.to(c.device)
+            batch = c.collector.play(examples, 1, sampling, training=False).batch.to(c.device)
         train_logp, _ = c.policy.rollout_logprobs(batch, cfg.train.micro_batch_size)
     return logprob_gap(batch.gen_logp, train_logp, batch.loss_mask)
 

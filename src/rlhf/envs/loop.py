@@ -15,6 +15,7 @@ import asyncio
 import inspect
 import logging
 import threading
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -261,10 +262,13 @@ def sampled(batch: Trajectories) -> list[tuple[list[int], list[float], bool]]:
     ]
 
 
-def drop_failed_groups(episodes: list[Episode]) -> tuple[list[Episode], int]:
-    """The episodes of groups in which none failed (a group's baseline needs all its members), renumbered
-    0..; and how many episodes failed."""
-    failed_groups = {ep.group for ep in episodes if ep.failed}
-    kept = [ep for ep in episodes if ep.group not in failed_groups]
+def drop_failed(episodes: list[Episode], min_group: int) -> tuple[list[Episode], int, int]:
+    """The episodes that did not fail, their groups renumbered 0..; a group left with fewer than ``min_group``
+    members (the estimator's samples per prompt: a baseline needs company) goes too. Also how many episodes failed,
+    and how many good ones went with a group too small."""
+    kept = [ep for ep in episodes if not ep.failed]
+    sizes = Counter(ep.group for ep in kept)
+    short = [ep for ep in kept if sizes[ep.group] < min_group]
+    kept = [ep for ep in kept if sizes[ep.group] >= min_group]
     renumber = {g: n for n, g in enumerate(dict.fromkeys(ep.group for ep in kept))}
-    return [replace(ep, group=renumber[ep.group]) for ep in kept], sum(ep.failed for ep in episodes)
+    return [replace(ep, group=renumber[ep.group]) for ep in kept], sum(ep.failed for ep in episodes), len(short)

@@ -1,12 +1,16 @@
 """The RL math as pure tensor functions: no models, no config, each testable on hand-made tensors.
 
-Shapes: B = sequences in a batch, T = tokens of the action window (see `rlhf.trajectory`), V = vocabulary, G = samples per prompt.
+Shapes: B = sequences in a batch, T = tokens of the action window (see `rlhf.trajectory`), V = vocabulary, G = samples per prompt
+(P groups; ragged groups, of different sizes, where failed episodes left some short).
 """
 
 from rlhf.functional.advantages import (
+    GroupSizes,
     baseline_advantages,
+    best_and_worst,
     discounted_returns,
     greedy_baseline_advantages,
+    group_means,
     group_normalized_advantages,
     rebn_advantages,
     reinforce_pp_advantages,
@@ -40,6 +44,9 @@ from rlhf.functional.masked import masked_mean, masked_sum, masked_var, masked_w
 from rlhf.functional.shaping import overlong_penalty
 
 __all__ = [
+    "GroupSizes",
+    "best_and_worst",
+    "group_means",
     "reverse_kl",
     "teacher_signal",
     "baseline_advantages",

@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
+from typing import Union
+
 import torch
 
 from rlhf.functional.masked import masked_whiten
+
+
+GroupSizes = Union[int, torch.Tensor]  # G (every group has G rows) or a (P,) long tensor of each group's size (ragged)
 
 
 def _groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -15,23 +20,52 @@ def _groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     return scores.view(-1, group_size)
 
 
+def _ragged(scores: torch.Tensor, sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contiguous groups of sizes ``sizes`` as a (P, M) matrix padded with zeros (M the largest group) and which of
+    its entries are rows. Shapes: scores (B,), sizes (P,) summing to B -> (P, M), (P, M) bool."""
+    if scores.dim() != 1 or int(sizes.sum()) != scores.numel() or bool((sizes < 1).any()):
+        raise ValueError(f"scores of shape {tuple(scores.shape)} cannot be split into groups of sizes {sizes.tolist()}")
+    sizes = sizes.to(scores.device)
+    present = torch.arange(int(sizes.max()), device=scores.device)[None, :] < sizes[:, None]
+    padded = scores.new_zeros(present.shape)
+    padded[present] = scores  # row-major order of the present entries is the rows' order
+    return padded, present
+
+
+def _ragged_all_equal(padded: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+    """`_all_equal` over each group's rows only. Shape: (P, M), (P, M) -> (P, 1) bool."""
+    return ((padded == padded[:, :1]) | ~present).all(dim=1, keepdim=True)
+
+
 def _all_equal(grouped: torch.Tensor) -> torch.Tensor:
     """Whether each group's scores are all the same, exactly. Shape: (B/G, G) -> (B/G, 1) bool."""
     return (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
 
 
+def _smallest(group_size: GroupSizes) -> int:
+    return group_size if isinstance(group_size, int) else int(group_size.min())
+
+
 def group_normalized_advantages(
-    scores: torch.Tensor, group_size: int, norm_by_std: bool = True, eps: float = 1e-6
+    scores: torch.Tensor, group_size: GroupSizes, norm_by_std: bool = True, eps: float = 1e-6
 ) -> torch.Tensor:
     """GRPO: each score minus its group's mean, divided by the group's std unless ``norm_by_std`` is false.
 
-    Shape: scores (B,) with B = prompts * G, groups contiguous -> (B,). The std is the unbiased one.
+    Shape: scores (B,) with B = prompts * G, groups contiguous -> (B,); or ragged groups (``group_size`` a (P,) tensor
+    of sizes: what is left of groups that lost failed episodes). The std is the unbiased one.
     A group whose samples all scored the same gets advantage exactly 0: in floating point its mean can be an ulp
     off a value such as 0.1 and its std ~1e-7, which would turn "no signal" into same-signed advantages of up to
     ~0.1 that Adam scales into a full-size step.
     """
-    if norm_by_std and group_size < 2:
+    if norm_by_std and _smallest(group_size) < 2:
         raise ValueError("GRPO with std normalisation needs at least 2 samples per prompt")
+    if not isinstance(group_size, int):
+        padded, present = _ragged(scores, group_size)
+        counts = present.sum(dim=1, keepdim=True)
+        centred = (padded - padded.sum(dim=1, keepdim=True) / counts) * present
+        if norm_by_std:
+            centred = centred / ((centred.square().sum(dim=1, keepdim=True) / (counts - 1)).sqrt() + eps)
+        return torch.where(_ragged_all_equal(padded, present), torch.zeros_like(centred), centred)[present]
     grouped = _groups(scores, group_size)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if norm_by_std:
@@ -39,14 +73,43 @@ def group_normalized_advantages(
     return torch.where(_all_equal(grouped), torch.zeros_like(centred), centred).reshape(-1)
 
 
-def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
-    """RLOO: each score minus the mean of the other G-1 scores of its prompt. Shape: (B,) -> (B,)."""
-    if group_size < 2:
+def rloo_advantages(scores: torch.Tensor, group_size: GroupSizes) -> torch.Tensor:
+    """RLOO: each score minus the mean of the other G-1 scores of its prompt. Shape: (B,) -> (B,); ``group_size`` G
+    or a (P,) tensor of ragged groups' sizes, as in `group_normalized_advantages`."""
+    if _smallest(group_size) < 2:
         raise ValueError("RLOO needs at least 2 samples per prompt")
+    if not isinstance(group_size, int):
+        padded, present = _ragged(scores, group_size)
+        counts = present.sum(dim=1, keepdim=True)
+        others_mean = (padded.sum(dim=1, keepdim=True) - padded) / (counts - 1)
+        return torch.where(_ragged_all_equal(padded, present), torch.zeros_like(padded), padded - others_mean)[present]
     grouped = _groups(scores, group_size)
     others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
     # a group that scored all the same gets exactly 0, as in `group_normalized_advantages`
     return torch.where(_all_equal(grouped), torch.zeros_like(grouped), grouped - others_mean).reshape(-1)
+
+
+def group_means(scores: torch.Tensor, group_size: GroupSizes) -> torch.Tensor:
+    """Each row's group mean score. Shape: (B,) -> (B,); ``group_size`` as in `group_normalized_advantages`."""
+    if not isinstance(group_size, int):
+        padded, present = _ragged(scores, group_size)
+        return (padded.sum(dim=1) / present.sum(dim=1)).repeat_interleave(group_size.to(scores.device))
+    return _groups(scores, group_size).mean(dim=1).repeat_interleave(group_size)
+
+
+def best_and_worst(scores: torch.Tensor, group_size: GroupSizes) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row index of each group's highest and of its lowest score (the first on ties). Shape: (B,) -> (P,), (P,);
+    ``group_size`` as in `group_normalized_advantages`."""
+    if isinstance(group_size, int):
+        grouped = _groups(scores, group_size)
+        offsets = torch.arange(grouped.shape[0], device=scores.device) * group_size
+        return offsets + grouped.argmax(dim=1), offsets + grouped.argmin(dim=1)
+    padded, present = _ragged(scores, group_size)
+    sizes = group_size.to(scores.device)
+    offsets = sizes.cumsum(0) - sizes
+    best = padded.masked_fill(~present, float("-inf")).argmax(dim=1)
+    worst = padded.masked_fill(~present, float("inf")).argmin(dim=1)
+    return offsets + best, offsets + worst
 
 
 def baseline_advantages(scores: torch.Tensor) -> torch.Tensor:

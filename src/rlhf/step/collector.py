@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import Callable
 
 from rlhf.data.prompts import PromptExample, PromptStream
-from rlhf.envs.loop import EpisodeRunner, drop_failed_groups
+from rlhf.envs.loop import EpisodeRunner, drop_failed
 from rlhf.envs.rows import episode_metrics, episode_rows, transcript
 from rlhf.generators.base import SamplingParams
 from rlhf.models.dtypes import tensor_bytes
@@ -25,7 +25,12 @@ from rlhf.trajectory import Trajectories
 
 log = logging.getLogger("rlhf")
 
-ENV_METRICS = ("success_rate", "first_turn_success_rate", "later_turn_success_rate", "episode_return", "num_turns_per_episode")
+ENV_METRICS = ("success_rate", "first_turn_success_rate", "later_turn_success_rate", "episode_return", "num_turns_per_episode",
+               "failed_episodes")
+
+
+class EpisodesFailed(RuntimeError):
+    """Too many of a batch's episodes failed (`env.max_failed_share`), or all of them."""
 
 
 class Collector:
@@ -40,13 +45,14 @@ class Collector:
     def __init__(
         self, generator, tokenizer, rewards, prompts: PromptStream, sampling: SamplingParams, *, prompts_per_step: int,
         samples_per_prompt: int, max_resample_rounds: int | None = None, greedy_baseline: bool = False,
-        env: EpisodeRunner | None = None, filter_on: str = "score",
+        env: EpisodeRunner | None = None, filter_on: str = "score", min_group: int = 1,
     ) -> None:
         self.generator, self.tokenizer, self.rewards, self.prompts = generator, tokenizer, rewards, prompts
         self.sampling, self.env = sampling, env
         self.prompts_per_step, self.samples_per_prompt = prompts_per_step, samples_per_prompt
         self.max_resample_rounds, self.greedy_baseline = max_resample_rounds, greedy_baseline
         self.filter_on = filter_on  # dynamic sampling keeps groups whose `score`s differ, or whose verdicts (`accuracy`)
+        self.min_group = min_group  # the fewest episodes a group keeps when others failed (the estimator's samples per prompt)
         self.weights_version = 0  # weight pushes through `load_weights` (the async schedule's version when it gives one)
 
     @property
@@ -116,7 +122,7 @@ class Collector:
         prompt is generated and scored too (`with_greedy_baseline`). ``generator`` defaults to the run's."""
         generator = generator if generator is not None else self.generator
         if self.env is not None:
-            return self.play(examples, samples_per_prompt, sampling, generator)
+            return self.play(examples, samples_per_prompt, sampling, generator, training)
         repeated = [ex for ex in examples for _ in range(samples_per_prompt)]
         batch = generator.generate([list(ex.token_ids) for ex in repeated], sampling)
         scored = self.score(repeated, with_groups(batch, samples_per_prompt), training)
@@ -138,11 +144,14 @@ class Collector:
         }
         return replace(scored, batch=batch, metrics=metrics)
 
-    def play(self, examples: list[PromptExample], group_size: int, sampling: SamplingParams, generator=None) -> Scored:
+    def play(
+        self, examples: list[PromptExample], group_size: int, sampling: SamplingParams, generator=None, training: bool = True,
+    ) -> Scored:
         """``group_size`` episodes of each task, as trajectory rows scored by the environment.
 
-        Groups with a failed episode are dropped (their baseline would be biased) and counted; a batch in which every
-        episode failed stops the run, naming the first error.
+        Failed episodes are dropped and counted; their groups go on with the rest (a group left smaller than the
+        estimator's samples per prompt goes too). A training batch in which more than `env.max_failed_share` of the
+        episodes failed, or any batch that kept no episode, raises `EpisodesFailed`, naming the first error.
         """
         runner = self.env
         generator = generator if generator is not None else self.generator
@@ -151,12 +160,17 @@ class Collector:
         if hasattr(runner, "version"):  # an endpoint tags each reply with the policy version that sampled it
             runner.version = self.weights_version
         episodes = runner.run(generator, tasks, seeds, group_size, sampling)
-        kept, failed = drop_failed_groups(episodes)
-        if not kept:
-            first = next(ep.error for ep in episodes if ep.failed)
-            raise RuntimeError(f"every episode of the batch failed in environment {runner.cfg.name!r}; the first: {first}")
+        kept, failed, short = drop_failed(episodes, min(self.min_group, group_size))
+        share = runner.cfg.max_failed_share
+        if (training and failed > share * len(episodes)) or not kept:
+            first = next((ep.error for ep in episodes if ep.failed), None)
+            raise EpisodesFailed(
+                f"{failed} of the batch's {len(episodes)} episodes failed in environment {runner.cfg.name!r} (the run stops "
+                f"past env.max_failed_share={share}), {short} more went with groups left under {self.min_group}; "
+                f"the first error: {first}"
+            )
         batch = episode_rows(kept, runner.cfg.reward_reduce, self.pad_id)
-        metrics = episode_metrics(kept, failed) | getattr(runner, "last_metrics", {})
+        metrics = episode_metrics(kept, failed) | {"env/short_group_episodes": float(short)} | getattr(runner, "last_metrics", {})
         return Scored(batch, [ep.turns[0].observation for ep in kept], [transcript(ep) for ep in kept], metrics)
 
     def score(self, repeated: list[PromptExample], batch: Trajectories, training: bool = True) -> Scored:
@@ -182,7 +196,12 @@ class Collector:
         if eval_cfg.num_samples > 0:
             runs.append(("sampled", eval_cfg.num_samples, False))
         for name, n, greedy in runs:
-            scored = self.sample(examples, n, replace(sampling, greedy=greedy), training=False)
+            try:
+                scored = self.sample(examples, n, replace(sampling, greedy=greedy), training=False)
+            except EpisodesFailed as error:  # an evaluation that lost every episode is reported, not the run's end
+                log.warning("evaluation (%s) measured nothing: %s", name, error)
+                metrics[f"eval/{name}_failed_episodes"] = float(len(examples) * n)
+                continue
             metrics[f"eval/{name}_scores"] = scored.scores.mean().item()
             if "objective/verifiable_correct_rate" in scored.metrics:
                 metrics[f"eval/{name}_correct_rate"] = scored.metrics["objective/verifiable_correct_rate"]
