@@ -30,17 +30,18 @@ def train_records(
 
 
 def save_random_llama(
-    folder: Path, hidden: int, layers: int, intermediate: int, vocab: int, heads: int, positions: int = 256
+    folder: Path, hidden: int, layers: int, intermediate: int, vocab: int, heads: int, positions: int = 256,
+    kv_heads: int | None = None,
 ) -> Path:
-    """A random Llama of the given shape (tied embeddings, ``positions`` positions) with the built-in tokenizer,
-    saved in ``folder``; returns it."""
+    """A random Llama of the given shape (tied embeddings, ``positions`` positions, ``kv_heads`` key/value heads, by
+    default as many as query heads) with the built-in tokenizer, saved in ``folder``; returns it."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from rlhf.models.loading import load_tokenizer
 
     config = LlamaConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=positions, tie_word_embeddings=True,
+        num_attention_heads=heads, num_key_value_heads=kv_heads or heads, max_position_embeddings=positions, tie_word_embeddings=True,
         pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )
     LlamaForCausalLM(config).save_pretrained(folder)

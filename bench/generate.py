@@ -34,7 +34,8 @@ from rlhf.generators.hf import HFGenerator, HfGeneratorConfig
 from rlhf.generators.memory import kv_cache_bytes
 from rlhf.models.loading import load_tokenizer
 
-SHAPES = {"0.1m": (64, 2, 128, 2), "3m": (256, 4, 512, 4), "qwen0.5b": (896, 24, 4864, 14)}
+# hidden, layers, intermediate, heads, key/value heads
+SHAPES = {"0.1m": (64, 2, 128, 2, 2), "3m": (256, 4, 512, 4, 4), "3m-gqa": (256, 4, 512, 8, 2), "qwen0.5b": (896, 24, 4864, 14, 2)}
 PATHS = {  # name: generator keys
     "eager": dict(decode="eager"),
     "eager+compile": dict(decode="eager", compile=True),
@@ -42,6 +43,10 @@ PATHS = {  # name: generator keys
     "static+compile": dict(decode="static", compile=True, graphs=False),
     "graphs": dict(decode="static", graphs=True),
     "graphs+compile": dict(decode="static", compile=True, graphs=True),
+    # transformers' SDPA as is: each key/value head copied to its query heads every step (grouped-query models only)
+    "eager-ungrouped": dict(decode="eager", grouped_decode=False),
+    "static-ungrouped": dict(decode="static", graphs=False, grouped_decode=False),
+    "graphs-ungrouped": dict(decode="static", graphs=True, grouped_decode=False),
 }
 EAGER_MAX_NEW = 256  # the eager paths on CUDA take ~20-40 ms a token: longer responses are skipped (minutes each)
 
@@ -219,8 +224,8 @@ def decode_profile(generator: HFGenerator, prompts, new: int, top: int = 8) -> l
 
 
 def model_folder(root: Path, shape: str) -> str:
-    hidden, layers, intermediate, heads = SHAPES[shape]
-    return str(save_random_llama(root / shape, hidden, layers, intermediate, 32, heads, positions=2048))
+    hidden, layers, intermediate, heads, kv_heads = SHAPES[shape]
+    return str(save_random_llama(root / shape, hidden, layers, intermediate, 32, heads, positions=2048, kv_heads=kv_heads))
 
 
 def main() -> None:
@@ -234,7 +239,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     device = torch.device(args.device)
-    paths = args.paths.split(",") if args.paths else [p for p in PATHS if device.type == "cuda" or not p.startswith("graphs")]
+    paths = args.paths.split(",") if args.paths else [
+        p for p in PATHS if (device.type == "cuda" or not p.startswith("graphs")) and not p.endswith("ungrouped")]
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         sizes = [(int(r), int(n)) for r in args.rows.split(",") for n in args.new.split(",")]

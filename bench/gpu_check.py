@@ -104,7 +104,7 @@ def generate_section(device: torch.device, tiny: bool, folder: str, deadline: fl
     sleep/wake there."""
     cuda = device.type == "cuda"
     # the compiled paths are asked for by name (--paths): at the 0.5B shape their compiles outlast a lease's call
-    paths = paths or ["eager", "static"] + (["graphs"] if cuda else [])
+    paths = paths or ["eager", "static"] + (["graphs", "graphs-ungrouped"] if cuda else [])
     if tiny:  # the compiled paths' code is the same generators' (tests/generators compile them): CI skips their compile
         paths = ["eager", "static"]
         figures, made = generate_bench(folder, device, [(4, 8)], paths, prompt_len=8, repeats=1, deadline=deadline)

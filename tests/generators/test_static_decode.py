@@ -13,6 +13,7 @@ from rlhf.generators.base import SamplingParams
 from rlhf.generators.decode import decode
 from rlhf.generators.hf import left_pad
 from rlhf.generators.static_decode import StaticDecoder, SlotState, bucket_for, decode_step, race_sample
+from rlhf.models.grouped_attention import use_grouped_decode
 from rlhf.models.logprobs import window_logprobs
 
 STOP, PAD = 2, 0
@@ -119,8 +120,9 @@ def test_the_race_sampler_draws_each_token_with_its_probability():
 def test_the_recorded_step_reads_nothing_on_the_host(sampling):
     """A CUDA graph cannot record a step that reads a tensor on the host (a Python branch on a tensor, `.item()`):
     the step as the graphs call it (attending over every cache column) traces as one graph in every sampling mode,
-    the nucleus's 0-d top_p tensor included."""
+    the nucleus's 0-d top_p tensor included; with grouped-query attention as generators decode it."""
     model = family("qwen2")
+    assert use_grouped_decode(model)
     decoder = StaticDecoder(model, (1, 2, 4), check_every=2, compile=False, graphs=False)
     traced = torch.compile(decode_step, fullgraph=True, backend="eager")
     decoder._step = lambda state, bucket, mode, stop_id, pad_id, width: traced(

@@ -16,6 +16,7 @@ from rlhf.micro_batches import halvings
 from rlhf.generators.continuous import ContinuousBatch, Continued, Request
 from rlhf.generators.decode import decode
 from rlhf.generators.static_decode import StaticDecoder, bucket_for, cache_columns
+from rlhf.models.grouped_attention import use_grouped_decode
 from rlhf.models.loading import load_causal_lm
 from rlhf.registry import register
 from rlhf.trajectory import Trajectories, concat, from_completions, left_pad
@@ -58,6 +59,7 @@ class HfGeneratorConfig(GeneratorConfig):
     decode: str = "auto"  # eager (growing cache, a row leaves the step it stops), static (preallocated cache, fixed-shape step per bucket), auto (static on CUDA, eager on CPU)
     buckets: list[int] = field(default_factory=lambda: [2**i for i in range(10)])  # static decode: the batch sizes a step runs at (rows padded up to the next); the largest must hold generator.batch_size
     graphs: bool | None = None  # static decode: record each bucket's step as a CUDA graph and replay it (null: on CUDA yes, on CPU no)
+    grouped_decode: bool = True  # grouped-query models (fewer key/value than query heads) decode without copying the cache to every query head (rlhf.models.grouped_attention); false: transformers' SDPA as is
     check_every: int | None = None  # static decode: steps between looks at which rows stopped (the end, or a move to a smaller bucket); null: 8 on CUDA (a look waits for the GPU), 2 on CPU
 
     def check(self, at: str) -> None:
@@ -138,6 +140,8 @@ class HFGenerator:
             model_cfg.name_or_path, model_cfg.dtype, model_cfg.revision, model_cfg.trust_remote_code, device
         ).eval()
         self.model.requires_grad_(False)
+        if cfg.grouped_decode:  # one-token steps of a grouped-query model read the cache as it is (no per-head copy)
+            use_grouped_decode(self.model)
         static, graphs, check_every = static_decode_on(cfg, device)
         # `generator.decode=static`: preallocated buffers and one fixed-shape step per bucket, compiled and recorded
         # as CUDA graphs as asked; it reads the weights where they live, so pushes reach it

@@ -24,13 +24,14 @@ import torch
 
 from rlhf.generators.base import SamplingParams
 from rlhf.generators.decode import top_p_filter
+from rlhf.models.grouped_attention import NAME as GROUPED
 from rlhf.models.logprobs import keeps_logits
 from rlhf.trajectory import real_positions
 
 log = logging.getLogger("rlhf")
 
 CACHE_COLUMNS = 64  # cache lengths are rounded up to a multiple of this, so calls of similar lengths share buffers
-ATTENTION = ("sdpa", "eager")  # the attention implementations that take the boolean / additive 4D mask built here
+ATTENTION = ("sdpa", GROUPED, "eager")  # the attention implementations that take the boolean / additive 4D mask built here
 
 
 def cache_columns(tokens: int) -> int:
@@ -129,7 +130,7 @@ class SlotState:
 def as_attention_mask(model, attend: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The 4D mask the model's attention takes, from ``attend`` (bool, True = attend): as is for sdpa, additive for
     the eager implementation. Shape: (B, 1, Q, K) -> (B, 1, Q, K)."""
-    if model.config._attn_implementation == "sdpa":
+    if model.config._attn_implementation in ("sdpa", GROUPED):
         return attend
     return torch.zeros(attend.shape, dtype=dtype, device=attend.device).masked_fill(~attend, torch.finfo(dtype).min)
 
