@@ -97,6 +97,17 @@ def run_cli(args: list[str], out: Path) -> dict:
     }
 
 
+def attempt(fn, strict: bool, limit: int = 600):
+    """``fn()``; unless ``strict`` (the tiny form CI runs), an error it raises as ``{"error": ...}``, so one broken
+    measurement costs only its own figures."""
+    try:
+        return fn()
+    except Exception as error:  # noqa: BLE001 - reported in the figures
+        if strict:
+            raise
+        return {"error": f"{type(error).__name__}: {error}"[:limit]}
+
+
 def generate_section(device: torch.device, tiny: bool, folder: str, deadline: float, paths=None, sizes=None) -> dict:
     """The hf generator's decode paths (`bench/generate.py`): tokens/s for 64 and 256 rows x 256 and 1024 new tokens
     against the memory-bandwidth floor (tiny: 4 rows x 8 tokens, uncompiled), and whether the static
@@ -113,14 +124,9 @@ def generate_section(device: torch.device, tiny: bool, folder: str, deadline: fl
         figures, made = generate_bench(folder, device, sizes, paths, prompt_len=64, repeats=1, deadline=deadline, strict=False)
     profiled = None
     if "static" in made:  # the static step's kernels, one by one (the graphs replay the same ones): where its time goes
-        rows, new = (4, 8) if tiny else max(s for s in (sizes or [(256, 1024)]))
-        prompts = [[3 + (row * 7 + i) % 9 for i in range(64 if not tiny else 8)] for row in range(rows)]
-        try:
-            profiled = {"rows": rows, "new_tokens": 16, "top": decode_profile(made["static"], prompts, 16)}
-        except Exception as error:  # noqa: BLE001
-            if tiny:
-                raise
-            profiled = {"error": f"{type(error).__name__}: {error}"[:600]}
+        rows, prompt_len = (4, 8) if tiny else (max(r for r, _ in sizes), 64)
+        prompts = [[3 + (row * 7 + i) % 9 for i in range(prompt_len)] for row in range(rows)]
+        profiled = attempt(lambda: {"rows": rows, "new_tokens": 16, "top": decode_profile(made["static"], prompts, 16)}, tiny)
     for generator in made.values():  # the sections after this one measure memory: nothing of the generators stays
         if generator.static is not None:
             generator.static.free()
@@ -129,12 +135,8 @@ def generate_section(device: torch.device, tiny: bool, folder: str, deadline: fl
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    try:  # float32: a bug, not bf16 rounding of near-tied logits, if the tokens differ
-        float32 = float32_checks(folder, device, ["static"] + (["graphs"] if cuda else []))
-    except Exception as error:  # noqa: BLE001
-        if tiny:
-            raise
-        float32 = [{"error": f"{type(error).__name__}: {error}"[:600]}]
+    # float32: a bug, not bf16 rounding of near-tied logits, if the tokens differ
+    float32 = attempt(lambda: float32_checks(folder, device, ["static"] + (["graphs"] if cuda else [])), tiny)
     return {"speed": figures, "float32": float32, "static_profile": profiled}
 
 
@@ -362,12 +364,8 @@ def main() -> None:
             if began - start > args.budget_s:
                 results[section] = {"skipped": f"out of time ({args.budget_s:g} s budget)"}
                 continue
-            try:
-                results[section] = runs[section](Path(tmp), folder)
-            except Exception as error:  # one broken section must not cost the others' figures
-                if args.tiny:
-                    raise
-                results[section] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+            # one broken section must not cost the others' figures
+            results[section] = attempt(lambda: runs[section](Path(tmp), folder), args.tiny, limit=2000)
             results.setdefault("seconds", {})[section] = round(time.perf_counter() - began, 1)
             print(f"{section}: {results[section]}", file=sys.stderr, flush=True)
             if args.json:

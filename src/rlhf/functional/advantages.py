@@ -32,14 +32,11 @@ def _ragged(scores: torch.Tensor, sizes: torch.Tensor) -> tuple[torch.Tensor, to
     return padded, present
 
 
-def _ragged_all_equal(padded: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
-    """`_all_equal` over each group's rows only. Shape: (P, M), (P, M) -> (P, 1) bool."""
-    return ((padded == padded[:, :1]) | ~present).all(dim=1, keepdim=True)
-
-
-def _all_equal(grouped: torch.Tensor) -> torch.Tensor:
-    """Whether each group's scores are all the same, exactly. Shape: (B/G, G) -> (B/G, 1) bool."""
-    return (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
+def _all_equal(grouped: torch.Tensor, present: torch.Tensor | None = None) -> torch.Tensor:
+    """Whether each group's scores are all the same, exactly (ragged groups: over the ``present`` entries only).
+    Shape: (P, G), (P, G) bool -> (P, 1) bool."""
+    same = grouped == grouped[:, :1]
+    return (same if present is None else same | ~present).all(dim=1, keepdim=True)
 
 
 def _smallest(group_size: GroupSizes) -> int:
@@ -65,7 +62,7 @@ def group_normalized_advantages(
         centred = (padded - padded.sum(dim=1, keepdim=True) / counts) * present
         if norm_by_std:
             centred = centred / ((centred.square().sum(dim=1, keepdim=True) / (counts - 1)).sqrt() + eps)
-        return torch.where(_ragged_all_equal(padded, present), torch.zeros_like(centred), centred)[present]
+        return torch.where(_all_equal(padded, present), torch.zeros_like(centred), centred)[present]
     grouped = _groups(scores, group_size)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if norm_by_std:
@@ -82,7 +79,7 @@ def rloo_advantages(scores: torch.Tensor, group_size: GroupSizes) -> torch.Tenso
         padded, present = _ragged(scores, group_size)
         counts = present.sum(dim=1, keepdim=True)
         others_mean = (padded.sum(dim=1, keepdim=True) - padded) / (counts - 1)
-        return torch.where(_ragged_all_equal(padded, present), torch.zeros_like(padded), padded - others_mean)[present]
+        return torch.where(_all_equal(padded, present), torch.zeros_like(padded), padded - others_mean)[present]
     grouped = _groups(scores, group_size)
     others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
     # a group that scored all the same gets exactly 0, as in `group_normalized_advantages`

@@ -160,13 +160,14 @@ class Collector:
         if hasattr(runner, "version"):  # an endpoint tags each reply with the policy version that sampled it
             runner.version = self.weights_version
         episodes = runner.run(generator, tasks, seeds, group_size, sampling)
-        kept, failed, short = drop_failed(episodes, min(self.min_group, group_size))
+        min_group = min(self.min_group, group_size)
+        kept, failed, short = drop_failed(episodes, min_group)
         share = runner.cfg.max_failed_share
         if (training and failed > share * len(episodes)) or not kept:
             first = next((ep.error for ep in episodes if ep.failed), None)
             raise EpisodesFailed(
                 f"{failed} of the batch's {len(episodes)} episodes failed in environment {runner.cfg.name!r} (the run stops "
-                f"past env.max_failed_share={share}), {short} more went with groups left under {self.min_group}; "
+                f"past env.max_failed_share={share}), {short} more went with groups left under {min_group}; "
                 f"the first error: {first}"
             )
         batch = episode_rows(kept, runner.cfg.reward_reduce, self.pad_id)

@@ -104,7 +104,7 @@ METRICS: dict[str, tuple[str, str]] = {  # name -> (meaning, when logged)
     "eval/<mode>_sequence_lengths": ("mean response length on the evaluation prompts", "eval steps"),
     "eval/<mode>_reward_model": ("mean reward-model score on the evaluation prompts", "eval steps, reward=model"),
     "eval/<mode>_failed_episodes": ("evaluation episodes whose environment or agent failed (all of them when the evaluation measured nothing)", "eval steps, env set"),
-    "eval/<mode>_<key>": ("an environment's figure on the evaluation episodes (success_rate, episode_return, failed_episodes, ...)", "eval steps, env set"),
+    "eval/<mode>_<key>": ("an environment's figure on the evaluation episodes (success_rate, episode_return, ...)", "eval steps, env set"),
     # schedules
     "async/policy_version": ("the policy version that trains on the step's batch", "schedule=async or stream"),
     "async/staleness_mean": ("mean steps between a row's policy version (stream: its oldest token's) and the trainer's", "schedule=async or stream"),
