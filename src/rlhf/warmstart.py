@@ -5,6 +5,7 @@
     python -m rlhf.warmstart --retry             # rebuilds src/rlhf/assets/tiny_arith_retry (env=arith_retry)
     python -m rlhf.warmstart --teacher           # rebuilds src/rlhf/assets/tiny_arith_teacher (experiment=opd_arith_tiny)
     python -m rlhf.warmstart --count             # rebuilds src/rlhf/assets/tiny_count (dataset=count, the long-tail task)
+    python -m rlhf.warmstart --count --teacher   # rebuilds src/rlhf/assets/tiny_count_teacher (experiment=opd_count_tiny)
 
 It trains a tiny Llama from scratch on addition demonstrations that are right only part of the time:
 by default 30% correct, 40% off by one (the most common single answer, so greedy decoding starts out
@@ -21,7 +22,8 @@ a fifth of N), 20% at a random length, 10% malformed; its model has room for 128
 
 ``--teacher`` is not supervised: it runs the default training (`python -m rlhf.train` as it stands: GRPO from
 `tiny_arith`, 200 steps, seed 1) and keeps the policy it ends with, the stronger built-in model that
-`experiment=opd_arith_tiny` distils into a fresh `tiny_arith`.
+`experiment=opd_arith_tiny` distils into a fresh `tiny_arith`. ``--count --teacher`` is supervised like ``--count``
+but on correct counts only: GRPO on the counting task levels off near 0.8 greedy, a teacher with little to teach.
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ DEFAULT_OUTPUT = Path(__file__).parent / "assets" / "tiny_arith"
 RETRY_OUTPUT = Path(__file__).parent / "assets" / "tiny_arith_retry"
 TEACHER_OUTPUT = Path(__file__).parent / "assets" / "tiny_arith_teacher"
 COUNT_OUTPUT = Path(__file__).parent / "assets" / "tiny_count"
+COUNT_TEACHER_OUTPUT = Path(__file__).parent / "assets" / "tiny_count_teacher"
 COUNT_MIX = {"correct": 0.35, "near": 0.35, "random": 0.20, "malformed": 0.10}
+CLEAN_MIX = {"correct": 1.0}  # the counting teacher's demonstrations
 MIX = {"correct": 0.30, "off_by_one": 0.40, "random": 0.20, "malformed": 0.10}
 RETRY_MIX = {"correct": 0.30, "repeat": 0.40, "random": 0.20, "malformed": 0.10}  # answers after a wrong one
 
@@ -97,9 +101,10 @@ def build_examples(
     return examples
 
 
-def count_demonstration(n: int, rng: random.Random, max_count: int) -> str:
-    """One noisy demonstration of counting to ``n``: exact, near (off by up to a fifth of n), random or malformed."""
-    kind = rng.choices(list(COUNT_MIX), weights=list(COUNT_MIX.values()))[0]
+def count_demonstration(n: int, rng: random.Random, max_count: int, mix: dict[str, float] = COUNT_MIX) -> str:
+    """One demonstration of counting to ``n``, of a kind drawn from ``mix``: exact, near (off by up to a fifth of n),
+    random or malformed."""
+    kind = rng.choices(list(mix), weights=list(mix.values()))[0]
     if kind == "correct":
         return count_answer(n)
     if kind == "near":
@@ -110,21 +115,24 @@ def count_demonstration(n: int, rng: random.Random, max_count: int) -> str:
     return "".join(rng.choice(ALPHABET) for _ in range(rng.randint(1, 8)))
 
 
-def build_count_examples(tokenizer, max_count: int, per_problem: int, seed: int) -> list[tuple[list[int], list[int]]]:
-    """(token ids of prompt + demonstration + EOS, 1 where the loss applies) for every count 1..max_count."""
+def build_count_examples(
+    tokenizer, max_count: int, per_problem: int, seed: int, mix: dict[str, float] = COUNT_MIX
+) -> list[tuple[list[int], list[int]]]:
+    """(token ids of prompt + demonstration + EOS, 1 where the loss applies) for every count 1..max_count, the
+    demonstrations drawn from ``mix``."""
     rng = random.Random(seed)
     examples = []
     for n in range(1, max_count + 1):
         prompt_ids = tokenizer(f"{n}=")["input_ids"]
         for _ in range(per_problem):
-            reply = tokenizer(count_demonstration(n, rng, max_count), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            reply = tokenizer(count_demonstration(n, rng, max_count, mix), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             examples.append((prompt_ids + reply, [0] * len(prompt_ids) + [1] * len(reply)))
     return examples
 
 
 def train(
     output_dir: Path, steps: int, batch_size: int, lr: float, seed: int, max_operand: int, retry: bool = False,
-    count: bool = False,
+    count: bool = False, count_mix: dict[str, float] = COUNT_MIX,
 ) -> None:
     torch.manual_seed(seed)
     tokenizer = build_char_tokenizer(ALPHABET)
@@ -133,7 +141,7 @@ def train(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )
     if count:
-        examples = build_count_examples(tokenizer, CountDatasetConfig.max_count, per_problem=64, seed=seed)
+        examples = build_count_examples(tokenizer, CountDatasetConfig.max_count, per_problem=64, seed=seed, mix=count_mix)
     else:
         examples = build_examples(tokenizer, max_operand, per_problem=64, seed=seed, retry=retry)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -177,9 +185,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seeds data and initialisation")
     parser.add_argument("--max-operand", type=int, default=9, help="operands range over 0..max-operand")
     parser.add_argument("--retry", action="store_true", help="also demonstrate env=arith_retry's retry turn")
-    parser.add_argument("--teacher", action="store_true", help="the distillation teacher: the default RL run's final policy")
+    parser.add_argument(
+        "--teacher", action="store_true",
+        help="the distillation teacher: the default RL run's final policy; with --count, supervised on correct counts only",
+    )
     parser.add_argument("--count", action="store_true", help="the counting task's model (dataset=count)")
     args = parser.parse_args(argv)
+    if args.teacher and args.count:
+        train(args.output_dir or COUNT_TEACHER_OUTPUT, args.steps, args.batch_size, args.lr, args.seed, args.max_operand,
+              count=True, count_mix=CLEAN_MIX)
+        return
     if args.teacher:
         build_teacher(args.output_dir or TEACHER_OUTPUT, seed=1)
         return

@@ -7,6 +7,7 @@ import statistics
 from collections import Counter
 
 import pytest
+import torch
 
 from rlhf import warmstart
 from rlhf.config.compose import compose_config
@@ -73,3 +74,28 @@ def test_the_committed_counting_model_has_room_for_the_longest_count():
 def test_short_count_warm_start_saves_a_loadable_model(tmp_path):
     warmstart.main(["--count", "--output-dir", str(tmp_path), "--steps", "5", "--batch-size", "8"])
     assert load_causal_lm(str(tmp_path)).config.max_position_embeddings == 128
+
+
+def test_the_counting_teachers_demonstrations_are_all_correct(tmp_path):
+    """`--count --teacher` is supervised on correct counts only, and builds a loadable model of the student's shape."""
+    tokenizer = load_tokenizer("builtin:tiny_count")
+    examples = warmstart.build_count_examples(tokenizer, 60, per_problem=3, seed=0, mix=warmstart.CLEAN_MIX)
+    for ids, trained in examples:
+        prompt, reply = tokenizer.decode(ids[: trained.index(1)]), tokenizer.decode(ids[trained.index(1):], skip_special_tokens=True)
+        assert reply == count_answer(int(prompt.removeprefix(tokenizer.bos_token).rstrip("="))), (prompt, reply)
+    warmstart.main(["--count", "--teacher", "--output-dir", str(tmp_path), "--steps", "2", "--batch-size", "4"])
+    assert load_causal_lm(str(tmp_path)).config.to_dict() | {"_name_or_path": ""} == (
+        load_causal_lm("builtin:tiny_count").config.to_dict() | {"_name_or_path": ""})
+
+
+def test_the_committed_counting_teacher_counts_every_prompt_greedily():
+    """builtin:tiny_count_teacher (experiment=opd_count_tiny's teacher) shares the student's tokenizer and answers all
+    60 counts exactly, so the distilled student has a target above its own 0.56."""
+    teacher, student = load_tokenizer("builtin:tiny_count_teacher"), load_tokenizer("builtin:tiny_count")
+    assert teacher.get_vocab() == student.get_vocab()
+    model = load_causal_lm("builtin:tiny_count_teacher")
+    batch = teacher([f"{n}=" for n in range(1, 61)], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=64, do_sample=False, pad_token_id=teacher.pad_token_id)
+    answers = teacher.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert answers == [count_answer(n) for n in range(1, 61)]
