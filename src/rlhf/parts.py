@@ -38,6 +38,8 @@ GROUPS = {  # config group (and node path, with dots) -> registry kind
     "schedule": "schedule",
     "env": "env",
     "dataset": "dataset",
+    "policy/strategy": "strategy",
+    "critic/strategy": "strategy",
 }
 PATHS = {group.replace("/", "."): group for group in GROUPS}  # node path -> its group: algorithm.policy_loss -> algorithm/policy_loss
 
@@ -126,7 +128,7 @@ def _where_else(kind: str, at: str, key: str, known: list[str]) -> str:
     """The fix for a key the chosen part does not declare: the registered parts that do, or the closest key."""
     readers = [n for n in registry.names(kind) if key in _declared(registry.resolve(kind, n))]
     if readers:
-        return f"it is a key of {at.replace('.', '/')}={' or '.join(readers)}; choose that part or remove the key"
+        return f"it is a key of {at.replace('.', '/')}={' or '.join(readers)}; choose that part or remove the key (~{at}.{key} on the command line)"
     close = difflib.get_close_matches(key, known, n=1)
     return f"did you mean {at}.{close[0]}?" if close else "remove it"
 
@@ -158,6 +160,11 @@ def store_nodes() -> None:
     store = ConfigStore.instance()
     for group, kind in GROUPS.items():
         for name in registry.names(kind):
-            cls = config_class(registry.resolve(kind, name), group.replace("/", "."), name) or PartConfig
-            node = OmegaConf.to_container(OmegaConf.structured(cls(name=name)))
-            store.store(group=group, name=name, node=node)
+            store.store(group=group, name=name, node=default_node(group, name))
+
+
+def default_node(group: str, name: str) -> dict:
+    """The node ``group=name`` selects (`policy/strategy=deepspeed`): ``name`` and the part's keys at their defaults."""
+    kind = GROUPS[group]
+    cls = config_class(registry.resolve(kind, name), group.replace("/", "."), name) or PartConfig
+    return OmegaConf.to_container(OmegaConf.structured(cls(name=name)))

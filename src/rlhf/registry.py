@@ -14,7 +14,7 @@ from rlhf.errors import ConfigError
 
 KINDS = (
     "dataset", "preference_dataset", "generator", "policy", "reference", "critic", "reward", "advantage", "policy_loss",
-    "schedule", "env", "rollout_correction", "kl_controller",
+    "schedule", "env", "rollout_correction", "kl_controller", "strategy",
 )
 
 _REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {kind: {} for kind in KINDS}
@@ -57,6 +57,7 @@ def _load_builtins() -> None:
         "rlhf.generators.hf",
         "rlhf.generators.vllm",
         "rlhf.training.policy",
+        "rlhf.training.strategies",
         "rlhf.models.reference",
         "rlhf.rewards.rules",
         "rlhf.rewards.reasoning_gym",

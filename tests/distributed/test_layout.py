@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rlhf.config import ConfigError, compose_config, validate
-from rlhf.config.schema import ClusterConfig, RoleConfig, RolesConfig, StrategyConfig, TrainConfig
+from rlhf.config.schema import ClusterConfig, RoleConfig, RolesConfig, TrainConfig
 from rlhf.algorithms import build_algorithm
 from rlhf.distributed.layout import (
     PlacementSpec,
@@ -20,7 +20,7 @@ from rlhf.distributed.layout import (
     validate_cluster,
 )
 from rlhf.distributed.remote import even_slices
-from rlhf.training.strategies import deepspeed_config
+from rlhf.training.strategies import DeepSpeedConfig, deepspeed_config
 
 PRESETS = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "conf" / "cluster").glob("*.yaml"))
 # 8gpu_split trains on 7 ranks, which must divide the samples per step: 14 prompts x 8 (grpo) or x 4 (ppo)
@@ -211,23 +211,19 @@ def test_check_fits_rejects_more_nodes_than_have_a_device():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["policy.strategy.name=ddp"], "policy.strategy.name=ddp runs one process per device; it needs cluster.backend=ray"),
-    (["policy.strategy.name=fsdp2"], "it needs cluster.backend=ray"),
-    (["cluster=ray_local", "policy.strategy.name=single"],
-     "policy.strategy.name=single trains on one device but cluster.roles.policy has 2 ranks"),
-    (["policy.strategy.name=megatron"], "policy.strategy.name='megatron'; choose one of auto, single, ddp, fsdp2, deepspeed"),
-    (["algorithm=ppo", "critic.strategy.name=megatron"], "critic.strategy.name='megatron'"),
-    (["algorithm=ppo", "cluster=ray_local", "critic.strategy.name=single"], "cluster.roles.critic has 2 ranks"),
-    (["cluster=ray_local", "policy.strategy.name=deepspeed", "policy.strategy.zero_stage=4"],
+    (["policy/strategy=ddp"], "policy/strategy=ddp runs one process per device; it needs cluster.backend=ray"),
+    (["policy/strategy=fsdp2"], "it needs cluster.backend=ray"),
+    (["cluster=ray_local", "policy/strategy=single"],
+     "policy/strategy=single trains on one device but cluster.roles.policy has 2 ranks"),
+    (["policy.strategy.name=megatron"], r"unknown strategy 'megatron' \(config key `policy.strategy.name`\). Registered: auto, ddp, deepspeed, fsdp2, single"),
+    (["algorithm=ppo", "critic.strategy.name=megatron"], "config key `critic.strategy.name`"),
+    (["algorithm=ppo", "cluster=ray_local", "critic/strategy=single"], "cluster.roles.critic has 2 ranks"),
+    (["cluster=ray_local", "policy/strategy=deepspeed", "policy.strategy.zero_stage=4"],
      "policy.strategy.zero_stage=4 must be 1, 2 or 3"),
-    (["cluster=ray_local", "policy.strategy.name=deepspeed", "policy.strategy.zero_stage=0"],
-     r"policy.strategy.zero_stage=0 must be 1, 2 or 3 \(for plain data parallelism use policy.strategy.name=ddp\)"),
-    (["cluster=ray_local", "policy.strategy.name=deepspeed", "policy.strategy.offload_params=true"],
-     r"policy.strategy.offload_params needs .* \(got deepspeed, stage 2\)"),
-    (["cluster=ray_local", "policy.strategy.name=ddp", "policy.strategy.offload_params=true"],
-     r"offload_params needs .* \(got ddp, stage 2\)"),
-    (["cluster=ray_local", "policy.strategy.name=ddp", "policy.strategy.offload_optimizer=true"],
-     r"policy.strategy.offload_optimizer needs .* \(got ddp, stage 2\)"),
+    (["cluster=ray_local", "policy/strategy=deepspeed", "policy.strategy.zero_stage=0"],
+     r"policy.strategy.zero_stage=0 must be 1, 2 or 3 \(for plain data parallelism choose policy/strategy=ddp\)"),
+    (["cluster=ray_local", "policy/strategy=deepspeed", "policy.strategy.offload_params=true"],
+     r"policy.strategy.offload_params needs policy.strategy.zero_stage=3 \(got 2\)"),
     (["cluster=ray_local", "cluster.colocate=[]", "cluster.roles.policy.devices_per_node=3"],
      "cluster.roles.policy has 3 training ranks, which must divide the 128 samples per step and the 128 units"),
     (["cluster=ray_local", "cluster.roles.policy.devices_per_node=3", "cluster.roles.reference.devices_per_node=3"],
@@ -254,12 +250,12 @@ def test_validate_rejects(overrides, message):
 
 
 @pytest.mark.parametrize("overrides", [
-    ["policy.strategy.name=single"],
-    ["cluster=single_gpu", "policy.strategy.name=single"],
-    ["cluster=ray_local", "policy.strategy.name=ddp"],
-    ["cluster=ray_local", "policy.strategy.name=fsdp2", "policy.strategy.offload_params=true", "policy.strategy.offload_optimizer=true"],
-    ["cluster=ray_local", "policy.strategy.name=deepspeed", "policy.strategy.zero_stage=3", "policy.strategy.offload_params=true"],
-    ["cluster=ray_local", "policy.strategy.name=deepspeed", "policy.strategy.zero_stage=1", "policy.strategy.offload_optimizer=true"],
+    ["policy/strategy=single"],
+    ["cluster=single_gpu", "policy/strategy=single"],
+    ["cluster=ray_local", "policy/strategy=ddp"],
+    ["cluster=ray_local", "policy/strategy=fsdp2", "policy.strategy.offload_params=true", "policy.strategy.offload_optimizer=true"],
+    ["cluster=ray_local", "policy/strategy=deepspeed", "policy.strategy.zero_stage=3", "policy.strategy.offload_params=true"],
+    ["cluster=ray_local", "policy/strategy=deepspeed", "policy.strategy.zero_stage=1", "policy.strategy.offload_optimizer=true"],
     ["cluster=ray_local", "cluster.colocate=[]", "cluster.roles.policy.devices_per_node=4"],
 ])
 def test_validate_accepts(overrides):
@@ -290,7 +286,7 @@ def test_even_slices_cover_the_range_evenly(n, parts):
 
 
 def ds(strategy: dict, max_grad_norm: float = 1.0, dtype: torch.dtype = torch.float32) -> dict:
-    return deepspeed_config(OmegaConf.structured(StrategyConfig(name="deepspeed", **strategy)),
+    return deepspeed_config(DeepSpeedConfig(name="deepspeed", **strategy),
                             OmegaConf.structured(TrainConfig(max_grad_norm=max_grad_norm)), dtype)
 
 
@@ -317,3 +313,25 @@ def test_deepspeed_config_clipping_precision_and_accumulation():
     assert ds({}, max_grad_norm=-1.0)["gradient_clipping"] == 0.0
     assert ds({}, dtype=torch.float32)["bf16"] == {"enabled": False}
     assert ds({}, dtype=torch.float16)["bf16"] == {"enabled": False}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["cluster=ray_local", "policy/strategy=ddp", "policy.strategy.offload_params=true"],
+     r"policy.strategy.offload_params is not a key of strategy ddp .*it is a key of policy/strategy=deepspeed or fsdp2; "
+     r"choose that part or remove the key \(~policy.strategy.offload_params on the command line\)"),
+    (["cluster=ray_local", "policy.strategy.name=deepspeed", "policy.strategy.zero_stage=3"],
+     r"policy.strategy.zero_stage: .*policy.strategy.name=deepspeed renames that node without bringing deepspeed's keys; "
+     r"choose the part with policy/strategy=deepspeed \(then policy.strategy.zero_stage=3\)"),
+])
+def test_a_strategy_key_outside_its_strategys_node_is_refused_naming_the_choice(overrides, message):
+    """Each strategy's keys live in its own node (`policy/strategy=deepspeed` brings zero_stage and the offloads)."""
+    with pytest.raises(ConfigError, match=message):
+        compose_config(overrides)
+
+
+def test_strategy_nodes_hold_only_their_own_keys():
+    assert OmegaConf.to_container(compose_config([]).policy.strategy) == {"name": "auto"}
+    node = compose_config(["cluster=ray_local", "policy/strategy=deepspeed", "policy.strategy.zero_stage=3"]).policy.strategy
+    assert OmegaConf.to_container(node) == {"name": "deepspeed", "zero_stage": 3, "offload_optimizer": False, "offload_params": False}
+    assert OmegaConf.to_container(compose_config(["policy/strategy=fsdp2"]).policy.strategy) == {
+        "name": "fsdp2", "offload_optimizer": False, "offload_params": False}

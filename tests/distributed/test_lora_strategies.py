@@ -165,7 +165,7 @@ def test_a_lora_critic_takes_the_same_value_step_under_ddp(started, tmp_path):
     norm = c.critic.optimizer_step()
     local = {k: v.detach().clone() for k, v in c.critic.full_state_dict().items()}
 
-    remote_cfg = compose(*ppo, "critic.strategy.name=ddp", "cluster.roles.critic.devices_per_node=2")
+    remote_cfg = compose(*ppo, "critic/strategy=ddp", "cluster.roles.critic.devices_per_node=2")
     critic = started.trainer(remote_cfg, 2, role="critic")
     finite, remote_metrics, _ = accumulate_mini(critic, batch, c.algorithm.value_loss, denominator, as_budget(8))
     assert finite

@@ -88,7 +88,7 @@ def test_exception_inside_a_worker_names_role_rank_and_error(started):
 def test_a_hung_collective_fails_after_cluster_timeout_s(started):
     """Rank 0 alone enters FSDP2's all-gather, which rank 1 never joins: the call fails within the timeout, never hangs.
     Start-up and model load have their own generous budget, so a loaded machine does not trip the short one."""
-    cfg = compose("cluster.timeout_s=4", "cluster.setup_timeout_s=600", "policy.strategy.name=fsdp2")
+    cfg = compose("cluster.timeout_s=4", "cluster.setup_timeout_s=600", "policy/strategy=fsdp2")
     trainer = started.trainer(cfg, 2)
     began = time.monotonic()
     with pytest.raises(WorkerError, match=r"policy rank\(?s?\)? \[?0"):
@@ -104,7 +104,7 @@ def sync_components(*overrides: str):
 def test_generator_samples_from_the_pushed_weights_not_stale_ones(ray_cluster):
     """After each step the engines hold the trainer's new weights: greedy output equals a local generator loaded
     with the gathered weights, the generator's logprobs equal the trainer's, and both moved away from the start."""
-    cfg, c = sync_components("policy.strategy.name=fsdp2")
+    cfg, c = sync_components("policy/strategy=fsdp2")
     try:
         prompts = [list(ex.token_ids) for ex in c.eval_examples[:16]]
         greedy = replace(c.collector.sampling, greedy=True)
@@ -205,7 +205,7 @@ def test_a_stale_push_to_ray_generators_stops_the_run(ray_cluster, monkeypatch):
 @pytest.mark.parametrize("strategy", ["ddp", "deepspeed"])
 def test_checkpoint_round_trip_through_the_workers(ray_cluster, tmp_path, strategy):
     """Saving writes the gathered weights as a HF folder; loading restores the weights the trainer had then."""
-    cfg, c = sync_components(f"policy.strategy.name={strategy}")
+    cfg, c = sync_components(f"policy/strategy={strategy}")
     try:
         state = RunState()
         train_step(c, state)

@@ -29,7 +29,7 @@ STRATEGIES = [
 
 def strategy_overrides(name: str, ranks: int) -> list[str]:
     base, _, stage = name.partition("-")
-    out = [f"policy.strategy.name={base}", f"cluster.roles.policy.devices_per_node={ranks}", f"cluster.roles.reference.devices_per_node={ranks}"]
+    out = [f"policy/strategy={base}", f"cluster.roles.policy.devices_per_node={ranks}", f"cluster.roles.reference.devices_per_node={ranks}"]
     return out + ([f"policy.strategy.zero_stage={stage}"] if stage else [])
 
 
@@ -103,8 +103,8 @@ def test_deepspeed_offload_and_fsdp2_offload_step_too(started, reference_step):
     """ZeRO-3 with optimiser and parameter offload, and FSDP2 with CPU offload, still give the same step."""
     batch, algorithm, denominator, metrics, norm, weights = reference_step
     for extra in (
-        ["policy.strategy.name=deepspeed", "policy.strategy.zero_stage=3", "policy.strategy.offload_optimizer=true", "policy.strategy.offload_params=true"],
-        ["policy.strategy.name=fsdp2", "policy.strategy.offload_params=true"],
+        ["policy/strategy=deepspeed", "policy.strategy.zero_stage=3", "policy.strategy.offload_optimizer=true", "policy.strategy.offload_params=true"],
+        ["policy/strategy=fsdp2", "policy.strategy.offload_params=true"],
     ):
         cfg = compose("train.lr=1e-2", "train.adam_eps=1e-4", "algorithm.beta=0.05", "algorithm.kl_in_reward=false", *extra)
         trainer = started.trainer(cfg, 2)

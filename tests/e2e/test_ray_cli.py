@@ -44,7 +44,7 @@ def command_line(pid: int) -> bytes:
 
 @pytest.mark.parametrize(
     "algorithm,extra",
-    [("grpo", ["policy.strategy.name=deepspeed", "policy.strategy.zero_stage=2"]), ("ppo", ["critic.strategy.name=fsdp2"])],
+    [("grpo", ["policy/strategy=deepspeed", "policy.strategy.zero_stage=2"]), ("ppo", ["critic/strategy=fsdp2"])],
 )
 def test_ray_local_run_learns_with_two_training_processes(algorithm, extra, tmp_path):
     out = tmp_path / "run"

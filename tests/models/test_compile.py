@@ -64,7 +64,7 @@ def test_compiled_blocks_give_the_eager_logprobs_gradients_and_step(policy_cfg, 
 
 
 def test_compiled_blocks_sharded_by_fsdp2_take_the_eager_single_process_step(policy_cfg, model_cfg, train_cfg, rollout, monkeypatch):
-    """`policy.compile` with `policy.strategy.name=fsdp2`: each block compiled, then sharded (FSDP2's hooks outside
+    """`policy.compile` with `policy/strategy=fsdp2`: each block compiled, then sharded (FSDP2's hooks outside
     the compiled code). In a process group of world size 1 (gloo, started here) the step equals the eager one."""
     import socket
 
@@ -98,9 +98,9 @@ def test_compiled_blocks_sharded_by_fsdp2_take_the_eager_single_process_step(pol
 
 
 def test_compile_under_deepspeed_or_with_lora_is_refused_before_any_model_loads():
-    validate(compose_config(["policy.compile=true", "policy.strategy.name=fsdp2", "cluster=ray_local"]))
-    with pytest.raises(ConfigError, match=r"policy\.compile with policy\.strategy\.name=deepspeed"):
-        validate(compose_config(["policy.compile=true", "policy.strategy.name=deepspeed"]))
+    validate(compose_config(["policy.compile=true", "policy/strategy=fsdp2", "cluster=ray_local"]))
+    with pytest.raises(ConfigError, match=r"policy\.compile with policy/strategy=deepspeed"):
+        validate(compose_config(["policy.compile=true", "policy/strategy=deepspeed"]))
     with pytest.raises(ConfigError, match=r"policy\.compile with policy\.lora: .*policy\.lora\.rank=null"):
         validate(compose_config(["policy.compile=true", "policy.lora.rank=8"]))
     validate(compose_config(["policy.compile=true"]))  # single (auto on one process) is fine

@@ -200,8 +200,8 @@ def test_a_lora_critic_trains_adapters_and_its_head_and_resumes_exactly(tmp_path
 
 
 def test_a_lora_critic_under_a_sharded_strategy_is_refused():
-    with pytest.raises(ConfigError, match=r"critic\.lora with critic\.strategy\.name=fsdp2: a LoRA critic trains under single or ddp"):
-        validate(compose_config(["algorithm=ppo", "critic.lora.rank=4", "critic.strategy.name=fsdp2"]))
+    with pytest.raises(ConfigError, match=r"critic\.lora with critic/strategy=fsdp2: a LoRA critic trains under single or ddp"):
+        validate(compose_config(["algorithm=ppo", "critic.lora.rank=4", "critic/strategy=fsdp2"]))
     with pytest.raises(ConfigError, match=r"critic\.lora\.rank=0"):
         validate(compose_config(["algorithm=ppo", "critic.lora.rank=0"]))
 

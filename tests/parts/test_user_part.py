@@ -105,3 +105,20 @@ def test_a_part_given_as_a_name_in_a_yaml_file_is_refused_with_the_override_to_w
     (tmp_path / "experiment" / "old.yaml").write_text("# @package _global_\nalgorithm:\n  policy_loss: gspo  # old\n")
     with pytest.raises(ConfigError, match=r"algorithm.policy_loss='gspo': a part is chosen as a node now; write algorithm/policy_loss=gspo"):
         validate(compose_config([f"hydra.searchpath=[file://{tmp_path}]", "experiment=old"]))
+
+
+def test_a_users_strategy_with_a_key_of_its_own_trains_two_steps(tmp_path):
+    """policy/strategy=counting selects the user's node (its class by import path); policy.strategy.tag sets its key;
+    a key of another strategy is refused naming the ones that declare it."""
+    import user_strategy
+
+    user_strategy.STEPS.clear()
+    cfg = compose_config([SEARCHPATH, "policy/strategy=counting", "policy.strategy.tag=ours", *FAST])
+    assert dict(cfg.policy.strategy) == {"name": "user_strategy.CountingSingle", "tag": "ours"}
+    train(cfg, tmp_path / "run")
+    assert user_strategy.STEPS == ["ours", "ours"]  # one optimiser step per training step
+    with pytest.raises(ConfigError, match=r"policy.strategy.tag must not be empty"):
+        validate(compose_config([SEARCHPATH, "policy/strategy=counting", "policy.strategy.tag=''"]))
+    with pytest.raises(ConfigError, match=r"policy.strategy.zero_stage is not a key of strategy user_strategy.CountingSingle "
+                                          r"\(its config CountingConfig has name, tag\); it is a key of policy/strategy=deepspeed"):
+        validate(compose_config([SEARCHPATH, "policy/strategy=counting", "+policy.strategy.zero_stage=3"]))

@@ -97,9 +97,15 @@ def test_enforce_false_warns_and_lets_the_run_start(small_model, caplog):
     assert "plan.enforce=false" in caplog.text and "does NOT fit" in caplog.text
 
 
-def test_every_change_the_advice_names_makes_the_8b_preset_fit(llama8b):
-    cfg = tulu(llama8b, "policy.gradient_checkpointing=false", "critic.gradient_checkpointing=false",
-               "policy.strategy.offload_optimizer=false", "critic.strategy.offload_optimizer=false")
+@pytest.mark.parametrize("start, typed", [
+    (["policy.strategy.offload_optimizer=false", "critic.strategy.offload_optimizer=false"], True),
+    (["policy/strategy=ddp", "critic/strategy=ddp", "~policy.strategy.zero_stage", "~policy.strategy.offload_optimizer",
+      "~critic.strategy.zero_stage", "~critic.strategy.offload_optimizer"], False),  # unsharded: the advice re-chooses
+])
+def test_every_change_the_advice_names_makes_the_8b_preset_fit(llama8b, start, typed):
+    """Each line's overrides fit, applied as the advice applies them and (``typed``) typed after the run's own."""
+    base = ["policy.gradient_checkpointing=false", "critic.gradient_checkpointing=false", *start]
+    cfg = tulu(llama8b, *base)
     plan = make_plan(cfg)
     assert plan.fits is False
     lines = advise(cfg, plan)
@@ -107,6 +113,7 @@ def test_every_change_the_advice_names_makes_the_8b_preset_fit(llama8b):
     for line in lines:
         overrides = line.split(":")[0].removeprefix("together, ").split()
         assert make_plan(with_overrides(cfg, overrides)).fits, line
+        assert not typed or make_plan(tulu(llama8b, *base, *overrides)).fits, line
 
 
 def test_a_preset_with_fewer_devices_than_its_roles_names_the_keys(llama8b):
@@ -134,7 +141,8 @@ def test_an_unknown_capacity_gives_no_verdict_rather_than_a_guess(llama8b):
 
 def test_lora_drops_the_reference_and_the_full_gradients_and_counts_the_adapters_and_the_merged_push(llama8b):
     """Llama-3.1-8B, rank 16 on every attention and MLP linear layer: 16 x (in + out) per layer, 32 layers."""
-    one_gpu = ["algorithm=grpo", "cluster=single_gpu", "reward.path=null", "policy.strategy.name=single"]
+    one_gpu = ["algorithm=grpo", "cluster=single_gpu", "reward.path=null", "policy/strategy=single",
+               "~policy.strategy.zero_stage", "~policy.strategy.offload_optimizer"]  # the preset's deepspeed keys
     full, lora = make_plan(tulu(llama8b, *one_gpu)), make_plan(tulu(llama8b, *one_gpu, "policy.lora.rank=16"))
     sizes = {"q": (4096, 4096), "k": (4096, 1024), "v": (4096, 1024), "o": (4096, 4096),
              "gate": (4096, 14336), "up": (4096, 14336), "down": (14336, 4096)}

@@ -10,7 +10,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rlhf.config.schema import StrategyConfig, TrainConfig
+from rlhf.config.schema import TrainConfig
+from rlhf.parts import choose
 from rlhf.models.tiny import build_tiny_llama
 from rlhf.training.master_weights import MasterWeights
 from rlhf.training.strategies import MasterWeightsStrategy, SingleStrategy, build_strategy
@@ -18,7 +19,7 @@ from rlhf.training.strategies import MasterWeightsStrategy, SingleStrategy, buil
 
 def strategy(model, dtype=torch.bfloat16, **train):
     cfg = OmegaConf.structured(TrainConfig(**{"lr": 1e-2, "max_grad_norm": 0.0, **train}))
-    return build_strategy(model, model, cfg, cfg.lr, 10, dtype, OmegaConf.structured(StrategyConfig()), False)
+    return build_strategy(model, model, cfg, cfg.lr, 10, dtype, choose("strategy", {"name": "auto"}, "policy.strategy"), False)
 
 
 def loss_of(model, ids):

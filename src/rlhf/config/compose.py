@@ -72,7 +72,12 @@ def raise_if_not_the_parts(overrides: list[str], err: Exception, config_name: st
         return
     rest = [o for o in overrides if o.partition("=")[0] != key]
     node = OmegaConf.to_container(OmegaConf.select(compose_config(rest, config_name), path))
-    choose(GROUPS[PATHS[path]], node | {key[len(path) + 1:]: values[0]}, path)
+    part = choose(GROUPS[PATHS[path]], node | {key[len(path) + 1:]: values[0]}, path)
+    group = PATHS[path]
+    raise ConfigError(  # the part declares the key, but its node came from another part's choice: renamed, not chosen
+        f"{key}: {path} holds the keys of the part its group chose, and {path}.name={part.name} renames that node "
+        f"without bringing {part.name}'s keys; choose the part with {group}={part.name} (then {key}={values[0]})"
+    )
 
 
 def _part_node(key: str) -> str | None:

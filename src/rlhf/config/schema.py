@@ -68,14 +68,6 @@ class RewardConfig:
 
 
 @dataclass
-class StrategyConfig:
-    name: str = "auto"  # auto (single on one rank, else ddp), single, ddp, fsdp2 or deepspeed; all but single/auto need cluster.backend=ray
-    zero_stage: int = 2  # deepspeed: ZeRO stage 1 (shards optimiser state), 2 (also gradients) or 3 (also parameters)
-    offload_optimizer: bool = False  # deepspeed/fsdp2: optimiser state (and its step) on the CPU
-    offload_params: bool = False  # deepspeed zero_stage=3 or fsdp2: parameters on the CPU between uses
-
-
-@dataclass
 class LoraConfig:
     rank: Optional[int] = None  # LoRA rank: train low-rank adapters (peft) instead of every weight; null = full fine-tuning
     alpha: float = 16.0  # LoRA scaling numerator: the adapter's update is scaled by alpha / rank
@@ -88,7 +80,7 @@ class PolicyConfig:
     name: str = "torch"  # training backend: torch (CPU or GPU, under `strategy`) or an import path
     gradient_checkpointing: bool = False  # trade compute for activation memory
     compile: bool = False  # torch.compile each decoder block (dynamic shapes: micro batches of new sizes reuse the graphs); the first steps pay the compile; strategy single, ddp or fsdp2, no policy.lora
-    strategy: StrategyConfig = field(default_factory=StrategyConfig)  # how training is spread over the policy's devices
+    strategy: Any = field(default_factory=lambda: {"name": "auto"})  # node: policy/strategy=auto (single on one rank, else ddp), single, ddp, fsdp2 or deepspeed (all but auto/single need cluster.backend=ray), or your own; typed by its config class (rlhf.training.strategies)
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters; the reference is then the base model with adapters off
 
 
@@ -113,7 +105,7 @@ class CriticConfig:
     name_or_path: Optional[str] = None  # initial weights; null = reward.path when set, else the policy's model
     lr: Optional[float] = None  # critic learning rate; null = train.lr
     gradient_checkpointing: bool = False  # trade compute for activation memory
-    strategy: StrategyConfig = field(default_factory=StrategyConfig)  # how training is spread over the critic's devices
+    strategy: Any = field(default_factory=lambda: {"name": "auto"})  # node: critic/strategy=auto, single, ddp, fsdp2 or deepspeed, as policy.strategy; how the critic's training spreads over its devices
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters on the critic's backbone (its value head trains whole); strategy single or ddp
 
 

@@ -223,14 +223,14 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     check_lora_values(cfg.policy.lora)
     check_lora_values(cfg.critic.lora, "critic.lora")
     _require(
-        cfg.critic.lora.rank is None or cfg.critic.strategy.name in ("auto", "single", "ddp"),
-        f"critic.lora with critic.strategy.name={cfg.critic.strategy.name}: a LoRA critic trains under single or ddp "
-        f"for now; set critic.strategy.name=ddp, or critic.lora.rank=null",
+        cfg.critic.lora.rank is None or choose("strategy", cfg.critic.strategy, "critic.strategy").trait("takes_lora_critic"),
+        f"critic.lora with critic/strategy={cfg.critic.strategy.name}: a LoRA critic trains under single or ddp "
+        f"for now; choose critic/strategy=ddp, or set critic.lora.rank=null",
     )
     _require(
-        not cfg.policy.compile or cfg.policy.strategy.name in ("auto", "single", "ddp", "fsdp2"),
-        f"policy.compile with policy.strategy.name={cfg.policy.strategy.name}: compiled decoder blocks train under "
-        f"single, ddp or fsdp2 for now (DeepSpeed wraps the blocks its own way); set policy.strategy.name=fsdp2, or policy.compile=false",
+        not cfg.policy.compile or choose("strategy", cfg.policy.strategy, "policy.strategy").trait("takes_compiled_blocks"),
+        f"policy.compile with policy/strategy={cfg.policy.strategy.name}: compiled decoder blocks train under "
+        f"single, ddp or fsdp2 for now (DeepSpeed wraps the blocks its own way); choose policy/strategy=fsdp2, or set policy.compile=false",
     )
     _require(
         not cfg.policy.compile or cfg.policy.lora.rank is None,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlhf.errors import ConfigError
-from rlhf.training.strategies import STRATEGIES
+from rlhf.parts import choose
 
 ROLES = ("policy", "reference", "teacher", "critic", "reward", "generator")
 RENAMED_ROLES = {"actor": "policy", "ref": "reference"}  # earlier names of two roles, which `cluster.colocate` may still list
@@ -126,23 +126,17 @@ def check_fits(specs: list[PlacementSpec], cluster, total: dict[str, float], per
             )
 
 
-def _check_strategy(key: str, strategy, ranks: int, backend: str, role: str) -> None:
-    name = strategy.name
-    if name not in STRATEGIES:
-        raise ConfigError(f"{key}.name={name!r}; choose one of {', '.join(STRATEGIES)}")
-    if backend == "local" and name not in ("auto", "single"):
-        raise ConfigError(f"{key}.name={name} runs one process per device; it needs cluster.backend=ray (e.g. cluster=ray_local)")
-    if name == "single" and ranks > 1:
+def _check_strategy(key: str, node, ranks: int, backend: str, role: str) -> None:
+    """The strategy's own checks (its node typed by its config class), then how it fits the role's ranks and backend."""
+    strategy = choose("strategy", node, key)
+    group = key.replace(".", "/")
+    if backend == "local" and strategy.trait("needs_process_group", False):
+        raise ConfigError(f"{group}={strategy.name} runs one process per device; it needs cluster.backend=ray (e.g. cluster=ray_local)")
+    if strategy.trait("single_device", False) and ranks > 1:
         raise ConfigError(
-            f"{key}.name=single trains on one device but cluster.roles.{role} has {ranks} ranks; choose auto, ddp, "
+            f"{group}={strategy.name} trains on one device but cluster.roles.{role} has {ranks} ranks; choose auto, ddp, "
             f"fsdp2 or deepspeed, or set cluster.roles.{role}.num_nodes=1 and devices_per_node=1"
         )
-    if not 1 <= strategy.zero_stage <= 3:
-        raise ConfigError(f"{key}.zero_stage={strategy.zero_stage} must be 1, 2 or 3 (for plain data parallelism use {key}.name=ddp)")
-    if strategy.offload_params and not (name == "fsdp2" or (name == "deepspeed" and strategy.zero_stage == 3)):
-        raise ConfigError(f"{key}.offload_params needs {key}.name=fsdp2, or deepspeed with zero_stage=3 (got {name}, stage {strategy.zero_stage})")
-    if strategy.offload_optimizer and not (name == "fsdp2" or (name == "deepspeed" and strategy.zero_stage >= 1)):
-        raise ConfigError(f"{key}.offload_optimizer needs {key}.name=fsdp2, or deepspeed with zero_stage >= 1 (got {name}, stage {strategy.zero_stage})")
 
 
 def validate_cluster(cfg, algorithm, samples_per_step: int, mini_batch_units: int) -> dict[str, int]:

@@ -7,10 +7,13 @@ third more compute, a hybrid schedule little), then smaller batches, then shardi
 
 from __future__ import annotations
 
+import copy
+
 from omegaconf import OmegaConf
 
 from rlhf.generators.base import sleep_overrides
 from rlhf.micro_batches import halvings
+from rlhf.parts import GROUPS, choose, default_node
 from rlhf.plan.memory import gib
 from rlhf.plan.roles import generator_part
 from rlhf.plan.planner import Plan, make_plan
@@ -18,8 +21,14 @@ from rlhf.registry import schedule_trait
 
 
 def with_overrides(cfg, overrides: list[str]):
-    """A new config: ``cfg`` with ``overrides`` ("key=value") applied; ``cfg`` itself is untouched."""
-    return OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+    """A new config: ``cfg`` with ``overrides`` applied, as the command line would (`policy/strategy=fsdp2` selects the
+    part's node, then "key=value" sets keys in it); ``cfg`` itself is untouched."""
+    new = copy.deepcopy(cfg)
+    OmegaConf.set_struct(new, False)  # a newly chosen part's node brings keys the old one lacked
+    chosen = [o.partition("=") for o in overrides if o.partition("=")[0] in GROUPS]
+    for group, _, name in chosen:
+        OmegaConf.update(new, group.replace("/", "."), default_node(group, name), merge=False)
+    return OmegaConf.merge(new, OmegaConf.from_dotlist([o for o in overrides if o.partition("=")[0] not in GROUPS]))
 
 
 def candidates(cfg, plan: Plan) -> list[list[list[str]]]:
@@ -58,14 +67,17 @@ def plan_rows(plan: Plan) -> int:
 def strategy_candidates(cfg, trained: str) -> list[list[list[str]]]:
     """Sharding and offloading of a trained role's state (``trained``: policy or critic; Ray backend)."""
     found = []
-    strategy = cfg[trained].strategy
     key = f"{trained}.strategy"
+    strategy = choose("strategy", cfg[trained].strategy, key).config
+    group = key.replace(".", "/")
     unsharded = strategy.name in ("auto", "single", "ddp")
-    if unsharded or (strategy.name == "deepspeed" and strategy.zero_stage < 3):
-        found.append([[f"{key}.name=deepspeed", f"{key}.zero_stage=3"], [f"{key}.name=fsdp2"]])
+    if unsharded:  # its node holds only `name`, so choosing another strategy leaves no key behind
+        found.append([[f"{group}=deepspeed", f"{key}.zero_stage=3"], [f"{group}=fsdp2"]])
+    elif strategy.name == "deepspeed" and strategy.zero_stage < 3:
+        found.append([[f"{key}.zero_stage=3"]])
     if not strategy.offload_optimizer:
         offload = f"{key}.offload_optimizer=true"
-        found.append([[f"{key}.name=fsdp2", offload]] if unsharded else [[offload]])
+        found.append([[f"{group}=fsdp2", offload]] if unsharded else [[offload]])
     return found
 
 
@@ -95,11 +107,11 @@ def advise(cfg, plan: Plan) -> list[str]:
 
 
 def combine(chosen: dict[str, str], overrides: list[str]) -> dict[str, str]:
-    """``chosen`` with ``overrides`` on top; a new strategy name drops the old strategy's settings."""
+    """``chosen`` with ``overrides`` on top; a newly chosen strategy drops the old strategy's settings."""
     new = dict(item.split("=", 1) for item in overrides)
     for trained in ("policy", "critic"):
-        if f"{trained}.strategy.name" in new:
-            chosen = {key: value for key, value in chosen.items() if not key.startswith(f"{trained}.strategy.")}
+        if f"{trained}/strategy" in new:
+            chosen = {key: value for key, value in chosen.items() if not key.startswith((f"{trained}.strategy.", f"{trained}/strategy"))}
     return {**chosen, **new}
 
 

@@ -104,12 +104,12 @@ def sources(cfg) -> dict[str, ModelSource]:
 
 
 def sharding(strategy, ranks: int) -> Sharding:
-    """A `Sharding` from `policy.strategy` / `critic.strategy` (auto: single on one rank, else ddp)."""
+    """A `Sharding` from `policy.strategy` / `critic.strategy` (``strategy``: the node's typed config; auto: single on
+    one rank, else ddp). A strategy without ZeRO or offload keys shards and offloads nothing (`StrategyConfig`)."""
     name = strategy.name
     if name == "auto":
         name = "single" if ranks == 1 else "ddp"
-    return Sharding(name, ranks, strategy.zero_stage if name == "deepspeed" else 0,
-                    bool(strategy.offload_optimizer), bool(strategy.offload_params))
+    return Sharding(name, ranks, strategy.zero_stage, bool(strategy.offload_optimizer), bool(strategy.offload_params))
 
 
 def trained_items(role: str, source: ModelSource, head: str, strategy, gradient_checkpointing: bool, ranks: int,
@@ -117,7 +117,7 @@ def trained_items(role: str, source: ModelSource, head: str, strategy, gradient_
     """A trained role (policy or critic): its state, its training activations and its own scoring pass; with
     ``lora_cfg`` (`policy.lora`) only the adapters get gradients and optimiser state."""
     params = parameter_count(source, head)
-    shard = sharding(strategy, ranks)
+    shard = sharding(choose("strategy", strategy, f"{role}.strategy").config, ranks)
     mode = work.compute(shard.strategy)
     trainable, merged = lora_parameter_counts(source, lora_cfg) if lora.enabled(lora_cfg) else (params, 0)
     items = memory.trained_state(role, params, shard, work.dtype != "float32", trainable, master=mode == "bf16")

@@ -12,6 +12,7 @@ import torch
 
 from rlhf.models.dtypes import DTYPES
 from rlhf.micro_batches import Budget, window_outputs
+from rlhf.parts import choose
 from rlhf.training.trainable import TrainableModel
 from rlhf.models import lora, packing
 from rlhf.models.value import ValueModule, load_value_model, score_head, window_values
@@ -39,7 +40,7 @@ class TorchCritic(TrainableModel):
         lr = cfg.lr if cfg.lr is not None else train_cfg.lr
         super().__init__(
             model, train_cfg, lr, total_optimizer_steps, cfg.gradient_checkpointing, DTYPES[model_cfg.dtype],
-            cfg.strategy, module=ValueModule(scorer),
+            choose("strategy", cfg.strategy, "critic.strategy"), module=ValueModule(scorer),
         )
 
     def values(self, batch: Trajectories) -> torch.Tensor:

@@ -17,6 +17,7 @@ from rlhf.models import lora, packing
 from rlhf.models.dtypes import DTYPES
 from rlhf.models.loading import load_causal_lm
 from rlhf.micro_batches import Budget, window_outputs
+from rlhf.parts import choose
 from rlhf.models.logprobs import logprob_chunk, window_logprobs
 from rlhf.training.optim import clip_and_step, lr_lambda, make_optimizer  # noqa: F401 (re-exported)
 from rlhf.training.trainable import TrainableModel, compile_blocks
@@ -42,7 +43,7 @@ class TorchPolicy(TrainableModel):
         self.compiled_blocks = compile_blocks(model) if cfg.compile else 0
         super().__init__(
             model, train_cfg, train_cfg.lr, total_optimizer_steps, cfg.gradient_checkpointing, DTYPES[model_cfg.dtype],
-            cfg.strategy,
+            choose("strategy", cfg.strategy, "policy.strategy"),
         )
 
     def describe(self) -> str:

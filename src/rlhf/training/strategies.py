@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,11 +33,43 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.nn.parallel import DistributedDataParallel
 
 from rlhf.collectives import world
+from rlhf.errors import require
 from rlhf.models.lora import adapter_state, has_adapters, to_model_names
+from rlhf.parts import Part, PartConfig
+from rlhf.registry import register
 from rlhf.training.master_weights import MasterWeights
 from rlhf.training.optim import clip_gradients, load_trainable, make_optimizer, save_trainable, step_if_finite
 
-STRATEGIES = ("auto", "single", "ddp", "fsdp2", "deepspeed")
+
+
+@dataclass
+class StrategyConfig(PartConfig):
+    """A strategy's node (`policy.strategy`, `critic.strategy`): auto, single and ddp have no key but `name`. The class
+    attributes below are not keys; they say what a strategy that declares none of them shards and offloads: nothing.
+    The memory plan reads them from every strategy alike."""
+
+    zero_stage = 0  # not a key here: deepspeed's ZeRO stage
+    offload_optimizer = False  # not a key here: fsdp2's and deepspeed's
+    offload_params = False  # not a key here: fsdp2's and deepspeed's
+
+
+@dataclass
+class FSDP2Config(StrategyConfig):
+    offload_optimizer: bool = False  # optimiser state (and its step) on the CPU
+    offload_params: bool = False  # parameters on the CPU between uses
+
+
+@dataclass
+class DeepSpeedConfig(StrategyConfig):
+    zero_stage: int = 2  # ZeRO stage 1 (shards optimiser state), 2 (also gradients) or 3 (also parameters)
+    offload_optimizer: bool = False  # optimiser state on the CPU (DeepSpeed's offload_optimizer)
+    offload_params: bool = False  # parameters on the CPU between uses; zero_stage 3 only
+
+    def check(self, at: str) -> None:
+        require(1 <= self.zero_stage <= 3,
+                f"{at}.zero_stage={self.zero_stage} must be 1, 2 or 3 (for plain data parallelism choose {at.replace('.', '/')}=ddp)")
+        require(not self.offload_params or self.zero_stage == 3,
+                f"{at}.offload_params needs {at}.zero_stage=3 (got {self.zero_stage}): only ZeRO-3 shards the parameters it offloads")
 
 
 def strip_prefix(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -44,6 +77,7 @@ def strip_prefix(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch
     return {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in state.items()}
 
 
+@register("strategy", "single")
 class SingleStrategy:
     """One process: plain AdamW on the module, optional bf16 autocast.
 
@@ -52,6 +86,11 @@ class SingleStrategy:
     """
 
     name = "single"
+    config = StrategyConfig  # its node: `name` only
+    single_device = True  # trains on one device: a role of one rank
+    needs_process_group = False  # runs in the driver's process (cluster.backend local or ray)
+    takes_compiled_blocks = True  # policy.compile: decoder blocks compiled before the strategy wraps the model
+    takes_lora_critic = True  # critic.lora: adapters on the critic's backbone, its value head trained whole
 
     def __init__(self, model, module, train_cfg, lr: float, total_steps: int, compute_dtype: torch.dtype, strategy_cfg) -> None:
         self.model = model
@@ -148,10 +187,13 @@ class MasterWeightsStrategy(SingleStrategy):
         self.master.load(self.model, load_trainable(path, self.model, self.optimizer, self.scheduler))
 
 
+@register("strategy", "ddp")
 class DDPStrategy(SingleStrategy):
     """torch DistributedDataParallel: a full replica per rank, gradients all-reduced in every backward."""
 
     name = "ddp"
+    single_device = False
+    needs_process_group = True  # one process per rank (cluster.backend=ray)
 
     def wrap(self, module, train_cfg, lr, total_steps, strategy_cfg):
         device = next(module.parameters()).device
@@ -166,10 +208,15 @@ def shard_units(module) -> list[torch.nn.Module]:
     return [m for m in module.modules() if type(m).__name__ in names]
 
 
+@register("strategy", "fsdp2")
 class FSDP2Strategy(SingleStrategy):
     """torch FSDP2 (`fully_shard`): parameters, gradients and optimiser state sharded over ranks per block."""
 
     name = "fsdp2"
+    config = FSDP2Config
+    single_device = False
+    needs_process_group = True
+    takes_lora_critic = False  # not built yet: the adapters' and the whole head's shards
 
     @property
     def computes_low(self) -> bool:
@@ -244,10 +291,16 @@ def deepspeed_config(strategy_cfg, train_cfg, compute_dtype: torch.dtype) -> dic
     }
 
 
+@register("strategy", "deepspeed")
 class DeepSpeedStrategy(SingleStrategy):
-    """DeepSpeed ZeRO 0-3 with optional optimiser/parameter offload; DeepSpeed clips and skips non-finite steps."""
+    """DeepSpeed ZeRO 1-3 with optional optimiser/parameter offload; DeepSpeed clips and skips non-finite steps."""
 
     name = "deepspeed"
+    config = DeepSpeedConfig
+    single_device = False
+    needs_process_group = True
+    takes_compiled_blocks = False  # DeepSpeed wraps the blocks its own way
+    takes_lora_critic = False  # not built yet
 
     def wrap(self, module, train_cfg, lr, total_steps, strategy_cfg):
         import deepspeed
@@ -298,17 +351,25 @@ class DeepSpeedStrategy(SingleStrategy):
             raise ValueError(f"{path}: no DeepSpeed checkpoint there (saved by another strategy?)")
 
 
-STRATEGY_CLASSES = {cls.name: cls for cls in (SingleStrategy, DDPStrategy, FSDP2Strategy, DeepSpeedStrategy)}
+@register("strategy", "auto")
+def auto(world_size: int) -> type[SingleStrategy]:
+    """`policy/strategy=auto`: ddp inside a process group of several ranks, else single."""
+    return DDPStrategy if world_size > 1 else SingleStrategy
 
 
-def build_strategy(model, module, train_cfg, lr: float, total_steps: int, compute_dtype, strategy_cfg, gradient_checkpointing: bool):
-    """The strategy `strategy_cfg.name` around ``module`` (which holds ``model``), in train mode; ``auto`` is
-    ddp inside a process group of several ranks, else single."""
+auto.config = StrategyConfig  # its node: `name` only
+auto.single_device = False  # either, by the role's ranks
+auto.needs_process_group = False  # single where it runs alone
+auto.takes_compiled_blocks = auto.takes_lora_critic = True  # as single and ddp
+
+
+def build_strategy(model, module, train_cfg, lr: float, total_steps: int, compute_dtype, strategy: Part, gradient_checkpointing: bool):
+    """The chosen strategy (``strategy``: the part of `policy.strategy` / `critic.strategy`, typed) around ``module``
+    (which holds ``model``), in train mode."""
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     module.train()  # dropout is already 0; train() only matters for modules such as gradient checkpointing
-    name = strategy_cfg.name if strategy_cfg.name != "auto" else ("ddp" if world()[1] > 1 else "single")
-    cls = STRATEGY_CLASSES[name]
-    if name == "single" and compute_dtype == torch.bfloat16 and train_cfg.mixed_precision == "master":
+    cls = auto(world()[1]) if strategy.obj is auto else strategy.obj
+    if cls is SingleStrategy and compute_dtype == torch.bfloat16 and train_cfg.mixed_precision == "master":
         cls = MasterWeightsStrategy
-    return cls(model, module, train_cfg, lr, total_steps, compute_dtype, strategy_cfg)
+    return cls(model, module, train_cfg, lr, total_steps, compute_dtype, strategy.config)

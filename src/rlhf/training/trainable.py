@@ -9,6 +9,7 @@ import torch
 from rlhf.training.strategies import build_strategy, shard_units
 from rlhf.errors import ConfigError
 from rlhf.models.loading import meta_causal_lm
+from rlhf.parts import Part
 from rlhf.training.optim import move_optimizer_state
 
 
@@ -17,20 +18,20 @@ class TrainableModel:
     gradients accumulate over micro batches until `optimizer_step`.
 
     Weights and optimiser state stay in float32 (a bf16 weight cannot take a 1e-6 step); ``compute_dtype``
-    bfloat16 runs the forward passes under autocast instead. ``strategy_cfg`` is the model's `*.strategy` node.
+    bfloat16 runs the forward passes under autocast instead. ``strategy`` is the part the model's `*.strategy` node chose.
     ``module`` is what forward passes call: the model, or a wrapper around it (the strategy's DDP module or DeepSpeed
     engine).
     """
 
     def __init__(
         self, model: torch.nn.Module, train_cfg, lr: float, total_optimizer_steps: int, gradient_checkpointing: bool,
-        compute_dtype: torch.dtype, strategy_cfg, module: torch.nn.Module | None = None,
+        compute_dtype: torch.dtype, strategy: Part, module: torch.nn.Module | None = None,
     ) -> None:
         self.model = model
         self.compute_dtype = compute_dtype
         self.strategy = build_strategy(
             model, module if module is not None else model, train_cfg, lr, total_optimizer_steps, compute_dtype,
-            strategy_cfg, gradient_checkpointing,
+            strategy, gradient_checkpointing,
         )
         self.module = self.strategy.module
         self.optimizer, self.scheduler = self.strategy.optimizer, self.strategy.scheduler
