@@ -12,7 +12,7 @@ over all 95 prompts, averaged over the seeds) and the samples it took to come wi
 greedy and sampled correct rates (per seed; "-" where the budget ran out first).
 
 Examples:
-  python bench/distill.py                            # 60 steps, seeds 1-3, every arm: about 8 minutes on 2 cores
+  python bench/distill.py                            # 60 steps, seeds 1-3, every arm: about 9 minutes on 2 cores
   python bench/distill.py --steps 20 --seeds 1 --arms opd,grpo-8x8
 """
 

@@ -33,7 +33,7 @@ from cli_runs import matmul_peak, sync, train_flops
 from generate import bench as generate_bench, decode_profile, float32_checks
 from gpu_train import train_section
 from rlhf.algorithms import build_algorithm
-from rlhf.config.schema import ModelConfig, PolicyConfig, ReferenceConfig, StrategyConfig
+from rlhf.config.schema import ModelConfig, PolicyConfig, ReferenceConfig
 from rlhf.config import compose_config
 from rlhf.config.schema import TrainConfig
 from rlhf.generators.base import SamplingParams
@@ -281,7 +281,7 @@ def strategy_steps(names: list[str], device: torch.device, folder: str) -> list[
     for label in ("single", *names):
         strategy, _, compiled = label.partition("+")
         torch._dynamo.reset()
-        policy_cfg = OmegaConf.structured(PolicyConfig(strategy=StrategyConfig(name=strategy), compile=bool(compiled)))
+        policy_cfg = OmegaConf.structured(PolicyConfig(strategy={"name": strategy}, compile=bool(compiled)))
         policy = TorchPolicy(policy_cfg, model_cfg, train_cfg, total_optimizer_steps=1, device=device)
         with policy.autocast():
             logits = policy.module(input_ids=ids, use_cache=False).logits.float()

@@ -128,7 +128,7 @@ def _where_else(kind: str, at: str, key: str, known: list[str]) -> str:
     """The fix for a key the chosen part does not declare: the registered parts that do, or the closest key."""
     readers = [n for n in registry.names(kind) if key in _declared(registry.resolve(kind, n))]
     if readers:
-        return f"it is a key of {at.replace('.', '/')}={' or '.join(readers)}; choose that part or remove the key (~{at}.{key} on the command line)"
+        return f"it is a key of {at.replace('.', '/')}={' or '.join(readers)}; choose that part, or remove the key (from the command line; ~{at}.{key} removes one a YAML file sets)"
     close = difflib.get_close_matches(key, known, n=1)
     return f"did you mean {at}.{close[0]}?" if close else "remove it"
 

@@ -23,7 +23,7 @@ a fifth of N), 20% at a random length, 10% malformed; its model has room for 128
 ``--teacher`` is not supervised: it runs the default training (`python -m rlhf.train` as it stands: GRPO from
 `tiny_arith`, 200 steps, seed 1) and keeps the policy it ends with, the stronger built-in model that
 `experiment=opd_arith_tiny` distils into a fresh `tiny_arith`. ``--count --teacher`` is supervised like ``--count``
-but on correct counts only: GRPO on the counting task levels off near 0.8 greedy, a teacher with little to teach.
+but on correct counts only: GRPO on the counting task levels off near 0.85 greedy, a teacher with little to teach.
 """
 
 from __future__ import annotations

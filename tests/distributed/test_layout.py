@@ -318,7 +318,7 @@ def test_deepspeed_config_clipping_precision_and_accumulation():
 @pytest.mark.parametrize("overrides, message", [
     (["cluster=ray_local", "policy/strategy=ddp", "policy.strategy.offload_params=true"],
      r"policy.strategy.offload_params is not a key of strategy ddp .*it is a key of policy/strategy=deepspeed or fsdp2; "
-     r"choose that part or remove the key \(~policy.strategy.offload_params on the command line\)"),
+     r"choose that part, or remove the key \(from the command line; ~policy.strategy.offload_params removes one a YAML file sets\)"),
     (["cluster=ray_local", "policy.strategy.name=deepspeed", "policy.strategy.zero_stage=3"],
      r"policy.strategy.zero_stage: .*policy.strategy.name=deepspeed renames that node without bringing deepspeed's keys; "
      r"choose the part with policy/strategy=deepspeed \(then policy.strategy.zero_stage=3\)"),

@@ -122,3 +122,34 @@ def test_a_users_strategy_with_a_key_of_its_own_trains_two_steps(tmp_path):
     with pytest.raises(ConfigError, match=r"policy.strategy.zero_stage is not a key of strategy user_strategy.CountingSingle "
                                           r"\(its config CountingConfig has name, tag\); it is a key of policy/strategy=deepspeed"):
         validate(compose_config([SEARCHPATH, "policy/strategy=counting", "+policy.strategy.zero_stage=3"]))
+
+
+def test_a_users_strategy_is_planned_and_advised_by_its_class_and_its_keys():
+    """The memory plan reads a user's subclass of FSDP2Strategy as fsdp2; the advice offers no key its node lacks."""
+    import user_strategy
+    from rlhf.parts import Part
+    from rlhf.plan.advice import strategy_candidates, with_overrides
+    from rlhf.plan.roles import sharding
+    from rlhf.training.strategies import FSDP2Config, FSDP2Strategy
+
+    class Sharded(FSDP2Strategy):
+        config = FSDP2Config
+
+    shard = sharding(Part(Sharded, FSDP2Config(name="mine.Sharded", offload_params=True), "policy.strategy"), ranks=2)
+    assert (shard.strategy, shard.ranks, shard.offload_params, shard.zero_stage) == ("fsdp2", 2, True, 0)
+    counting = Part(user_strategy.CountingSingle, user_strategy.CountingConfig(name="user_strategy.CountingSingle"), "policy.strategy")
+    assert sharding(counting, ranks=1).strategy == "single"  # a subclass of single
+    cfg = compose_config([SEARCHPATH, "policy/strategy=counting"])
+    changes = [change for family in strategy_candidates(cfg, "policy") for change in family]
+    assert changes  # as single: shard it, or offload it under fsdp2
+    for change in changes:  # a key of another strategy comes only with that strategy's choice
+        assert any(o.startswith("policy/strategy=") for o in change) or not any(o.startswith("policy.strategy.") for o in change)
+        with_overrides(cfg, change)
+
+
+def test_a_key_the_users_yaml_node_lacks_gets_hydras_append_advice():
+    """The chosen part declares `tag` but the user's YAML node does not hold it: Hydra's `+` advice, not a rename."""
+    with pytest.raises(Exception, match=r"\+policy.strategy.tag=x") as caught:
+        compose_config([SEARCHPATH, "policy/strategy=counting_bare", "policy.strategy.tag=x"])
+    assert "renames" not in str(caught.value)
+    assert compose_config([SEARCHPATH, "policy/strategy=counting_bare", "+policy.strategy.tag=x"]).policy.strategy.tag == "x"

@@ -8,6 +8,7 @@ import ast
 import re
 from pathlib import Path
 
+from rlhf.parts import GROUPS
 from rlhf.tracking.metric_docs import METRICS, STAGES, documented
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "rlhf"
@@ -15,6 +16,7 @@ NAMESPACES = ("objective", "loss", "policy", "critic", "val", "logps", "reward",
               "checks", "env", "eval", "async", "memory", "perf", "time", "train", "distill")
 NAME = re.compile(rf"({'|'.join(NAMESPACES)})/[A-Za-z0-9_]+")
 NOT_METRICS = {"train/loss", "train/accuracy", "eval/loss", "eval/accuracy", "eval/margin"}  # train_reward's own log
+CONFIG_GROUPS = set(GROUPS) | {f"<x>/{group.rpartition('/')[2]}" for group in GROUPS}  # `policy/strategy=...`: not metrics
 
 
 def spelled_names() -> tuple[set[str], set[str]]:
@@ -30,7 +32,7 @@ def spelled_names() -> tuple[set[str], set[str]]:
                 text = "".join(v.value if isinstance(v, ast.Constant) else "<x>" for v in node.values)
                 if re.fullmatch(r"(<x>|[a-z_]+)/[A-Za-z0-9_<>]+", text) and text.split("/")[0] in (*NAMESPACES, "<x>"):
                     built.add(text)
-    return names - NOT_METRICS, built
+    return names - NOT_METRICS - CONFIG_GROUPS, built - CONFIG_GROUPS
 
 
 def fits(built: str) -> bool:

@@ -74,6 +74,8 @@ def raise_if_not_the_parts(overrides: list[str], err: Exception, config_name: st
     node = OmegaConf.to_container(OmegaConf.select(compose_config(rest, config_name), path))
     part = choose(GROUPS[PATHS[path]], node | {key[len(path) + 1:]: values[0]}, path)
     group = PATHS[path]
+    if not any(o.partition("=")[0] == f"{path}.name" for o in overrides):
+        return  # the chosen part declares the key, but its node (a YAML file of yours) does not hold it: Hydra's `+` advice
     raise ConfigError(  # the part declares the key, but its node came from another part's choice: renamed, not chosen
         f"{key}: {path} holds the keys of the part its group chose, and {path}.name={part.name} renames that node "
         f"without bringing {part.name}'s keys; choose the part with {group}={part.name} (then {key}={values[0]})"

@@ -71,7 +71,7 @@ HEADER = ["| key | default | meaning |", "|---|---|---|"]
 
 
 def nested(field: dataclasses.Field) -> type | None:
-    """The dataclass a field holds as a node of its own (`policy.strategy`), or None for a plain key."""
+    """The dataclass a field holds as a node of its own (`policy.lora`), or None for a plain key."""
     if field.default_factory is dataclasses.MISSING:
         return None
     value = field.default_factory()

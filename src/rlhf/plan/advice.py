@@ -8,6 +8,7 @@ third more compute, a hybrid schedule little), then smaller batches, then shardi
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 from omegaconf import OmegaConf
 
@@ -45,7 +46,7 @@ def candidates(cfg, plan: Plan) -> list[list[list[str]]]:
     backend = generator_part(cfg)
     sleep = sleep_overrides(backend.obj, backend.config)
     if generator_shares and in_turn and sleep is not None:  # the generator holds its memory through training: suggest it sleeps
-        found.append([["schedule.name=hybrid", *sleep]])
+        found.append([["schedule=hybrid", *sleep]])
     shrink = backend.trait("memory_advice")
     if shrink is not None:
         found.append(shrink(backend.config, generator_shares, plan_rows(plan)))
@@ -68,14 +69,15 @@ def strategy_candidates(cfg, trained: str) -> list[list[list[str]]]:
     """Sharding and offloading of a trained role's state (``trained``: policy or critic; Ray backend)."""
     found = []
     key = f"{trained}.strategy"
-    strategy = choose("strategy", cfg[trained].strategy, key).config
-    group = key.replace(".", "/")
-    unsharded = strategy.name in ("auto", "single", "ddp")
+    part = choose("strategy", cfg[trained].strategy, key)
+    strategy, group = part.config, key.replace(".", "/")
+    name = getattr(part.obj, "name", part.name)  # a strategy's own class names what it shards like (auto: a function)
+    unsharded = name in ("auto", "single", "ddp")
     if unsharded:  # its node holds only `name`, so choosing another strategy leaves no key behind
         found.append([[f"{group}=deepspeed", f"{key}.zero_stage=3"], [f"{group}=fsdp2"]])
-    elif strategy.name == "deepspeed" and strategy.zero_stage < 3:
+    elif name == "deepspeed" and declares(strategy, "zero_stage") and strategy.zero_stage < 3:
         found.append([[f"{key}.zero_stage=3"]])
-    if not strategy.offload_optimizer:
+    if (unsharded or declares(strategy, "offload_optimizer")) and not getattr(strategy, "offload_optimizer", False):
         offload = f"{key}.offload_optimizer=true"
         found.append([[f"{group}=fsdp2", offload]] if unsharded else [[offload]])
     return found
@@ -104,6 +106,11 @@ def advise(cfg, plan: Plan) -> list[str]:
         if best.fits:
             return [f"together, {' '.join(as_list(chosen))}: {describe(plan, before, best)}"]
     return []
+
+
+def declares(config, key: str) -> bool:
+    """Whether a part's typed config has ``key`` (a user's part that declares no config class has none to suggest)."""
+    return dataclasses.is_dataclass(config) and key in {f.name for f in dataclasses.fields(config)}
 
 
 def combine(chosen: dict[str, str], overrides: list[str]) -> dict[str, str]:

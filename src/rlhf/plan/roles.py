@@ -103,13 +103,15 @@ def sources(cfg) -> dict[str, ModelSource]:
     return found
 
 
-def sharding(strategy, ranks: int) -> Sharding:
-    """A `Sharding` from `policy.strategy` / `critic.strategy` (``strategy``: the node's typed config; auto: single on
-    one rank, else ddp). A strategy without ZeRO or offload keys shards and offloads nothing (`StrategyConfig`)."""
-    name = strategy.name
+def sharding(strategy: Part, ranks: int) -> Sharding:
+    """A `Sharding` from `policy.strategy` / `critic.strategy` (``strategy``: the chosen part; auto: single on one
+    rank, else ddp). Its class names what it shards like (a user's subclass of FSDP2Strategy is fsdp2); a strategy
+    without ZeRO or offload keys shards and offloads nothing."""
+    name, config = getattr(strategy.obj, "name", strategy.name), strategy.config
     if name == "auto":
         name = "single" if ranks == 1 else "ddp"
-    return Sharding(name, ranks, strategy.zero_stage, bool(strategy.offload_optimizer), bool(strategy.offload_params))
+    return Sharding(name, ranks, getattr(config, "zero_stage", 0), bool(getattr(config, "offload_optimizer", False)),
+                    bool(getattr(config, "offload_params", False)))
 
 
 def trained_items(role: str, source: ModelSource, head: str, strategy, gradient_checkpointing: bool, ranks: int,
@@ -117,7 +119,7 @@ def trained_items(role: str, source: ModelSource, head: str, strategy, gradient_
     """A trained role (policy or critic): its state, its training activations and its own scoring pass; with
     ``lora_cfg`` (`policy.lora`) only the adapters get gradients and optimiser state."""
     params = parameter_count(source, head)
-    shard = sharding(choose("strategy", strategy, f"{role}.strategy").config, ranks)
+    shard = sharding(choose("strategy", strategy, f"{role}.strategy"), ranks)
     mode = work.compute(shard.strategy)
     trainable, merged = lora_parameter_counts(source, lora_cfg) if lora.enabled(lora_cfg) else (params, 0)
     items = memory.trained_state(role, params, shard, work.dtype != "float32", trainable, master=mode == "bf16")
