@@ -154,11 +154,11 @@ def test_faults_lose_their_episodes_not_their_groups_nor_the_run(make_generator,
     failed = [i for i, ep in enumerate(episodes) if ep.failed]
     assert failed == [1, 4]
     assert "KeyError" in episodes[1].error and "step() must return" in episodes[4].error
-    kept, count, short = drop_failed(episodes, min_group=2)  # groups of 3: the two hit keep 2 each
-    assert (count, short) == (2, 0) and [ep.group for ep in kept] == [0, 0, 1, 1, 2, 2, 2]
+    kept, count, short, groups = drop_failed(episodes, min_group=2)  # groups of 3: the two hit keep 2 each
+    assert (count, short, groups) == (2, 0, [0, 1, 2]) and [ep.group for ep in kept] == [0, 0, 1, 1, 2, 2, 2]
     assert [ep.seed for ep in kept] == [0, 0, 1, 1, 2, 2, 2]
-    kept, count, short = drop_failed(episodes, min_group=3)  # an estimator that needs 3: the hit groups go whole
-    assert (count, short) == (2, 4) and [ep.seed for ep in kept] == [2, 2, 2]
+    kept, count, short, groups = drop_failed(episodes, min_group=3)  # an estimator that needs 3: the hit groups go whole
+    assert (count, short, groups) == (2, 4, [2]) and [ep.seed for ep in kept] == [2, 2, 2] and kept[0].group == 0
     assert sum("episode lost" in r.message for r in caplog.records) == 2  # each distinct error logged once
 
 

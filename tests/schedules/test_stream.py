@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -269,6 +270,70 @@ def test_a_failing_reward_stops_the_run_with_its_error_and_no_thread_left(tmp_pa
     assert not [t for t in threading.enumerate() if t.name == THREAD_NAME]
 
 
+MULTI_TURN = ["env=arith_retry", "model=tiny_arith_retry"]
+
+
+def test_episodes_go_on_under_new_weights_from_their_next_turn(tmp_path, monkeypatch):
+    """Multi-turn under schedule=stream: pushed weights load before each turn's generate call, so a retry is sampled
+    by a newer policy than the first answer when a push lands between them (here made sure of: after the first play,
+    a retry turn waits for the trainer's next push); every token is tagged and bounded, and the run trains."""
+    from rlhf.envs.loop import EpisodeRunner
+
+    plays, act, play = [], EpisodeRunner._act, EpisodeRunner.run
+
+    def producing() -> bool:
+        return threading.current_thread().name == THREAD_NAME  # not the probe's or an evaluation's play
+
+    def counted(self, *args, **kwargs):
+        plays.append(producing())
+        return play(self, *args, **kwargs)
+
+    def retry_after_a_push(self, generator, episodes, live, sampling):
+        if producing() and sum(plays) > 1 and len(episodes[live[0]].turns) > 1:
+            deadline = time.monotonic() + 60
+            while generator.published <= generator.version and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return act(self, generator, episodes, live, sampling)
+
+    monkeypatch.setattr(EpisodeRunner, "run", counted)
+    monkeypatch.setattr(EpisodeRunner, "_act", retry_after_a_push)
+    records = run(tmp_path, *MULTI_TURN, "train.num_steps=5", "eval.every=0")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert records[0]["async/token_staleness_max"] == 0 and records[0]["async/versions_per_row"] == 1
+    assert max(r["async/versions_per_row"] for r in records) > 1  # episodes spanning two versions
+    assert all(r["async/token_staleness_max"] <= 1 and r["async/policy_version"] == r["step"] - 1 for r in records)
+    assert all(r["env/success_rate"] >= 0 and r["stream/tokens_per_s"] >= 0 for r in records)  # env and producer figures
+    assert not [t for t in threading.enumerate() if t.name == THREAD_NAME]
+
+
+def test_multi_turn_checkpoint_replays_the_groups_played_ahead(tmp_path, monkeypatch):
+    """The producer plays step 3's episodes while step 2 trains and saves: the checkpoint lists those tasks to be
+    played again on resume, and they are the ones the uninterrupted run trains at step 3."""
+    slow_down(monkeypatch, Learner, "update", 0.4)
+    out = tmp_path / "run"
+    train(compose_config([*FAST, *MULTI_TURN, "train.num_steps=3", "checkpoint.every=2", "checkpoint.keep_last=0", "eval.every=0"]), out)
+    state = json.loads((out / "checkpoints" / "step_00000002" / STATE_FILE).read_text())
+    trained = {json.loads(line)["step"]: json.loads(line)["prompts"] for line in (out / "prompts.jsonl").read_text().splitlines()}
+    assert state["prompts"]["replay"][:4] == trained[3]
+
+
+def test_episode_rows_carry_each_turns_version():
+    """A played episode's window tokens carry the version of the turn they belong to (an observation: the version of
+    the action after it); episodes with no versions carry none."""
+    from rlhf.envs.loop import Episode, Turn
+    from rlhf.envs.rows import episode_rows
+
+    def episode(*versions):
+        turns = [Turn("q", [1, 5], [6, 2], [-0.1, -0.2], version=versions[0]),
+                 Turn("again", [5, 5, 5], [7, 2], [-0.3, -0.4], version=versions[1])]
+        return Episode(group=0, seed=0, task=None, turns=turns)
+
+    batch = episode_rows([episode(3, 4), episode(4, 4)], "sum", pad_id=0)
+    assert batch.extras["token_versions"].tolist() == [[3, 3, 4, 4, 4, 4, 4], [4, 4, 4, 4, 4, 4, 4]]
+    assert versions_per_row(batch.extras["token_versions"], batch.loss_mask).tolist() == [2, 1]
+    assert "token_versions" not in episode_rows([episode(None, None)], "sum", pad_id=0).extras
+
+
 # --- bad config -----------------------------------------------------------------------------------------------
 
 
@@ -277,7 +342,8 @@ def test_a_failing_reward_stops_the_run_with_its_error_and_no_thread_left(tmp_pa
     (["schedule.in_flight=8"], r"schedule.in_flight=8 rows cannot hold one step's groups .* raise it to at least 64"),
     (["schedule.chunk_tokens=0"], r"schedule.chunk_tokens=0 must be >= 1"),
     (["schedule.max_staleness=-1"], r"schedule.max_staleness=-1 must be >= 0"),
-    (["env=arith_retry", "model=tiny_arith_retry"], r"env=arith_retry plays episodes: use schedule=async"),
+    (["env=openai_agent", "env.path=examples/agents/arith_retry.py", "env.chat_template=plain"],
+     r"env=openai_agent plays its episodes through an agent loop of its own.*use schedule=async"),
     (["algorithm=remax"], r"algorithm.advantage=remax scores a greedy response"),
     (["algorithm/policy_loss=importance_sampling"], r"unclipped ratio.*rollout_correction=token_tis"),
     (["generator.name=test_stream.PlainGenerator"], r"does not say it continues a response"),

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from rlhf.agents.messages import Message, ParsedReply, RequestError, extends, with_call_ids
 from rlhf.data.mix import encode_prompt
-from rlhf.envs.loop import Episode, Turn
+from rlhf.envs.loop import Episode, Turn, within_budget
 from rlhf.envs.templates import chat_after_reply
 
 
@@ -263,9 +263,9 @@ class Session:
             if cut is not None:
                 (end, text), stopped = cut, True
                 ids, logp = ids[:end], logp[:end]
-            if len(ids) > room:
-                ids, logp, stopped, text = ids[:room], logp[:room], False, None
-                chain.ended = "max_tokens"
+            ids, logp, stopped, over_budget = within_budget(ids, logp, stopped, room)
+            if over_budget:  # the chain's budget ends with this reply
+                text, chain.ended = None, "max_tokens"
             turn = chain.turns[-1]
             turn.action_ids, turn.action_logp, turn.stopped, turn.version = list(ids), list(logp), stopped, version
             turn.action = render.decode(ids) if text is None else text

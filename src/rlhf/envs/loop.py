@@ -210,17 +210,21 @@ class EpisodeRunner:
         return kept
 
     def _act(self, generator, episodes: list[Episode], live: list[int], sampling: SamplingParams) -> None:
-        """Sample each live episode's next action, `env.num_parallel` episodes per generate call."""
+        """Sample each live episode's next action, `env.num_parallel` episodes per generate call. A generator that
+        names the policy version of each call (`generate_versioned`: schedule=stream's, which loads pushed weights
+        before each call) tags the turns with it."""
         size = self.cfg.num_parallel
+        versioned = getattr(generator, "generate_versioned", None)
         for start in range(0, len(live), size):
             chunk = live[start : start + size]
             contexts = [episodes[i].token_ids() for i in chunk]
-            for (i, context), (ids, logp, stopped) in zip(zip(chunk, contexts), sampled(generator.generate(contexts, sampling))):
+            batch, version = versioned(contexts, sampling) if versioned else (generator.generate(contexts, sampling), None)
+            for (i, context), (ids, logp, stopped) in zip(zip(chunk, contexts), sampled(batch)):
                 turn = episodes[i].turns[-1]
-                turn.action_ids, turn.action_logp, turn.stopped = ids, logp, stopped
+                turn.version = version
                 room = self.cfg.max_tokens - len(context)
-                if len(turn.action_ids) > room:  # cut to the budget: this action ends the episode
-                    turn.action_ids, turn.action_logp, turn.stopped = turn.action_ids[:room], turn.action_logp[:room], False
+                turn.action_ids, turn.action_logp, turn.stopped, cut = within_budget(ids, logp, stopped, room)
+                if cut:  # this action ends the episode
                     episodes[i].end = "max_tokens"
                 turn.action = self.tokenizer.decode(turn.action_ids, skip_special_tokens=True)
 
@@ -262,13 +266,22 @@ def sampled(batch: Trajectories) -> list[tuple[list[int], list[float], bool]]:
     ]
 
 
-def drop_failed(episodes: list[Episode], min_group: int) -> tuple[list[Episode], int, int]:
+def within_budget(ids: list[int], logp: list[float], stopped: bool, room: int) -> tuple[list[int], list[float], bool, bool]:
+    """An action cut to the ``room`` tokens left of the episode's budget (`env.max_tokens`): its ids, logprobs, whether
+    the stop token ended it, and whether it was cut (then it did not stop, and it ends the episode)."""
+    if len(ids) <= room:
+        return ids, logp, stopped, False
+    return ids[:room], logp[:room], False, True
+
+
+def drop_failed(episodes: list[Episode], min_group: int) -> tuple[list[Episode], int, int, list[int]]:
     """The episodes that did not fail, their groups renumbered 0..; a group left with fewer than ``min_group``
     members (the estimator's samples per prompt: a baseline needs company) goes too. Also how many episodes failed,
-    and how many good ones went with a group too small."""
+    how many good ones went with a group too small, and each kept group's number before renumbering."""
     kept = [ep for ep in episodes if not ep.failed]
     sizes = Counter(ep.group for ep in kept)
     short = [ep for ep in kept if sizes[ep.group] < min_group]
     kept = [ep for ep in kept if sizes[ep.group] >= min_group]
     renumber = {g: n for n, g in enumerate(dict.fromkeys(ep.group for ep in kept))}
-    return [replace(ep, group=renumber[ep.group]) for ep in kept], sum(ep.failed for ep in episodes), len(short)
+    kept = [replace(ep, group=renumber[ep.group]) for ep in kept]
+    return kept, sum(ep.failed for ep in episodes), len(short), list(renumber)

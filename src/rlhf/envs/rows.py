@@ -7,6 +7,8 @@ action; `loss_mask` is 1 on action tokens only, `gen_logp` carries the generator
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from rlhf.envs.base import REDUCTIONS
@@ -53,7 +55,20 @@ def episode_rows(episodes: list[Episode], reward_reduce: str, pad_id: int) -> Tr
     empty = [ep.seed for ep in episodes if not ep.turns or not any(t.action_ids for t in ep.turns)]
     if empty:
         raise ValueError(f"episodes with no action token cannot be trained on (reset seeds {empty[:5]})")
-    return concat([episode_row(ep, reward_reduce) for ep in episodes], pad_id)
+    rows = [episode_row(ep, reward_reduce) for ep in episodes]
+    if all(turn.version is not None for ep in episodes for turn in ep.turns if turn.action_ids):
+        rows = [replace(row, extras={"token_versions": token_versions(ep)}) for row, ep in zip(rows, episodes)]
+    return concat(rows, pad_id)
+
+
+def token_versions(episode: Episode) -> torch.Tensor:
+    """The policy version of each window token: an action's the version that sampled it, an observation's the version
+    of the action after it (it is not trained on). Shape: (1, window tokens) long."""
+    versions: list[int] = []
+    for k, turn in enumerate(episode.turns):
+        tokens = len(turn.action_ids) + (len(turn.observation_ids) if k > 0 else 0)
+        versions += [turn.version if turn.version is not None else 0] * tokens
+    return torch.tensor([versions], dtype=torch.long)
 
 
 def transcript(episode: Episode) -> str:

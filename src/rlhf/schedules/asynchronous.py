@@ -70,6 +70,12 @@ class VersionedGenerator:
             self.inner.update_weights(pending, **({"version": version} if isinstance(self.inner, VerifiedGenerator) else {}))
             self.version = version
 
+    def current(self) -> int:
+        """Load the newest published weights now; the version the generator then holds."""
+        with self.lock:
+            self._load_pending()
+            return self.version
+
     def generate_versioned(self, prompts: list[list[int]], sampling: SamplingParams) -> tuple[Trajectories, int]:
         """Trajectories from the newest published weights, and their version (one version for the whole batch)."""
         with self.lock:

@@ -12,6 +12,10 @@ token is staler than that (0: on-policy). Drawing order fixes what each step tra
 prompts an uninterrupted one would, in the same steps: a checkpoint records the groups drawn and not yet trained
 (`PromptStream.replay`), and they are drawn again, from scratch, on resume.
 
+Multi-turn environments (`env=...`) stream by the turn: the producer plays up to a step's groups at a time, and pushed
+weights load before every turn's generate call, so an episode goes on under the newest policy from its next turn;
+each action's tokens carry the version that sampled them. A turn itself is not interrupted.
+
 Training in completion order instead (shortest responses first) would let a long response wait, or be dropped,
 behind the bound: the trained batches would lean towards short responses.
 
@@ -38,7 +42,7 @@ from rlhf.run.state import RunState
 from rlhf.schedules.asynchronous import THREAD_NAME, VersionedGenerator, staleness_metrics, stop_thread
 from rlhf.schedules.loop import one_step, push_to_generator, run_steps, timed
 from rlhf.step.inflight import Group, advance, group_batch
-from rlhf.step.scored import Scored, groups_with_signal, join, with_groups
+from rlhf.step.scored import Scored, group_rows, groups_with_signal, join, take_groups, with_groups
 
 log = logging.getLogger("rlhf")
 
@@ -75,7 +79,7 @@ def check_run(config: StreamConfig, cfg) -> None:
     samples, prompts = algorithm.num_samples_per_prompt, cfg.train.prompts_per_step
     generator = resolve("generator", cfg.generator.name, key="generator.name")
     require(
-        callable(getattr(generator, "continue_rows", None)),
+        cfg.env.name is not None or callable(getattr(generator, "continue_rows", None)),
         f"schedule=stream loads new weights mid-response, but generator={cfg.generator.name} does not say it continues a "
         "response from its sampled prefix (a `continue_rows` method; `rlhf.generators.continuous.continue_by_generate` "
         "makes one from `generate`): use generator=hf or vllm, or schedule=async",
@@ -86,10 +90,13 @@ def check_run(config: StreamConfig, cfg) -> None:
         f"schedule.in_flight={config.in_flight} rows cannot hold one step's groups (train.prompts_per_step={prompts} x "
         f"algorithm.num_samples_per_prompt={samples} = {rows} rows): raise it to at least {rows}, or null",
     )
-    require(
-        cfg.env.name is None,
-        f"schedule=stream samples single-turn responses; env={cfg.env.name} plays episodes: use schedule=async",
-    )
+    if cfg.env.name is not None:
+        maker = resolve("env", cfg.env.name, key="env.name")
+        require(
+            getattr(maker, "runner", None) is None,
+            f"env={cfg.env.name} plays its episodes through an agent loop of its own, which tags each episode with the "
+            "version it started under; schedule=stream loads new weights between turns: use schedule=async",
+        )
     advantage = resolve("advantage", algorithm.advantage.name, key="algorithm.advantage.name")
     require(
         not getattr(advantage, "needs_greedy_baseline", False),
@@ -156,6 +163,9 @@ class StreamingProducer:
     def _run(self) -> None:
         try:
             while not self.stopping.is_set():
+                if self.collector.env is not None:
+                    self._play()
+                    continue
                 finished = self._chunk()
                 for group in finished:
                     self._score(group)
@@ -187,17 +197,48 @@ class StreamingProducer:
         with self.lock:
             return [g for g in self.drawn if g.index not in self.ready and g.done(limit)]
 
-    def _start_groups(self, version: int) -> None:
-        """Draw prompts into free row slots while the staleness bound and the run's last step allow."""
-        limit = self.collector.sampling.max_new_tokens
+    def _play(self) -> None:
+        """Multi-turn: load pushed weights, start groups where there is room (one step's at most) and play their
+        episodes to the end. Pushed weights load before every turn's generate call, so an episode goes on under the
+        newest policy from its next turn and each turn is tagged with the version that sampled it. The groups are
+        ready, scored by their environments, when the play returns; a group whose episodes all failed is ready empty."""
+        with self.generator.lock:  # an evaluation waits for the play: the environments' loops serve one caller at a time
+            version = self.generator.current()
+            if version != self.loaded:
+                self.stats["loads"] += 1
+                self.loaded = version
+            groups = self._start_groups(version, most=self.prompts_per_step)
+            if groups:
+                start = time.perf_counter()
+                scored = self.collector.play([g.example for g in groups], self.group_size, self.collector.sampling)
+                self.stats["decode_s"] += time.perf_counter() - start
+        if not groups:  # every allowed group is out: wait for the next weights
+            self._wait_for_publish(version)
+            return
+        self.stats["chunks"] += 1
+        self.stats["slots"] += len(groups) * self.group_size
+        self.stats["tokens"] += int(scored.batch.loss_mask.sum())
+        rows = dict(zip(scored.tasks, group_rows(scored.batch.group_id)))
         with self.lock:
-            busy = sum(not row.done(limit) for group in self.drawn for row in group.rows)
+            for n, group in enumerate(groups):
+                self.ready[group.index] = Finished(group, take_groups(scored, [rows[n]] if n in rows else []))
+            self.lock.notify_all()
+
+    def _start_groups(self, version: int, most: int | None = None) -> list[Group]:
+        """Draw prompts into free row slots while the staleness bound and the run's last step allow (and at most
+        ``most`` groups); the groups drawn."""
+        limit = self.collector.sampling.max_new_tokens
+        started: list[Group] = []
+        with self.lock:
+            busy = sum(not row.done(limit) for g in self.drawn if g.index not in self.ready for row in g.rows)
             allowed = self._allowed(version)
-            while self.next_index < allowed and busy + self.group_size <= self.in_flight:
+            while self.next_index < allowed and busy + self.group_size <= self.in_flight and len(started) != most:
                 example = self.collector.prompts.next_batch(1)[0]
-                self.drawn.append(Group.of(self.next_index, example, self.group_size))
+                started.append(Group.of(self.next_index, example, self.group_size))
                 self.next_index += 1
                 busy += self.group_size
+            self.drawn += started
+        return started
 
     def _allowed(self, version: int) -> int:
         """Groups that may be drawn by now: those trained by the end of step ``version`` plus ``max_staleness + 1``
@@ -270,7 +311,7 @@ class StreamingProducer:
 
     def _has_signal(self, finished: Finished) -> bool:
         scored = finished.scored
-        return bool(groups_with_signal(self.collector.verdicts(scored), [list(range(len(scored.batch)))]))
+        return len(scored.batch) > 0 and bool(groups_with_signal(self.collector.verdicts(scored), [list(range(len(scored.batch)))]))
 
     def states_after(self, step: int) -> dict:
         """The prompt stream's, reward statistics' and RNGs' states for a checkpoint after ``step``: the stream as

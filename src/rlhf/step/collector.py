@@ -161,7 +161,7 @@ class Collector:
             runner.version = self.weights_version
         episodes = runner.run(generator, tasks, seeds, group_size, sampling)
         min_group = min(self.min_group, group_size)
-        kept, failed, short = drop_failed(episodes, min_group)
+        kept, failed, short, tasks = drop_failed(episodes, min_group)
         share = runner.cfg.max_failed_share
         if (training and failed > share * len(episodes)) or not kept:
             first = next((ep.error for ep in episodes if ep.failed), None)
@@ -172,7 +172,7 @@ class Collector:
             )
         batch = episode_rows(kept, runner.cfg.reward_reduce, self.pad_id)
         metrics = episode_metrics(kept, failed) | {"env/short_group_episodes": float(short)} | getattr(runner, "last_metrics", {})
-        return Scored(batch, [ep.turns[0].observation for ep in kept], [transcript(ep) for ep in kept], metrics)
+        return Scored(batch, [ep.turns[0].observation for ep in kept], [transcript(ep) for ep in kept], metrics, tasks=tasks)
 
     def score(self, repeated: list[PromptExample], batch: Trajectories, training: bool = True) -> Scored:
         """Decode and score trajectories of the prompts ``repeated`` (one row each)."""

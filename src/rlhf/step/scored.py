@@ -32,6 +32,7 @@ class Scored:
     metrics: dict[str, float]  # per-function reward means and the verifiable correct rate
     versions: torch.Tensor | None = None  # (B,) policy version that generated each row (async schedule), else None
     trainer_version: int | None = None  # the policy version that trains on the batch (async), else None
+    tasks: list[int] | None = None  # played episodes: the position among the examples of each group's task (a group whose episodes failed is missing), else None
 
     @property
     def scores(self) -> torch.Tensor:
