@@ -37,16 +37,18 @@ SAMPLES_PER_STEP = 64  # every arm: prompts x samples
 KEYS = ("eval/greedy_correct_rate", "eval/sampled_correct_rate")
 
 
-def curve(arm: str, seed: int, steps: int, every: int, folder: Path) -> dict[int, tuple[float, float]]:
-    """{step: (greedy, sampled correct rate)} of one training run, step 0 included."""
-    overrides = [*BASE, *ARMS[arm], f"seed={seed}", f"train.num_steps={steps}", f"eval.every={every}"]
+def curve(arm: str, seed: int, steps: int, every: int, folder: Path, prompts: int) -> dict[int, tuple[float, float]]:
+    """{step: (greedy, sampled correct rate)} of one training run over ``prompts`` evaluation prompts, step 0 included."""
+    overrides = [*BASE, *ARMS[arm], f"seed={seed}", f"train.num_steps={steps}", f"eval.every={every}",
+                 f"eval.max_prompts={prompts}"]
     records = train_records(arm, overrides, folder, keep_eval=True)
     return {r["step"]: tuple(r[k] for k in KEYS) for r in records if KEYS[0] in r}
 
 
-def teacher_rates(folder: Path) -> tuple[float, float]:
+def teacher_rates(folder: Path, prompts: int) -> tuple[float, float]:
     """The teacher's greedy and sampled correct rates: the step-0 evaluation of a run that starts from it."""
-    overrides = [*BASE, *ARMS["grpo-8x8"], "model.name_or_path=builtin:tiny_count_teacher", "train.num_steps=1", "eval.every=1"]
+    overrides = [*BASE, *ARMS["grpo-8x8"], "model.name_or_path=builtin:tiny_count_teacher", "train.num_steps=1", "eval.every=1",
+                 f"eval.max_prompts={prompts}"]
     records = train_records("teacher", overrides, folder, keep_eval=True)
     return next(tuple(r[k] for k in KEYS) for r in records if KEYS[0] in r and r["step"] == 0)
 
@@ -63,14 +65,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seeds", default="1,2,3", help="seeds, comma-separated; each arm runs once per seed")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"which arms, comma-separated, of {', '.join(ARMS)}")
     parser.add_argument("--margin", type=float, default=0.05, help="how close to the teacher's rates counts as reached")
+    parser.add_argument("--eval-prompts", type=int, default=95, help="evaluation prompts (95: every counting prompt)")
     args = parser.parse_args(argv)
     arms, seeds = args.arms.split(","), [int(s) for s in args.seeds.split(",")]
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:
         parser.error(f"--arms: unknown {', '.join(unknown)}; choose from {', '.join(ARMS)}")
     with tempfile.TemporaryDirectory() as tmp:
-        teacher = teacher_rates(Path(tmp))
-        curves = {arm: [curve(arm, seed, args.steps, args.every, Path(tmp)) for seed in seeds] for arm in arms}
+        teacher = teacher_rates(Path(tmp), args.eval_prompts)
+        curves = {arm: [curve(arm, seed, args.steps, args.every, Path(tmp), args.eval_prompts) for seed in seeds]
+                  for arm in arms}
     targets = tuple(rate - args.margin for rate in teacher)
     print(f"teacher (builtin:tiny_count_teacher): greedy {teacher[0]:.2f}, sampled {teacher[1]:.2f}; "
           f"reached = within {args.margin} of these; {SAMPLES_PER_STEP} samples a step, seeds {args.seeds}")

@@ -21,7 +21,7 @@ def bench(monkeypatch):
 
 @pytest.mark.slow
 def test_distill_bench_evaluates_the_teacher_and_both_arms_from_the_same_start(bench, capsys):
-    result = bench.main(["--steps", "2", "--every", "2", "--seeds", "1", "--arms", "opd-64x1,grpo-16x4"])
+    result = bench.main(["--steps", "2", "--every", "2", "--seeds", "1", "--arms", "opd-64x1,grpo-16x4", "--eval-prompts", "16"])
     out = capsys.readouterr().out
     assert result["teacher"][0] >= 0.95  # the counting teacher is greedy-perfect; the warm start is not
     (opd,), (grpo,) = result["curves"]["opd-64x1"], result["curves"]["grpo-16x4"]
