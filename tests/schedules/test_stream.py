@@ -275,32 +275,46 @@ MULTI_TURN = ["env=arith_retry", "model=tiny_arith_retry"]
 
 def test_episodes_go_on_under_new_weights_from_their_next_turn(tmp_path, monkeypatch):
     """Multi-turn under schedule=stream: pushed weights load before each turn's generate call, so a retry is sampled
-    by a newer policy than the first answer when a push lands between them (here made sure of: after the first play,
-    a retry turn waits for the trainer's next push); every token is tagged and bounded, and the run trains."""
+    by a newer policy than the first answer when a push lands between them. Made sure of by a handshake, event-driven:
+    the push ending step v waits until play v + 1 (step v + 1's groups) has sampled its first answers, and that play's
+    retries wait for the push. Every token is tagged and bounded, and the run trains."""
+    import rlhf.schedules.streaming as streaming
     from rlhf.envs.loop import EpisodeRunner
 
-    plays, act, play = [], EpisodeRunner._act, EpisodeRunner.run
+    act, play, push = EpisodeRunner._act, EpisodeRunner.run, streaming.push_to_generator
+    answered = {n: threading.Event() for n in range(1, 7)}  # play n (step n's groups) sampled its first answers
+    plays = []
 
     def producing() -> bool:
         return threading.current_thread().name == THREAD_NAME  # not the probe's or an evaluation's play
 
     def counted(self, *args, **kwargs):
-        plays.append(producing())
+        if producing():
+            plays.append(len(plays) + 1)
         return play(self, *args, **kwargs)
 
-    def retry_after_a_push(self, generator, episodes, live, sampling):
-        if producing() and sum(plays) > 1 and len(episodes[live[0]].turns) > 1:
+    def retry_after_the_push(self, generator, episodes, live, sampling):
+        n = plays[-1] if producing() else 0
+        if n > 1 and len(episodes[live[0]].turns) > 1:  # a retry of step n's groups: after the push ending step n - 1
             deadline = time.monotonic() + 60
-            while generator.published <= generator.version and time.monotonic() < deadline:
+            while generator.published < n - 1 and time.monotonic() < deadline:
                 time.sleep(0.01)
-        return act(self, generator, episodes, live, sampling)
+        act(self, generator, episodes, live, sampling)
+        if n:
+            answered[n].set()
+
+    def push_after_the_next_answers(c, version):
+        if version < 5:
+            answered[version + 1].wait(timeout=60)
+        return push(c, version=version)
 
     monkeypatch.setattr(EpisodeRunner, "run", counted)
-    monkeypatch.setattr(EpisodeRunner, "_act", retry_after_a_push)
+    monkeypatch.setattr(EpisodeRunner, "_act", retry_after_the_push)
+    monkeypatch.setattr(streaming, "push_to_generator", push_after_the_next_answers)
     records = run(tmp_path, *MULTI_TURN, "train.num_steps=5", "eval.every=0")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     assert records[0]["async/token_staleness_max"] == 0 and records[0]["async/versions_per_row"] == 1
-    assert max(r["async/versions_per_row"] for r in records) > 1  # episodes spanning two versions
+    assert all(r["async/versions_per_row"] > 1 for r in records[1:])  # every later step: episodes spanning two versions
     assert all(r["async/token_staleness_max"] <= 1 and r["async/policy_version"] == r["step"] - 1 for r in records)
     assert all(r["env/success_rate"] >= 0 and r["stream/tokens_per_s"] >= 0 for r in records)  # env and producer figures
     assert not [t for t in threading.enumerate() if t.name == THREAD_NAME]
