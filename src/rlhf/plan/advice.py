@@ -16,7 +16,7 @@ from rlhf.generators.base import sleep_overrides
 from rlhf.micro_batches import halvings
 from rlhf.parts import GROUPS, choose, default_node
 from rlhf.plan.memory import gib
-from rlhf.plan.roles import generator_part
+from rlhf.plan.roles import generator_part, sharding
 from rlhf.plan.planner import Plan, make_plan
 from rlhf.registry import schedule_trait
 
@@ -70,14 +70,13 @@ def strategy_candidates(cfg, trained: str) -> list[list[list[str]]]:
     found = []
     key = f"{trained}.strategy"
     part = choose("strategy", cfg[trained].strategy, key)
-    strategy, group = part.config, key.replace(".", "/")
-    name = getattr(part.obj, "name", part.name)  # a strategy's own class names what it shards like (auto: a function)
-    unsharded = name in ("auto", "single", "ddp")
+    shard, group = sharding(part, ranks=1), key.replace(".", "/")  # auto reads as single: unsharded either way
+    unsharded = shard.strategy in ("single", "ddp")
     if unsharded:  # its node holds only `name`, so choosing another strategy leaves no key behind
         found.append([[f"{group}=deepspeed", f"{key}.zero_stage=3"], [f"{group}=fsdp2"]])
-    elif name == "deepspeed" and declares(strategy, "zero_stage") and strategy.zero_stage < 3:
+    elif shard.strategy == "deepspeed" and declares(part.config, "zero_stage") and shard.zero_stage < 3:
         found.append([[f"{key}.zero_stage=3"]])
-    if (unsharded or declares(strategy, "offload_optimizer")) and not getattr(strategy, "offload_optimizer", False):
+    if (unsharded or declares(part.config, "offload_optimizer")) and not shard.offload_optimizer:
         offload = f"{key}.offload_optimizer=true"
         found.append([[f"{group}=fsdp2", offload]] if unsharded else [[offload]])
     return found
