@@ -102,14 +102,8 @@ def bench(folder: str, device: torch.device, sizes, paths, prompt_len: int, repe
     serves every size (a compiled step compiles once per model, not once per size). Sizes are taken in the order
     given; one that would start past ``deadline`` is skipped. Not ``strict``: a path that raises is reported in a row
     of its own and left out of the sizes after, so one broken path costs only its own figures."""
-    tokenizer = load_tokenizer(folder)
-    model_cfg = OmegaConf.structured(ModelConfig(name_or_path=folder, dtype="bfloat16" if device.type == "cuda" else "float32"))
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
-    made = {
-        name: HFGenerator(OmegaConf.structured(HfGeneratorConfig(name="hf", batch_size=max(r for r, _ in sizes), **PATHS[name])),
-                          model_cfg, tokenizer, device)
-        for name in paths
-    }
+    made = {name: path_generator(folder, device, name, max(r for r, _ in sizes)) for name in paths}
     results = []
 
     def broke(name: str, rows: int, new: int, error: Exception) -> None:
@@ -149,6 +143,13 @@ def bench(folder: str, device: torch.device, sizes, paths, prompt_len: int, repe
             results.append(row)
             print(row, file=sys.stderr, flush=True)
     return results, made
+
+
+def path_generator(folder: str, device: torch.device, name: str, rows: int) -> HFGenerator:
+    """An hf generator of decode path ``name`` (`PATHS`) for up to ``rows`` rows, in bf16 on CUDA, float32 on CPU."""
+    model_cfg = OmegaConf.structured(ModelConfig(name_or_path=folder, dtype="bfloat16" if device.type == "cuda" else "float32"))
+    config = OmegaConf.structured(HfGeneratorConfig(name="hf", batch_size=rows, **PATHS[name]))
+    return HFGenerator(config, model_cfg, load_tokenizer(folder), device)
 
 
 def same_rows(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -206,7 +207,7 @@ def float32_checks(folder: str, device: torch.device, paths, rows: int = 8, new:
     return out
 
 
-def decode_profile(generator: HFGenerator, prompts, new: int, top: int = 8) -> list[dict]:
+def decode_profile(generator: HFGenerator, prompts, new: int, top: int = 16) -> list[dict]:
     """Where one call of ``generator`` (a path without graphs, whose kernels the profiler sees one by one) spends its
     time: the ``top`` kernels (CUDA) or operators (CPU) by their own time, with their share and count."""
     cuda = next(generator.model.parameters()).device.type == "cuda"

@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from cli_runs import matmul_peak, sync, train_flops
-from generate import bench as generate_bench, decode_profile, float32_checks
+from generate import bench as generate_bench, decode_profile, float32_checks, path_generator
 from gpu_train import train_section
 from rlhf.algorithms import build_algorithm
 from rlhf.config.schema import ModelConfig, PolicyConfig, ReferenceConfig
@@ -122,11 +122,15 @@ def generate_section(device: torch.device, tiny: bool, folder: str, deadline: fl
     else:  # the target's size first, so a run short of time still measures it
         sizes = sizes or [(256, 1024), (64, 256), (256, 256), (64, 1024)]
         figures, made = generate_bench(folder, device, sizes, paths, prompt_len=64, repeats=1, deadline=deadline, strict=False)
-    profiled = None
-    if "static" in made:  # the static step's kernels, one by one (the graphs replay the same ones): where its time goes
-        rows, prompt_len = (4, 8) if tiny else (max(r for r, _ in sizes), 64)
-        prompts = [[3 + (row * 7 + i) % 9 for i in range(prompt_len)] for row in range(rows)]
-        profiled = attempt(lambda: {"rows": rows, "new_tokens": 16, "top": decode_profile(made["static"], prompts, 16)}, tiny)
+    # the static step's kernels, one by one (the graphs replay the same ones): where its time goes
+    rows, prompt_len = (4, 8) if tiny else (max(r for r, _ in sizes), 64)
+    prompts = [[3 + (row * 7 + i) % 9 for i in range(prompt_len)] for row in range(rows)]
+
+    def profile() -> dict:
+        generator = made.get("static") or made.setdefault("static", path_generator(folder, device, "static", rows))
+        return {"rows": rows, "new_tokens": 16, "top": decode_profile(generator, prompts, 16)}
+
+    profiled = attempt(profile, tiny)
     for generator in made.values():  # the sections after this one measure memory: nothing of the generators stays
         if generator.static is not None:
             generator.static.free()
