@@ -143,6 +143,54 @@ def test_a_call_without_rows_lets_every_row_go(make_generator, tiny_model_dir, e
     assert row.tokens == alone.window_ids[0, : int(alone.loss_mask[0].sum())].tolist()
 
 
+def test_the_slot_cache_keeps_its_buffers_across_a_push_and_reads_the_rows_again(make_generator, tiny_model_dir, encode):
+    """A push drops the rows in flight but not the preallocated cache; the rows read again under the new weights
+    continue as their one-call decode under those weights does."""
+    generator = make_generator(tiny_model_dir)
+    prompts = encode(["1+2=", "12+30=", "7"])
+    greedy = SamplingParams(10, greedy=True)
+    rows = [Row(tuple(p)) for p in prompts]
+    advance(generator, rows, greedy, chunk=2, version=0)
+    buffers = generator._continuous.cache_keys[0]
+    generator.update_weights({k: v * 0.9 for k, v in generator.model.state_dict().items()})
+    assert generator._continuous.keys == [] and generator._continuous.cache_keys[0] is buffers
+    while not all(row.done(10) for row in rows):
+        advance(generator, rows, greedy, chunk=3, version=1)
+    assert generator._continuous.cache_keys[0] is buffers
+    continued = [row for row in rows if len(row.tokens) > 2]
+    assert continued, "every row stopped within the first chunk"
+    for row in continued:  # the first two tokens are the old weights'; the rest follow from them under the new ones
+        prefix = list(row.prompt) + row.tokens[:2]
+        rest = generator.generate([prefix], SamplingParams(10 - 2, greedy=True))
+        n = int(rest.loss_mask[0].sum())
+        assert row.tokens[2:] == rest.window_ids[0, :n].tolist()
+
+
+def test_a_sliding_window_model_continues_through_generate(make_generator, tokenizer, encode, tmp_path):
+    """The slot cache attends over every earlier column, which a sliding-window layer must not: such a model
+    continues its rows through `generate` instead, and chunked greedy decoding still equals one call."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, use_sliding_window=True, sliding_window=4, max_window_layers=1,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    ))
+    model.save_pretrained(tmp_path / "sliding")
+    tokenizer.save_pretrained(tmp_path / "sliding")
+    generator = make_generator(str(tmp_path / "sliding"))
+    prompts = encode(["1+2=", "12+30="])
+    greedy = SamplingParams(8, greedy=True)
+    whole = generator.generate(prompts, greedy)
+    rows = [Row(tuple(p)) for p in prompts]
+    while not all(row.done(8) for row in rows):
+        advance(generator, rows, greedy, chunk=3, version=0)
+    assert generator._continuous is None
+    for i, row in enumerate(rows):
+        assert row.tokens == whole.window_ids[i, : int(whole.loss_mask[i].sum())].tolist()
+
+
 def test_a_push_between_chunks_samples_the_rest_of_each_response_with_the_new_weights(make_generator, tiny_model_dir, encode):
     """Rows half-sampled by version 0 go on under version 1: the new tokens carry version 1 and the new weights'
     logprobs (teacher-forced on the row's own prefix), the old ones keep version 0 and the old logprobs."""

@@ -13,9 +13,9 @@ from rlhf.generators.base import (
 )
 from rlhf.generators.memory import FLOAT32, GenerationWork, GeneratorShape, MemoryNeed, kv_cache_bytes, own_copy_memory
 from rlhf.micro_batches import halvings
-from rlhf.generators.continuous import ContinuousBatch, Continued, Request
+from rlhf.generators.continuous import ContinuousBatch, Continued, Request, continue_by_generate
 from rlhf.generators.decode import decode
-from rlhf.generators.static_decode import StaticDecoder, bucket_for, cache_columns
+from rlhf.generators.static_decode import StaticDecoder, bucket_for, cache_columns, unsupported
 from rlhf.models.grouped_attention import use_grouped_decode
 from rlhf.models.loading import load_causal_lm
 from rlhf.registry import register
@@ -160,7 +160,8 @@ class HFGenerator:
     @torch.no_grad()
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load ``state_dict``: every weight, or some of them (a LoRA policy's adapted layers; the rest stay)."""
-        self._continuous = None  # rows in flight are read again under the new weights
+        if self._continuous is not None:
+            self._continuous.clear()  # rows in flight are read again under the new weights (the buffers stay)
         if self._shapes is not None:
             self.wake_up(state_dict)
             return
@@ -206,9 +207,13 @@ class HFGenerator:
 
     def continue_rows(self, requests: list[Request], sampling: SamplingParams, steps: int) -> list[Continued]:
         """schedule=stream: each row continued by up to ``steps`` tokens from the KV cache it left in this generator
-        (`rlhf.generators.continuous`); a row it does not hold, or holds from older weights, is read first."""
+        (`rlhf.generators.continuous`); a row it does not hold, or holds from older weights, is read first. A model
+        the slot cache cannot serve (`static_decode.unsupported`: flash attention, sliding windows) continues through
+        `generate` on each row's tokens instead."""
         if self.asleep:
             raise RuntimeError("the generator is asleep; wake_up() it with the new weights before generating")
+        if unsupported(self.model.config):
+            return continue_by_generate(self, requests, sampling, steps)
         if self._continuous is None:
             self._continuous = ContinuousBatch(self.model)
         return self._continuous.run(requests, sampling, steps, self.stop_id, self.pad_id)

@@ -172,20 +172,32 @@ def prompt_mask(query_mask: torch.Tensor) -> torch.Tensor:
     return (attend | torch.eye(width, dtype=torch.bool, device=query_mask.device)[None])[:, None]
 
 
+def unsupported(config) -> str | None:
+    """Why a model of ``config`` cannot decode from preallocated cache columns under a mask built here, or None when it
+    can: the mask is one of the `ATTENTION` implementations' and attends over every earlier column (no sliding
+    window)."""
+    if config._attn_implementation not in ATTENTION:
+        return f"it needs sdpa or eager attention, not {config._attn_implementation}"
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+        return "it serves full-attention models only (this one has sliding-window layers)"
+    return None
+
+
+def cache_shape(config) -> tuple[int, int, int]:
+    """(layers, key/value heads, head dim) of a model of ``config``: what one cached position holds."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers, heads, head_dim
+
+
 class StaticDecoder:
     """Decodes with preallocated buffers and one step per (bucket, greedy, nucleus), compiled (``compile``) and on
     CUDA recorded as a CUDA graph (``graphs``). `decode` answers as `rlhf.generators.decode.decode` does."""
 
     def __init__(self, model, buckets: tuple[int, ...], check_every: int, compile: bool, graphs: bool) -> None:
-        config = model.config
-        if config._attn_implementation not in ATTENTION:
-            raise ValueError(
-                f"generator.decode=static needs sdpa or eager attention, not {config._attn_implementation}: "
-                "set generator.decode=eager (or auto)"
-            )
-        if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
-            raise ValueError("generator.decode=static serves full-attention models only (this one has sliding-window "
-                             "layers): set generator.decode=eager (or auto)")
+        reason = unsupported(model.config)
+        if reason:
+            raise ValueError(f"generator.decode=static cannot decode this model: {reason}; set generator.decode=eager (or auto)")
         self.model, self.buckets, self.check_every = model, tuple(sorted(buckets)), check_every
         self.graphs = graphs
         # on the CPU the compiled step's calls go through a C++ wrapper (`cpp_wrapper`): 10-15% of a small model's step
@@ -209,11 +221,10 @@ class StaticDecoder:
             rows, columns = max(rows, state.mask.shape[0]), max(columns, state.mask.shape[1])
             budget = max(budget, state.tokens.shape[1])
         self.free()
-        config, device = self.model.config, like.device
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        device = like.device
+        layers, heads, head_dim = cache_shape(self.model.config)
         dtype = next(self.model.parameters()).dtype
-        cache = [torch.zeros(rows, heads, columns, head_dim, dtype=dtype, device=device) for _ in range(2 * config.num_hidden_layers)]
+        cache = [torch.zeros(rows, heads, columns, head_dim, dtype=dtype, device=device) for _ in range(2 * layers)]
         long = dict(dtype=torch.long, device=device)
         self.state = SlotState(
             keys=cache[0::2], values=cache[1::2], mask=torch.zeros(rows, columns, dtype=torch.bool, device=device),
