@@ -330,7 +330,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes and short runs (the CPU form CI runs)")
     parser.add_argument("--sections", default=",".join(DEFAULT), help=f"comma-separated subset of {SECTIONS}")
     parser.add_argument("--json", help="also write the figures to this JSON file (rewritten after each section)")
-    parser.add_argument("--quick", action="store_true", help="train: today's path and all changes only")
+    parser.add_argument("--quick", action="store_true", help="train: today's path, all changes, and all with an activation memory budget only")
     parser.add_argument("--paths", help="generate: comma-separated decode paths of bench/generate.py (default: every one)")
     parser.add_argument("--sizes", help="generate: rows x new tokens to measure, in order, such as 256x1024,64x256")
     parser.add_argument("--no-policy-compile", action="store_true", help="grpo_step: without policy.compile (no compile wait)")

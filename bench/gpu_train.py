@@ -9,7 +9,7 @@ A configuration is four switches:
 - ``chunk``: 0 (the output layer's logits, then log-softmax) or the fused output layer's chunk: `model.logprob_chunk`;
 - ``varlen``: packed rows through torch's variable-length attention (CUDA) or the per-row block:
   `rlhf.models.packing.VARLEN_ON_CUDA`;
-- ``compile``: `policy.compile`.
+- ``compile``: `policy.compile`; ``budget``: with it, `policy.activation_memory_budget` (null: torch's default).
 
 The host syncs inside a mini batch are gone in every configuration (not a switch); ``syncs`` counts what is left.
 """
@@ -49,6 +49,7 @@ class Switches:
     varlen: bool = False
     compile: bool = False
     chunk_kernels: bool = True  # the fused layer's chunk math compiled on CUDA (`fused_logprobs.COMPILE_ON_CUDA`)
+    budget: float | None = None  # policy.activation_memory_budget (with compile)
 
 
 TODAY = Switches("today (autocast, plain logits, block attention, eager)")
@@ -63,6 +64,8 @@ CONFIGS = [
     ALL,
     Switches("all four, chunk math eager", "master", 1024, True, True, chunk_kernels=False),
 ]
+BUDGET = Switches("all four, activation memory budget 0.5", "master", 1024, True, True, budget=0.5)
+CONFIGS.append(BUDGET)
 
 
 def synthetic(rows: int, prompt: int, response: int, vocab: int, samples: int) -> Scored:
@@ -84,7 +87,8 @@ def build(folder: str, device: torch.device, switches: Switches, micro: int, sam
     model_cfg = OmegaConf.structured(ModelConfig(name_or_path=folder, dtype=dtype, logprob_chunk=switches.chunk))
     train_cfg = OmegaConf.structured(TrainConfig(micro_batch_size=micro, lr=1e-6, mixed_precision=switches.precision))
     torch._dynamo.reset()
-    policy = TorchPolicy(OmegaConf.structured(PolicyConfig(compile=switches.compile)), model_cfg, train_cfg,
+    policy_cfg = PolicyConfig(compile=switches.compile, activation_memory_budget=switches.budget)
+    policy = TorchPolicy(OmegaConf.structured(policy_cfg), model_cfg, train_cfg,
                          total_optimizer_steps=100, device=device)
     algo_cfg = compose_config(["algorithm=grpo", f"algorithm.num_samples_per_prompt={samples}", "algorithm.beta=0"]).algorithm
     algorithm = build_algorithm(algo_cfg, 256)
@@ -224,7 +228,7 @@ def train_section(folder: str, shape_cfg, device: torch.device, peak: float, tin
     rows, prompt, response = (8, 8, 8) if tiny else (64, 256, 256)
     micro = 4 if tiny else 16
     configs = [c for c in CONFIGS if not (tiny and c.compile)]  # compile at tiny scale: tests/models/test_compile.py
-    configs = [c for c in configs if c in (TODAY, ALL)] if quick else configs
+    configs = [c for c in configs if c in (TODAY, ALL, BUDGET)] if quick else configs
     out: dict = {"configs": []}
     for switches in configs:
         if time.perf_counter() > deadline:

@@ -51,8 +51,9 @@ def test_compiled_blocks_give_the_eager_logprobs_gradients_and_step(policy_cfg, 
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for (name, a), (other, b) in zip(eager.model.named_parameters(), compiled.model.named_parameters()):
         assert name == other
-        if a.requires_grad:
-            torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-5)
+        if a.requires_grad:  # summed over five micro batches, in another order by the compiled kernels: within 1e-4 of
+            # the gradient's norm (elementwise, an Intel AVX-512 host differed by 2e-5 on entries of 1e-3)
+            assert (b.grad - a.grad).norm() <= 1e-4 * a.grad.norm() + 1e-7, name
     eager.optimizer_step(), compiled.optimizer_step()
     assert eager.model.state_dict().keys() == compiled.model.state_dict().keys()
     for name, tensor in eager.model.state_dict().items():
@@ -97,6 +98,39 @@ def test_compiled_blocks_sharded_by_fsdp2_take_the_eager_single_process_step(pol
             torch.distributed.destroy_process_group()
 
 
+def saved_bytes(policy: TorchPolicy, part) -> int:
+    """Bytes the autograd graph of one training forward of ``part`` keeps for its backward (the backward runs)."""
+    kept = []
+
+    def pack(tensor):
+        kept.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        logp, _ = policy.logprobs(part)
+    policy.backward(-logp.sum() / part.loss_mask.sum())
+    return sum(kept)
+
+
+def test_an_activation_memory_budget_keeps_less_for_the_backward_and_the_same_gradients(policy_cfg, model_cfg, train_cfg, rollout):
+    """policy.activation_memory_budget: the compiled blocks keep fewer bytes for the backward, which recomputes the
+    rest and gives the same gradients (float32); only the policy's own blocks see the budget (torch's global default
+    is untouched)."""
+    kept, grads = {}, {}
+    for budget in (None, 0.2):
+        torch._dynamo.reset()  # the blocks' forward is one code object for every policy: each budget compiles its own
+        cfg = OmegaConf.merge(policy_cfg, {"compile": True, "activation_memory_budget": budget})
+        policy = TorchPolicy(cfg, model_cfg, train_cfg(), total_optimizer_steps=10, device=CPU)
+        saved_bytes(policy, rollout)  # compiles
+        policy.zero_grad()
+        kept[budget] = saved_bytes(policy, rollout)
+        grads[budget] = {name: p.grad.clone() for name, p in policy.model.named_parameters() if p.requires_grad}
+    assert kept[0.2] < kept[None], kept  # the blocks keep less; the rest of the model (embedding, output layer) as before
+    for name, grad in grads[None].items():
+        assert (grads[0.2][name] - grad).norm() <= 1e-4 * grad.norm() + 1e-7, name
+    assert torch._functorch.config.activation_memory_budget == 1.0
+
+
 def test_compile_under_deepspeed_or_with_lora_is_refused_before_any_model_loads():
     validate(compose_config(["policy.compile=true", "policy/strategy=fsdp2", "cluster=ray_local"]))
     with pytest.raises(ConfigError, match=r"policy\.compile with policy/strategy=deepspeed"):
@@ -104,6 +138,10 @@ def test_compile_under_deepspeed_or_with_lora_is_refused_before_any_model_loads(
     with pytest.raises(ConfigError, match=r"policy\.compile with policy\.lora: .*policy\.lora\.rank=null"):
         validate(compose_config(["policy.compile=true", "policy.lora.rank=8"]))
     validate(compose_config(["policy.compile=true"]))  # single (auto on one process) is fine
+    validate(compose_config(["policy.compile=true", "policy.activation_memory_budget=0.5"]))
+    for bad in (["policy.activation_memory_budget=0.5"], ["policy.compile=true", "policy.activation_memory_budget=1.5"]):
+        with pytest.raises(ConfigError, match=r"policy\.activation_memory_budget=.* needs policy\.compile=true and a share from 0"):
+            validate(compose_config(bad))
 
 
 def test_a_model_naming_no_decoder_blocks_is_refused_before_its_weights_load(policy_cfg, model_cfg, monkeypatch):

@@ -80,6 +80,7 @@ class PolicyConfig:
     name: str = "torch"  # training backend: torch (CPU or GPU, under `strategy`) or an import path
     gradient_checkpointing: bool = False  # trade compute for activation memory
     compile: bool = False  # torch.compile each decoder block (dynamic shapes: micro batches of new sizes reuse the graphs); the first steps pay the compile; strategy single, ddp or fsdp2, no policy.lora
+    activation_memory_budget: Optional[float] = None  # policy.compile: the share (0-1) of the compiled blocks' activations kept for the backward, the rest recomputed there (torch's min-cut rematerialisation: cheap elementwise work first); null = torch's default (1.0). Less memory than full activations at less cost than gradient_checkpointing
     strategy: Any = field(default_factory=lambda: {"name": "auto"})  # node: policy/strategy=auto (single on one rank, else ddp), single, ddp, fsdp2 or deepspeed (all but auto/single need cluster.backend=ray), or your own; typed by its config class (rlhf.training.strategies)
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters; the reference is then the base model with adapters off
 

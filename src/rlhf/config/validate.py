@@ -232,6 +232,13 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         f"policy.compile with policy/strategy={cfg.policy.strategy.name}: compiled decoder blocks train under "
         f"single, ddp or fsdp2 for now (DeepSpeed wraps the blocks its own way); choose policy/strategy=fsdp2, or set policy.compile=false",
     )
+    budget = cfg.policy.activation_memory_budget
+    _require(
+        budget is None or (cfg.policy.compile and 0.0 <= budget <= 1.0),
+        f"policy.activation_memory_budget={budget} steers what the compiled decoder blocks keep for the backward: it "
+        f"needs policy.compile=true and a share from 0 (recompute all) to 1 (keep all); set policy.compile=true, or "
+        f"policy.activation_memory_budget=null (policy.gradient_checkpointing trades memory for compute without compile)",
+    )
     _require(
         not cfg.policy.compile or cfg.policy.lora.rank is None,
         "policy.compile with policy.lora: torch.compile gives peft's adapters wrong gradients here (measured: the "

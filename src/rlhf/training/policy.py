@@ -40,7 +40,7 @@ class TorchPolicy(TrainableModel):
         self.lora = cfg.lora if lora.enabled(cfg.lora) else None
         if self.lora is not None:
             model = lora.add_adapters(model, self.lora)
-        self.compiled_blocks = compile_blocks(model) if cfg.compile else 0
+        self.compiled_blocks = compile_blocks(model, cfg.activation_memory_budget) if cfg.compile else 0
         super().__init__(
             model, train_cfg, train_cfg.lr, total_optimizer_steps, cfg.gradient_checkpointing, DTYPES[model_cfg.dtype],
             choose("strategy", cfg.strategy, "policy.strategy"),

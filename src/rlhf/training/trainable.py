@@ -105,14 +105,29 @@ def check_compilable(policy_cfg, model_cfg) -> None:
     decoder_blocks(meta_causal_lm(model_cfg))
 
 
-def compile_blocks(model: torch.nn.Module) -> int:
+def compile_blocks(model: torch.nn.Module, activation_memory_budget: float | None = None) -> int:
     """`torch.compile` each decoder block of ``model`` (`policy.compile`) in place (`nn.Module.compile`: weight names,
     checkpoints and weight pushes unchanged), with dynamic shapes, so micro batches of new row counts and lengths
     reuse the graphs (each grad mode compiles its own, once; a model that packs its micro batches runs every training
     forward in one form, one row included; one that does not compiles once more for one row and for no padding).
     Fuses the per-token work between the matrix products (norms, rotary, activations), most of a small model's
-    step. Returns the number of blocks compiled."""
+    step. ``activation_memory_budget`` (`policy.activation_memory_budget`): the share of the blocks' activations their
+    graphs keep for the backward, for these blocks only. Returns the number of blocks compiled."""
     blocks = decoder_blocks(model)
     for block in blocks:
         block.compile(dynamic=True)
+        if activation_memory_budget is not None:
+            block._compiled_call_impl = within_budget(block._compiled_call_impl, activation_memory_budget)
     return len(blocks)
+
+
+def within_budget(compiled, budget: float):
+    """``compiled`` (a compiled call) run with torch's activation memory budget set to ``budget``: the graph splits
+    forward from backward when first called, so the budget is in force then, and only for this call, not for other
+    compiled code in the process."""
+
+    def call(*args, **kwargs):
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            return compiled(*args, **kwargs)
+
+    return call
