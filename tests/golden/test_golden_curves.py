@@ -10,8 +10,9 @@ KL and entropy moved by at most 1.4e-6 while every sampled token, and so every s
 is asserted here against the old record, and `curves.json` (recorded after that change) must be reproduced
 bitwise by every later change of the plumbing, on the CPU it was recorded on. Another CPU (AVX-512 rather than
 AVX2 kernels, another oneDNN path) rounds differently: the sampled tokens, and so the scores, stayed the same on
-every preset, while KL, entropy and losses moved by at most 4e-6 in 20 steps. So the scores are compared exactly
-and the other metrics within ROUNDING, far below what any change of the plumbing or the maths moves. Re-record only for a deliberate change of the numerics:
+every preset, while KL, entropy and losses moved by at most 4e-6 in 20 steps (on a third, AVX-512 host opd's entropy
+of 1.28 moved by 1.4e-5: float32 rounding grows with the value). So the scores are compared exactly and the other
+metrics within ROUNDING of their size (at least 1), far below what any change of the plumbing or the maths moves. Re-record only for a deliberate change of the numerics:
 `python tests/golden/test_golden_curves.py <algorithm>`, list it in `MOVED` with the reason, and say why in the
 commit; a moved algorithm is compared with the old record on its first step only (the same initial policy samples
 the same first batch).
@@ -42,7 +43,7 @@ MOVED = {
     "grpo": "a group whose samples all scored the same gets advantage exactly 0; before, a float32 mean an ulp off "
     "(scores such as 0.1) made it up to ~0.1, same-signed, which Adam turned into full-size steps",
 }
-ROUNDING = 1e-5  # how far a float metric may drift on another CPU's kernels (4e-6 seen); scores must match exactly
+ROUNDING = 3e-5  # how far a float metric may drift on another CPU's kernels, relative to its size where above 1 (4e-6 and 1.4e-5 seen); scores must match exactly
 KEYS = ("loss/policy_avg", "loss/value_avg", "objective/loss", "objective/scores", "objective/kl", "objective/entropy")
 
 
@@ -80,7 +81,7 @@ def assert_same_run(curve: dict[str, list[float]], record: dict[str, list[float]
     assert curve.keys() == record.keys()
     assert curve["objective/scores"] == record["objective/scores"], "other tokens were sampled"
     for key, values in record.items():
-        assert len(curve[key]) == len(values) and max(abs(a - b) for a, b in zip(curve[key], values)) <= ROUNDING, key
+        assert len(curve[key]) == len(values) and all(abs(a - b) <= ROUNDING * max(1.0, abs(b)) for a, b in zip(curve[key], values)), key
 
 
 if __name__ == "__main__":
