@@ -25,6 +25,7 @@ from rlhf.models.logprobs import keeps_logits
 from rlhf.trajectory import left_pad, real_positions
 
 Request = tuple[int, list[int], int]  # (key, tokens so far, tokens it may still sample)
+SLOT_ROWS = 16  # the slot cache grows by multiples of this many rows (rows joining a few at a time copy it rarely)
 Continued = tuple[list[int], list[float], bool]  # (tokens sampled now, their logprobs, stopped)
 
 
@@ -158,7 +159,7 @@ class ContinuousBatch:
         have = self.cache_keys[0].shape if self.cache_keys else (0, 0, 0, 0)
         if rows <= have[0] and columns <= have[2]:
             return
-        rows, columns = max(rows, have[0]), max(cache_columns(columns), have[2])
+        rows, columns = max(-(-rows // SLOT_ROWS) * SLOT_ROWS, have[0]), max(cache_columns(columns), have[2])
         layers, heads, head_dim = cache_shape(self.model.config)
         weight = next(self.model.parameters())
         grown = [torch.zeros(rows, heads, columns, head_dim, dtype=weight.dtype, device=weight.device) for _ in range(2 * layers)]
