@@ -145,9 +145,11 @@ def bench(folder: str, device: torch.device, sizes, paths, prompt_len: int, repe
     return results, made
 
 
-def path_generator(folder: str, device: torch.device, name: str, rows: int) -> HFGenerator:
-    """An hf generator of decode path ``name`` (`PATHS`) for up to ``rows`` rows, in bf16 on CUDA, float32 on CPU."""
-    model_cfg = OmegaConf.structured(ModelConfig(name_or_path=folder, dtype="bfloat16" if device.type == "cuda" else "float32"))
+def path_generator(folder: str, device: torch.device, name: str, rows: int, dtype: str | None = None) -> HFGenerator:
+    """An hf generator of decode path ``name`` (`PATHS`) for up to ``rows`` rows, in ``dtype`` (default: bf16 on CUDA,
+    float32 on CPU)."""
+    dtype = dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    model_cfg = OmegaConf.structured(ModelConfig(name_or_path=folder, dtype=dtype))
     config = OmegaConf.structured(HfGeneratorConfig(name="hf", batch_size=rows, **PATHS[name]))
     return HFGenerator(config, model_cfg, load_tokenizer(folder), device)
 
@@ -186,17 +188,11 @@ def float32_checks(folder: str, device: torch.device, paths, rows: int = 8, new:
     """Whether each of ``paths`` decodes the eager loop's greedy tokens in float32, and still does after a weight push
     and after a sleep and a wake (`follows_pushes`). Float32, because in bf16 a random model's near-tied logits flip
     with the kernels' rounding: here a difference is a bug."""
-    tokenizer = load_tokenizer(folder)
-    model_cfg = OmegaConf.structured(ModelConfig(name_or_path=folder, dtype="float32"))
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 30, (12 + row % 5,), generator=generator).tolist() for row in range(rows)]
-
-    def made(name: str) -> HFGenerator:
-        return HFGenerator(OmegaConf.structured(HfGeneratorConfig(name="hf", batch_size=rows, **PATHS[name])), model_cfg, tokenizer, device)
-
     out = []
     for name in paths:
-        eager, other = made("eager"), made(name)
+        eager, other = (path_generator(folder, device, path, rows, "float32") for path in ("eager", name))
         reference = eager.generate(prompts, SamplingParams(new, greedy=True)).input_ids
         ids = other.generate(prompts, SamplingParams(new, greedy=True)).input_ids
         row = {"path": name, "dtype": "float32", "rows": rows, "new_tokens": new,

@@ -54,6 +54,7 @@ class Switches:
 
 TODAY = Switches("today (autocast, plain logits, block attention, eager)")
 ALL = Switches("all four", "master", 1024, True, True)
+BUDGET = Switches("all four, activation memory budget 0.5", "master", 1024, True, True, budget=0.5)
 CONFIGS = [
     TODAY,
     Switches("bf16 weights + fp32 masters", precision="master"),
@@ -63,9 +64,8 @@ CONFIGS = [
     Switches("all but compile", "master", 1024, True, False),
     ALL,
     Switches("all four, chunk math eager", "master", 1024, True, True, chunk_kernels=False),
+    BUDGET,
 ]
-BUDGET = Switches("all four, activation memory budget 0.5", "master", 1024, True, True, budget=0.5)
-CONFIGS.append(BUDGET)
 
 
 def synthetic(rows: int, prompt: int, response: int, vocab: int, samples: int) -> Scored:
