@@ -41,6 +41,8 @@ PATHS = {  # name: generator keys
     "eager+compile": dict(decode="eager", compile=True),
     "static": dict(decode="static", graphs=False),
     "static+compile": dict(decode="static", compile=True, graphs=False),
+    # transformers' SDPA: prompts prefilled as the padded batch, not packed (and grouped-query caches copied per head)
+    "static+compile-padded": dict(decode="static", compile=True, graphs=False, grouped_decode=False),
     "graphs": dict(decode="static", graphs=True),
     "graphs+compile": dict(decode="static", compile=True, graphs=True),
     # transformers' SDPA as is: each key/value head copied to its query heads every step (grouped-query models only)
@@ -97,8 +99,9 @@ def measure(generators: dict[str, HFGenerator], prompts, sampling, repeats: int,
 
 
 def bench(folder: str, device: torch.device, sizes, paths, prompt_len: int, repeats: int,
-          deadline: float = float("inf"), strict: bool = True) -> tuple[list[dict], dict[str, HFGenerator]]:
-    """(one row of figures per (rows, new tokens) of ``sizes`` and path, the generators). One generator per path
+          deadline: float = float("inf"), strict: bool = True, shortest: int | None = None) -> tuple[list[dict], dict[str, HFGenerator]]:
+    """(one row of figures per (rows, new tokens) of ``sizes`` and path, the generators). Prompts have ``prompt_len``
+    tokens, or from ``shortest`` to ``prompt_len`` (uniformly) where given. One generator per path
     serves every size (a compiled step compiles once per model, not once per size). Sizes are taken in the order
     given; one that would start past ``deadline`` is skipped. Not ``strict``: a path that raises is reported in a row
     of its own and left out of the sizes after, so one broken path costs only its own figures."""
@@ -118,7 +121,8 @@ def bench(folder: str, device: torch.device, sizes, paths, prompt_len: int, repe
             results.append({"rows": rows, "new_tokens": new, "skipped": "out of time"})
             continue
         generator = torch.Generator().manual_seed(rows + new)
-        prompts = [torch.randint(3, 30, (prompt_len,), generator=generator).tolist() for _ in range(rows)]
+        lengths = torch.randint(shortest or prompt_len, prompt_len + 1, (rows,), generator=generator).tolist()
+        prompts = [torch.randint(3, 30, (n,), generator=generator).tolist() for n in lengths]
         greedy = {}
         for name in [n for n in made if not (n.startswith("eager") and device.type == "cuda" and new > EAGER_MAX_NEW)]:
             try:
@@ -232,6 +236,7 @@ def main() -> None:
     parser.add_argument("--rows", default="64")
     parser.add_argument("--new", default="64")
     parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--shortest", type=int, default=None, help="prompts of --shortest to --prompt-len tokens (default: all --prompt-len)")
     parser.add_argument("--paths", default=None, help=f"comma-separated subset of {list(PATHS)} (default: all this device runs)")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
@@ -241,7 +246,8 @@ def main() -> None:
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         sizes = [(int(r), int(n)) for r in args.rows.split(",") for n in args.new.split(",")]
-        results, _ = bench(model_folder(Path(tmp), args.shape), device, sizes, paths, args.prompt_len, args.repeats)
+        results, _ = bench(model_folder(Path(tmp), args.shape), device, sizes, paths, args.prompt_len, args.repeats,
+                           shortest=args.shortest)
     keys = list(dict.fromkeys(k for r in results for k in r))
     print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
     for row in results:

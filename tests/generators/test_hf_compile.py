@@ -29,7 +29,7 @@ def test_compiled_generator_samples_what_the_eager_one_samples(make_generator, t
     give the eager generator's tokens and logprobs; a second round of other batches, a weight push and a sleep/wake
     compile nothing more, and the compiled model answers with the pushed weights."""
     torch._dynamo.reset()  # graphs an earlier test compiled would be reused: this test compiles its own
-    eager, compiled = make_generator(tiny_model_dir), make_generator(tiny_model_dir, compile=True)
+    eager, compiled = make_generator(tiny_model_dir), make_generator(tiny_model_dir, compile=True, decode="eager")
     graphs = counters["stats"]["unique_graphs"]
     sampled = SamplingParams(max_new_tokens=10, temperature=1.3)
 

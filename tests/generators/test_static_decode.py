@@ -13,7 +13,7 @@ from rlhf.generators.base import SamplingParams
 from rlhf.generators.decode import decode
 from rlhf.generators.hf import left_pad
 from rlhf.generators.static_decode import StaticDecoder, SlotState, bucket_for, decode_step, race_sample
-from rlhf.models.grouped_attention import use_grouped_decode
+from rlhf.models.grouped_attention import NAME as GROUPED, use_generator_attention
 from rlhf.models.logprobs import window_logprobs
 
 STOP, PAD = 2, 0
@@ -71,6 +71,33 @@ def test_static_decode_gives_the_eager_loops_greedy_tokens(name):
     assert stopped.any() and not stopped.all(), "rows should stop at different steps, some not at all"
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt_neox"])
+def test_packed_prompts_give_the_eager_loops_greedy_tokens_and_compute_no_padding(name):
+    """On the generator's attention the prompt pass runs the real prompt tokens only, packed end to end (the model's
+    embedding sees one row of exactly those tokens), and greedy decoding gives the eager loop's tokens, logprobs within
+    float rounding, on calls of 13, 1 and 5 rows of 1 to 9 tokens. NaNs left in the buffers (a call of a model whose
+    weights went bad) do not reach the next call through the padding columns the packed pass never writes."""
+    model = family(name)
+    assert use_generator_attention(model)
+    static = StaticDecoder(model, POWERS, 2, compile=False, graphs=False)
+    assert static.packs
+    greedy = SamplingParams(20, greedy=True)
+    for count, seed in ((13, 0), (1, 1), (5, 2)):
+        query_ids, query_mask = prompts(count, seed)
+        want = decode(model, query_ids, query_mask, greedy, STOP, PAD)
+        if static.state is not None:
+            for buffer in static.state.keys + static.state.values:
+                buffer.fill_(float("nan"))
+        seen = []
+        hook = model.get_input_embeddings().register_forward_hook(lambda module, args, out: seen.append(tuple(args[0].shape)))
+        try:
+            got = static.decode(query_ids, query_mask, greedy, STOP, PAD)
+        finally:
+            hook.remove()
+        assert seen[0] == (1, int(query_mask.sum())) and (query_mask == 0).any() == (count > 1)
+        assert_same(got, want)
+
+
 def test_buffers_grow_for_a_longer_call_and_serve_shorter_ones_after():
     """A later call with longer prompts and a larger budget than the buffers hold gets new, larger buffers (the graphs
     recorded on the old ones would be dropped); shorter calls after it reuse them; a row whose first token is its
@@ -122,7 +149,7 @@ def test_the_recorded_step_reads_nothing_on_the_host(sampling):
     the step as the graphs call it (attending over every cache column) traces as one graph in every sampling mode,
     the nucleus's 0-d top_p tensor included; with grouped-query attention as generators decode it."""
     model = family("qwen2")
-    assert use_grouped_decode(model)
+    assert use_generator_attention(model)
     decoder = StaticDecoder(model, (1, 2, 4), check_every=2, compile=False, graphs=False)
     traced = torch.compile(decode_step, fullgraph=True, backend="eager")
     decoder._step = lambda state, bucket, mode, stop_id, pad_id, width: traced(
@@ -173,7 +200,8 @@ def test_the_static_generator_follows_pushes_and_sleep_and_scores_as_the_trainer
     greedy = SamplingParams(10, greedy=True)
     eager, static = make_generator(tiny_model_dir), make_generator(tiny_model_dir, decode="static", check_every=2)
     assert static.static is not None and eager.static is None
-    assert static.model.config._attn_implementation == "sdpa", "the loader's attention takes the 4D masks built here"
+    assert static.model.config._attn_implementation == GROUPED, "the generator's attention takes the 4D masks built here"
+    assert static.static.packs, "and its prompts run packed"
     first = static.generate(encode(texts), greedy)
     want = eager.generate(encode(texts), greedy)
     assert torch.equal(first.input_ids, want.input_ids) and torch.equal(first.loss_mask, want.loss_mask)
@@ -234,6 +262,26 @@ def test_a_batch_no_bucket_holds_and_a_sliding_window_model_are_refused():
     ))
     with pytest.raises(ValueError, match="sliding-window layers.*generator.decode=eager"):
         StaticDecoder(sliding, POWERS, 8, compile=False, graphs=False)
+
+
+def test_auto_decodes_static_on_cpu_when_compiled_and_eagerly_what_static_cannot_serve(make_generator, tiny_model_dir, tokenizer, tmp_path):
+    """`generator.decode=auto` on the CPU: the eager loop by default; the static step when `generator.compile` is on
+    (compiled, the faster of the two there); and for a model the static decode cannot serve (sliding-window layers)
+    the compiled eager loop, where `decode=static` is refused naming the way out."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    plain, compiled = make_generator(tiny_model_dir), make_generator(tiny_model_dir, compile=True)
+    assert plain.static is None and plain.step_model is None
+    assert compiled.static is not None and compiled.step_model is None and not compiled.static.graphs
+    Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, use_sliding_window=True, sliding_window=4, max_window_layers=1,
+    )).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    sliding = make_generator(str(tmp_path), compile=True)
+    assert sliding.static is None and sliding.step_model is not None
+    with pytest.raises(ValueError, match="sliding-window layers.*set generator.decode=eager"):
+        make_generator(str(tmp_path), decode="static")
 
 
 @pytest.mark.parametrize(

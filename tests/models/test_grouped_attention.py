@@ -70,4 +70,5 @@ def test_a_grouped_query_generator_decodes_what_the_copying_one_decodes(make_gen
         b = copying.generate(prompts, sampling)
         assert torch.equal(a.input_ids, b.input_ids)
         torch.testing.assert_close(a.gen_logp, b.gen_logp, atol=1e-5, rtol=0)
-    assert make_generator(tiny_model_dir).model.config._attn_implementation == "sdpa"  # no grouped heads: as it was
+    # no grouped heads: the generator's attention too (its steps go to SDPA unchanged; its static prompt pass packs)
+    assert make_generator(tiny_model_dir).model.config._attn_implementation == NAME

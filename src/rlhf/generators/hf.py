@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -16,11 +17,13 @@ from rlhf.micro_batches import halvings
 from rlhf.generators.continuous import ContinuousBatch, Continued, Request, continue_by_generate
 from rlhf.generators.decode import decode
 from rlhf.generators.static_decode import StaticDecoder, bucket_for, cache_columns, unsupported
-from rlhf.models.grouped_attention import use_grouped_decode
+from rlhf.models.grouped_attention import use_generator_attention
 from rlhf.models.loading import load_causal_lm
 from rlhf.registry import register
 from rlhf.trajectory import Trajectories, concat, from_completions, left_pad
 from rlhf.models.fingerprint import fingerprint
+
+log = logging.getLogger("rlhf")
 
 
 def stop_token_id(tokenizer, stop_token: str) -> int:
@@ -56,10 +59,10 @@ DECODES = ("auto", "eager", "static")
 class HfGeneratorConfig(GeneratorConfig):
     batch_size: int = 512  # sequences decoded together, to bound memory (more: calls of prompts of similar length)
     compile: bool = False  # torch.compile the one-token decode steps (the prompt pass stays eager); the first calls pay the compile
-    decode: str = "auto"  # eager (growing cache, a row leaves the step it stops), static (preallocated cache, fixed-shape step per bucket), auto (static on CUDA, eager on CPU)
+    decode: str = "auto"  # eager (growing cache, a row leaves the step it stops), static (preallocated cache, fixed-shape step per bucket), auto (static on CUDA and with generator.compile, else eager; eager for a model static cannot serve)
     buckets: list[int] = field(default_factory=lambda: [2**i for i in range(10)])  # static decode: the batch sizes a step runs at (rows padded up to the next); the largest must hold generator.batch_size
     graphs: bool | None = None  # static decode: record each bucket's step as a CUDA graph and replay it (null: on CUDA yes, on CPU no)
-    grouped_decode: bool = True  # grouped-query models (fewer key/value than query heads) decode without copying the cache to every query head (rlhf.models.grouped_attention); false: transformers' SDPA as is
+    grouped_decode: bool = True  # the generator's own attention (rlhf.models.grouped_attention): grouped-query models (fewer key/value than query heads) decode without copying the cache to every query head, and the static decode prefills prompts packed; false: transformers' SDPA as is
     check_every: int | None = None  # static decode: steps between looks at which rows stopped (the end, or a move to a smaller bucket); null: 8 on CUDA (a look waits for the GPU), 2 on CPU
 
     def check(self, at: str) -> None:
@@ -79,11 +82,12 @@ class HfGeneratorConfig(GeneratorConfig):
 
 def static_decode_on(config: HfGeneratorConfig, device: torch.device) -> tuple[bool, bool, int]:
     """(static decode, CUDA graphs, steps between looks) for this generator on ``device``: `generator.decode`,
-    `generator.graphs` and `generator.check_every` with their `auto`/null resolved (static and graphs on CUDA; eager
-    on CPU, where the compiled static step gains 1.3-1.4x (`bench/generate.py`), too little to pay its compile in a
-    short run)."""
+    `generator.graphs` and `generator.check_every` with their `auto`/null resolved. `auto` is static on CUDA, and on
+    CPU when `generator.compile` is on: compiled, the static step runs 1.4x the compiled eager loop and 1.6-2.0x the
+    eager one on the 3M model of `bench/generate.py`; uncompiled it is no faster than the eager loop there, which
+    stays the CPU's default (no compile to pay in short runs and tests). Graphs on CUDA."""
     cuda = device.type == "cuda"
-    static = config.decode == "static" or (config.decode == "auto" and cuda)
+    static = config.decode == "static" or (config.decode == "auto" and (cuda or config.compile))
     graphs = static and (config.graphs if config.graphs is not None else cuda)
     return static, graphs, config.check_every or (8 if cuda else 2)
 
@@ -140,9 +144,15 @@ class HFGenerator:
             model_cfg.name_or_path, model_cfg.dtype, model_cfg.revision, model_cfg.trust_remote_code, device
         ).eval()
         self.model.requires_grad_(False)
-        if cfg.grouped_decode:  # one-token steps of a grouped-query model read the cache as it is (no per-head copy)
-            use_grouped_decode(self.model)
+        # one-token steps of a grouped-query model read the cache as it is (no per-head copy); the static decode's
+        # prompt pass runs packed
+        if cfg.grouped_decode:
+            use_generator_attention(self.model)
         static, graphs, check_every = static_decode_on(cfg, device)
+        reason = unsupported(self.model.config) if static and cfg.decode == "auto" else None
+        if reason:  # `auto` picks the eager loop for a model the static decode cannot serve; `static` is refused
+            log.info("generator: decode=auto runs the eager loop: the static decode cannot serve this model (%s)", reason)
+            static = False
         # `generator.decode=static`: preallocated buffers and one fixed-shape step per bucket, compiled and recorded
         # as CUDA graphs as asked; it reads the weights where they live, so pushes reach it
         self.static = StaticDecoder(self.model, tuple(cfg.buckets), check_every, cfg.compile, graphs) if static else None

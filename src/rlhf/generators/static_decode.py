@@ -7,7 +7,9 @@ rows' outputs. The step (`decode_step`) reads and advances those buffers in plac
 compiled once and, on CUDA, recorded as a CUDA graph per bucket and replayed with no host work at all. The host looks
 at the stop flags every ``check_every`` steps only; then it ends the decode when every row has stopped, and moves the
 rows still going into a smaller bucket when they fit one (the eager loop drops a row the step it stops; here finished
-rows ride along, masked, until the next check).
+rows ride along, masked, until the next check). The prompts go in packed where the model's attention takes packed rows
+(`StaticDecoder._packed_pass`): only their real tokens are computed, and their keys and values land in the
+left-padded layout the steps read.
 
 Rows sit in *slots*: slot ``i`` of a bucket of ``b`` rows is row ``i`` of every buffer, and a bucket's buffers are the
 first ``b`` rows of the largest one's, so every bucket shares one cache. Weights are read where they live: a weight
@@ -26,6 +28,7 @@ from rlhf.generators.base import SamplingParams
 from rlhf.generators.decode import top_p_filter
 from rlhf.models.grouped_attention import NAME as GROUPED
 from rlhf.models.logprobs import keeps_logits
+from rlhf.models.packing import can_pack, rows_attention_kwargs
 from rlhf.trajectory import real_positions
 
 log = logging.getLogger("rlhf")
@@ -89,6 +92,21 @@ class SlotCache:
         if self.width is None:
             return keys, values
         return keys[:, :, : self.width], values[:, :, : self.width]
+
+
+class PackedPromptCache:
+    """The cache of a packed prompt pass: `update` writes each packed token's keys and values at its (slot, column) of
+    the slot cache's buffers and hands the packed ones back, for attention inside each packed row. Shapes: slots,
+    columns (N,) long; the buffers (rows, kv heads, L, head dim)."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], slots: torch.Tensor, columns: torch.Tensor):
+        self.keys, self.values, self.slots, self.columns = keys, values, slots, columns
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        for buffer, states in ((self.keys[layer_idx], key_states), (self.values[layer_idx], value_states)):
+            # (1, heads, N, D) -> (N, heads, D), written at (slot, column) of the (rows, L, heads, D) view
+            buffer.transpose(1, 2).index_put_((self.slots, self.columns), states[0].transpose(0, 1).to(buffer.dtype))
+        return key_states, value_states
 
 
 @dataclass
@@ -200,6 +218,9 @@ class StaticDecoder:
             raise ValueError(f"generator.decode=static cannot decode this model: {reason}; set generator.decode=eager (or auto)")
         self.model, self.buckets, self.check_every = model, tuple(sorted(buckets)), check_every
         self.graphs = graphs
+        # prompts run packed end to end (no padding computed) where the model's attention takes packed rows: the hf
+        # generator's own (`rlhf.models.grouped_attention`) on a family whose rows packing keeps apart
+        self.packs = can_pack(model.config, (GROUPED,))
         # on the CPU the compiled step's calls go through a C++ wrapper (`cpp_wrapper`): 10-15% of a small model's step
         cpu = next(model.parameters()).device.type == "cpu"
         self.step_fn = torch.compile(decode_step, options={"cpp_wrapper": True} if cpu else None) if compile else decode_step
@@ -275,23 +296,17 @@ class StaticDecoder:
         return tokens[:, :longest], logprobs[:, :longest]
 
     def _prefill(self, state: SlotState, query_ids, query_mask, mode: tuple[bool, bool], stop_id: int, pad_id: int) -> None:
-        """Run the prompts into the cache's first Lq columns, pick each row's first token from the prompt pass's last
-        logits and set every slot up for the first step (slots past the batch get a one-token dummy prompt and start
-        done)."""
+        """Run the prompts into the cache's first Lq columns (left-padded: a row's prompt ends at column Lq - 1),
+        packed where the model takes packed rows (`_packed_pass`), else as the padded batch (`_padded_pass`); pick each
+        row's first token from its last prompt token's logits and set every slot up for the first step (slots past the
+        batch attend to one column and start done)."""
         rows, width = query_ids.shape
         slots = state.mask.shape[0]
-        ids = torch.full((slots, width), pad_id, dtype=torch.long, device=query_ids.device)
         mask = torch.zeros(slots, width, dtype=torch.long, device=query_ids.device)
-        ids[:rows], mask[:rows] = query_ids, query_mask
+        mask[:rows] = query_mask
         mask[rows:, -1] = 1
-        positions = real_positions(mask)
-        out = self.model(
-            input_ids=ids, position_ids=positions, use_cache=True,
-            attention_mask=as_attention_mask(self.model, prompt_mask(mask), state.keys[0].dtype),
-            past_key_values=SlotCache(state.keys, state.values, torch.arange(width, device=ids.device), width),
-            **({"logits_to_keep": 1} if keeps_logits(self.model) else {}),
-        )
-        token, logprob = pick_tokens(out.logits[:, -1], *mode, self.temperature, self.top_p)
+        logits = (self._packed_pass if self.packs else self._padded_pass)(state, query_ids, query_mask, pad_id)
+        token, logprob = pick_tokens(logits, *mode, self.temperature, self.top_p)
         state.done.zero_()
         state.done[rows:] = True
         token = torch.where(state.done, torch.full_like(token, pad_id), token)
@@ -303,9 +318,55 @@ class StaticDecoder:
         state.length.copy_((~state.done).long())
         state.done.logical_or_(token == stop_id)
         state.token.copy_(token)
-        state.position.copy_(positions[:, -1] + 1)
+        state.position.copy_(real_positions(mask)[:, -1] + 1)
         state.column.fill_(width)
         state.step.fill_(1)
+
+    def _padded_pass(self, state: SlotState, query_ids, query_mask, pad_id: int) -> torch.Tensor:
+        """The prompt pass over every slot's padded row (slots past the batch: a one-token dummy prompt), the padding
+        computed like the tokens. Returns each slot's last-position logits (slots, V)."""
+        rows, width = query_ids.shape
+        slots = state.mask.shape[0]
+        ids = torch.full((slots, width), pad_id, dtype=torch.long, device=query_ids.device)
+        mask = torch.zeros(slots, width, dtype=torch.long, device=query_ids.device)
+        ids[:rows], mask[:rows] = query_ids, query_mask
+        mask[rows:, -1] = 1
+        out = self.model(
+            input_ids=ids, position_ids=real_positions(mask), use_cache=True,
+            attention_mask=as_attention_mask(self.model, prompt_mask(mask), state.keys[0].dtype),
+            past_key_values=SlotCache(state.keys, state.values, torch.arange(width, device=ids.device), width),
+            **({"logits_to_keep": 1} if keeps_logits(self.model) else {}),
+        )
+        return out.logits[:, -1]
+
+    def _packed_pass(self, state: SlotState, query_ids, query_mask, pad_id: int) -> torch.Tensor:
+        """The prompt pass over the batch's real prompt tokens only, packed end to end (`rlhf.models.packing`): each
+        token's keys and values land at its slot and column of the left-padded layout (`PackedPromptCache`); the
+        padding columns are zeroed, never computed. Returns the last prompt token's logits of each slot (slots, V;
+        zeros for slots past the batch)."""
+        rows, width = query_ids.shape
+        device = query_ids.device
+        lengths = query_mask.sum(dim=1)
+        total, longest, shortest = torch.stack([lengths.sum(), lengths.max(), lengths.min()]).tolist()  # one host read
+        if shortest == 0:  # an empty prompt has no last token to pack: the padded pass reads its padding
+            return self._padded_pass(state, query_ids, query_mask, pad_id)
+        row = torch.repeat_interleave(torch.arange(rows, device=device), lengths, output_size=total)
+        starts = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+        offset = torch.arange(total, device=device) - starts[row]  # each token's place in its prompt
+        column = width - lengths[row] + offset
+        for buffer in state.keys + state.values:
+            buffer[:, :, :width].zero_()  # padding columns are masked; zeros keep a stale NaN out of the attention
+        lasts = starts[1:] - 1  # each row's last prompt token in the packed sequence
+        keeps = keeps_logits(self.model)
+        out = self.model(
+            input_ids=query_ids[row, column][None], position_ids=offset[None], use_cache=True,
+            attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device),  # unread: packed rows attend inside themselves
+            past_key_values=PackedPromptCache(state.keys, state.values, row, column),
+            **rows_attention_kwargs(lengths, longest, row * longest + offset),
+            **({"logits_to_keep": lasts} if keeps else {}),
+        )
+        logits = out.logits[0] if keeps else out.logits[0, lasts]
+        return torch.cat([logits, logits.new_zeros(state.mask.shape[0] - rows, logits.shape[-1])])
 
     def _step(self, state: SlotState, bucket: int, mode: tuple[bool, bool], stop_id: int, pad_id: int, width: int) -> None:
         """One step at ``bucket`` rows: replayed from its CUDA graph (recorded on first use; it attends over every cache

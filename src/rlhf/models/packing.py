@@ -134,10 +134,11 @@ def model_config(model: torch.nn.Module) -> PretrainedConfig | None:
     return None
 
 
-def can_pack(config: PretrainedConfig | None) -> bool:
-    """Whether a model of ``config`` can take packed rows: a family of `FAMILIES` on SDPA attention, every layer full
+def can_pack(config: PretrainedConfig | None, attention: tuple[str, ...] = ("sdpa",)) -> bool:
+    """Whether a model of ``config`` can take packed rows: a family of `FAMILIES` on an attention implementation of
+    ``attention`` (one that hands packed rows to `packed_attention`, or that `enable` replaces), every layer full
     attention (no sliding window, no chunked attention)."""
-    if config is None or config.model_type not in FAMILIES or config._attn_implementation != "sdpa":
+    if config is None or config.model_type not in FAMILIES or config._attn_implementation not in attention:
         return False
     # a window of None or 0 is no window (Qwen2-MoE's config sets 0 when use_sliding_window is off)
     if getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None):
@@ -176,17 +177,22 @@ class Packed:
     first_predict: int  # the smallest entry of predicts, known on the host
 
     def attention_kwargs(self) -> dict:
-        """Keyword arguments a Hugging Face model passes down to `packed_attention`: the gather/scatter indices
-        between packed tokens and (R, W) rows."""
-        starts = torch.nn.functional.pad(self.lengths.cumsum(0), (1, 0))
-        columns = torch.arange(self.width, device=starts.device)
-        total = int(self.input_ids.shape[1])
-        rows_index = (starts[:-1, None] + columns).clamp(max=total - 1)
-        # a compiled model (`policy.compile`) keeps the row count symbolic even at one row, rather than compiling a
-        # graph for the one-row micro batch (dynamo specialises sizes 0 and 1 unless told otherwise)
-        torch._dynamo.decorators.mark_unbacked(rows_index, 0)
-        cu_seqlens = starts.to(torch.int32)  # the rows' bounds, for the variable-length kernel (`varlen_attention`)
-        return {"rows_index": rows_index, "tokens_index": self.tokens_index, "cu_seqlens": cu_seqlens, "longest": self.width}
+        """Keyword arguments a Hugging Face model passes down to `packed_attention` (`rows_attention_kwargs`)."""
+        return rows_attention_kwargs(self.lengths, self.width, self.tokens_index)
+
+
+def rows_attention_kwargs(lengths: torch.Tensor, width: int, tokens_index: torch.Tensor) -> dict:
+    """Keyword arguments a Hugging Face model passes down to `packed_attention` for rows of ``lengths`` packed end to
+    end (the longest ``width``; ``tokens_index``: each packed token's place in the (R, width) block): the gather/scatter
+    indices between packed tokens and (R, W) rows, and the rows' bounds. Shapes: lengths (R,), tokens_index (N,)."""
+    starts = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+    columns = torch.arange(width, device=starts.device)
+    rows_index = (starts[:-1, None] + columns).clamp(max=len(tokens_index) - 1)
+    # a compiled model (`policy.compile`) keeps the row count symbolic even at one row, rather than compiling a
+    # graph for the one-row micro batch (dynamo specialises sizes 0 and 1 unless told otherwise)
+    torch._dynamo.decorators.mark_unbacked(rows_index, 0)
+    cu_seqlens = starts.to(torch.int32)  # the rows' bounds, for the variable-length kernel (`varlen_attention`)
+    return {"rows_index": rows_index, "tokens_index": tokens_index, "cu_seqlens": cu_seqlens, "longest": width}
 
 
 def pack(batch: Trajectories) -> Packed | None:
