@@ -76,7 +76,8 @@ def test_packed_prompts_give_the_eager_loops_greedy_tokens_and_compute_no_paddin
     """On the generator's attention the prompt pass runs the real prompt tokens only, packed end to end (the model's
     embedding sees one row of exactly those tokens), and greedy decoding gives the eager loop's tokens, logprobs within
     float rounding, on calls of 13, 1 and 5 rows of 1 to 9 tokens. NaNs left in the buffers (a call of a model whose
-    weights went bad) do not reach the next call through the padding columns the packed pass never writes."""
+    weights went bad) do not reach the next call through the padding columns the packed pass never writes. A call
+    with an empty prompt goes through the padded pass, the other row answering as in the eager loop."""
     model = family(name)
     assert use_generator_attention(model)
     static = StaticDecoder(model, POWERS, 2, compile=False, graphs=False)
@@ -96,6 +97,16 @@ def test_packed_prompts_give_the_eager_loops_greedy_tokens_and_compute_no_paddin
             hook.remove()
         assert seen[0] == (1, int(query_mask.sum())) and (query_mask == 0).any() == (count > 1)
         assert_same(got, want)
+    empty = left_pad([[5, 6, 7], []], PAD)  # a row with no prompt token: the padded pass (bucket 2 x 3 columns) serves it
+    seen.clear()
+    hook = model.get_input_embeddings().register_forward_hook(lambda module, args, out: seen.append(tuple(args[0].shape)))
+    try:
+        got = static.decode(*empty, greedy, STOP, PAD)
+    finally:
+        hook.remove()
+    want = decode(model, *empty, greedy, STOP, PAD)[0]
+    width = min(got[0].shape[1], want.shape[1])  # the empty row's own answer is undefined (it attends to padding only)
+    assert seen[0] == (2, 3) and torch.equal(got[0][0, :width], want[0, :width])
 
 
 def test_buffers_grow_for_a_longer_call_and_serve_shorter_ones_after():

@@ -305,7 +305,7 @@ class StaticDecoder:
         mask = torch.zeros(slots, width, dtype=torch.long, device=query_ids.device)
         mask[:rows] = query_mask
         mask[rows:, -1] = 1
-        logits = (self._packed_pass if self.packs else self._padded_pass)(state, query_ids, query_mask, pad_id)
+        logits = (self._packed_pass if self.packs else self._padded_pass)(state, query_ids, mask, pad_id)
         token, logprob = pick_tokens(logits, *mode, self.temperature, self.top_p)
         state.done.zero_()
         state.done[rows:] = True
@@ -322,15 +322,13 @@ class StaticDecoder:
         state.column.fill_(width)
         state.step.fill_(1)
 
-    def _padded_pass(self, state: SlotState, query_ids, query_mask, pad_id: int) -> torch.Tensor:
-        """The prompt pass over every slot's padded row (slots past the batch: a one-token dummy prompt), the padding
-        computed like the tokens. Returns each slot's last-position logits (slots, V)."""
+    def _padded_pass(self, state: SlotState, query_ids, mask, pad_id: int) -> torch.Tensor:
+        """The prompt pass over every slot's padded row (``mask``: the slots' (slots, Lq) prompt mask; slots past the
+        batch hold a one-token dummy prompt), the padding computed like the tokens. Returns each slot's last-position
+        logits (slots, V)."""
         rows, width = query_ids.shape
-        slots = state.mask.shape[0]
-        ids = torch.full((slots, width), pad_id, dtype=torch.long, device=query_ids.device)
-        mask = torch.zeros(slots, width, dtype=torch.long, device=query_ids.device)
-        ids[:rows], mask[:rows] = query_ids, query_mask
-        mask[rows:, -1] = 1
+        ids = torch.full(mask.shape, pad_id, dtype=torch.long, device=query_ids.device)
+        ids[:rows] = query_ids
         out = self.model(
             input_ids=ids, position_ids=real_positions(mask), use_cache=True,
             attention_mask=as_attention_mask(self.model, prompt_mask(mask), state.keys[0].dtype),
@@ -339,17 +337,17 @@ class StaticDecoder:
         )
         return out.logits[:, -1]
 
-    def _packed_pass(self, state: SlotState, query_ids, query_mask, pad_id: int) -> torch.Tensor:
+    def _packed_pass(self, state: SlotState, query_ids, mask, pad_id: int) -> torch.Tensor:
         """The prompt pass over the batch's real prompt tokens only, packed end to end (`rlhf.models.packing`): each
         token's keys and values land at its slot and column of the left-padded layout (`PackedPromptCache`); the
         padding columns are zeroed, never computed. Returns the last prompt token's logits of each slot (slots, V;
         zeros for slots past the batch)."""
         rows, width = query_ids.shape
         device = query_ids.device
-        lengths = query_mask.sum(dim=1)
+        lengths = mask[:rows].sum(dim=1)
         total, longest, shortest = torch.stack([lengths.sum(), lengths.max(), lengths.min()]).tolist()  # one host read
         if shortest == 0:  # an empty prompt has no last token to pack: the padded pass reads its padding
-            return self._padded_pass(state, query_ids, query_mask, pad_id)
+            return self._padded_pass(state, query_ids, mask, pad_id)
         row = torch.repeat_interleave(torch.arange(rows, device=device), lengths, output_size=total)
         starts = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
         offset = torch.arange(total, device=device) - starts[row]  # each token's place in its prompt
