@@ -67,9 +67,9 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * source.numel() * 4 / best
 
 
-def floor_seconds(model, rows: int, prompt: int, new: int, bandwidth: float) -> float:
-    """The memory-bandwidth floor of decoding ``new`` tokens for ``rows`` rows: every step reads the weights once
-    and each row's cache so far once."""
+def floor_seconds(model, rows: int, prompt: float, new: int, bandwidth: float) -> float:
+    """The memory-bandwidth floor of decoding ``new`` tokens for ``rows`` rows of ``prompt`` prompt tokens (a mean):
+    every step reads the weights once and each row's cache so far once."""
     config = model.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -134,7 +134,7 @@ def bench(folder: str, device: torch.device, sizes, paths, prompt_len: int, repe
         chosen = {name: made[name] for name in greedy}
         torch.manual_seed(0)
         seconds, tokens = measure(chosen, prompts, SamplingParams(new, temperature=1.0), repeats, device)
-        floor = floor_seconds(next(iter(made.values())).model, rows, prompt_len, new, bandwidth) if bandwidth else None
+        floor = floor_seconds(next(iter(made.values())).model, rows, sum(lengths) / rows, new, bandwidth) if bandwidth else None
         base = seconds.get("eager")
         for name in chosen:
             row = {"rows": rows, "new_tokens": new, "path": name, "s_per_call": round(seconds[name], 4),

@@ -90,23 +90,23 @@ def test_packed_prompts_give_the_eager_loops_greedy_tokens_and_compute_no_paddin
             for buffer in static.state.keys + static.state.values:
                 buffer.fill_(float("nan"))
         seen = []
-        hook = model.get_input_embeddings().register_forward_hook(lambda module, args, out: seen.append(tuple(args[0].shape)))
+        hook = model.get_input_embeddings().register_forward_hook(lambda module, args, out: seen.append(args[0].clone()))
         try:
             got = static.decode(query_ids, query_mask, greedy, STOP, PAD)
         finally:
             hook.remove()
-        assert seen[0] == (1, int(query_mask.sum())) and (query_mask == 0).any() == (count > 1)
+        assert torch.equal(seen[0], query_ids[query_mask.bool()][None]) and (query_mask == 0).any() == (count > 1)
         assert_same(got, want)
     empty = left_pad([[5, 6, 7], []], PAD)  # a row with no prompt token: the padded pass (bucket 2 x 3 columns) serves it
     seen.clear()
-    hook = model.get_input_embeddings().register_forward_hook(lambda module, args, out: seen.append(tuple(args[0].shape)))
+    hook = model.get_input_embeddings().register_forward_hook(lambda module, args, out: seen.append(args[0].clone()))
     try:
         got = static.decode(*empty, greedy, STOP, PAD)
     finally:
         hook.remove()
     want = decode(model, *empty, greedy, STOP, PAD)[0]
     width = min(got[0].shape[1], want.shape[1])  # the empty row's own answer is undefined (it attends to padding only)
-    assert seen[0] == (2, 3) and torch.equal(got[0][0, :width], want[0, :width])
+    assert seen[0].shape == (2, 3) and torch.equal(got[0][0, :width], want[0, :width])
 
 
 def test_buffers_grow_for_a_longer_call_and_serve_shorter_ones_after():
@@ -293,6 +293,43 @@ def test_auto_decodes_static_on_cpu_when_compiled_and_eagerly_what_static_cannot
     assert sliding.static is None and sliding.step_model is not None
     with pytest.raises(ValueError, match="sliding-window layers.*set generator.decode=eager"):
         make_generator(str(tmp_path), decode="static")
+
+
+def test_a_windowed_model_decodes_statically_only_while_its_rows_fit_the_window(make_generator, tokenizer, encode, tmp_path):
+    """A Mistral-style sliding window of 8 positions on every layer: the slot cache attends over every earlier column,
+    so a call whose rows fit the window (5-token prompts + 3 tokens) decodes statically, and a longer one (+ 16) runs
+    the eager loop, which applies the window. Both give the eager generator's greedy tokens; the static decode alone
+    would not past the window."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=8, max_position_embeddings=64,
+    ))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name and param.dim() > 1:
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    eager, static = make_generator(str(tmp_path), decode="eager"), make_generator(str(tmp_path), decode="static")
+    prompts = encode(["1+1=", "2+3=", "4+4=", "9+0="])
+    assert {len(p) for p in prompts} == {5}
+    decoded = []
+    decode_statically = static.static.decode
+    static.static.decode = lambda *args: decoded.append(args) or decode_statically(*args)
+    for budget in (3, 16):
+        greedy = SamplingParams(budget, greedy=True)
+        decoded.clear()
+        want = eager.generate(prompts, greedy).input_ids
+        assert torch.equal(static.generate(prompts, greedy).input_ids, want)
+        assert bool(decoded) == (budget == 3)
+    query_ids, query_mask = left_pad(prompts, static.pad_id)
+    alone, _ = decode_statically(query_ids, query_mask, greedy, static.stop_id, static.pad_id)
+    response = want[:, query_ids.shape[1] :]
+    width = min(response.shape[1], alone.shape[1])
+    assert not torch.equal(alone[:, :width], response[:, :width]), "past the window the slot cache attends where the model does not"
 
 
 @pytest.mark.parametrize(

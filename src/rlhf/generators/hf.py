@@ -16,7 +16,7 @@ from rlhf.generators.memory import FLOAT32, GenerationWork, GeneratorShape, Memo
 from rlhf.micro_batches import halvings
 from rlhf.generators.continuous import ContinuousBatch, Continued, Request, continue_by_generate
 from rlhf.generators.decode import decode
-from rlhf.generators.static_decode import StaticDecoder, bucket_for, cache_columns, unsupported
+from rlhf.generators.static_decode import StaticDecoder, attention_window, bucket_for, cache_columns, unsupported
 from rlhf.models.grouped_attention import use_generator_attention
 from rlhf.models.loading import load_causal_lm
 from rlhf.registry import register
@@ -218,11 +218,11 @@ class HFGenerator:
     def continue_rows(self, requests: list[Request], sampling: SamplingParams, steps: int) -> list[Continued]:
         """schedule=stream: each row continued by up to ``steps`` tokens from the KV cache it left in this generator
         (`rlhf.generators.continuous`); a row it does not hold, or holds from older weights, is read first. A model
-        the slot cache cannot serve (`static_decode.unsupported`: flash attention, sliding windows) continues through
-        `generate` on each row's tokens instead."""
+        the slot cache cannot serve (`static_decode.unsupported`: flash attention, sliding-window layers; or any
+        `attention_window`: rows grow past it) continues through `generate` on each row's tokens instead."""
         if self.asleep:
             raise RuntimeError("the generator is asleep; wake_up() it with the new weights before generating")
-        if unsupported(self.model.config):
+        if unsupported(self.model.config) or attention_window(self.model.config):
             return continue_by_generate(self, requests, sampling, steps)
         if self._continuous is None:
             self._continuous = ContinuousBatch(self.model)
@@ -246,7 +246,8 @@ class HFGenerator:
         policy being trained)."""
         query_ids, query_mask = left_pad(prompts, self.pad_id)
         query_ids, query_mask = query_ids.to(self.device), query_mask.to(self.device)
-        if self.static is not None:
+        # a model whose attention is windowed (`attention_window`) decodes statically only while rows fit the window
+        if self.static is not None and self.static.serves(query_ids.shape[1] + sampling.max_new_tokens):
             raw, logprobs = self.static.decode(query_ids, query_mask, sampling, self.stop_id, self.pad_id)
         else:
             raw, logprobs = decode(self.model, query_ids, query_mask, sampling, self.stop_id, self.pad_id, self.step_model)

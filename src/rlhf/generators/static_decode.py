@@ -201,6 +201,13 @@ def unsupported(config) -> str | None:
     return None
 
 
+def attention_window(config) -> int | None:
+    """How far back a model of ``config`` lets a token attend, where its config bounds it (a sliding window or chunked
+    attention: Mistral, Phi-3), else None. The slot cache attends over every earlier column, which is the same
+    attention for rows that stay within the window, and wrong past it."""
+    return getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None) or None
+
+
 def cache_shape(config) -> tuple[int, int, int]:
     """(layers, key/value heads, head dim) of a model of ``config``: what one cached position holds."""
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -218,6 +225,7 @@ class StaticDecoder:
             raise ValueError(f"generator.decode=static cannot decode this model: {reason}; set generator.decode=eager (or auto)")
         self.model, self.buckets, self.check_every = model, tuple(sorted(buckets)), check_every
         self.graphs = graphs
+        self.window = attention_window(model.config)
         # prompts run packed end to end (no padding computed) where the model's attention takes packed rows: the hf
         # generator's own (`rlhf.models.grouped_attention`) on a family whose rows packing keeps apart
         self.packs = can_pack(model.config, (GROUPED,))
@@ -227,6 +235,11 @@ class StaticDecoder:
         self.state: SlotState | None = None  # the largest bucket's buffers; None until the first decode or after free
         self.recorded: dict[tuple, torch.cuda.CUDAGraph] = {}  # (bucket, greedy, nucleus) -> its step's graph, once recorded
         self.temperature = self.top_p = None
+
+    def serves(self, tokens: int) -> bool:
+        """Whether rows of up to ``tokens`` tokens (prompt and response) decode here as the model attends
+        (`attention_window`)."""
+        return self.window is None or tokens <= self.window
 
     def free(self) -> None:
         """Drop the buffers and the recorded graphs (the generator sleeps; the weights they read are going)."""
@@ -296,7 +309,8 @@ class StaticDecoder:
         return tokens[:, :longest], logprobs[:, :longest]
 
     def _prefill(self, state: SlotState, query_ids, query_mask, mode: tuple[bool, bool], stop_id: int, pad_id: int) -> None:
-        """Run the prompts into the cache's first Lq columns (left-padded: a row's prompt ends at column Lq - 1),
+        """Run the prompts (left-padded, as `rlhf.trajectory.left_pad` builds them: a row's prompt ends at column
+        Lq - 1 with no gap) into the cache's first Lq columns,
         packed where the model takes packed rows (`_packed_pass`), else as the padded batch (`_padded_pass`); pick each
         row's first token from its last prompt token's logits and set every slot up for the first step (slots past the
         batch attend to one column and start done)."""
