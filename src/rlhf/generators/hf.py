@@ -83,7 +83,7 @@ class HfGeneratorConfig(GeneratorConfig):
 def static_decode_on(config: HfGeneratorConfig, device: torch.device) -> tuple[bool, bool, int]:
     """(static decode, CUDA graphs, steps between looks) for this generator on ``device``: `generator.decode`,
     `generator.graphs` and `generator.check_every` with their `auto`/null resolved. `auto` is static on CUDA, and on
-    CPU when `generator.compile` is on: compiled, the static step runs 1.4x the compiled eager loop and 1.6-2.0x the
+    CPU when `generator.compile` is on: compiled, the static step runs 1.2-1.4x the compiled eager loop and 1.6-2.0x the
     eager one on the 3M model of `bench/generate.py`; uncompiled it is no faster than the eager loop there, which
     stays the CPU's default (no compile to pay in short runs and tests). Graphs on CUDA."""
     cuda = device.type == "cuda"
