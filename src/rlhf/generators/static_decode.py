@@ -28,7 +28,7 @@ from rlhf.generators.base import SamplingParams
 from rlhf.generators.decode import top_p_filter
 from rlhf.models.grouped_attention import NAME as GROUPED
 from rlhf.models.logprobs import keeps_logits
-from rlhf.models.packing import can_pack, rows_attention_kwargs
+from rlhf.models.packing import can_pack, rows_attention_kwargs, token_places
 from rlhf.trajectory import real_positions
 
 log = logging.getLogger("rlhf")
@@ -310,10 +310,10 @@ class StaticDecoder:
 
     def _prefill(self, state: SlotState, query_ids, query_mask, mode: tuple[bool, bool], stop_id: int, pad_id: int) -> None:
         """Run the prompts (left-padded, as `rlhf.trajectory.left_pad` builds them: a row's prompt ends at column
-        Lq - 1 with no gap) into the cache's first Lq columns,
-        packed where the model takes packed rows (`_packed_pass`), else as the padded batch (`_padded_pass`); pick each
-        row's first token from its last prompt token's logits and set every slot up for the first step (slots past the
-        batch attend to one column and start done)."""
+        Lq - 1 with no gap) into the cache's first Lq columns, packed where the model takes packed rows
+        (`_packed_pass`), else as the padded batch (`_padded_pass`); pick each row's first token from its last prompt
+        token's logits and set every slot up for the first step (slots past the batch attend to one column and start
+        done)."""
         rows, width = query_ids.shape
         slots = state.mask.shape[0]
         mask = torch.zeros(slots, width, dtype=torch.long, device=query_ids.device)
@@ -362,9 +362,7 @@ class StaticDecoder:
         total, longest, shortest = torch.stack([lengths.sum(), lengths.max(), lengths.min()]).tolist()  # one host read
         if shortest == 0:  # an empty prompt has no last token to pack: the padded pass reads its padding
             return self._padded_pass(state, query_ids, mask, pad_id)
-        row = torch.repeat_interleave(torch.arange(rows, device=device), lengths, output_size=total)
-        starts = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
-        offset = torch.arange(total, device=device) - starts[row]  # each token's place in its prompt
+        row, starts, offset = token_places(lengths, total)  # each packed token's row and place in its prompt
         column = width - lengths[row] + offset
         for buffer in state.keys + state.values:
             buffer[:, :, :width].zero_()  # padding columns are masked; zeros keep a stale NaN out of the attention
@@ -378,7 +376,7 @@ class StaticDecoder:
             **({"logits_to_keep": lasts} if keeps else {}),
         )
         logits = out.logits[0] if keeps else out.logits[0, lasts]
-        return torch.cat([logits, logits.new_zeros(state.mask.shape[0] - rows, logits.shape[-1])])
+        return torch.cat([logits, logits.new_zeros(mask.shape[0] - rows, logits.shape[-1])])
 
     def _step(self, state: SlotState, bucket: int, mode: tuple[bool, bool], stop_id: int, pad_id: int, width: int) -> None:
         """One step at ``bucket`` rows: replayed from its CUDA graph (recorded on first use; it attends over every cache

@@ -195,6 +195,14 @@ def rows_attention_kwargs(lengths: torch.Tensor, width: int, tokens_index: torch
     return {"rows_index": rows_index, "tokens_index": tokens_index, "cu_seqlens": cu_seqlens, "longest": width}
 
 
+def token_places(lengths: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each of the ``total`` tokens of rows of ``lengths`` packed end to end comes from: (its row (N,), each
+    row's first packed position (R + 1,), the last entry ``total``, its place in its row (N,)). Shape: lengths (R,)."""
+    row = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths, output_size=total)
+    starts = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+    return row, starts, torch.arange(total, device=lengths.device) - starts[row]
+
+
 def pack(batch: Trajectories) -> Packed | None:
     """``batch``'s rows packed end to end; None when a row has padding between real tokens (a packed row has no
     mask). Rows that would need no padding (one row, or all of one length) are packed too: every training forward
@@ -217,9 +225,7 @@ def pack(batch: Trajectories) -> Packed | None:
         ).tolist()
     if total != real:
         return None
-    row = torch.repeat_interleave(torch.arange(len(batch), device=device), lengths, output_size=total)
-    starts = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
-    offset = torch.arange(total, device=device) - starts[row]
+    row, starts, offset = token_places(lengths, total)
     window = torch.arange(batch.loss_mask.shape[1], device=device)
     # window column t is token window_start + t; its prediction comes from the row's token before it (padded window
     # columns past a row's end point at the row's last token: their outputs are masked)
