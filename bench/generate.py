@@ -43,6 +43,8 @@ PATHS = {  # name: generator keys
     "static+compile": dict(decode="static", compile=True, graphs=False),
     # transformers' SDPA: prompts prefilled as the padded batch, not packed (and grouped-query caches copied per head)
     "static+compile-padded": dict(decode="static", compile=True, graphs=False, grouped_decode=False),
+    # rows padded to powers of 2, as with graphs (without them a batch runs at its own size)
+    "static+compile-pow2": dict(decode="static", compile=True, graphs=False, buckets=[2**i for i in range(10)]),
     "graphs": dict(decode="static", graphs=True),
     "graphs+compile": dict(decode="static", compile=True, graphs=True),
     # transformers' SDPA as is: each key/value head copied to its query heads every step (grouped-query models only)

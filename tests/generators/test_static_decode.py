@@ -5,6 +5,8 @@ checks it there; everything else of the path runs here.)"""
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import pytest
 import torch
 
@@ -12,7 +14,8 @@ from rlhf.config import ConfigError, compose_config, validate
 from rlhf.generators.base import SamplingParams
 from rlhf.generators.decode import decode
 from rlhf.generators.hf import left_pad
-from rlhf.generators.static_decode import StaticDecoder, SlotState, bucket_for, decode_step, race_sample
+from rlhf.generators import static_decode
+from rlhf.generators.static_decode import StaticDecoder, SlotState, fill_holes, move_pays, bucket_for, decode_step, race_sample
 from rlhf.models.grouped_attention import NAME as GROUPED, use_generator_attention
 from rlhf.models.logprobs import window_logprobs
 
@@ -129,18 +132,30 @@ def test_buffers_grow_for_a_longer_call_and_serve_shorter_ones_after():
     assert (first_stop[:, 0] == STOP).any(), "the first call should hold a row that stops on its first token"
 
 
-def test_rows_move_to_smaller_buckets_and_keep_their_answers():
-    """A batch of 9 (bucket 16) whose rows stop over several steps moves to bucket 8 (the gather moves the rows still
-    going to the front with their cache), and each row's answer stays its own."""
+@pytest.mark.parametrize("buckets, check_every", [(POWERS, 2), (None, 2), ((8, 9), 1)], ids=["powers", "every-size", "moves-refused"])
+def test_rows_move_to_smaller_buckets_and_keep_their_answers(buckets, check_every):
+    """A batch of 9 whose rows stop over several steps runs at smaller buckets as they stop (each move fills stopped
+    slots with the rows past the new bucket, with their cache), and each row's answer stays its own: with powers of 2
+    from bucket 16 down to 8; with every batch size down to its rows still going; with buckets (8, 9) looking every
+    step, a move that would copy the one row past slot 8 to drop only that slot does not pay, and the rows stay."""
     model = family("llama")
     query_ids, query_mask = prompts(9, 0)
     greedy = SamplingParams(30, greedy=True)
-    static = StaticDecoder(model, POWERS, 2, compile=False, graphs=False)
-    seen = []
-    step = StaticDecoder._step
+    static = StaticDecoder(model, buckets, check_every, compile=False, graphs=False)
+    seen, looks, moves = [], [], []  # each step's bucket; (rows going, rows past them) at each look; rows each move copied
+    step, move, holes = StaticDecoder._step, SlotState.move, static_decode.fill_holes
     static._step = lambda state, bucket, *rest: (seen.append(bucket), step(static, state, bucket, *rest))
-    assert_same(static.decode(query_ids, query_mask, greedy, STOP, PAD), decode(model, query_ids, query_mask, greedy, STOP, PAD))
-    assert seen[0] == 16 and min(seen) == 8 and seen == sorted(seen, reverse=True), seen
+    with patch.object(SlotState, "move", lambda state, sources, *rest: (moves.append(len(sources)), move(state, sources, *rest))), \
+            patch.object(static_decode, "fill_holes", lambda going: (looks.append((len(going), len(holes(going)[0]))), holes(going))[1]):
+        assert_same(static.decode(query_ids, query_mask, greedy, STOP, PAD), decode(model, query_ids, query_mask, greedy, STOP, PAD))
+    assert seen == sorted(seen, reverse=True), seen
+    if buckets == POWERS:
+        assert seen[0] == 16 and min(seen) == 8 and len(moves) == 1, (seen, moves)
+    elif buckets is None:
+        assert seen[0] == 9 and len(set(seen)) == len(moves) + 1 and min(seen) < 8, (seen, moves)
+    else:
+        assert any(going <= 8 and past == 1 for going, past in looks), looks  # a look found slot 8 going and another stopped
+        assert all(copied == 0 for copied in moves) and (8 in seen) == bool(moves), (seen, looks, moves)
 
 
 def test_the_race_sampler_draws_each_token_with_its_probability():
@@ -247,19 +262,46 @@ def test_the_compiled_static_step_gives_the_eager_tokens_and_a_push_compiles_not
             assert_same(static.decode(query_ids, query_mask, greedy, STOP, PAD), decode(model, query_ids, query_mask, greedy, STOP, PAD))
 
 
-def test_slot_state_moves_rows_to_the_front_and_heads_share_the_buffers():
+def test_slot_state_moves_rows_into_stopped_slots_and_heads_share_the_buffers():
     state = SlotState(
-        keys=[torch.arange(8.0).view(4, 1, 2, 1)], values=[torch.arange(8.0).view(4, 1, 2, 1) + 10],
+        keys=[torch.arange(12.0).view(4, 1, 3, 1)], values=[torch.arange(12.0).view(4, 1, 3, 1) + 20],
         mask=torch.eye(4, dtype=torch.bool), token=torch.arange(4), position=torch.arange(4) + 5,
         done=torch.tensor([True, False, True, False]), length=torch.arange(4), column=torch.zeros(1, dtype=torch.long),
         step=torch.ones(1, dtype=torch.long), tokens=torch.arange(8).view(4, 2), logprobs=torch.zeros(4, 2),
     )
-    state.gather(torch.tensor([3, 1]))
+    sources, targets = fill_holes([1, 3])
+    assert (sources, targets) == ([3], [0])  # slot 1 stays where it is; slot 3 fills the stopped slot 0
+    state.move(torch.tensor(sources), torch.tensor(targets), columns=2)
     head = state.head(2)
     assert head.token.tolist() == [3, 1] and head.position.tolist() == [8, 6] and head.tokens.tolist() == [[6, 7], [2, 3]]
-    assert head.keys[0].flatten().tolist() == [6.0, 7.0, 2.0, 3.0] and not head.done.any()
+    # the cache's first two columns moved; the third (unwritten) kept slot 0's own
+    assert head.keys[0].flatten().tolist() == [9.0, 10.0, 2.0, 3.0, 4.0, 5.0] and not head.done.any()
+    assert head.values[0].flatten().tolist() == [29.0, 30.0, 22.0, 23.0, 24.0, 25.0]
+    assert head.mask.tolist() == [[False, False, False, True], [False, True, False, False]]
     head.token.fill_(0)
     assert state.token[:2].tolist() == [0, 0] and head.column is state.column
+
+
+def test_a_move_to_a_smaller_bucket_pays_when_it_copies_no_more_than_the_steps_before_the_next_look_stop_reading():
+    assert move_pays(moved=0, dropped=1, steps=1)  # relabelling slots copies nothing
+    assert move_pays(moved=4, dropped=8, steps=1) and not move_pays(moved=5, dropped=8, steps=1)
+    assert move_pays(moved=16, dropped=4, steps=8) and not move_pays(moved=17, dropped=4, steps=8)
+
+
+def test_default_buckets_are_powers_of_two_with_graphs_and_every_batch_size_without():
+    from rlhf.generators.hf import HfGeneratorConfig, buckets
+
+    assert buckets(HfGeneratorConfig(name="hf", batch_size=64), graphs=True) == (1, 2, 4, 8, 16, 32, 64)
+    assert buckets(HfGeneratorConfig(name="hf", batch_size=600), graphs=True)[-2:] == (512, 1024)
+    assert buckets(HfGeneratorConfig(name="hf", batch_size=1), graphs=True) == (1,)
+    assert buckets(HfGeneratorConfig(name="hf"), graphs=False) is None and bucket_for(37, None) == 37
+    assert buckets(HfGeneratorConfig(name="hf", buckets=[8, 2]), graphs=False) == (2, 8)
+
+
+def test_fill_holes_moves_only_the_rows_past_the_going_count():
+    assert fill_holes([0, 1, 2]) == ([], [])
+    assert fill_holes([2, 5, 6, 7]) == ([5, 6, 7], [0, 1, 3])
+    assert fill_holes([]) == ([], [])
 
 
 def test_a_batch_no_bucket_holds_and_a_sliding_window_model_are_refused():
@@ -336,8 +378,8 @@ def test_a_windowed_model_decodes_statically_only_while_its_rows_fit_the_window(
     "overrides, message",
     [
         (["generator.decode=fast"], r"generator.decode=fast must be one of auto, eager, static"),
-        (["generator.decode=static", "generator.batch_size=600"],
-         r"generator.buckets=\[1, 2, .*, 512\] do not cover generator.batch_size=600: add a bucket of at least 600"),
+        (["generator.decode=static", "generator.batch_size=600", "generator.buckets=[1,2,512]"],
+         r"generator.buckets=\[1, 2, 512\] do not cover generator.batch_size=600: add a bucket of at least 600"),
         (["generator.buckets=[]"], r"generator.buckets=\[\] must list batch sizes >= 1"),
         (["generator.check_every=0"], r"generator.check_every=0 must be >= 1"),
         (["generator.decode=eager", "generator.graphs=true"], r"generator.graphs=true records the static decode's steps"),

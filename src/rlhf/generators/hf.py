@@ -60,7 +60,7 @@ class HfGeneratorConfig(GeneratorConfig):
     batch_size: int = 512  # sequences decoded together, to bound memory (more: calls of prompts of similar length)
     compile: bool = False  # torch.compile the one-token decode steps (the prompt pass stays eager); the first calls pay the compile
     decode: str = "auto"  # eager (growing cache, a row leaves the step it stops), static (preallocated cache, fixed-shape step per bucket), auto (static on CUDA and with generator.compile, else eager; eager for a model static cannot serve)
-    buckets: list[int] = field(default_factory=lambda: [2**i for i in range(10)])  # static decode: the batch sizes a step runs at (rows padded up to the next); the largest must hold generator.batch_size
+    buckets: list[int] | None = None  # static decode: the batch sizes a step runs at (rows padded up to the next); the largest must hold generator.batch_size; null: powers of 2 with CUDA graphs (one graph each), else every batch size (no padded rows)
     graphs: bool | None = None  # static decode: record each bucket's step as a CUDA graph and replay it (null: on CUDA yes, on CPU no)
     grouped_decode: bool = True  # the generator's own attention (rlhf.models.grouped_attention): grouped-query models (fewer key/value than query heads) decode without copying the cache to every query head, and the static decode prefills prompts packed; false: transformers' SDPA as is
     check_every: int | None = None  # static decode: steps between looks at which rows stopped (the end, or a move to a smaller bucket); null: 8 on CUDA (a look waits for the GPU), 2 on CPU
@@ -69,10 +69,10 @@ class HfGeneratorConfig(GeneratorConfig):
         super().check(at)
         require(self.batch_size >= 1, f"{at}.batch_size={self.batch_size} must be >= 1")
         require(self.decode in DECODES, f"{at}.decode={self.decode} must be one of {', '.join(DECODES)}")
-        require(len(self.buckets) > 0 and all(b >= 1 for b in self.buckets),
-                f"{at}.buckets={list(self.buckets)} must list batch sizes >= 1")
+        require(self.buckets is None or (len(self.buckets) > 0 and all(b >= 1 for b in self.buckets)),
+                f"{at}.buckets={self.buckets and list(self.buckets)} must list batch sizes >= 1 (or be null)")
         require(self.check_every is None or self.check_every >= 1, f"{at}.check_every={self.check_every} must be >= 1 (or null)")
-        if self.decode != "eager" or self.graphs:
+        if self.buckets is not None and (self.decode != "eager" or self.graphs):
             require(max(self.buckets) >= self.batch_size,
                     f"{at}.buckets={list(self.buckets)} do not cover {at}.batch_size={self.batch_size}: add a bucket of at "
                     f"least {self.batch_size}, lower {at}.batch_size, or decode eagerly ({at}.decode=eager)")
@@ -82,14 +82,27 @@ class HfGeneratorConfig(GeneratorConfig):
 
 def static_decode_on(config: HfGeneratorConfig, device: torch.device) -> tuple[bool, bool, int]:
     """(static decode, CUDA graphs, steps between looks) for this generator on ``device``: `generator.decode`,
-    `generator.graphs` and `generator.check_every` with their `auto`/null resolved. `auto` is static on CUDA, and on
-    CPU when `generator.compile` is on: compiled, the static step runs 1.2-1.4x the compiled eager loop and 1.6-2.0x the
-    eager one on the 3M model of `bench/generate.py`; uncompiled it is no faster than the eager loop there, which
-    stays the CPU's default (no compile to pay in short runs and tests). Graphs on CUDA."""
+    `generator.graphs` and `generator.check_every` with their `auto`/null resolved (`generator.buckets`: `buckets`). `auto` is static on CUDA, and on
+    CPU when `generator.compile` is on: compiled, the static step runs 1.6-2.0x the compiled eager loop and 2.0-2.3x
+    the eager one on the 3M model of `bench/generate.py`. Uncompiled it runs 1.2x the eager loop there, but samples by
+    another draw (the exponential race): the eager loop stays the CPU's default, so seeded CPU runs and the recorded
+    curves keep their samples. Graphs on CUDA."""
     cuda = device.type == "cuda"
     static = config.decode == "static" or (config.decode == "auto" and (cuda or config.compile))
     graphs = static and (config.graphs if config.graphs is not None else cuda)
     return static, graphs, config.check_every or (8 if cuda else 2)
+
+
+def buckets(config: HfGeneratorConfig, graphs: bool) -> tuple[int, ...] | None:
+    """The batch sizes the static decode's steps run at: `generator.buckets`; null: with CUDA graphs the powers of 2 up
+    to the first that holds `generator.batch_size` (each bucket records a graph), else None: every batch size runs
+    as it is (one compiled step serves them all, so no row is padded and every look that finds a row stopped moves the
+    rest to a smaller batch)."""
+    if config.buckets is not None:
+        return tuple(sorted(config.buckets))
+    if not graphs:
+        return None
+    return tuple(2**i for i in range(max(config.batch_size - 1, 0).bit_length() + 1))
 
 
 @register("generator", "hf")
@@ -107,7 +120,7 @@ class HFGenerator:
         static, graphs, _ = static_decode_on(config, torch.device(work.device_kind))
         if not static:
             return own_copy_memory(config, model, work)
-        rows = bucket_for(min(work.rows, config.batch_size), tuple(sorted(config.buckets)))
+        rows = bucket_for(min(work.rows, config.batch_size), buckets(config, graphs))
         columns = cache_columns(work.seq_len)
         step = 3 * rows * model.vocab * FLOAT32 * (2 if graphs else 1)
         return [
@@ -155,7 +168,7 @@ class HFGenerator:
             static = False
         # `generator.decode=static`: preallocated buffers and one fixed-shape step per bucket, compiled and recorded
         # as CUDA graphs as asked; it reads the weights where they live, so pushes reach it
-        self.static = StaticDecoder(self.model, tuple(cfg.buckets), check_every, cfg.compile, graphs) if static else None
+        self.static = StaticDecoder(self.model, buckets(cfg, graphs), check_every, cfg.compile, graphs) if static else None
         # `generator.compile` for the eager loop: its one-token steps through torch.compile (the prompt pass stays
         # eager). The same module and weights, so pushes and sleep/wake reach it; dynamic shapes, so rows leaving the
         # batch and the cache growing reuse one graph

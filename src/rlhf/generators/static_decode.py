@@ -6,8 +6,11 @@ and launches every kernel from Python. Here everything a step touches lives in b
 rows' outputs. The step (`decode_step`) reads and advances those buffers in place and returns nothing, so it can be
 compiled once and, on CUDA, recorded as a CUDA graph per bucket and replayed with no host work at all. The host looks
 at the stop flags every ``check_every`` steps only; then it ends the decode when every row has stopped, and moves the
-rows still going into a smaller bucket when they fit one (the eager loop drops a row the step it stops; here finished
-rows ride along, masked, until the next check). The prompts go in packed where the model's attention takes packed rows
+rows still going into a smaller bucket when they fit one and the move pays (`move_pays`; the eager loop drops a row
+the step it stops; here finished rows ride along, masked, until the next check). Buckets are powers of 2 where each
+records a CUDA graph; without graphs every batch size is one (a compiled step serves them all), so no row is padded.
+A move copies only the rows past the new bucket, into slots whose rows have stopped, and of the cache only the
+columns written so far (`fill_holes`, `SlotState.move`). The prompts go in packed where the model's attention takes packed rows
 (`StaticDecoder._packed_pass`): only their real tokens are computed, and their keys and values land in the
 left-padded layout the steps read.
 
@@ -42,8 +45,10 @@ def cache_columns(tokens: int) -> int:
     return -(-tokens // CACHE_COLUMNS) * CACHE_COLUMNS
 
 
-def bucket_for(rows: int, buckets: tuple[int, ...]) -> int:
-    """The smallest bucket holding ``rows`` rows (``buckets`` sorted ascending)."""
+def bucket_for(rows: int, buckets: tuple[int, ...] | None) -> int:
+    """The smallest bucket holding ``rows`` rows (``buckets`` sorted ascending; None: every batch size is one)."""
+    if buckets is None:
+        return rows
     for size in buckets:
         if size >= rows:
             return size
@@ -115,7 +120,7 @@ class SlotState:
     Shapes: keys/values [layers x (rows, kv heads, L, head dim)], mask (rows, L) bool, token/position/length (rows,)
     long, done (rows,) bool, column/step (1,) long, tokens/logprobs (rows, budget)."""
 
-    keys: list[torch.Tensor]
+    keys: list[torch.Tensor]  # each layer's (its own tensor: a compiled step mutating views of one would copy it whole)
     values: list[torch.Tensor]
     mask: torch.Tensor  # which cache columns each row attends to
     token: torch.Tensor  # the token each row feeds the next step
@@ -127,7 +132,7 @@ class SlotState:
     tokens: torch.Tensor  # each row's response so far
     logprobs: torch.Tensor  # and its tokens' logprobs
 
-    SHARED = ("column", "step")  # one value for every slot: not cut by `head`, not moved by `gather`
+    SHARED = ("column", "step")  # one value for every slot: not cut by `head`, not copied by `move`
 
     def head(self, rows: int) -> "SlotState":
         """The first ``rows`` slots (a smaller bucket), sharing every buffer."""
@@ -136,13 +141,31 @@ class SlotState:
             for name, value in vars(self).items()
         })
 
-    def gather(self, slots: torch.Tensor) -> None:
-        """Move slots ``slots`` (a long tensor) to the front, in that order, in place."""
+    def move(self, sources: torch.Tensor, targets: torch.Tensor, columns: int) -> None:
+        """Copy slots ``sources`` into slots ``targets`` (long tensors of one length), in place; of the cache only the
+        first ``columns`` columns (the ones written so far: later ones are masked until a step writes them)."""
         for name, value in vars(self).items():
             if name in self.SHARED:
                 continue
             for tensor in value if isinstance(value, list) else [value]:
-                tensor[: len(slots)] = tensor.index_select(0, slots)
+                part = tensor[:, :, :columns] if tensor.dim() == 4 else tensor
+                part.index_copy_(0, targets, part.index_select(0, sources))
+
+
+def fill_holes(going: list[int]) -> tuple[list[int], list[int]]:
+    """(sources, targets): the moves that put the ``going`` slots (ascending) into the first ``len(going)`` slots,
+    each going slot past them into a slot among them that has stopped, so no slot already in place is copied."""
+    kept = len(going)
+    holes = sorted(set(range(kept)) - set(going))
+    return [slot for slot in going if slot >= kept], holes
+
+
+def move_pays(moved: int, dropped: int, steps: int) -> bool:
+    """Whether moving ``moved`` rows (each row's written cache read and written once) so that the next ``steps`` steps
+    run ``dropped`` rows fewer pays before the next look: each step reads every row's cache once (its attention), so
+    the move pays when it copies no more than those steps stop reading (the dropped rows' matrix products are saved
+    on top). Moving no row always pays."""
+    return 2 * moved <= dropped * steps
 
 
 def as_attention_mask(model, attend: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -219,11 +242,12 @@ class StaticDecoder:
     """Decodes with preallocated buffers and one step per (bucket, greedy, nucleus), compiled (``compile``) and on
     CUDA recorded as a CUDA graph (``graphs``). `decode` answers as `rlhf.generators.decode.decode` does."""
 
-    def __init__(self, model, buckets: tuple[int, ...], check_every: int, compile: bool, graphs: bool) -> None:
+    def __init__(self, model, buckets: tuple[int, ...] | None, check_every: int, compile: bool, graphs: bool) -> None:
         reason = unsupported(model.config)
         if reason:
             raise ValueError(f"generator.decode=static cannot decode this model: {reason}; set generator.decode=eager (or auto)")
-        self.model, self.buckets, self.check_every = model, tuple(sorted(buckets)), check_every
+        self.model, self.check_every = model, check_every
+        self.buckets = tuple(sorted(buckets)) if buckets is not None else None  # None: each batch size as it is
         self.graphs = graphs
         self.window = attention_window(model.config)
         # prompts run packed end to end (no padding computed) where the model's attention takes packed rows: the hf
@@ -261,7 +285,8 @@ class StaticDecoder:
         cache = [torch.zeros(rows, heads, columns, head_dim, dtype=dtype, device=device) for _ in range(2 * layers)]
         long = dict(dtype=torch.long, device=device)
         self.state = SlotState(
-            keys=cache[0::2], values=cache[1::2], mask=torch.zeros(rows, columns, dtype=torch.bool, device=device),
+            keys=cache[0::2], values=cache[1::2],
+            mask=torch.zeros(rows, columns, dtype=torch.bool, device=device),
             token=torch.zeros(rows, **long), position=torch.zeros(rows, **long),
             done=torch.ones(rows, dtype=torch.bool, device=device), length=torch.zeros(rows, **long),
             column=torch.zeros(1, **long), step=torch.zeros(1, **long),
@@ -293,14 +318,18 @@ class StaticDecoder:
         longest, ran = 0, 1  # the prompt pass picked each row's first token
         going = (~state.done[:rows]).nonzero().squeeze(1)
         while ran < budget and len(going):
+            steps = min(self.check_every, budget - ran)
             smaller = bucket_for(len(going), self.buckets)
-            if smaller < bucket:  # the rows still going move to the front and the steps run at the smaller bucket
+            sources, targets = fill_holes(going.tolist())
+            if smaller < bucket and move_pays(len(sources), bucket - smaller, steps):
+                # the rows still going fill the front slots, and the steps run at the smaller bucket
                 longest = max(longest, self._flush(state, slot_rows, tokens, logprobs))
-                state.gather(going)
-                slot_rows = slot_rows[going]
+                sources, targets = (torch.tensor(s, dtype=torch.long, device=going.device) for s in (sources, targets))
+                state.move(sources, targets, width + ran - 1)
+                slot_rows[targets] = slot_rows[sources]
+                slot_rows = slot_rows[: len(going)]
                 bucket, state = smaller, full.head(smaller)
                 state.done[len(slot_rows) :] = True
-            steps = min(self.check_every, budget - ran)
             for written in range(width + ran - 1, width + ran - 1 + steps):  # the cache column each step writes
                 self._step(state, bucket, mode, stop_id, pad_id, written + 1)
             ran += steps
