@@ -8,7 +8,8 @@ memory-bandwidth floor: per step the weights and the rows' cache read once, at t
 this run.
 
     python bench/generate.py                         # CPU: the 3M model of bench/throughput.py, 64 rows x 64 tokens
-    python bench/generate.py --device cuda --shape qwen0.5b --rows 64,256 --new 256,1024
+    python bench/generate.py --shortest 16 --prompt-len 16   # prompts of 16 tokens each (default: 4 to 6, the built-in task's)
+    python bench/generate.py --device cuda --shape qwen0.5b --rows 64,256 --new 256,1024 --shortest 16 --prompt-len 16
 
 On the CPU the rows sample at temperature 1 from a random 32-token model and stop at EOS after a few dozen tokens,
 like a young policy's in the GRPO step of `bench/throughput.py`; on CUDA (a 151,936-token vocabulary) rows
@@ -237,8 +238,8 @@ def main() -> None:
     parser.add_argument("--shape", default="3m", choices=sorted(SHAPES))
     parser.add_argument("--rows", default="64")
     parser.add_argument("--new", default="64")
-    parser.add_argument("--prompt-len", type=int, default=16)
-    parser.add_argument("--shortest", type=int, default=None, help="prompts of --shortest to --prompt-len tokens (default: all --prompt-len)")
+    parser.add_argument("--prompt-len", type=int, default=6, help="the longest prompt, in tokens (default: the built-in task's)")
+    parser.add_argument("--shortest", type=int, default=4, help="the shortest prompt; lengths spread uniformly between the two (default: the built-in task's)")
     parser.add_argument("--paths", default=None, help=f"comma-separated subset of {list(PATHS)} (default: all this device runs)")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
