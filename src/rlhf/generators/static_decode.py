@@ -10,9 +10,9 @@ rows still going into a smaller bucket when they fit one and the move pays (`mov
 the step it stops; here finished rows ride along, masked, until the next check). Buckets are powers of 2 where each
 records a CUDA graph; without graphs every batch size is one (a compiled step serves them all), so no row is padded.
 A move copies only the rows past the new bucket, into slots whose rows have stopped, and of the cache only the
-columns written so far (`fill_holes`, `SlotState.move`). The prompts go in packed where the model's attention takes packed rows
-(`StaticDecoder._packed_pass`): only their real tokens are computed, and their keys and values land in the
-left-padded layout the steps read.
+columns written so far (`fill_holes`, `SlotState.move`). The prompts go in packed where the model's attention takes
+packed rows (`StaticDecoder._packed_pass`): only their real tokens are computed, and their keys and values land in
+the left-padded layout the steps read.
 
 Rows sit in *slots*: slot ``i`` of a bucket of ``b`` rows is row ``i`` of every buffer, and a bucket's buffers are the
 first ``b`` rows of the largest one's, so every bucket shares one cache. Weights are read where they live: a weight
@@ -285,8 +285,7 @@ class StaticDecoder:
         cache = [torch.zeros(rows, heads, columns, head_dim, dtype=dtype, device=device) for _ in range(2 * layers)]
         long = dict(dtype=torch.long, device=device)
         self.state = SlotState(
-            keys=cache[0::2], values=cache[1::2],
-            mask=torch.zeros(rows, columns, dtype=torch.bool, device=device),
+            keys=cache[0::2], values=cache[1::2], mask=torch.zeros(rows, columns, dtype=torch.bool, device=device),
             token=torch.zeros(rows, **long), position=torch.zeros(rows, **long),
             done=torch.ones(rows, dtype=torch.bool, device=device), length=torch.zeros(rows, **long),
             column=torch.zeros(1, **long), step=torch.zeros(1, **long),
@@ -320,11 +319,11 @@ class StaticDecoder:
         while ran < budget and len(going):
             steps = min(self.check_every, budget - ran)
             smaller = bucket_for(len(going), self.buckets)
-            sources, targets = fill_holes(going.tolist())
-            if smaller < bucket and move_pays(len(sources), bucket - smaller, steps):
+            moves = fill_holes(going.tolist()) if smaller < bucket else None
+            if moves and move_pays(len(moves[0]), bucket - smaller, steps):
                 # the rows still going fill the front slots, and the steps run at the smaller bucket
                 longest = max(longest, self._flush(state, slot_rows, tokens, logprobs))
-                sources, targets = (torch.tensor(s, dtype=torch.long, device=going.device) for s in (sources, targets))
+                sources, targets = (torch.tensor(slots, dtype=torch.long, device=going.device) for slots in moves)
                 state.move(sources, targets, width + ran - 1)
                 slot_rows[targets] = slot_rows[sources]
                 slot_rows = slot_rows[: len(going)]
