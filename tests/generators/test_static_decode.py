@@ -288,11 +288,11 @@ def test_a_move_to_a_smaller_bucket_pays_when_it_copies_no_more_than_the_steps_b
     assert move_pays(moved=16, dropped=4, steps=8) and not move_pays(moved=17, dropped=4, steps=8)
 
 
-def test_default_buckets_are_powers_of_two_with_graphs_and_every_batch_size_without():
+def test_default_buckets_are_the_powers_of_two_below_the_batch_size_and_itself_with_graphs_and_every_size_without():
     from rlhf.generators.hf import HfGeneratorConfig, buckets
 
     assert buckets(HfGeneratorConfig(name="hf", batch_size=64), graphs=True) == (1, 2, 4, 8, 16, 32, 64)
-    assert buckets(HfGeneratorConfig(name="hf", batch_size=600), graphs=True)[-2:] == (512, 1024)
+    assert buckets(HfGeneratorConfig(name="hf", batch_size=600), graphs=True)[-3:] == (256, 512, 600)
     assert buckets(HfGeneratorConfig(name="hf", batch_size=1), graphs=True) == (1,)
     assert buckets(HfGeneratorConfig(name="hf"), graphs=False) is None and bucket_for(37, None) == 37
     assert buckets(HfGeneratorConfig(name="hf", buckets=[8, 2]), graphs=False) == (2, 8)

@@ -60,7 +60,7 @@ class HfGeneratorConfig(GeneratorConfig):
     batch_size: int = 512  # sequences decoded together, to bound memory (more: calls of prompts of similar length)
     compile: bool = False  # torch.compile the one-token decode steps (the prompt pass stays eager); the first calls pay the compile
     decode: str = "auto"  # eager (growing cache, a row leaves the step it stops), static (preallocated cache, fixed-shape step per bucket), auto (static on CUDA and with generator.compile, else eager; eager for a model static cannot serve)
-    buckets: list[int] | None = None  # static decode: the batch sizes a step runs at (rows padded up to the next); the largest must hold generator.batch_size; null: powers of 2 with CUDA graphs (one graph each), else every batch size (no padded rows)
+    buckets: list[int] | None = None  # static decode: the batch sizes a step runs at (rows padded up to the next); the largest must hold generator.batch_size; null: with CUDA graphs the powers of 2 below generator.batch_size and itself (one graph each), else every batch size (no padded rows)
     graphs: bool | None = None  # static decode: record each bucket's step as a CUDA graph and replay it (null: on CUDA yes, on CPU no)
     grouped_decode: bool = True  # the generator's own attention (rlhf.models.grouped_attention): grouped-query models (fewer key/value than query heads) decode without copying the cache to every query head, and the static decode prefills prompts packed; false: transformers' SDPA as is
     check_every: int | None = None  # static decode: steps between looks at which rows stopped (the end, or a move to a smaller bucket); null: 8 on CUDA (a look waits for the GPU), 2 on CPU
@@ -94,15 +94,16 @@ def static_decode_on(config: HfGeneratorConfig, device: torch.device) -> tuple[b
 
 
 def buckets(config: HfGeneratorConfig, graphs: bool) -> tuple[int, ...] | None:
-    """The batch sizes the static decode's steps run at: `generator.buckets`; null: with CUDA graphs the powers of 2 up
-    to the first that holds `generator.batch_size` (each bucket records a graph), else None: every batch size runs
-    as it is (one compiled step serves them all, so no row is padded and every look that finds a row stopped moves the
-    rest to a smaller batch)."""
+    """The batch sizes the static decode's steps run at: `generator.buckets`; null: with CUDA graphs the powers of 2
+    below `generator.batch_size` and the batch size itself (each bucket records a graph), else None: every batch size
+    runs as it is (one compiled step serves them all, so no row is padded and every look that finds a row stopped
+    moves the rest to a smaller batch)."""
     if config.buckets is not None:
         return tuple(sorted(config.buckets))
     if not graphs:
         return None
-    return tuple(2**i for i in range(max(config.batch_size - 1, 0).bit_length() + 1))
+    size = config.batch_size
+    return tuple(2**i for i in range(size.bit_length()) if 2**i < size) + (size,)
 
 
 @register("generator", "hf")
