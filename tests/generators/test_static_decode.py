@@ -158,6 +158,25 @@ def test_rows_move_to_smaller_buckets_and_keep_their_answers(buckets, check_ever
         assert all(copied == 0 for copied in moves) and (8 in seen) == bool(moves), (seen, looks, moves)
 
 
+def test_moved_rows_keep_their_answers_when_steps_attend_over_every_cache_column():
+    """A recorded CUDA graph's step attends over every cache column, the mask alone hiding the ones not written yet:
+    rows moved with only their written columns, into slots whose unwritten columns hold an earlier call's values, still
+    give the eager loop's answers."""
+    model = family("llama")
+    static = StaticDecoder(model, POWERS, 1, compile=False, graphs=False)
+    static.step_fn = lambda *args: decode_step(*args[:-1])  # no width: every column, as the graphs attend
+    greedy = SamplingParams(30, greedy=True)
+    static.decode(*prompts(16, 3), greedy, STOP, PAD)  # allocates the buffers
+    for buffer in static.state.keys + static.state.values:
+        buffer.normal_(0, 100)  # an earlier call's values, far from this call's
+    moves = []
+    move = SlotState.move
+    query_ids, query_mask = prompts(9, 0)
+    with patch.object(SlotState, "move", lambda state, sources, *rest: (moves.append(len(sources)), move(state, sources, *rest))):
+        assert_same(static.decode(query_ids, query_mask, greedy, STOP, PAD), decode(model, query_ids, query_mask, greedy, STOP, PAD))
+    assert any(moves), moves  # some move copied a row
+
+
 def test_the_race_sampler_draws_each_token_with_its_probability():
     probs = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
     draws = 40_000

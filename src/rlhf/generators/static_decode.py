@@ -7,8 +7,9 @@ rows' outputs. The step (`decode_step`) reads and advances those buffers in plac
 compiled once and, on CUDA, recorded as a CUDA graph per bucket and replayed with no host work at all. The host looks
 at the stop flags every ``check_every`` steps only; then it ends the decode when every row has stopped, and moves the
 rows still going into a smaller bucket when they fit one and the move pays (`move_pays`; the eager loop drops a row
-the step it stops; here finished rows ride along, masked, until the next check). Buckets are powers of 2 where each
-records a CUDA graph; without graphs every batch size is one (a compiled step serves them all), so no row is padded.
+the step it stops; here finished rows ride along, masked, until the next check). With CUDA graphs the buckets are the
+powers of 2 below the batch size and the batch size itself (each records a graph); without graphs every batch size
+is one (a compiled step serves them all), so no row is padded.
 A move copies only the rows past the new bucket, into slots whose rows have stopped, and of the cache only the
 columns written so far (`fill_holes`, `SlotState.move`). The prompts go in packed where the model's attention takes
 packed rows (`StaticDecoder._packed_pass`): only their real tokens are computed, and their keys and values land in
