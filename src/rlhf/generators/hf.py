@@ -83,10 +83,10 @@ class HfGeneratorConfig(GeneratorConfig):
 def static_decode_on(config: HfGeneratorConfig, device: torch.device) -> tuple[bool, bool, int]:
     """(static decode, CUDA graphs, steps between looks) for this generator on ``device``: `generator.decode`,
     `generator.graphs` and `generator.check_every` with their `auto`/null resolved (`generator.buckets`: `buckets`).
-    `auto` is static on CUDA, and on CPU when `generator.compile` is on: compiled, the static step runs 1.6-2.0x the compiled eager loop and 2.0-2.3x
-    the eager one on the 3M model of `bench/generate.py`. Uncompiled it runs 1.2x the eager loop there, but samples by
-    another draw (the exponential race): the eager loop stays the CPU's default, so seeded CPU runs and the recorded
-    curves keep their samples. Graphs on CUDA."""
+    `auto` is static on CUDA, and on CPU when `generator.compile` is on: compiled, the static step runs 1.6-2.0x the
+    compiled eager loop and 2.0-2.3x the eager one on the 3M model of `bench/generate.py`. Uncompiled it runs 1.2x the
+    eager loop there, but samples by another draw (the exponential race): the eager loop stays the CPU's default, so
+    seeded CPU runs and the recorded curves keep their samples. Graphs on CUDA."""
     cuda = device.type == "cuda"
     static = config.decode == "static" or (config.decode == "auto" and (cuda or config.compile))
     graphs = static and (config.graphs if config.graphs is not None else cuda)

@@ -9,11 +9,10 @@ at the stop flags every ``check_every`` steps only; then it ends the decode when
 rows still going into a smaller bucket when they fit one and the move pays (`move_pays`; the eager loop drops a row
 the step it stops; here finished rows ride along, masked, until the next check). With CUDA graphs the buckets are the
 powers of 2 below the batch size and the batch size itself (each records a graph); without graphs every batch size
-is one (a compiled step serves them all), so no row is padded.
-A move copies only the rows past the new bucket, into slots whose rows have stopped, and of the cache only the
-columns written so far (`fill_holes`, `SlotState.move`). The prompts go in packed where the model's attention takes
-packed rows (`StaticDecoder._packed_pass`): only their real tokens are computed, and their keys and values land in
-the left-padded layout the steps read.
+is one (a compiled step serves them all), so no row is padded. A move copies only the rows past the new bucket, into
+slots whose rows have stopped, and of the cache only the columns written so far (`fill_holes`, `SlotState.move`). The
+prompts go in packed where the model's attention takes packed rows (`StaticDecoder._packed_pass`): only their real
+tokens are computed, and their keys and values land in the left-padded layout the steps read.
 
 Rows sit in *slots*: slot ``i`` of a bucket of ``b`` rows is row ``i`` of every buffer, and a bucket's buffers are the
 first ``b`` rows of the largest one's, so every bucket shares one cache. Weights are read where they live: a weight
@@ -321,7 +320,7 @@ class StaticDecoder:
             steps = min(self.check_every, budget - ran)
             smaller = bucket_for(len(going), self.buckets)
             moves = fill_holes(going.tolist()) if smaller < bucket else None
-            if moves and move_pays(len(moves[0]), bucket - smaller, steps):
+            if moves is not None and move_pays(len(moves[0]), bucket - smaller, steps):
                 # the rows still going fill the front slots, and the steps run at the smaller bucket
                 longest = max(longest, self._flush(state, slot_rows, tokens, logprobs))
                 sources, targets = (torch.tensor(slots, dtype=torch.long, device=going.device) for slots in moves)
