@@ -8,15 +8,19 @@ and the learning over the same sample budget (the training score over the last q
 evaluation at the end against the start); for stream, the policy versions per row and the token staleness. Then
 the throughput ratios stream / async and stream / sync.
 
-`--engine` measures the hf generator alone instead (one thread, no training): rows per second decoding the task's
-prompts batch by batch (8 prompts x 8 samples a generate call, as sync and async do) against continuous batching
-(`rlhf.generators.continuous`: rows join as others finish, `--widths` rows in flight).
+`--engine` measures a generator alone instead (`--generator hf|vllm`, one thread, no training): rows per second
+decoding the task's prompts batch by batch (8 prompts x 8 samples a generate call, as sync and async do) against
+continuous batching (rows join as others finish, `--widths` rows in flight) through the generator's own
+`continue_rows` (rows kept between calls: hf's slot cache, vLLM's requests) and through a new generate call each
+chunk on the rows' tokens so far (`continue_by_generate`).
 
 Examples:
   python bench/streaming.py --engine                       # the decode alone: batch at a time vs continuous
+  python bench/streaming.py --engine --generator vllm      # the same on a vLLM engine
   python bench/streaming.py                                # HF generator, one process (generator thread + trainer)
   python bench/streaming.py --ray                          # generator and trainer in separate Ray workers
   python bench/streaming.py --ray -- generator=vllm generator.kv_cache_memory_bytes=67108864
+  python bench/streaming.py --ray --max-staleness 2 --schedules async,stream -- generator=vllm generator.kv_cache_memory_bytes=67108864
 """
 
 from __future__ import annotations
@@ -28,11 +32,8 @@ from pathlib import Path
 
 from cli_runs import train_records
 
-SCHEDULES = {
-    "sync": ["schedule=sync"],
-    "async": ["schedule=async", "schedule.max_staleness=1"],
-    "stream": ["schedule=stream", "schedule.max_staleness=1"],
-}
+SCHEDULES = {"sync": ["schedule=sync"], "async": ["schedule=async"], "stream": ["schedule=stream"]}
+BOUNDED = ("async", "stream")  # the schedules `--max-staleness` sets
 COMMON = ["experiment=stream_count_tiny", "logging.tensorboard=false", "checkpoint.save_final_model=false"]
 # Ray: one trainer rank (the reference beside it) and one generation engine, each its own process (the two cores)
 RAY = ["cluster=ray_local", "cluster.roles.policy.devices_per_node=1", "cluster.roles.reference.devices_per_node=1",
@@ -71,8 +72,11 @@ def run(name: str, steps: int, extra: list[str], folder: Path) -> dict[str, floa
     return summary(steps_only, evals[0], evals[-1])
 
 
-def engine(widths: list[int], chunk: int, rows: int) -> None:
-    """Rows per second of the hf generator on the counting prompts: batch at a time, then continuously at each width."""
+def engine(name: str, widths: list[int], chunk: int, rows: int, repeats: int) -> None:
+    """Rows per second of generator ``name`` (hf or vllm) on the counting prompts: batch at a time, then at each width
+    continuously by the generator's own `continue_rows` (rows kept between calls) and by `continue_by_generate` (each
+    chunk a new generate call on the rows' tokens so far), the paths alternated ``repeats`` times."""
+    import os
     import random
     import time
 
@@ -82,7 +86,7 @@ def engine(widths: list[int], chunk: int, rows: int) -> None:
     from rlhf.config.schema import ModelConfig
     from rlhf.data.count import count_problems
     from rlhf.generators.base import SamplingParams
-    from rlhf.generators.hf import HFGenerator, HfGeneratorConfig
+    from rlhf.generators.continuous import continue_by_generate
     from rlhf.models.loading import load_tokenizer
     from rlhf.step.inflight import Row, advance
 
@@ -90,44 +94,73 @@ def engine(widths: list[int], chunk: int, rows: int) -> None:
     torch.manual_seed(0)
     tokenizer = load_tokenizer("builtin:tiny_count")
     model = OmegaConf.structured(ModelConfig(name_or_path="builtin:tiny_count"))
-    generator = HFGenerator(HfGeneratorConfig(name="hf", decode="eager"), model, tokenizer, torch.device("cpu"))
+    if name == "vllm":
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from rlhf.generators.vllm import VLLMGenerator, VllmGeneratorConfig
+
+        generator = VLLMGenerator(VllmGeneratorConfig(name="vllm", kv_cache_memory_bytes=1 << 26), model, tokenizer, torch.device("cpu"))
+    else:
+        from rlhf.generators.hf import HFGenerator, HfGeneratorConfig
+
+        generator = HFGenerator(HfGeneratorConfig(name="hf", decode="eager"), model, tokenizer, torch.device("cpu"))
     prompts = [tokenizer(prompt)["input_ids"] for prompt, _ in count_problems(60)]
-    sampling, rng = SamplingParams(64), random.Random(0)
-    group = lambda: [rng.choice(prompts)] * 8  # noqa: E731  8 samples of a prompt
-    start, done, tokens = time.perf_counter(), 0, 0
-    while done < rows:
-        out = generator.generate([p for _ in range(8) for p in group()], sampling)
-        done, tokens = done + len(out), tokens + int(out.loss_mask.sum())
-    seconds = time.perf_counter() - start
-    print(f"| batch at a time (64 rows a call) | {done / seconds:.0f} | {tokens / seconds:.0f} | 1.00 |")
-    base = done / seconds
-    for width in widths:
-        start, done, tokens, flight = time.perf_counter(), 0, 0, []
+    sampling = SamplingParams(64)
+
+    class ByGenerate:  # each chunk a new generate call on the rows' tokens so far
+        def continue_rows(self, requests, sampling, steps):
+            return continue_by_generate(generator, requests, sampling, steps)
+
+    def batches() -> tuple[float, float]:
+        rng, start, done, tokens = random.Random(0), time.perf_counter(), 0, 0
+        while done < rows:
+            out = generator.generate([p for _ in range(8) for p in [rng.choice(prompts)] * 8], sampling)
+            done, tokens = done + len(out), tokens + int(out.loss_mask.sum())
+        return done / (time.perf_counter() - start), tokens / (time.perf_counter() - start)
+
+    def continuous(decoder, width: int) -> tuple[float, float]:
+        rng, start, done, tokens, flight = random.Random(0), time.perf_counter(), 0, 0, []
         while done < rows:
             while len(flight) + 8 <= width:
-                flight += [Row(tuple(p)) for p in group()]
-            tokens += advance(generator, flight, sampling, chunk, 0)
+                flight += [Row(tuple(p)) for p in [rng.choice(prompts)] * 8]
+            tokens += advance(decoder, flight, sampling, chunk, 0)
             done += sum(row.done(64) for row in flight)
             flight = [row for row in flight if not row.done(64)]
         seconds = time.perf_counter() - start
-        print(f"| continuous, {width} rows in flight, {chunk}-token chunks | {done / seconds:.0f} | {tokens / seconds:.0f} | {done / seconds / base:.2f} |")
+        generator.continue_rows([], sampling, 1)  # let the rows still in flight go
+        return done / seconds, tokens / seconds
+
+    paths = {"batch at a time (64 rows a call)": batches}
+    for width in widths:
+        paths[f"continuous, {width} rows in flight, {chunk}-token chunks"] = lambda w=width: continuous(generator, w)
+        paths[f"each chunk a new generate call, {width} rows in flight"] = lambda w=width: continuous(ByGenerate(), w)
+    figures: dict[str, list[tuple[float, float]]] = {path: [] for path in paths}
+    for _ in range(repeats):
+        for path, measure in paths.items():
+            figures[path].append(measure())
+    base = statistics.median(r for r, _ in figures["batch at a time (64 rows a call)"])
+    print(f"generator={name}, {rows} rows per measurement, median of {repeats}")
+    print("| decode | rows/s | tokens/s | x batch at a time |\n|---|---|---|---|")
+    for path, runs in figures.items():
+        rows_s, tokens_s = statistics.median(r for r, _ in runs), statistics.median(t for _, t in runs)
+        print(f"| {path} | {rows_s:.0f} | {tokens_s:.0f} | {rows_s / base:.2f} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40, help="training steps per run (the same samples for each schedule)")
-    parser.add_argument("--repeats", type=int, default=1, help="rounds of the three schedules, alternated")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of the three schedules (--engine: of the paths), alternated")
     parser.add_argument("--ray", action="store_true", help="generator and trainer as separate Ray workers")
     parser.add_argument("--schedules", default="sync,async,stream", help="which to run, comma-separated")
     parser.add_argument("--chunk-tokens", type=int, default=None, help="schedule.chunk_tokens for stream (default: its default)")
+    parser.add_argument("--max-staleness", type=int, default=1, help="schedule.max_staleness of async and stream alike")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every schedule (after --)")
-    parser.add_argument("--engine", action="store_true", help="the hf decode alone: batch at a time vs continuous")
+    parser.add_argument("--engine", action="store_true", help="the decode alone: batch at a time vs continuous")
+    parser.add_argument("--generator", default="hf", choices=["hf", "vllm"], help="--engine: which generator")
     parser.add_argument("--widths", default="64,128,256", help="--engine: rows in flight, comma-separated")
     parser.add_argument("--rows", type=int, default=1280, help="--engine: rows decoded per measurement")
     args = parser.parse_args()
     if args.engine:
-        print("| decode | rows/s | tokens/s | x batch at a time |\n|---|---|---|---|")
-        engine([int(w) for w in args.widths.split(",")], args.chunk_tokens or 8, args.rows)
+        engine(args.generator, [int(w) for w in args.widths.split(",")], args.chunk_tokens or 8, args.rows, args.repeats)
         return
     extra = (RAY if args.ray else []) + args.overrides
     names = args.schedules.split(",")
@@ -135,11 +168,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(args.repeats):
             for name in names:
-                own = [f"schedule.chunk_tokens={args.chunk_tokens}"] if name == "stream" and args.chunk_tokens else []
+                own = [f"schedule.max_staleness={args.max_staleness}"] if name in BOUNDED else []
+                own += [f"schedule.chunk_tokens={args.chunk_tokens}"] if name == "stream" and args.chunk_tokens else []
                 results[name].append(run(name, args.steps, extra + own, Path(tmp)))
     merged = {name: {k: statistics.mean(r[k] for r in rs) for k in rs[0]} for name, rs in results.items()}
     keys = list(dict.fromkeys(k for m in merged.values() for k in m))
-    print(f"work: {' '.join(COMMON + extra)}, {args.steps} steps x {args.repeats} run(s) per schedule")
+    print(f"work: {' '.join(COMMON + extra)}, async and stream at schedule.max_staleness={args.max_staleness}, "
+          f"{args.steps} steps x {args.repeats} run(s) per schedule")
     print("| figure | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
     for key in keys:

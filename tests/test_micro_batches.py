@@ -306,8 +306,37 @@ def test_old_logprobs_from_the_training_forward_change_nothing(policy, reference
         torch.testing.assert_close(after_fused[name], weight, rtol=0, atol=5e-5)
 
 
+@pytest.mark.parametrize("correction", [
+    "token_tis", "seq_tis", {"name": "icepop", "drop_rejected": False}, {"name": "geo_reject", "drop_rejected": False},
+], ids=["token_tis", "seq_tis", "icepop-weights-only", "geo_reject-weights-only"])
+def test_a_rollout_correction_weighs_the_loss_from_the_training_forward(policy, reference_cfg, model_cfg, tokenizer, correction):
+    """A correction that leaves the loss mask as it is: no pre-update pass either; the loss weighs each token from the
+    training forward's logprobs, detached (the pre-update ones: one optimiser step), so the loss, the correction's
+    `rollout_corr/*` figures and the weights after the step are those of the separate pass. The generator's
+    logprobs are the policy's own moved by up to +-1, so some ratios pass the cap (2) and leave the band [0.5, 2]."""
+    reference = FrozenReference(reference_cfg(), model_cfg, CPU)
+    batch = ragged_rows(len(tokenizer))
+    with torch.no_grad():
+        own, _ = policy().logprobs(batch)
+    noise = torch.empty_like(own).uniform_(-1.0, 1.0, generator=torch.Generator().manual_seed(3))
+    batch = replace(batch, gen_logp=(own + noise) * batch.loss_mask)
+    train = {"micro_batch_size": 3}
+    separate, after_separate = one_step(
+        policy, reference, algorithm(beta=0.1, rollout_correction=correction, reuse_training_logprobs=False), batch, False, train
+    )
+    fused, after_fused = one_step(policy, reference, algorithm(beta=0.1, rollout_correction=correction), batch, True, train)
+    assert set(fused) == set(separate)
+    assert 0.0 < separate["rollout_corr/flagged_share"] < 1.0, "the test needs tokens the correction changes and some it keeps"
+    for key in [k for k in separate if k.startswith("rollout_corr/")] + ["loss/policy_avg", "policy/grad_norm", "objective/kl"]:
+        assert fused[key] == pytest.approx(separate[key], abs=1e-5), key
+    for name, weight in after_separate.items():
+        torch.testing.assert_close(after_fused[name], weight, rtol=0, atol=5e-5)
+
+
 def test_old_logprobs_need_their_own_pass_where_the_batch_reads_them(train_cfg):
-    """A KL penalty in the reward, a rollout correction, or several optimiser steps per step keep the separate pass."""
+    """A KL penalty in the reward, a correction that takes rejected tokens out of the loss mask (the denominators
+    read it), or several optimiser steps per step keep the separate pass; a correction that only weighs tokens does
+    not."""
     one = train_cfg()
 
     def fused(algo, train=one) -> bool:
@@ -315,7 +344,9 @@ def test_old_logprobs_need_their_own_pass_where_the_batch_reads_them(train_cfg):
 
     assert fused(algorithm()) and fused(algorithm(beta=0.1))
     assert not fused(algorithm(beta=0.1, kl_in_reward=True))
-    assert not fused(algorithm(rollout_correction="token_tis"))
+    assert fused(algorithm(rollout_correction="token_tis")) and fused(algorithm(rollout_correction="seq_tis"))
+    assert not fused(algorithm(rollout_correction="icepop")) and not fused(algorithm(rollout_correction="geo_reject"))
+    assert fused(algorithm(rollout_correction={"name": "icepop", "drop_rejected": False}))
     assert not fused(algorithm(reuse_training_logprobs=False))
     assert not fused(algorithm(), train_cfg(num_mini_batches=2))
     assert not fused(algorithm(), train_cfg(num_epochs=2))

@@ -19,6 +19,7 @@ from rlhf.envs.loop import EpisodeRunner
 from rlhf.envs.rows import episode_rows
 from rlhf.generators.base import SamplingParams
 from rlhf.models.logprobs import window_logprobs
+from rlhf.step.inflight import Row, advance
 
 if not os.environ.get("RLHF_REQUIRE_VLLM"):
     pytest.importorskip("vllm", reason="vLLM is not installed (see the README); CI sets RLHF_REQUIRE_VLLM=1")
@@ -154,6 +155,8 @@ def test_sleep_frees_the_weights_and_wake_up_loads_new_ones(engine, hf, encode, 
     assert engine.asleep and engine.freed_bytes > 0 and engine.resident_bytes() == held - engine.freed_bytes
     with pytest.raises(RuntimeError, match="asleep"):
         engine.generate(prompts, GREEDY)
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.continue_rows([(0, prompts[0], 6)], GREEDY, 1)
     new = perturbed(original_weights)
     engine.update_weights(new)  # wakes it
     assert not engine.asleep and engine.resident_bytes() == held
@@ -273,3 +276,85 @@ def test_an_openai_sdk_agent_is_served_by_the_vllm_engine(engine, hf, tokenizer)
     expected, _ = window_logprobs(hf.model, rows, 1.0)
     assert (rows.gen_logp[rows.loss_mask.bool()] != 0).all()
     torch.testing.assert_close(rows.gen_logp, expected, atol=1e-4, rtol=0)
+
+
+# --- schedule=stream: rows the engine keeps stepping between calls -------------------------------------------------
+
+def rows_of(prompts) -> list[Row]:
+    return [Row(tuple(p)) for p in prompts]
+
+
+def adds(engine) -> int:
+    """Requests the engine's stream rows have added so far."""
+    return engine.rows.added
+
+
+def test_streamed_rows_continue_as_one_greedy_call_reading_each_row_once(engine, encode):
+    """Rows continued a token at a time equal the one-call greedy decode (tokens, stop flags, logprobs), and each row
+    was added to the engine once: it stays a request between calls, never re-read from its prefix."""
+    prompts = encode(PROMPTS)
+    whole = engine.generate(prompts, GREEDY)
+    rows, before, calls = rows_of(prompts), adds(engine), 0
+    while not all(row.done(6) for row in rows):
+        advance(engine, rows, GREEDY, chunk=1, version=0)
+        calls += 1
+    assert calls == max(len(row.tokens) for row in rows) and calls > 1
+    assert adds(engine) - before == len(rows)
+    for i, row in enumerate(rows):
+        n = int(whole.loss_mask[i].sum())
+        assert row.tokens == whole.window_ids[i, :n].tolist() and row.stopped == bool(whole.stopped[i])
+        torch.testing.assert_close(torch.tensor(row.logprobs), whole.gen_logp[i, :n], atol=1e-4, rtol=0)
+    assert engine.rows.rows == {} and not engine.llm.llm_engine.has_unfinished_requests()
+
+
+def test_rows_joining_leaving_and_a_generate_call_between_chunks_end_as_alone(engine, encode):
+    """A row joining mid-decode, one left out of a call (its request ended, added again later from its tokens), and
+    an ordinary generate call between chunks (it ends the rows' requests first): each row ends as its prompt's
+    greedy decode alone, and the generate call answers as it would with nothing in flight."""
+    prompts = encode(["1+2=", "12+30=", "7", "45+5=9"])
+    greedy = SamplingParams(12, greedy=True)
+    alone = [engine.generate([p], greedy) for p in prompts]
+    other = engine.generate(encode(PROMPTS), GREEDY)
+    rows = rows_of(prompts)
+    advance(engine, rows[:2], greedy, chunk=2, version=0)
+    advance(engine, [rows[0], rows[2]], greedy, chunk=3, version=0)  # row 1 left out, row 2 joins
+    assert sorted(engine.rows.rows) == sorted(row.key for row in (rows[0], rows[2]) if not row.done(12))
+    assert torch.equal(engine.generate(encode(PROMPTS), GREEDY).window_ids, other.window_ids)
+    advance(engine, [rows[0], rows[1], rows[3]], greedy, chunk=1, version=0)
+    while not all(row.done(12) for row in rows):
+        advance(engine, rows, greedy, chunk=4, version=0)
+    for row, one in zip(rows, alone):
+        n = int(one.loss_mask[0].sum())
+        assert row.tokens == one.window_ids[0, :n].tolist() and row.stopped == bool(one.stopped[0])
+
+
+def test_a_push_between_chunks_continues_each_row_under_the_new_weights(engine, hf, encode, original_weights):
+    """Rows half-sampled by version 0 go on under version 1: the tokens the engine sampled ahead under the old
+    weights are dropped, and the rest of each row is the new weights' greedy decode from the row's own prefix."""
+    prompts = encode(PROMPTS)
+    sampling = SamplingParams(12, greedy=True)
+    rows = rows_of(prompts)
+    advance(engine, rows, sampling, chunk=2, version=0)
+    first = [len(row.tokens) for row in rows]
+    new = perturbed(original_weights)
+    engine.update_weights(new)
+    assert engine.rows.rows == {} and not engine.llm.llm_engine.has_unfinished_requests()
+    while not all(row.done(12) for row in rows):
+        advance(engine, rows, sampling, chunk=3, version=1)
+    hf.update_weights(new)
+    continued = [(row, n) for row, n in zip(rows, first) if len(row.tokens) > n]
+    assert continued, "every row stopped within the first chunk"
+    for row, n in continued:
+        assert row.versions == [0] * n + [1] * (len(row.tokens) - n)
+        rest = hf.generate([list(row.prompt) + row.tokens[:n]], SamplingParams(12 - n, greedy=True))
+        m = int(rest.loss_mask[0].sum())
+        assert row.tokens[n:] == rest.window_ids[0, :m].tolist()
+        torch.testing.assert_close(torch.tensor(row.logprobs[n:]), rest.gen_logp[0, :m], atol=1e-4, rtol=0)
+
+
+def test_a_streamed_row_keeps_only_what_fits_its_limit(engine, encode):
+    """A chunk larger than a row's room: the row ends at `max_new_tokens`, not stopped, and its request is gone."""
+    row = Row(tuple(encode(["1+2="])[0]), tokens=[5] * 9, logprobs=[0.0] * 9, versions=[0] * 9)
+    advance(engine, [row], SamplingParams(10, greedy=True), chunk=5, version=2)
+    assert len(row.tokens) == 10 and row.versions[-1] == 2 and row.done(10)
+    assert engine.rows.rows == {} and not engine.llm.llm_engine.has_unfinished_requests()

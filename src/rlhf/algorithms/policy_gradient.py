@@ -71,9 +71,12 @@ class PolicyGradient:
 
     @property
     def batch_reads_old_logprobs(self) -> bool:
-        """Whether `build_batch` needs the pre-update logprobs (a KL penalty in the reward, a rollout correction), so
-        they cannot come from the training forward afterwards (`Learner.old_logprobs_from_training`)."""
-        return (self.cfg.kl_in_reward and self.needs_reference) or self.correction is not None
+        """Whether `build_batch` needs the pre-update logprobs (a KL penalty in the reward, a rollout correction that
+        takes the tokens it rejects out of the loss mask, which the denominators read), so they cannot come from the
+        training forward afterwards (`Learner.old_logprobs_from_training`). Any other correction weighs each token in
+        the loss itself, from the training forward's logprobs detached, when the batch has no old ones."""
+        drops = self.correction is not None and getattr(self.correction.config, "drop_rejected", False)
+        return (self.cfg.kl_in_reward and self.needs_reference) or drops
 
     def build_batch(self, batch: Trajectories) -> tuple[Trajectories, dict[str, float]]:
         """Advantages (and returns) for a scored batch with ref logprobs (and values) and, unless the training
@@ -93,17 +96,16 @@ class PolicyGradient:
             "objective/rlhf_reward": inputs.sequence_rewards().mean().item(),
             "objective/non_score_reward": inputs.non_score_rewards().mean().item(),
         }
-        if batch.old_logp is not None:
-            metrics |= self.old_logprob_metrics(batch)
         if returns is not None:
             metrics["val/values"] = masked_mean(batch.values, mask).item()
             metrics["val/returns"] = masked_mean(returns, mask).item()
         extras = dict(batch.extras)
-        if self.correction is not None:
+        if self.correction is not None and batch.old_logp is not None:  # else the loss weighs its tokens (`policy_loss`)
             weights, flagged = self.correction(batch.old_logp, batch.gen_logp, mask)
             extras["is_weights"] = weights
-            metrics |= correction_metrics(weights, flagged, batch.old_logp, batch.gen_logp, mask)
             mask = kept_mask(weights, mask, self.correction.config)  # rejected tokens leave every term (drop_rejected)
+        if batch.old_logp is not None:
+            metrics |= self.old_logprob_metrics(replace(batch, extras=extras))
         return replace(batch, advantages=advantages, returns=returns, extras=extras, loss_mask=mask), metrics
 
     def teacher_signal(self, batch: Trajectories) -> tuple[torch.Tensor | None, dict[str, float]]:
@@ -128,12 +130,16 @@ class PolicyGradient:
         return torch.where(batch.loss_mask.bool(), kl, torch.zeros_like(kl))
 
     def old_logprob_metrics(self, batch: Trajectories) -> dict[str, float]:
-        """`objective/kl` and the coefficient, from a batch with old and ref logprobs (none without a reference); the
-        adaptive controller moves for the next step."""
+        """From a batch with old logprobs: `objective/kl` and the coefficient (with ref logprobs; the adaptive
+        controller moves for the next step), and the rollout correction's `rollout_corr/*` over the batch's mask."""
+        metrics = {}
+        if self.correction is not None:
+            weights, flagged = self.correction(batch.old_logp, batch.gen_logp, batch.loss_mask)
+            metrics |= correction_metrics(weights, flagged, batch.old_logp, batch.gen_logp, batch.loss_mask)
         kl = self.rollout_kl(batch)
         if kl is None:
-            return {}
-        metrics = {"objective/kl": masked_sum(kl, batch.loss_mask, dim=1).mean().item(), "objective/kl_coef": self.kl_coef}
+            return metrics
+        metrics |= {"objective/kl": masked_sum(kl, batch.loss_mask, dim=1).mean().item(), "objective/kl_coef": self.kl_coef}
         self.kl_ctl.update(metrics["objective/kl"], len(batch))  # moves the coefficient for the next step
         return metrics
 
@@ -148,7 +154,10 @@ class PolicyGradient:
         """(the micro batch's share of the mini-batch policy loss, metrics); `loss/...` metrics are shares too."""
         cfg, mask = self.cfg, micro.loss_mask
         surrogate = self.surrogate(out.logp, micro)
-        per_token = surrogate.loss * micro.extras["is_weights"] if "is_weights" in micro.extras else surrogate.loss
+        weights = micro.extras.get("is_weights")
+        if weights is None and self.correction is not None:  # old logprobs from this forward (`batch_reads_old_logprobs`)
+            weights = self.correction(micro.old_logp, micro.gen_logp, mask)[0]
+        per_token = surrogate.loss * weights if weights is not None else surrogate.loss
         pg_loss = self.aggregate(per_token, micro, denominator)
         loss = pg_loss
         log_ratio = surrogate.log_ratio.detach()

@@ -8,7 +8,8 @@ row stopped (its stop token among them).
 where they stopped, rows not asked for leave, new rows are read (prefilled) and join the batch, so the decode never
 waits for its longest row and never reads a row twice. New weights drop the batch: the next call reads every row
 again under them (its KV recomputed, as a prompt's), and samples on. `continue_by_generate` is the same contract
-for any generator with `generate` (vLLM: its prefix cache spares most of the re-read until the weights change).
+for any generator with `generate`, each call a new generate on every row's tokens so far (vLLM keeps its rows as
+requests of its engine instead: `rlhf.generators.vllm_stream`).
 """
 
 from __future__ import annotations

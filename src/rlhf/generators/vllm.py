@@ -21,9 +21,10 @@ from rlhf.errors import require
 from rlhf.generators.base import (
     GeneratorConfig, SamplingParams, parameter_bytes, release_parameters, restore_parameters, runs_on_cpu,
 )
-from rlhf.generators.continuous import Continued, Request, continue_by_generate
+from rlhf.generators.continuous import Continued, Request
 from rlhf.generators.memory import ENGINE_SHARE, MemoryNeed
 from rlhf.generators.hf import stop_token_id
+from rlhf.generators.vllm_stream import EngineRows
 from rlhf.models.loading import resolve_model_path
 from rlhf.registry import register
 from rlhf.trajectory import Trajectories, from_completions, left_pad
@@ -46,8 +47,9 @@ def import_vllm():
     return vllm
 
 
-def vllm_sampling(sampling: SamplingParams, stop_id: int):
-    """vLLM's SamplingParams for ours: one sample, the sampled token's logprob, stop at ``stop_id`` only.
+def vllm_sampling(sampling: SamplingParams, stop_id: int, delta: bool = False):
+    """vLLM's SamplingParams for ours: one sample, the sampled token's logprob, stop at ``stop_id`` only; with
+    ``delta``, a request's new tokens come out at every engine step (schedule=stream).
 
     ``ignore_eos`` leaves the stop token as the only way to end early, exactly as the hf generator does.
     """
@@ -63,6 +65,7 @@ def vllm_sampling(sampling: SamplingParams, stop_id: int):
         logprobs=0,
         detokenize=False,
         skip_special_tokens=False,
+        **({"output_kind": vllm.sampling_params.RequestOutputKind.DELTA} if delta else {}),
     )
 
 
@@ -256,10 +259,16 @@ class VLLMGenerator:
         )
         self.asleep = False
         self.freed_bytes = 0  # what the last sleep released, as `resident_bytes` measures it
+        # schedule=stream's rows, each a request the engine keeps between calls
+        self.rows = EngineRows(self.llm.llm_engine, lambda sampling: vllm_sampling(sampling, self.stop_id, delta=True))
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Trajectories:
+    def _check_awake(self) -> None:
         if self.asleep:
             raise RuntimeError("the vLLM engine is asleep; wake_up() it with the new weights before generating")
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Trajectories:
+        self._check_awake()
+        self.rows.drop()  # the engine runs whatever it holds to completion; streamed rows are added again later
         outputs = self.llm.generate(
             [{"prompt_token_ids": list(p)} for p in prompts], vllm_sampling(sampling, self.stop_id), use_tqdm=False
         )
@@ -268,9 +277,10 @@ class VLLMGenerator:
         return from_completions(query_ids, query_mask, response_ids, response_mask, logprobs, stopped)
 
     def continue_rows(self, requests: list[Request], sampling: SamplingParams, steps: int) -> list[Continued]:
-        """schedule=stream: each row's tokens sampled on from as a prompt (the prefix cache holds their KV until the
-        weights change)."""
-        return continue_by_generate(self, requests, sampling, steps)
+        """schedule=stream: each row a request the engine keeps stepping between calls (`rlhf.generators.vllm_stream`);
+        new weights end them, and the next call adds each row again with its tokens so far."""
+        self._check_awake()
+        return self.rows.continue_rows(requests, sampling, steps)
 
     def close(self) -> None:
         """Shut the engine down now, not when it is garbage-collected: its teardown also tears down this process's
@@ -285,6 +295,7 @@ class VLLMGenerator:
         self._load(state_dict)
 
     def _load(self, state_dict: dict[str, torch.Tensor]) -> None:
+        self.rows.drop()  # their tokens not yet handed out are the old weights'
         self.llm.collective_rpc(_reload, args=(list(state_dict.items()),))
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM kept its prefix cache after a weight update: later samples would reuse stale KV")
@@ -294,6 +305,7 @@ class VLLMGenerator:
         if not self.cfg.enable_sleep:
             raise RuntimeError("generator.enable_sleep=false: the engine was started without sleep mode")
         before = self.resident_bytes()
+        self.rows.drop()
         if self.native_sleep:
             self.llm.sleep(level=2)
         else:

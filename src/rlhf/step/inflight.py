@@ -3,9 +3,8 @@
 A `Row` keeps what it has sampled so far, each token with its logprob and the policy version that sampled it. The
 streaming schedule calls `advance` on every unfinished row: one generate call continues each row from its prompt and
 the tokens it holds, for at most ``chunk`` more tokens, under whatever weights the generator holds now
-(`rlhf.generators.continuous`: the hf generator keeps each row's KV cache between calls and reads every row again
-after new weights; vLLM reads a row's tokens as a prompt, its prefix cache sparing the re-read until the weights
-change). An unfinished response therefore continues under new weights, its new tokens sampled by them.
+(the hf generator keeps each row's KV cache between calls, `rlhf.generators.continuous`; vLLM keeps each row a request
+of its engine, `rlhf.generators.vllm_stream`; both read every row again after new weights). An unfinished response therefore continues under new weights, its new tokens sampled by them.
 """
 
 from __future__ import annotations
