@@ -63,8 +63,8 @@ def test_async_on_ray_with_a_vllm_engine_learns(tmp_path):
 
 
 def test_stream_on_ray_with_a_vllm_engine_learns_the_long_tail_task(tmp_path):
-    """schedule=stream with a vLLM engine in its own Ray worker on the counting task: rows continue across weight
-    pushes (several versions in a row), no token staler than the bound, and the task is learned."""
+    """schedule=stream with a vLLM engine in its own Ray worker on the counting task (two steps ahead): rows continue
+    across weight pushes (several versions in a row), no token staler than the bound, and the task is learned."""
     out = tmp_path / "run"
     run_cli(
         *VLLM, "experiment=stream_count_tiny", "cluster=ray_local", "cluster.roles.policy.devices_per_node=1",
@@ -73,7 +73,7 @@ def test_stream_on_ray_with_a_vllm_engine_learns_the_long_tail_task(tmp_path):
         f"hydra.run.dir={out}", cwd=tmp_path, env_extra={"RAY_AUTH_MODE": "disabled"},
     )
     steps = records(out)
-    assert max(steps[s]["async/token_staleness_max"] for s in range(1, 31)) <= 1
+    assert max(steps[s]["async/token_staleness_max"] for s in range(1, 31)) <= 2  # the preset's schedule.max_staleness
     assert max(steps[s]["async/versions_per_row"] for s in range(1, 31)) > 1
     assert steps[30]["eval/greedy_correct_rate"] > steps[0]["eval/greedy_correct_rate"] + 0.2
 
