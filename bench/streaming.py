@@ -115,7 +115,8 @@ def engine(name: str, widths: list[int], chunk: int, rows: int, repeats: int) ->
         while done < rows:
             out = generator.generate([p for _ in range(8) for p in [rng.choice(prompts)] * 8], sampling)
             done, tokens = done + len(out), tokens + int(out.loss_mask.sum())
-        return done / (time.perf_counter() - start), tokens / (time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        return done / seconds, tokens / seconds
 
     def continuous(decoder, width: int) -> tuple[float, float]:
         rng, start, done, tokens, flight = random.Random(0), time.perf_counter(), 0, 0, []

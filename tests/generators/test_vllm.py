@@ -284,22 +284,17 @@ def rows_of(prompts) -> list[Row]:
     return [Row(tuple(p)) for p in prompts]
 
 
-def adds(engine) -> int:
-    """Requests the engine's stream rows have added so far."""
-    return engine.rows.added
-
-
 def test_streamed_rows_continue_as_one_greedy_call_reading_each_row_once(engine, encode):
     """Rows continued a token at a time equal the one-call greedy decode (tokens, stop flags, logprobs), and each row
     was added to the engine once: it stays a request between calls, never re-read from its prefix."""
     prompts = encode(PROMPTS)
     whole = engine.generate(prompts, GREEDY)
-    rows, before, calls = rows_of(prompts), adds(engine), 0
+    rows, before, calls = rows_of(prompts), engine.rows.added, 0
     while not all(row.done(6) for row in rows):
         advance(engine, rows, GREEDY, chunk=1, version=0)
         calls += 1
     assert calls == max(len(row.tokens) for row in rows) and calls > 1
-    assert adds(engine) - before == len(rows)
+    assert engine.rows.added - before == len(rows)
     for i, row in enumerate(rows):
         n = int(whole.loss_mask[i].sum())
         assert row.tokens == whole.window_ids[i, :n].tolist() and row.stopped == bool(whole.stopped[i])

@@ -100,12 +100,13 @@ class PolicyGradient:
             metrics["val/values"] = masked_mean(batch.values, mask).item()
             metrics["val/returns"] = masked_mean(returns, mask).item()
         extras = dict(batch.extras)
-        if self.correction is not None and batch.old_logp is not None:  # else the loss weighs its tokens (`policy_loss`)
-            weights, flagged = self.correction(batch.old_logp, batch.gen_logp, mask)
-            extras["is_weights"] = weights
-            mask = kept_mask(weights, mask, self.correction.config)  # rejected tokens leave every term (drop_rejected)
-        if batch.old_logp is not None:
-            metrics |= self.old_logprob_metrics(replace(batch, extras=extras))
+        if batch.old_logp is not None:  # else the loss weighs the tokens (`policy_loss`) and the metrics come later
+            corrected = self.correction(batch.old_logp, batch.gen_logp, mask) if self.correction is not None else None
+            metrics |= self.old_logprob_metrics(batch, corrected)
+            if corrected is not None:
+                extras["is_weights"] = corrected[0]
+                # rejected tokens leave every term (drop_rejected)
+                mask = kept_mask(corrected[0], mask, self.correction.config)
         return replace(batch, advantages=advantages, returns=returns, extras=extras, loss_mask=mask), metrics
 
     def teacher_signal(self, batch: Trajectories) -> tuple[torch.Tensor | None, dict[str, float]]:
@@ -129,12 +130,15 @@ class PolicyGradient:
         kl = kl_per_token(batch.old_logp, batch.ref_logp, self.cfg.kl_estimator)
         return torch.where(batch.loss_mask.bool(), kl, torch.zeros_like(kl))
 
-    def old_logprob_metrics(self, batch: Trajectories) -> dict[str, float]:
+    def old_logprob_metrics(self, batch: Trajectories, corrected: tuple | None = None) -> dict[str, float]:
         """From a batch with old logprobs: `objective/kl` and the coefficient (with ref logprobs; the adaptive
-        controller moves for the next step), and the rollout correction's `rollout_corr/*` over the batch's mask."""
+        controller moves for the next step), and the rollout correction's `rollout_corr/*` over the batch's mask
+        (``corrected``: its (weights, flagged) on this batch when already computed)."""
         metrics = {}
         if self.correction is not None:
-            weights, flagged = self.correction(batch.old_logp, batch.gen_logp, batch.loss_mask)
+            if corrected is None:
+                corrected = self.correction(batch.old_logp, batch.gen_logp, batch.loss_mask)
+            weights, flagged = corrected
             metrics |= correction_metrics(weights, flagged, batch.old_logp, batch.gen_logp, batch.loss_mask)
         kl = self.rollout_kl(batch)
         if kl is None:

@@ -24,7 +24,7 @@ from rlhf.generators.base import (
 from rlhf.generators.continuous import Continued, Request
 from rlhf.generators.memory import ENGINE_SHARE, MemoryNeed
 from rlhf.generators.hf import stop_token_id
-from rlhf.generators.vllm_stream import EngineRows
+from rlhf.generators.vllm_stream import EngineRows, sampled_logprobs
 from rlhf.models.loading import resolve_model_path
 from rlhf.registry import register
 from rlhf.trajectory import Trajectories, from_completions, left_pad
@@ -85,7 +85,7 @@ def response_rows(outputs, stop_id: int, pad_id: int) -> tuple[torch.Tensor, tor
         n = len(tokens)
         ids[row, :n] = torch.tensor(tokens, dtype=torch.long)
         mask[row, :n] = 1.0
-        logprobs[row, :n] = torch.tensor([step[token].logprob for step, token in zip(c.logprobs, tokens)])
+        logprobs[row, :n] = torch.tensor(sampled_logprobs(c))
         stopped[row] = n > 0 and tokens[-1] == stop_id
     return ids, mask, logprobs, stopped
 

@@ -20,6 +20,11 @@ from rlhf.generators.base import SamplingParams
 from rlhf.generators.continuous import Continued, Request
 
 
+def sampled_logprobs(completion) -> list[float]:
+    """The logprob of each token of a vLLM completion (``CompletionOutput``), as its sampler gave it."""
+    return [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
+
+
 @dataclass
 class Live:
     """A row the engine is sampling: its request, the row's length as the caller knows it, what it sampled since."""
@@ -76,7 +81,7 @@ class EngineRows:
                 continue
             live, sampled = self.rows[key], out.outputs[0]
             live.tokens += sampled.token_ids
-            live.logprobs += [step[token].logprob for step, token in zip(sampled.logprobs, sampled.token_ids)]
+            live.logprobs += sampled_logprobs(sampled)
             live.finished, live.stopped = out.finished, sampled.finish_reason == "stop"
 
     def _hand_out(self, key: int, steps: int) -> Continued:

@@ -4,7 +4,8 @@ A `Row` keeps what it has sampled so far, each token with its logprob and the po
 streaming schedule calls `advance` on every unfinished row: one generate call continues each row from its prompt and
 the tokens it holds, for at most ``chunk`` more tokens, under whatever weights the generator holds now
 (the hf generator keeps each row's KV cache between calls, `rlhf.generators.continuous`; vLLM keeps each row a request
-of its engine, `rlhf.generators.vllm_stream`; both read every row again after new weights). An unfinished response therefore continues under new weights, its new tokens sampled by them.
+of its engine, `rlhf.generators.vllm_stream`; both read every row again after new weights). An unfinished response
+therefore continues under new weights, its new tokens sampled by them.
 """
 
 from __future__ import annotations
