@@ -254,3 +254,29 @@ def test_the_variable_length_kernel_runs_only_on_cuda_in_half_precision_with_hea
     assert packing.uses_varlen(query, grouped)
     monkeypatch.setattr(packing, "VARLEN_ON_CUDA", False)
     assert not packing.uses_varlen(query, grouped)
+
+
+def test_the_row_blocks_gradients_are_index_selects_own_without_its_scatter_add(monkeypatch):
+    """`ToRows` and `FromRows` give exactly the gradients of plain `index_select` (whose backward scatter-adds), for
+    rows of unequal lengths with grouped-query heads: a block slot past its row's end gets a zero gradient."""
+    model = packing_model()
+    batch = packing.pack(rows([3, 6, 1, 4], [5, 1, 7, 2]))
+    layer = model.model.layers[0].self_attn
+    n = batch.input_ids.shape[1]
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(1, heads, n, 16, generator=g) for heads in (4, 2, 2)]
+    weight = torch.randn(1, n, 4, 16, generator=g)
+
+    def gradients():
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out, _ = packing.packed_attention(layer, *leaves, None, **batch.attention_kwargs())
+        (out * weight).sum().backward()
+        return out.detach(), [t.grad for t in leaves]
+
+    out, grads = gradients()
+    monkeypatch.setattr(packing.ToRows, "apply", lambda tokens, rows_index, _: tokens.index_select(1, rows_index))
+    monkeypatch.setattr(packing.FromRows, "apply", lambda slots, tokens_index: slots.index_select(0, tokens_index))
+    plain_out, plain_grads = gradients()
+    assert torch.equal(out, plain_out)
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+    assert all(grad.abs().sum() > 0 for grad in grads)
