@@ -31,7 +31,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from cli_runs import matmul_peak, sync, train_flops
 from generate import bench as generate_bench, decode_profile, float32_checks, path_generator
-from gpu_train import train_section
+from gpu_train import CONFIGS, train_section
 from rlhf.algorithms import build_algorithm
 from rlhf.config.schema import ModelConfig, PolicyConfig, ReferenceConfig
 from rlhf.config import compose_config
@@ -306,6 +306,17 @@ def strategy_steps(names: list[str], device: torch.device, folder: str) -> list[
     return rows
 
 
+def numbers(text: str | None) -> list[int] | None:
+    """``"16,64"`` as [16, 64]; nothing as None. Each must be a whole number of rows, at least 1 (a micro batch of 0
+    rows would mean one row per micro batch)."""
+    if not text:
+        return None
+    values = [int(n) if n.strip().isdigit() else 0 for n in text.split(",")]
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"micro batches are rows, whole numbers from 1: got {text!r}")
+    return values
+
+
 def markdown(results: dict, level: int = 3) -> str:
     """Each section as a Markdown table (a section of several tables, such as ``train``, as one table each)."""
     lines = []
@@ -332,6 +343,9 @@ def main() -> None:
     parser.add_argument("--sections", default=",".join(DEFAULT), help=f"comma-separated subset of {SECTIONS}")
     parser.add_argument("--json", help="also write the figures to this JSON file (rewritten after each section)")
     parser.add_argument("--quick", action="store_true", help="train: today's path, all changes, and all with an activation memory budget only")
+    parser.add_argument("--configs", help=f"train: comma-separated configurations, of {', '.join(c.key for c in CONFIGS)}")
+    parser.add_argument("--micro-batches", type=numbers, help="train: run each configuration at each of these micro batches, such as 16,64")
+    parser.add_argument("--profile-micro-batches", type=numbers, help="train: the micro batches profiled (default 16)")
     parser.add_argument("--paths", help="generate: comma-separated decode paths of bench/generate.py (default: every one)")
     parser.add_argument("--sizes", help="generate: rows x new tokens to measure, in order, such as 256x1024,64x256")
     parser.add_argument("--no-policy-compile", action="store_true", help="grpo_step: without policy.compile (no compile wait)")
@@ -342,6 +356,9 @@ def main() -> None:
     unknown = set(wanted) - set(SECTIONS)
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+    unknown = set(args.configs.split(",") if args.configs else []) - {c.key for c in CONFIGS}
+    if unknown:
+        parser.error(f"unknown --configs {sorted(unknown)}; choose from {', '.join(c.key for c in CONFIGS)}")
     start = time.perf_counter()
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                      "torch": torch.__version__}
@@ -351,7 +368,8 @@ def main() -> None:
     shape = TINY if args.tiny else QWEN2_5_0_5B
     runs = {
         "train": lambda work, folder: train_section(
-            folder, Qwen2Config(**shape), device, peak, args.tiny, start + args.budget_s * 0.6, args.quick
+            folder, Qwen2Config(**shape), device, peak, args.tiny, start + args.budget_s * 0.6, args.quick,
+            args.configs and args.configs.split(","), args.micro_batches, args.profile_micro_batches,
         ),
         "generate": lambda work, folder: generate_section(
             device, args.tiny, folder, start + args.budget_s * 0.8, args.paths and args.paths.split(","),

@@ -44,28 +44,38 @@ fused_module = sys.modules["rlhf.functional.fused_logprobs"]
 @dataclass(frozen=True)
 class Switches:
     name: str
+    key: str  # its name on the command line (--configs)
     precision: str = "autocast"
     chunk: int = 0
     varlen: bool = False
     compile: bool = False
     chunk_kernels: bool = True  # the fused layer's chunk math compiled on CUDA (`fused_logprobs.COMPILE_ON_CUDA`)
     budget: float | None = None  # policy.activation_memory_budget (with compile)
+    checkpointing: bool = False  # policy.gradient_checkpointing
+    gather_backward: bool = True  # packed row blocks' backward gathers (`packing.ToRows`); False: index_select's scatter-add
 
 
-TODAY = Switches("today (autocast, plain logits, block attention, eager)")
-ALL = Switches("all four", "master", 1024, True, True)
-BUDGET = Switches("all four, activation memory budget 0.5", "master", 1024, True, True, budget=0.5)
+TODAY = Switches("today (autocast, plain logits, block attention, eager)", "today")
+ALL = Switches("all four", "all", "master", 1024, True, True)
+BUDGET = Switches("all four, activation memory budget 0.5", "budget", "master", 1024, True, True, budget=0.5)
 CONFIGS = [
     TODAY,
-    Switches("bf16 weights + fp32 masters", precision="master"),
-    Switches("fused output layer", chunk=1024),
-    Switches("varlen attention", varlen=True),
-    Switches("policy.compile", compile=True),
-    Switches("all but compile", "master", 1024, True, False),
+    Switches("bf16 weights + fp32 masters", "master", precision="master"),
+    Switches("fused output layer", "fused", chunk=1024),
+    Switches("varlen attention", "varlen", varlen=True),
+    Switches("policy.compile", "compile", compile=True),
+    Switches("all but compile", "all-but-compile", "master", 1024, True, False),
     ALL,
-    Switches("all four, chunk math eager", "master", 1024, True, True, chunk_kernels=False),
+    Switches("all four, chunk math eager", "all-eager-chunks", "master", 1024, True, True, chunk_kernels=False),
+    Switches("all four, row blocks' backward scatter-adds", "all-scatter-add", "master", 1024, True, True, gather_backward=False),
     BUDGET,
+    Switches("all four, activation memory budget 0.3", "budget-0.3", "master", 1024, True, True, budget=0.3),
+    Switches("all four, budget 0.5, output layer chunk 512", "budget-chunk512", "master", 512, True, True, budget=0.5),
+    Switches("all four, budget 0.3, output layer chunk 512", "budget-0.3-chunk512", "master", 512, True, True, budget=0.3),
+    Switches("all four, budget 0.3, output layer chunk 256", "budget-0.3-chunk256", "master", 256, True, True, budget=0.3),
+    Switches("all four, gradient checkpointing", "checkpointed", "master", 1024, True, True, checkpointing=True),
 ]
+PLAIN_GATHERS = (packing.ToRows.apply, packing.FromRows.apply)
 
 
 def synthetic(rows: int, prompt: int, response: int, vocab: int, samples: int) -> Scored:
@@ -83,11 +93,15 @@ def build(folder: str, device: torch.device, switches: Switches, micro: int, sam
     """(policy, learner) of one configuration: GRPO, no reference (beta 0), one optimiser step per batch."""
     packing.VARLEN_ON_CUDA = switches.varlen
     fused_module.COMPILE_ON_CUDA = switches.chunk_kernels
+    if not switches.gather_backward:  # the row blocks as plain index_select, whose backward scatter-adds
+        packing.ToRows.apply = lambda tokens, rows_index, _: tokens.index_select(1, rows_index)
+        packing.FromRows.apply = lambda slots, tokens_index: slots.index_select(0, tokens_index)
     dtype = "bfloat16" if device.type == "cuda" or switches.precision == "master" else "float32"
     model_cfg = OmegaConf.structured(ModelConfig(name_or_path=folder, dtype=dtype, logprob_chunk=switches.chunk))
     train_cfg = OmegaConf.structured(TrainConfig(micro_batch_size=micro, lr=1e-6, mixed_precision=switches.precision))
     torch._dynamo.reset()
-    policy_cfg = PolicyConfig(compile=switches.compile, activation_memory_budget=switches.budget)
+    policy_cfg = PolicyConfig(compile=switches.compile, activation_memory_budget=switches.budget,
+                              gradient_checkpointing=switches.checkpointing)
     policy = TorchPolicy(OmegaConf.structured(policy_cfg), model_cfg, train_cfg,
                          total_optimizer_steps=100, device=device)
     algo_cfg = compose_config(["algorithm=grpo", f"algorithm.num_samples_per_prompt={samples}", "algorithm.beta=0"]).algorithm
@@ -114,6 +128,7 @@ def measure(folder: str, shape_cfg, device: torch.device, switches: Switches, ro
         row["result"] = f"{type(error).__name__}: {error}"[:1500]
     finally:
         packing.VARLEN_ON_CUDA = fused_module.COMPILE_ON_CUDA = True
+        packing.ToRows.apply, packing.FromRows.apply = PLAIN_GATHERS
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -167,26 +182,87 @@ def count_syncs(folder: str, shape_cfg, device: torch.device, rows: int, prompt:
     return counts
 
 
-def profile(folder: str, shape_cfg, device: torch.device, rows: int, prompt: int, response: int, micro: int) -> dict:
-    """Where one pass of all four changes spends the GPU's time: the top kernels by device time, and the device's
-    busy time against the pass's wall time (the rest is the GPU waiting on the host)."""
-    if device.type != "cuda":
-        return {"skipped": "CUDA only"}
-    _, learner = build(folder, device, ALL, micro, 4)
+RANGES = ("prepare", "forward", "loss", "backward", "optimizer_step")  # a pass's parts, as the profile names them
+
+
+def ranged(label: str, fn):
+    """``fn`` under a profiler range named ``label``."""
+
+    def call(*args, **kwargs):
+        with torch.profiler.record_function(label):
+            return fn(*args, **kwargs)
+
+    return call
+
+
+def profile(folder: str, shape_cfg, device: torch.device, rows: int, prompt: int, response: int, micro: int,
+            switches: Switches = ALL) -> dict:
+    """Where one pass of ``switches`` spends its time, on the device and on the host: the top kernels by device
+    time; the device's busy time against the pass's wall time; each part of the pass (`RANGES`: the learner's
+    prepare, each micro batch's forward, loss and backward, the optimiser step) with its host time and the device's
+    idle time while the host was in it (the waits that part causes); the kernel launches; and the host's top
+    operators by their own time."""
+    policy, learner = build(folder, device, switches, micro, 4)
+    learner.prepare = ranged("prepare", learner.prepare)
+    policy.train_forward = ranged("forward", policy.train_forward)
+    policy.backward = ranged("backward", policy.backward)
+    policy.optimizer_step = ranged("optimizer_step", policy.optimizer_step)
+    learner.algorithm.policy_loss = ranged("loss", learner.algorithm.policy_loss)
     scored = synthetic(rows, prompt, response, shape_cfg.vocab_size, 4)
     train_pass(learner, scored)
     sync(device)
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     start = time.perf_counter()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        train_pass(learner, scored)
-        sync(device)
+    with torch.profiler.profile(activities=activities) as prof:
+        with torch.profiler.record_function("pass"):
+            train_pass(learner, scored)
+            sync(device)
     wall = time.perf_counter() - start
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-    busy = sum(e.self_device_time_total for e in events) / 1e3  # ms
-    top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:12]
-    kernels = [{"kernel": e.key[:90], "ms": round(e.self_device_time_total / 1e3, 2),
-                "share": round(e.self_device_time_total / 1e3 / busy, 3), "calls": e.count} for e in top]
-    return {"wall_ms": round(wall * 1e3, 1), "device_busy_ms": round(busy, 1), "top": kernels}
+    events = prof.events()
+    spans = [(e.name, e.time_range.start, e.time_range.end) for e in events if e.name in RANGES + ("pass",)]
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in RANGES + ("pass",)
+               and not getattr(e, "is_user_annotation", False) and e.time_range.end > e.time_range.start]
+    # (the device's own work: kernels, copies, fills; not the device-side copies of the host's named ranges)
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    whole = next(((s, t) for name, s, t in spans if name == "pass"), (0, 0))
+    host = {label: round(sum(t - s for name, s, t in spans if name == label) / 1e3, 1) for label in RANGES}
+    gaps = device_gaps(intervals, *whole, least_us=0.0) if intervals else []  # no device timeline on CPU
+    idle: dict[str, float] = {}
+    for gap_start, gap_end in gaps:
+        middle = (gap_start + gap_end) / 2
+        inside = [(t - s, name) for name, s, t in spans if name != "pass" and s <= middle < t]
+        label = min(inside)[1] if inside else "between parts"
+        idle[label] = idle.get(label, 0.0) + (gap_end - gap_start) / 1e3
+    busy = (whole[1] - whole[0] - sum(t - s for s, t in gaps)) / 1e3 if intervals else 0.0  # ms
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append((e.time_range.end - e.time_range.start) / 1e3)
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
+    averages = prof.key_averages()
+    host_ops = sorted((e for e in averages if e.key not in RANGES + ("pass",)), key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
+    launches = sum(e.count for e in averages if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx"))
+    return {
+        "micro_batch_rows": micro, "wall_ms": round(wall * 1e3, 1), "device_busy_ms": round(busy, 1),
+        "device_idle_gaps": len([g for g in gaps if g[1] - g[0] >= 20.0]),
+        "host_ms": host, "device_idle_ms_while": {k: round(v, 1) for k, v in sorted(idle.items(), key=lambda kv: -kv[1])},
+        "kernel_launches": launches,
+        "top": [{"kernel": name[:90], "ms": round(sum(ms), 2), "share": round(sum(ms) / busy, 3), "calls": len(ms)}
+                for name, ms in top],
+        "top_host_ops": [{"op": e.key[:60], "self_ms": round(e.self_cpu_time_total / 1e3, 2), "calls": e.count} for e in host_ops],
+    }
+
+
+def device_gaps(kernels: list[tuple[float, float]], start: float, end: float, least_us: float = 20.0) -> list[tuple[float, float]]:
+    """The spans of [start, end] (microseconds) that no kernel of ``kernels`` (sorted (start, end) pairs) covers,
+    those of at least ``least_us``."""
+    gaps, reached = [], start
+    for kernel_start, kernel_end in kernels:
+        if kernel_start - reached >= least_us:
+            gaps.append((reached, kernel_start))
+        reached = max(reached, kernel_end)
+    if end - reached >= least_us:
+        gaps.append((reached, end))
+    return gaps
 
 
 def varlen_agrees(folder: str, device: torch.device, rows: int = 8, length: int = 128) -> dict:
@@ -222,23 +298,31 @@ def varlen_agrees(folder: str, device: torch.device, rows: int = 8, length: int 
 
 
 def train_section(folder: str, shape_cfg, device: torch.device, peak: float, tiny: bool, deadline: float,
-                  quick: bool = False) -> dict:
+                  quick: bool = False, keys: list[str] | None = None, micros: list[int] | None = None,
+                  profile_micros: list[int] | None = None) -> dict:
     """Every configuration at 64 rows of 256 + 256 tokens, micro batch 16; the largest micro batch that fits with
-    all four; the 2048-token variant (today vs all four); the sync count and the varlen check."""
+    all four; the 2048-token variant (today vs all four); the sync count, the varlen check and the profile.
+
+    ``keys`` (`Switches.key`) picks configurations; ``micros`` runs each at each of these micro batches instead of 16
+    (and then leaves out the largest micro batch and the 2048-token rows); ``profile_micros``: the micro batches
+    profiled (default 16)."""
     rows, prompt, response = (8, 8, 8) if tiny else (64, 256, 256)
     micro = 4 if tiny else 16
     configs = [c for c in CONFIGS if not (tiny and c.compile)]  # compile at tiny scale: tests/models/test_compile.py
     configs = [c for c in configs if c in (TODAY, ALL, BUDGET)] if quick else configs
+    configs = [c for c in configs if c.key in keys] if keys else configs
     out: dict = {"configs": []}
     for switches in configs:
-        if time.perf_counter() > deadline:
-            out["configs"].append({"config": switches.name, "result": "skipped: out of time"})
-            continue
-        out["configs"].append(measure(folder, shape_cfg, device, switches, rows, prompt, response, micro, peak))
-        print(out["configs"][-1], file=sys.stderr, flush=True)
+        for size in micros or [micro]:
+            if time.perf_counter() > deadline:
+                out["configs"].append({"config": switches.name, "micro_batch_rows": size, "result": "skipped: out of time"})
+                continue
+            row = measure(folder, shape_cfg, device, switches, rows, prompt, response, size, peak, steps=3 if micros else 2)
+            out["configs"].append(row)
+            print(row, file=sys.stderr, flush=True)
     final = ALL if not tiny else replace(ALL, compile=False)
     out["largest_micro_batch"] = []
-    for bigger in ([8] if tiny else [32, 64]):
+    for bigger in [] if micros else [8] if tiny else [32, 64]:
         if time.perf_counter() > deadline:
             break
         row = measure(folder, shape_cfg, device, final, rows, prompt, response, bigger, peak, steps=1)
@@ -248,7 +332,7 @@ def train_section(folder: str, shape_cfg, device: torch.device, peak: float, tin
             break
     long_prompt, long_response = (16, 16) if tiny else (1024, 1024)
     out["long_rows"] = []
-    for switches in (TODAY, final):
+    for switches in [] if micros else (TODAY, final):
         if time.perf_counter() > deadline:
             break
         row = measure(folder, shape_cfg, device, switches, rows, long_prompt, long_response, 2 if tiny else 4, peak, steps=1)
@@ -257,5 +341,14 @@ def train_section(folder: str, shape_cfg, device: torch.device, peak: float, tin
     if time.perf_counter() < deadline:
         out["syncs"] = count_syncs(folder, shape_cfg, device, rows, prompt, response)
         out["varlen_vs_block"] = varlen_agrees(folder, device)
-        out["profile"] = profile(folder, shape_cfg, device, rows, prompt, response, micro)
+    out["profile"] = []
+    for size in profile_micros or [micro]:
+        if time.perf_counter() < deadline:
+            try:  # a profiler that breaks must not cost the section's figures
+                out["profile"].append(profile(folder, shape_cfg, device, rows, prompt, response, size, final))
+            except Exception as error:  # noqa: BLE001 - reported in the figures
+                if tiny:
+                    raise
+                out["profile"].append({"micro_batch_rows": size, "error": f"{type(error).__name__}: {error}"[:1500]})
+            print(out["profile"][-1], file=sys.stderr, flush=True)
     return out

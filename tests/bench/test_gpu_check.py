@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
 sys.path.insert(0, str(SCRIPT.parent))
-from gpu_train import CONFIGS  # noqa: E402
+from gpu_train import CONFIGS, RANGES, device_gaps  # noqa: E402
 
 
 @pytest.mark.slow
@@ -40,6 +41,9 @@ def test_gpu_check_runs_at_tiny_scale_on_cpu(tmp_path):
     for row in train["configs"] + train["largest_micro_batch"] + train["long_rows"]:
         assert row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1, row
     assert train["syncs"] == {"skipped": "CUDA only (torch.cuda.set_sync_debug_mode)"}
+    (profiled,) = train["profile"]  # the host's side of a pass: each of its parts was seen, and the host's top operators
+    assert set(profiled["host_ms"]) == set(RANGES) and all(ms > 0 for ms in profiled["host_ms"].values()), profiled
+    assert profiled["top_host_ops"] and profiled["device_idle_ms_while"] == {}, profiled
     step = figures["grpo_step"]
     assert step["training_tokens_per_s"] > 0 and 0 < step["training_mfu"] < 1, step
     assert step["planned_gib"] > 0, step  # the planner's figure (compared with max_memory_allocated on CUDA)
@@ -47,3 +51,19 @@ def test_gpu_check_runs_at_tiny_scale_on_cpu(tmp_path):
     assert "#### configs" in done.stdout and "| config |" in done.stdout  # the table printed last
     for row in figures["strategies"]:
         assert row["loss"] == row["loss_single"] and row["max_weight_diff_vs_single"] == 0.0, row
+
+
+def test_device_gaps_are_the_spans_no_kernel_covers():
+    kernels = [(10.0, 50.0), (40.0, 60.0), (100.0, 130.0), (135.0, 140.0)]  # overlapping, then a 40 us and a 5 us gap
+    assert device_gaps(kernels, 0.0, 200.0) == [(60.0, 100.0), (140.0, 200.0)]  # 0-10 and 130-135: under 20 us
+    assert device_gaps(kernels, 0.0, 200.0, least_us=1.0) == [(0.0, 10.0), (60.0, 100.0), (130.0, 135.0), (140.0, 200.0)]
+    assert device_gaps([], 5.0, 105.0) == [(5.0, 105.0)]
+
+
+def test_micro_batches_are_whole_rows_from_one():
+    from gpu_check import numbers  # noqa: E402 (bench/ is on the path above)
+
+    assert numbers("16,64") == [16, 64] and numbers(None) is None and numbers("") is None
+    for bad in ("0", "16,x", "-4", "16,,64"):
+        with pytest.raises(argparse.ArgumentTypeError, match="whole numbers from 1"):
+            numbers(bad)
