@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlhf.models import lora, packing
@@ -280,3 +281,30 @@ def test_the_row_blocks_gradients_are_index_selects_own_without_its_scatter_add(
     assert torch.equal(out, plain_out)
     assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
     assert all(grad.abs().sum() > 0 for grad in grads)
+
+
+class DeviceReads(TorchDispatchMode):
+    """Counts the operators that read a tensor's values back to the host (a device sync on CUDA)."""
+
+    READS = ("aten._local_scalar_dense", "aten.nonzero", "aten.is_nonzero", "aten.equal", "aten.masked_select")
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).startswith(self.READS):
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_packed_forward_reads_nothing_back_from_the_device():
+    """Past `pack` (which reads host copies of the sizes), a packed forward runs without a host read: Hugging Face's
+    packed-sequence detection (an `.all()` over the position ids each forward) is kept out by the unread 4-D mask."""
+    model = packing_model()
+    batch = packing.pack(rows([3, 6, 1, 4], [5, 1, 7, 2]))
+    with DeviceReads() as mode:
+        packed = model(**batch.forward_inputs(), use_cache=False).logits
+    assert mode.reads == []
+    unmasked = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **batch.attention_kwargs())
+    assert torch.equal(packed, unmasked.logits)  # the mask is never read: the same outputs without it

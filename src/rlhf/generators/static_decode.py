@@ -31,7 +31,7 @@ from rlhf.generators.base import SamplingParams
 from rlhf.generators.decode import top_p_filter
 from rlhf.models.grouped_attention import NAME as GROUPED
 from rlhf.models.logprobs import keeps_logits
-from rlhf.models.packing import can_pack, rows_attention_kwargs, token_places
+from rlhf.models.packing import can_pack, rows_attention_kwargs, token_places, unread_mask
 from rlhf.trajectory import real_positions
 
 log = logging.getLogger("rlhf")
@@ -385,7 +385,6 @@ class StaticDecoder:
         padding columns are zeroed, never computed. Returns the last prompt token's logits of each slot (slots, V;
         zeros for slots past the batch)."""
         rows, width = query_ids.shape
-        device = query_ids.device
         lengths = mask[:rows].sum(dim=1)
         total, longest, shortest = torch.stack([lengths.sum(), lengths.max(), lengths.min()]).tolist()  # one host read
         if shortest == 0:  # an empty prompt has no last token to pack: the padded pass reads its padding
@@ -398,7 +397,7 @@ class StaticDecoder:
         keeps = keeps_logits(self.model)
         out = self.model(
             input_ids=query_ids[row, column][None], position_ids=offset[None], use_cache=True,
-            attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device),  # unread: packed rows attend inside themselves
+            attention_mask=unread_mask(query_ids.device),
             past_key_values=PackedPromptCache(state.keys, state.values, row, column),
             **rows_attention_kwargs(lengths, longest, row * longest + offset),
             **({"logits_to_keep": lasts} if keeps else {}),

@@ -217,6 +217,11 @@ class Packed:
         """Keyword arguments a Hugging Face model passes down to `packed_attention` (`rows_attention_kwargs`)."""
         return rows_attention_kwargs(self.lengths, self.width, self.tokens_index)
 
+    def forward_inputs(self) -> dict:
+        """Keyword inputs of the Hugging Face model's forward over the packed rows."""
+        mask = unread_mask(self.input_ids.device)
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "attention_mask": mask, **self.attention_kwargs()}
+
 
 def rows_attention_kwargs(lengths: torch.Tensor, width: int, tokens_index: torch.Tensor) -> dict:
     """Keyword arguments a Hugging Face model passes down to `packed_attention` for rows of ``lengths`` packed end to
@@ -230,6 +235,13 @@ def rows_attention_kwargs(lengths: torch.Tensor, width: int, tokens_index: torch
     torch._dynamo.decorators.mark_unbacked(rows_index, 0)
     cu_seqlens = starts.to(torch.int32)  # the rows' bounds, for the variable-length kernel (`varlen_attention`)
     return {"rows_index": rows_index, "tokens_index": tokens_index, "cu_seqlens": cu_seqlens, "longest": width}
+
+
+def unread_mask(device: torch.device) -> torch.Tensor:
+    """The attention mask a packed forward passes, never read (packed rows attend inside themselves): a 4-D mask is
+    one Hugging Face takes as built, so it builds none and skips its packed-sequence detection, which reads the
+    position ids back from the device on every forward (a host sync)."""
+    return torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
 
 
 def token_places(lengths: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
