@@ -89,6 +89,24 @@ def test_a_run_that_cannot_fit_is_refused_before_any_weights_load_with_the_table
     assert make_plan(with_overrides(cfg, ["policy.gradient_checkpointing=true"])).fits
 
 
+def test_a_compiled_policy_that_does_not_fit_is_advised_an_activation_memory_budget_first(small_model):
+    """A compiled policy keeps less at a smaller activation memory budget: the advice names the budget that fits
+    before any costlier change, and the plan with it fits."""
+    base = [f"model.name_or_path={small_model}", "train.micro_batch_size=64", "generator.max_new_tokens=64",
+            "dataset.max_prompt_length=32", "policy.compile=true"]
+    needs = [make_plan(compose_config([*base, *extra])) for extra in ([], ["policy.activation_memory_budget=0.5"],
+                                                                      ["policy.activation_memory_budget=0.3"])]
+    unbudgeted, half, lean = (plan.needed(plan.worst) for plan in needs)
+    assert lean < half < unbudgeted
+    cfg = compose_config([*base, f"cluster.device_memory_gb={(lean + half) / 2 / 0.9 / 2**30}"])
+    lines = advise(cfg, make_plan(cfg))
+    assert lines[0].startswith("policy.activation_memory_budget=0.3: ") and "->" in lines[0], lines
+    assert not any("activation_memory_budget=0.5" in line for line in lines)  # it does not fit: not named
+    assert make_plan(with_overrides(cfg, ["policy.activation_memory_budget=0.3"])).fits
+    already = compose_config([*base, "policy.activation_memory_budget=0.3", "cluster.device_memory_gb=0.001"])
+    assert not any("activation_memory_budget" in line for line in advise(already, make_plan(already)))
+
+
 def test_enforce_false_warns_and_lets_the_run_start(small_model, caplog):
     cfg = compose_config([f"model.name_or_path={small_model}", "cluster.device_memory_gb=0.01", "plan.enforce=false"])
     with caplog.at_level(logging.WARNING, logger="rlhf"):
@@ -171,3 +189,6 @@ def test_the_plan_follows_the_trainer_precision_the_fused_output_layer_and_compi
     assert fused["weights"] * 2 == fused["master weights"] and "master weights" not in autocast
     assert fused["scoring temporaries"] < plain["scoring temporaries"]
     assert compiled["activations"] == int(fused["activations"] * COMPILED_ACTIVATIONS)
+    # an activation memory budget keeps less, as measured; between the measured budgets the share is interpolated
+    budgets = [policy("policy.compile=true", f"policy.activation_memory_budget={b}")["activations"] for b in (0.1, 0.3, 0.4, 0.5, 1.0)]
+    assert budgets == [int(fused["activations"] * share) for share in (0.48, 0.48, 0.495, 0.51, COMPILED_ACTIVATIONS)]

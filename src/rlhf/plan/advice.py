@@ -1,8 +1,9 @@
 """When a plan does not fit: the cheapest config changes that make it fit, each with its figure.
 
 Every candidate is a list of overrides, tried by planning a copy of the config with them (the run's config is
-never changed). Candidates are ordered by what they cost: memory for free first (gradient checkpointing costs a
-third more compute, a hybrid schedule little), then smaller batches, then sharding and offloading.
+never changed). Candidates are ordered by what they cost: memory for free first (a compiled policy's activation
+memory budget recomputes only elementwise work, gradient checkpointing costs a third more compute, a hybrid schedule
+little), then smaller batches, then sharding and offloading.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def candidates(cfg, plan: Plan) -> list[list[list[str]]]:
     the same keys, preferred first): e.g. [[micro_batch_size=16], [micro_batch_size=8]]."""
     found: list[list[list[str]]] = []
     roles = {role for group in plan.groups for role in group.roles}
+    budget = cfg.policy.activation_memory_budget
+    if cfg.policy.compile:  # compiled blocks recompute elementwise work only: cheaper than checkpointing whole blocks
+        found.append([[f"policy.activation_memory_budget={b}"] for b in (0.5, 0.3) if budget is None or b < budget])
     if not cfg.policy.gradient_checkpointing:
         found.append([["policy.gradient_checkpointing=true"]])
     if "critic" in roles and not cfg.critic.gradient_checkpointing:

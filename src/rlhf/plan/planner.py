@@ -114,7 +114,7 @@ def role_memory(cfg, used: list[str], ranks: dict[str, int], work: roles.Workloa
     items = {
         "policy": roles.trained_items("policy", found["policy"], "lm", cfg.policy.strategy,
                                      cfg.policy.gradient_checkpointing, ranks["policy"], work, cfg.policy.lora,
-                                     compiled=cfg.policy.compile),
+                                     compiled=cfg.policy.compile, budget=cfg.policy.activation_memory_budget),
         "generator": roles.generator_items(cfg, found["generator"], work, capacity),
     }
     if "reference" in used:

@@ -28,9 +28,25 @@ BACKWARD_COPIES = 4
 # what compiled decoder blocks (`policy.compile`) keep for the backward, as a share of what the eager blocks keep:
 # inductor recomputes the cheap elementwise work instead of saving it. Measured on an H100 (bench/GPU.md, 2026-11-26:
 # Qwen2.5-0.5B shape, micro batch 16 x 512 tokens, bf16): 21.16 GiB eager, 18.07 GiB compiled, of 11.3 GiB activations.
-# A policy.activation_memory_budget below 1 keeps less (same shape, 2026-11-27: 18.1 GiB at budget 1, 15.7 at 0.5,
-# 15.4 at 0.3, depending on what torch's partitioner chooses to recompute): the plan stays an upper bound
 COMPILED_ACTIVATIONS = 0.73
+# with a policy.activation_memory_budget below 1 they keep less: measured at budgets 0.5 and 0.3 (the same shape,
+# bench/GPU.md 2026-11-27 second lease: 18.14 GiB without a budget, 15.69 and 15.35 GiB with, so 0.51 and 0.48 of the
+# eager activations). (budget, share) points: the plan interpolates between them, and below the smallest keeps its
+# share (an upper bound: a smaller budget keeps no more)
+BUDGET_ACTIVATIONS = ((0.3, 0.48), (0.5, 0.51), (1.0, COMPILED_ACTIVATIONS))
+
+
+def compiled_share(budget: float | None) -> float:
+    """The share of the eager blocks' activations that compiled blocks keep at `policy.activation_memory_budget`
+    ``budget`` (null: torch's default, 1.0), from the measured `BUDGET_ACTIVATIONS`."""
+    budget = 1.0 if budget is None else budget
+    (low, low_share), *_ = BUDGET_ACTIVATIONS
+    if budget <= low:
+        return low_share
+    for (b0, s0), (b1, s1) in zip(BUDGET_ACTIVATIONS, BUDGET_ACTIVATIONS[1:]):
+        if budget <= b1:
+            return s0 + (s1 - s0) * (budget - b0) / (b1 - b0)
+    return COMPILED_ACTIVATIONS
 
 
 @dataclass(frozen=True)
@@ -117,9 +133,10 @@ def sharding(strategy: Part, ranks: int) -> Sharding:
 
 
 def trained_items(role: str, source: ModelSource, head: str, strategy, gradient_checkpointing: bool, ranks: int,
-                  work: Workload, lora_cfg=None, compiled: bool = False) -> list[Item]:
+                  work: Workload, lora_cfg=None, compiled: bool = False, budget: float | None = None) -> list[Item]:
     """A trained role (policy or critic): its state, its training activations and its own scoring pass; with
-    ``lora_cfg`` (`policy.lora`) only the adapters get gradients and optimiser state."""
+    ``lora_cfg`` (`policy.lora`) only the adapters get gradients and optimiser state; ``compiled`` blocks keep
+    `compiled_share` of ``budget`` (`policy.activation_memory_budget`) of the activations."""
     params = parameter_count(source, head)
     shard = sharding(choose("strategy", strategy, f"{role}.strategy"), ranks)
     mode = work.compute(shard.strategy)
@@ -134,7 +151,7 @@ def trained_items(role: str, source: ModelSource, head: str, strategy, gradient_
     act = activations(source, work.micro_rows, work.seq_len, window, mode, head, chunk)
     config = text_config(read_config(source))
     kept = act.total(config.num_hidden_layers, gradient_checkpointing)
-    items.append(Item(role, "activations", int(kept * COMPILED_ACTIVATIONS) if compiled else kept, phases=(TRAIN,)))
+    items.append(Item(role, "activations", int(kept * compiled_share(budget)) if compiled else kept, phases=(TRAIN,)))
     temporaries = BACKWARD_COPIES * act.largest
     if chunk:  # the fused layer's own chunk, beside the largest kept tensor's gradients
         temporaries = max(temporaries, memory.fused_chunk_bytes(min(chunk, work.micro_rows * window), config.vocab_size))
