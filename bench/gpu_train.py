@@ -52,7 +52,6 @@ class Switches:
     chunk_kernels: bool = True  # the fused layer's chunk math compiled on CUDA (`fused_logprobs.COMPILE_ON_CUDA`)
     budget: float | None = None  # policy.activation_memory_budget (with compile)
     checkpointing: bool = False  # policy.gradient_checkpointing
-    gather_backward: bool = True  # packed row blocks' backward gathers (`packing.ToRows`); False: index_select's scatter-add
 
 
 TODAY = Switches("today (autocast, plain logits, block attention, eager)", "today")
@@ -67,7 +66,6 @@ CONFIGS = [
     Switches("all but compile", "all-but-compile", "master", 1024, True, False),
     ALL,
     Switches("all four, chunk math eager", "all-eager-chunks", "master", 1024, True, True, chunk_kernels=False),
-    Switches("all four, row blocks' backward scatter-adds", "all-scatter-add", "master", 1024, True, True, gather_backward=False),
     BUDGET,
     Switches("all four, activation memory budget 0.3", "budget-0.3", "master", 1024, True, True, budget=0.3),
     Switches("all four, budget 0.5, output layer chunk 512", "budget-chunk512", "master", 512, True, True, budget=0.5),
@@ -75,7 +73,6 @@ CONFIGS = [
     Switches("all four, budget 0.3, output layer chunk 256", "budget-0.3-chunk256", "master", 256, True, True, budget=0.3),
     Switches("all four, gradient checkpointing", "checkpointed", "master", 1024, True, True, checkpointing=True),
 ]
-PLAIN_GATHERS = (packing.ToRows.apply, packing.FromRows.apply)
 
 
 def synthetic(rows: int, prompt: int, response: int, vocab: int, samples: int) -> Scored:
@@ -93,9 +90,6 @@ def build(folder: str, device: torch.device, switches: Switches, micro: int, sam
     """(policy, learner) of one configuration: GRPO, no reference (beta 0), one optimiser step per batch."""
     packing.VARLEN_ON_CUDA = switches.varlen
     fused_module.COMPILE_ON_CUDA = switches.chunk_kernels
-    if not switches.gather_backward:  # the row blocks as plain index_select, whose backward scatter-adds
-        packing.ToRows.apply = lambda tokens, rows_index, _: tokens.index_select(1, rows_index)
-        packing.FromRows.apply = lambda slots, tokens_index: slots.index_select(0, tokens_index)
     dtype = "bfloat16" if device.type == "cuda" or switches.precision == "master" else "float32"
     model_cfg = OmegaConf.structured(ModelConfig(name_or_path=folder, dtype=dtype, logprob_chunk=switches.chunk))
     train_cfg = OmegaConf.structured(TrainConfig(micro_batch_size=micro, lr=1e-6, mixed_precision=switches.precision))
@@ -128,7 +122,6 @@ def measure(folder: str, shape_cfg, device: torch.device, switches: Switches, ro
         row["result"] = f"{type(error).__name__}: {error}"[:1500]
     finally:
         packing.VARLEN_ON_CUDA = fused_module.COMPILE_ON_CUDA = True
-        packing.ToRows.apply, packing.FromRows.apply = PLAIN_GATHERS
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -183,6 +176,7 @@ def count_syncs(folder: str, shape_cfg, device: torch.device, rows: int, prompt:
 
 
 RANGES = ("prepare", "forward", "loss", "backward", "optimizer_step")  # a pass's parts, as the profile names them
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")  # the host's kernel launches
 
 
 def ranged(label: str, fn):
@@ -219,7 +213,9 @@ def profile(folder: str, shape_cfg, device: torch.device, rows: int, prompt: int
             sync(device)
     wall = time.perf_counter() - start
     events = prof.events()
-    spans = [(e.name, e.time_range.start, e.time_range.end) for e in events if e.name in RANGES + ("pass",)]
+    cpu = torch.autograd.DeviceType.CPU
+    spans = [(e.name, e.time_range.start, e.time_range.end) for e in events  # the host's ranges, not their device copies
+             if e.name in RANGES + ("pass",) and e.device_type == cpu]
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in RANGES + ("pass",)
                and not getattr(e, "is_user_annotation", False) and e.time_range.end > e.time_range.start]
     # (the device's own work: kernels, copies, fills; not the device-side copies of the host's named ranges)
@@ -239,8 +235,8 @@ def profile(folder: str, shape_cfg, device: torch.device, rows: int, prompt: int
         by_name.setdefault(e.name, []).append((e.time_range.end - e.time_range.start) / 1e3)
     top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
     averages = prof.key_averages()
-    host_ops = sorted((e for e in averages if e.key not in RANGES + ("pass",)), key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
-    launches = sum(e.count for e in averages if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx"))
+    host_ops = sorted((e for e in averages if e.key not in RANGES + ("pass",)), key=lambda e: -e.self_cpu_time_total)[:15]
+    launches = sum(e.count for e in averages if e.key in LAUNCHES)
     return {
         "micro_batch_rows": micro, "wall_ms": round(wall * 1e3, 1), "device_busy_ms": round(busy, 1),
         "device_idle_gaps": len([g for g in gaps if g[1] - g[0] >= 20.0]),
@@ -248,11 +244,13 @@ def profile(folder: str, shape_cfg, device: torch.device, rows: int, prompt: int
         "kernel_launches": launches,
         "top": [{"kernel": name[:90], "ms": round(sum(ms), 2), "share": round(sum(ms) / busy, 3), "calls": len(ms)}
                 for name, ms in top],
-        "top_host_ops": [{"op": e.key[:60], "self_ms": round(e.self_cpu_time_total / 1e3, 2), "calls": e.count} for e in host_ops],
+        "top_host_ops": [{"op": e.key[:60], "self_ms": round(e.self_cpu_time_total / 1e3, 2), "calls": e.count}
+                         for e in host_ops],
     }
 
 
-def device_gaps(kernels: list[tuple[float, float]], start: float, end: float, least_us: float = 20.0) -> list[tuple[float, float]]:
+def device_gaps(kernels: list[tuple[float, float]], start: float, end: float,
+                least_us: float = 20.0) -> list[tuple[float, float]]:
     """The spans of [start, end] (microseconds) that no kernel of ``kernels`` (sorted (start, end) pairs) covers,
     those of at least ``least_us``."""
     gaps, reached = [], start
@@ -350,5 +348,8 @@ def train_section(folder: str, shape_cfg, device: torch.device, peak: float, tin
                 if tiny:
                     raise
                 out["profile"].append({"micro_batch_rows": size, "error": f"{type(error).__name__}: {error}"[:1500]})
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
             print(out["profile"][-1], file=sys.stderr, flush=True)
     return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from rlhf.models import lora, packing
 from rlhf.models.logprobs import window_logprobs
@@ -257,32 +257,6 @@ def test_the_variable_length_kernel_runs_only_on_cuda_in_half_precision_with_hea
     assert not packing.uses_varlen(query, grouped)
 
 
-def test_the_row_blocks_gradients_are_index_selects_own_without_its_scatter_add(monkeypatch):
-    """`ToRows` and `FromRows` give exactly the gradients of plain `index_select` (whose backward scatter-adds), for
-    rows of unequal lengths with grouped-query heads: a block slot past its row's end gets a zero gradient."""
-    model = packing_model()
-    batch = packing.pack(rows([3, 6, 1, 4], [5, 1, 7, 2]))
-    layer = model.model.layers[0].self_attn
-    n = batch.input_ids.shape[1]
-    g = torch.Generator().manual_seed(0)
-    inputs = [torch.randn(1, heads, n, 16, generator=g) for heads in (4, 2, 2)]
-    weight = torch.randn(1, n, 4, 16, generator=g)
-
-    def gradients():
-        leaves = [t.clone().requires_grad_() for t in inputs]
-        out, _ = packing.packed_attention(layer, *leaves, None, **batch.attention_kwargs())
-        (out * weight).sum().backward()
-        return out.detach(), [t.grad for t in leaves]
-
-    out, grads = gradients()
-    monkeypatch.setattr(packing.ToRows, "apply", lambda tokens, rows_index, _: tokens.index_select(1, rows_index))
-    monkeypatch.setattr(packing.FromRows, "apply", lambda slots, tokens_index: slots.index_select(0, tokens_index))
-    plain_out, plain_grads = gradients()
-    assert torch.equal(out, plain_out)
-    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
-    assert all(grad.abs().sum() > 0 for grad in grads)
-
-
 class DeviceReads(TorchDispatchMode):
     """Counts the operators that read a tensor's values back to the host (a device sync on CUDA)."""
 
@@ -304,7 +278,35 @@ def test_a_packed_forward_reads_nothing_back_from_the_device():
     model = packing_model()
     batch = packing.pack(rows([3, 6, 1, 4], [5, 1, 7, 2]))
     with DeviceReads() as mode:
-        packed = model(**batch.forward_inputs(), use_cache=False).logits
+        packed = model(**batch.forward_inputs(model.config), use_cache=False).logits
     assert mode.reads == []
     unmasked = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **batch.attention_kwargs())
     assert torch.equal(packed, unmasked.logits)  # the mask is never read: the same outputs without it
+
+
+def test_packed_rows_that_lost_their_packing_arguments_are_refused_not_attended_across():
+    model = packing_model()
+    batch = packing.pack(rows([3, 6], [5, 1]))
+    layer = model.model.layers[0].self_attn
+    q, kv = torch.zeros(1, 4, batch.input_ids.shape[1], 16), torch.zeros(1, 2, batch.input_ids.shape[1], 16)
+    with pytest.raises(ValueError, match="without their packing arguments"):
+        packing.packed_attention(layer, q, kv, kv, packing.unread_mask(q.device))
+
+
+def test_a_mixture_of_experts_balancing_its_router_packs_without_the_unread_mask():
+    """A model that reads the mask itself (Mixtral's router balancing loss, `output_router_logits`) gets none: its
+    packed logprobs are the padded rows' and its balancing loss is computed."""
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=64, output_router_logits=True)
+    model = MixtralForCausalLM(config).eval()
+    batch = rows([3, 6, 1], [5, 1, 4])
+    padded, _ = window_logprobs(model, batch, 1.0)
+    packing.enable(model)
+    packed = packing.pack(batch)
+    assert "attention_mask" not in packed.forward_inputs(model.config)
+    assert model(**packed.forward_inputs(model.config), use_cache=False).aux_loss is not None
+    packed_logp, _ = window_logprobs(model, batch, 1.0)
+    mask = batch.loss_mask.bool()
+    assert torch.allclose(packed_logp[mask], padded[mask], atol=1e-5)

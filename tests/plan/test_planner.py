@@ -190,5 +190,6 @@ def test_the_plan_follows_the_trainer_precision_the_fused_output_layer_and_compi
     assert fused["scoring temporaries"] < plain["scoring temporaries"]
     assert compiled["activations"] == int(fused["activations"] * COMPILED_ACTIVATIONS)
     # an activation memory budget keeps less, as measured; between the measured budgets the share is interpolated
-    budgets = [policy("policy.compile=true", f"policy.activation_memory_budget={b}")["activations"] for b in (0.1, 0.3, 0.4, 0.5, 1.0)]
+    budgets = [policy("policy.compile=true", f"policy.activation_memory_budget={b}")["activations"]
+               for b in (0.1, 0.3, 0.4, 0.5, 1.0)]
     assert budgets == [int(fused["activations"] * share) for share in (0.48, 0.48, 0.495, 0.51, COMPILED_ACTIVATIONS)]

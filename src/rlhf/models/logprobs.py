@@ -97,7 +97,7 @@ def forward_layout(model: torch.nn.Module, batch: Trajectories) -> tuple[dict, t
     packed when ``model`` takes packed rows and no row has a hole, else justified."""
     packed = packing.pack(batch) if packing.packs(model) else None
     if packed is not None:
-        return packed.forward_inputs(), packed.predicts, packed.first_predict, pick_packed
+        return packed.forward_inputs(packing.model_config(model)), packed.predicts, packed.first_predict, pick_packed
     input_ids, attention_mask, position_ids, predicts = batch.justified_inputs()
     first = int(predicts.min()) if predicts.numel() else 0
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}

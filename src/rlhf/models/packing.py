@@ -81,6 +81,11 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     ((1, N, H, D), None)."""
     rows_index = kwargs.get("rows_index")
     if rows_index is None:
+        if attention_mask is not None and attention_mask.shape[-2:] == (1, 1) and query.shape[2] > 1:
+            raise ValueError(
+                f"packed rows reached {type(module).__name__}'s attention without their packing arguments (a wrapper "
+                "dropped the forward's keyword arguments): each row would attend to the others"
+            )
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
@@ -92,8 +97,8 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     # (1, H, N, D) -> (R, H, W, D): row r's column c is packed token rows_index[r, c] (past the row's end: a
     # token of the next row, whose outputs are dropped and which causal attention keeps from the real ones)
     rows, width = rows_index.shape
-    flat, tokens_index = rows_index.reshape(-1), kwargs["tokens_index"]
-    q, k, v = (ToRows.apply(t[0], flat, tokens_index).unflatten(1, (rows, width)).transpose(0, 1) for t in (query, key, value))
+    flat = rows_index.reshape(-1)
+    q, k, v = (t[0].index_select(1, flat).unflatten(1, (rows, width)).transpose(0, 1) for t in (query, key, value))
     # grouped-query attention: SDPA's own head grouping where it keeps a fused kernel (CUDA in half precision),
     # else the key/value heads repeated, as transformers does
     groups = q.shape[1] // k.shape[1]
@@ -104,44 +109,7 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=groups > 1 and fused_groups
     )
     out = out.transpose(1, 2).reshape(rows * width, out.shape[1], out.shape[3])
-    return FromRows.apply(out, tokens_index).unsqueeze(0), None
-
-
-class ToRows(torch.autograd.Function):
-    """Packed tokens (H, N, D) gathered into the row block's (H, R * W, D) slots: slot s holds token ``rows_index[s]``.
-
-    Its backward gathers too: token n's gradient is its own slot's, ``tokens_index[n]`` (each token has one slot in
-    its row; the columns past a row's end hold tokens of the next row). That is exact inside `packed_attention` only:
-    there a slot past its row's end gets a gradient of exactly zero (its query's output is dropped, and causal
-    attention keeps every real query from it), so the scatter-add that `index_select`'s backward runs (atomic adds,
-    slow in bf16 on CUDA) would add only zeros to the real slots' gradients."""
-
-    @staticmethod
-    def forward(ctx, tokens: torch.Tensor, rows_index: torch.Tensor, tokens_index: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(tokens_index)
-        return tokens.index_select(1, rows_index)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (tokens_index,) = ctx.saved_tensors
-        return grad.index_select(1, tokens_index), None, None
-
-
-class FromRows(torch.autograd.Function):
-    """The row block's outputs (R * W, H, D) back to the packed tokens' (N, H, D): token n is slot ``tokens_index[n]``.
-    Its backward copies each token's gradient into its slot, zeros elsewhere (the slots are distinct: a copy, not the
-    scatter-add of `index_select`'s backward)."""
-
-    @staticmethod
-    def forward(ctx, slots: torch.Tensor, tokens_index: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(tokens_index)
-        ctx.slots = slots.shape[0]
-        return slots.index_select(0, tokens_index)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (tokens_index,) = ctx.saved_tensors
-        return grad.new_zeros((ctx.slots, *grad.shape[1:])).index_copy_(0, tokens_index, grad), None
+    return out.index_select(0, kwargs["tokens_index"]).unsqueeze(0), None
 
 
 def packed_mask(*args, attention_mask=None, **kwargs):
@@ -217,10 +185,14 @@ class Packed:
         """Keyword arguments a Hugging Face model passes down to `packed_attention` (`rows_attention_kwargs`)."""
         return rows_attention_kwargs(self.lengths, self.width, self.tokens_index)
 
-    def forward_inputs(self) -> dict:
-        """Keyword inputs of the Hugging Face model's forward over the packed rows."""
-        mask = unread_mask(self.input_ids.device)
-        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "attention_mask": mask, **self.attention_kwargs()}
+    def forward_inputs(self, config: PretrainedConfig | None = None) -> dict:
+        """Keyword inputs of the Hugging Face model's forward over the packed rows, for a model of ``config``: with
+        `unread_mask`, except where the model reads the mask itself (a mixture of experts' router balancing loss,
+        `output_router_logits`), which then gets none."""
+        inputs = {"input_ids": self.input_ids, "position_ids": self.position_ids, **self.attention_kwargs()}
+        if not getattr(config, "output_router_logits", False):
+            inputs["attention_mask"] = unread_mask(self.input_ids.device)
+        return inputs
 
 
 def rows_attention_kwargs(lengths: torch.Tensor, width: int, tokens_index: torch.Tensor) -> dict:

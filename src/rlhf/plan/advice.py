@@ -1,7 +1,7 @@
 """When a plan does not fit: the cheapest config changes that make it fit, each with its figure.
 
 Every candidate is a list of overrides, tried by planning a copy of the config with them (the run's config is
-never changed). Candidates are ordered by what they cost: memory for free first (a compiled policy's activation
+never changed). Candidates are ordered by what they cost: the cheapest memory first (a compiled policy's activation
 memory budget recomputes only elementwise work, gradient checkpointing costs a third more compute, a hybrid schedule
 little), then smaller batches, then sharding and offloading.
 """

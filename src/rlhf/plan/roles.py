@@ -46,7 +46,7 @@ def compiled_share(budget: float | None) -> float:
     for (b0, s0), (b1, s1) in zip(BUDGET_ACTIVATIONS, BUDGET_ACTIVATIONS[1:]):
         if budget <= b1:
             return s0 + (s1 - s0) * (budget - b0) / (b1 - b0)
-    return COMPILED_ACTIVATIONS
+    return BUDGET_ACTIVATIONS[-1][1]
 
 
 @dataclass(frozen=True)
