@@ -14,7 +14,6 @@ Models are built locally with random weights in the real shapes (no hub). The JS
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import socket
@@ -29,7 +28,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from cli_runs import matmul_peak, sync, train_flops
+from cli_runs import attempt, matmul_peak, release, sync, train_flops
 from generate import bench as generate_bench, decode_profile, float32_checks, path_generator
 from gpu_train import CONFIGS, train_section
 from rlhf.algorithms import build_algorithm
@@ -97,17 +96,6 @@ def run_cli(args: list[str], out: Path) -> dict:
     }
 
 
-def attempt(fn, strict: bool, limit: int = 600):
-    """``fn()``; unless ``strict`` (the tiny form CI runs), an error it raises as ``{"error": ...}``, so one broken
-    measurement costs only its own figures."""
-    try:
-        return fn()
-    except Exception as error:  # noqa: BLE001 - reported in the figures
-        if strict:
-            raise
-        return {"error": f"{type(error).__name__}: {error}"[:limit]}
-
-
 def generate_section(device: torch.device, tiny: bool, folder: str, deadline: float, paths=None, sizes=None) -> dict:
     """The hf generator's decode paths (`bench/generate.py`): tokens/s for 64 and 256 rows x 256 and 1024 new tokens
     against the memory-bandwidth floor (tiny: 4 rows x 8 tokens, uncompiled), and whether the static
@@ -137,9 +125,7 @@ def generate_section(device: torch.device, tiny: bool, folder: str, deadline: fl
             generator.static.free()
     made.clear()
     torch._dynamo.reset()
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
+    release(device)
     # float32: a bug, not bf16 rounding of near-tied logits, if the tokens differ
     float32 = attempt(lambda: float32_checks(folder, device, ["static"] + (["graphs"] if cuda else [])), tiny)
     return {"speed": figures, "float32": float32, "static_profile": profiled}

@@ -16,7 +16,6 @@ The host syncs inside a mini batch are gone in every configuration (not a switch
 
 from __future__ import annotations
 
-import gc
 import sys
 import time
 import warnings
@@ -25,7 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 from omegaconf import OmegaConf
 
-from cli_runs import sync, train_flops
+from cli_runs import attempt, release, sync, train_flops
 from rlhf.algorithms import build_algorithm
 from rlhf.config import compose_config
 from rlhf.config.schema import ModelConfig, PolicyConfig, TrainConfig
@@ -122,9 +121,7 @@ def measure(folder: str, shape_cfg, device: torch.device, switches: Switches, ro
         row["result"] = f"{type(error).__name__}: {error}"[:1500]
     finally:
         packing.VARLEN_ON_CUDA = fused_module.COMPILE_ON_CUDA = True
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release(device)
     return row
 
 
@@ -341,15 +338,10 @@ def train_section(folder: str, shape_cfg, device: torch.device, peak: float, tin
         out["varlen_vs_block"] = varlen_agrees(folder, device)
     out["profile"] = []
     for size in profile_micros or [micro]:
-        if time.perf_counter() < deadline:
-            try:  # a profiler that breaks must not cost the section's figures
-                out["profile"].append(profile(folder, shape_cfg, device, rows, prompt, response, size, final))
-            except Exception as error:  # noqa: BLE001 - reported in the figures
-                if tiny:
-                    raise
-                out["profile"].append({"micro_batch_rows": size, "error": f"{type(error).__name__}: {error}"[:1500]})
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-            print(out["profile"][-1], file=sys.stderr, flush=True)
+        if time.perf_counter() > deadline:
+            break
+        profiled = attempt(lambda: profile(folder, shape_cfg, device, rows, prompt, response, size, final), tiny, 1500)
+        out["profile"].append({"micro_batch_rows": size} | profiled)
+        release(device)
+        print(out["profile"][-1], file=sys.stderr, flush=True)
     return out
