@@ -43,7 +43,8 @@ from rlhf.models.tiny import build_char_tokenizer
 from rlhf.plan import make_plan, memory
 from rlhf.run.state import NonFiniteGuard
 from rlhf.step.learner import Learner
-from rlhf.step.scored import Scored, with_groups
+from rlhf.step.scored import Scored
+from rlhf.trajectory import with_groups
 
 SECTIONS = ("peak", "generate", "train", "grpo_step", "hybrid", "strategies", "learn")
 DEFAULT = ("peak", "generate", "train", "grpo_step", "hybrid", "strategies")  # learn: measured on 2026-11-23, unchanged since

@@ -32,7 +32,8 @@ from rlhf.models import packing
 from rlhf.functional import fused_logprobs as _  # noqa: F401 (the module below, by name)
 from rlhf.run.state import NonFiniteGuard
 from rlhf.step.learner import Learner
-from rlhf.step.scored import Scored, with_groups
+from rlhf.step.scored import Scored
+from rlhf.trajectory import with_groups
 from rlhf.training.policy import TorchPolicy
 from rlhf.trajectory import from_completions
 

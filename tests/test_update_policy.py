@@ -18,7 +18,7 @@ from rlhf.training.optim import clip_and_step, make_optimizer
 from rlhf.training.policy import TorchPolicy
 from rlhf.run.state import NonFiniteError, NonFiniteGuard
 from rlhf.step.learner import Learner
-from rlhf.step.scored import with_groups
+from rlhf.trajectory import with_groups
 from rlhf.trajectory import Trajectories, from_completions
 
 CPU = torch.device("cpu")

@@ -166,6 +166,12 @@ class Trajectories:
         return self._map(lambda t: t.to(device))
 
 
+def with_groups(batch: Trajectories, samples_per_prompt: int) -> Trajectories:
+    """The rows' group ids: each run of ``samples_per_prompt`` consecutive rows shares a prompt."""
+    groups = torch.arange(len(batch) // samples_per_prompt, device=batch.group_id.device)
+    return replace(batch, group_id=groups.repeat_interleave(samples_per_prompt))
+
+
 def group_size(group_id: torch.Tensor) -> int | torch.Tensor:
     """G when rows come in contiguous groups of G equal ids (a prompt's samples in a row); the (P,) sizes of the
     groups when they differ (failed episodes left some short); ValueError when a group's rows are not contiguous.

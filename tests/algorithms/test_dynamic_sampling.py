@@ -14,7 +14,8 @@ import torch
 from run_records import records
 from rlhf.step.collector import Collector
 from rlhf.step.learner import Learner
-from rlhf.step.scored import Scored, with_groups
+from rlhf.step.scored import Scored
+from rlhf.trajectory import with_groups
 from rlhf.config import compose_config
 from rlhf.train import train
 from rlhf.trajectory import from_completions

@@ -42,7 +42,8 @@ from rlhf.run.state import RunState
 from rlhf.schedules.asynchronous import THREAD_NAME, VersionedGenerator, staleness_metrics, stop_thread
 from rlhf.schedules.loop import one_step, push_to_generator, run_steps, timed
 from rlhf.step.inflight import Group, advance, group_batch
-from rlhf.step.scored import Scored, group_rows, groups_with_signal, join, take_groups, with_groups
+from rlhf.step.scored import Scored, group_rows, groups_with_signal, join, take_groups
+from rlhf.trajectory import with_groups
 
 log = logging.getLogger("rlhf")
 

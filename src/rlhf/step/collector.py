@@ -20,8 +20,8 @@ from rlhf.envs.loop import EpisodeRunner, drop_failed
 from rlhf.envs.rows import episode_metrics, episode_rows, transcript
 from rlhf.generators.base import SamplingParams
 from rlhf.models.dtypes import tensor_bytes
-from rlhf.step.scored import Scored, group_rows, groups_with_signal, join, round_metrics, take_groups, with_groups
-from rlhf.trajectory import Trajectories
+from rlhf.step.scored import Scored, group_rows, groups_with_signal, join, round_metrics, take_groups
+from rlhf.trajectory import Trajectories, with_groups
 
 log = logging.getLogger("rlhf")
 

@@ -40,12 +40,6 @@ class Scored:
         return self.batch.scores
 
 
-def with_groups(batch: Trajectories, samples_per_prompt: int) -> Trajectories:
-    """The rows' group ids: each run of ``samples_per_prompt`` consecutive rows shares a prompt."""
-    groups = torch.arange(len(batch) // samples_per_prompt, device=batch.group_id.device)
-    return replace(batch, group_id=groups.repeat_interleave(samples_per_prompt))
-
-
 def group_rows(group_id: torch.Tensor) -> list[list[int]]:
     """Row indices of each group, groups in order of their first row. Shape: group_id (B,)."""
     rows: dict[int, list[int]] = {}
