@@ -19,7 +19,6 @@ from rlhf.models.loading import load_causal_lm
 from rlhf.micro_batches import Budget, window_outputs
 from rlhf.parts import choose
 from rlhf.models.logprobs import logprob_chunk, window_logprobs
-from rlhf.training.optim import clip_and_step, lr_lambda, make_optimizer  # noqa: F401 (re-exported)
 from rlhf.training.trainable import TrainableModel, compile_blocks
 from rlhf.registry import register
 from rlhf.trajectory import Forward, Trajectories

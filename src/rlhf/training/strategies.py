@@ -38,7 +38,7 @@ from rlhf.models.lora import adapter_state, has_adapters, to_model_names
 from rlhf.parts import Part, PartConfig
 from rlhf.registry import register
 from rlhf.training.master_weights import MasterWeights
-from rlhf.training.optim import clip_gradients, load_trainable, make_optimizer, save_trainable, step_if_finite
+from rlhf.training.optim import clip_and_step, clip_gradients, load_trainable, make_optimizer, save_trainable, step_if_finite
 
 
 
@@ -122,7 +122,7 @@ class SingleStrategy:
 
         Clears the gradients either way; returns the pre-clip norm.
         """
-        return step_if_finite(clip_gradients(self.module, self.max_grad_norm), self.optimizer, self.scheduler)
+        return clip_and_step(self.module, self.optimizer, self.scheduler, self.max_grad_norm)
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients without stepping (a skipped step)."""
