@@ -5,8 +5,8 @@
 
 Builds the run's components, takes one warm-up step, then traces the next one (`sys.setprofile`) and prints the
 files entered and the distinct (caller function -> callee function) calls that cross a file boundary, both counted
-over `src/rlhf` only (torch, transformers and the standard library are not counted). A reader following one step
-opens every file listed.
+over `src/rlhf` only (torch, transformers and the standard library are not counted), split into the files that call
+into another file and the leaves (pure math, rule functions, small helpers: called, calling no other file). A reader following one step opens every file listed.
 """
 
 from __future__ import annotations
@@ -70,6 +70,9 @@ def main(overrides: list[str]) -> None:
     for name, calls in sorted(entered.items(), key=lambda item: -item[1]):
         print(f"  {name:<36} {calls:>7} calls")
     pairs = {(a.split(':')[0], b.split(':')[0]) for a, b in crossings}
+    callers = {caller for caller, _ in pairs}
+    print(f"  of which {len(callers)} call into another file: {', '.join(sorted(callers))}")
+    print(f"  and {len(entered) - len(callers)} are leaves (called, calling no other file of the package)")
     print(f"cross-file calls (distinct caller -> callee functions): {len(crossings)}, between {len(pairs)} file pairs")
     for caller, callee in sorted(crossings):
         print(f"  {caller} -> {callee}")
