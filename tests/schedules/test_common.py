@@ -137,6 +137,23 @@ def test_first_sigint_is_recorded_second_interrupts():
             wait_for(lambda: False, timeout=1.0)
 
 
+def test_a_second_sigterm_stops_at_once_and_a_fanned_out_repeat_does_not():
+    """A SIGTERM right after the first (the same signal sent to a process group and forwarded by a launcher) is the
+    same request; one after `REPEAT_S` aborts with SystemExit(143), no checkpoint."""
+    with StopSignals() as stop:
+        stop.REPEAT_S = 0.3
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # at once: the same request
+        wait_for(lambda: stop.requested is not None)
+        wait_for(lambda: False, timeout=0.05)
+        assert stop.requested == "SIGTERM"
+        time.sleep(0.35)
+        with pytest.raises(SystemExit) as stopped:
+            os.kill(os.getpid(), signal.SIGTERM)
+            wait_for(lambda: False, timeout=1.0)
+    assert stopped.value.code == 128 + signal.SIGTERM
+
+
 def test_handlers_are_restored_on_exit():
     """Leaving the block (normally or by an exception) puts back the SIGTERM and SIGINT handlers."""
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -70,16 +71,28 @@ class RunState:
 class StopSignals:
     """Within the block, SIGTERM and SIGINT ask the schedule to stop at the next safe point instead of killing it.
 
-    A second SIGINT falls back to the default (KeyboardInterrupt), so an impatient user can still abort.
+    A second SIGINT falls back to the default (KeyboardInterrupt), so an impatient user can still abort; so does a
+    second SIGTERM (SystemExit with 143, 128 + SIGTERM, no checkpoint), for a step held up in user code that never
+    returns (a reward function that hangs). A repeat within ``REPEAT_S`` of the first is one signal fanned out twice
+    (to a process group, and forwarded by a launcher), not a second request.
     """
+
+    REPEAT_S = 1.0  # a SIGTERM this soon after the first counts as the same one
 
     def __init__(self) -> None:
         self.requested: str | None = None
         self._previous: dict[int, object] = {}
+        self._first_at = 0.0
 
     def _handle(self, signum, frame) -> None:
-        self.requested = signal.Signals(signum).name
-        log.warning("%s: finishing the current step, then saving a checkpoint", self.requested)
+        if signum == signal.SIGTERM and self.requested is not None:
+            if time.monotonic() - self._first_at < self.REPEAT_S:
+                return
+            log.error("a second SIGTERM: stopping now, without finishing the step or saving a checkpoint")
+            raise SystemExit(128 + signal.SIGTERM)
+        self.requested, self._first_at = signal.Signals(signum).name, time.monotonic()
+        log.warning("%s: finishing the current step, then saving a checkpoint (send it again to stop at once, without "
+                    "one)", self.requested)
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
