@@ -291,3 +291,12 @@ def test_colocating_a_role_by_its_old_name_says_its_new_one():
     cfg = compose_config(["cluster=ray_local", "cluster.colocate=[[actor,ref]]"])
     with pytest.raises(ConfigError, match=r"cluster\.colocate\[0\] names 'actor' \('actor' is now 'policy'\)"):
         validate(cfg)
+
+
+@pytest.mark.parametrize("device", ["gpu", "tpu", "cuda:abc", "CUDA"])
+def test_an_unknown_cluster_device_is_a_config_error_naming_the_choices(device):
+    """Before, `gpu` reached torch.device at the memory plan: exit 6 naming no key (and a traceback from rlhf.plan)."""
+    with pytest.raises(ConfigError, match=rf"cluster\.device='{device}'; choose auto .*, cpu, cuda or cuda:N"):
+        validate(compose_config([f"cluster.device={device}"]))
+    for fine in ("auto", "cpu", "cuda", "cuda:1"):
+        validate(compose_config([f"cluster.device={fine}"]))

@@ -139,9 +139,12 @@ def test_compile_under_deepspeed_or_with_lora_is_refused_before_any_model_loads(
         validate(compose_config(["policy.compile=true", "policy.lora.rank=8"]))
     validate(compose_config(["policy.compile=true"]))  # single (auto on one process) is fine
     validate(compose_config(["policy.compile=true", "policy.activation_memory_budget=0.5"]))
-    for bad in (["policy.activation_memory_budget=0.5"], ["policy.compile=true", "policy.activation_memory_budget=1.5"]):
-        with pytest.raises(ConfigError, match=r"policy\.activation_memory_budget=.* needs policy\.compile=true and a share from 0"):
-            validate(compose_config(bad))
+    with pytest.raises(ConfigError, match=r"policy\.activation_memory_budget=0\.5 .* needs policy\.compile=true; set"):
+        validate(compose_config(["policy.activation_memory_budget=0.5"]))
+    for bad in ("1.5", "-1", "nan", "2"):  # out of range, compile on or off: the range is what is wrong
+        for compile_ in ("true", "false"):
+            with pytest.raises(ConfigError, match=r"activation_memory_budget=.*: a number from 0 \(recompute all\) to 1"):
+                validate(compose_config([f"policy.compile={compile_}", f"policy.activation_memory_budget={bad}"]))
 
 
 def test_a_model_naming_no_decoder_blocks_is_refused_before_its_weights_load(policy_cfg, model_cfg, monkeypatch):

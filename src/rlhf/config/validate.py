@@ -8,6 +8,7 @@ config.
 from __future__ import annotations
 
 import math
+import re
 
 from dataclasses import dataclass
 
@@ -174,6 +175,11 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     """Every check that needs no model: choices, ranges, batch arithmetic. Returns the derived sizes."""
     check_unknown_keys(cfg)  # first: a `+typo=...` key would otherwise be silently ignored
     algo, gen, train = cfg.algorithm, cfg.generator, cfg.train
+    _require(
+        re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(cfg.cluster.device)) is not None,
+        f"cluster.device={cfg.cluster.device!r}; choose auto (CUDA when present, else the CPU), cpu, cuda or cuda:N "
+        f"(cluster.device_type, for the Ray backend's roles, is the key that takes gpu)",
+    )
     choose("generator", gen, "generator")  # the backend's node typed and checked first: the checks below read it
     choose("schedule", cfg.schedule, "schedule")
     choose("dataset", cfg.dataset, "dataset")
@@ -234,10 +240,15 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     )
     budget = cfg.policy.activation_memory_budget
     _require(
-        budget is None or (cfg.policy.compile and 0.0 <= budget <= 1.0),
+        budget is None or 0.0 <= budget <= 1.0,
+        f"policy.activation_memory_budget={budget} is the share of the compiled decoder blocks' activations kept for "
+        f"the backward: a number from 0 (recompute all) to 1 (keep all), such as 0.5, or null (off)",
+    )
+    _require(
+        budget is None or cfg.policy.compile,
         f"policy.activation_memory_budget={budget} steers what the compiled decoder blocks keep for the backward: it "
-        f"needs policy.compile=true and a share from 0 (recompute all) to 1 (keep all); set policy.compile=true, or "
-        f"policy.activation_memory_budget=null (policy.gradient_checkpointing trades memory for compute without compile)",
+        f"needs policy.compile=true; set policy.compile=true, or policy.activation_memory_budget=null "
+        f"(policy.gradient_checkpointing trades memory for compute without compile)",
     )
     _require(
         not cfg.policy.compile or cfg.policy.lora.rank is None,
