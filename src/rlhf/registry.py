@@ -102,9 +102,15 @@ def resolve(kind: str, name: str, key: str | None = None) -> Callable[..., Any]:
     except ImportError as err:
         raise RegistryError(f"cannot import module {module_name!r} for {kind} {name!r}{where}: {err}") from err
     try:
-        return getattr(module, attr)
+        found = getattr(module, attr)
     except AttributeError:
         raise RegistryError(f"module {module_name!r} has no attribute {attr!r} for {kind} {name!r}{where}") from None
+    if not callable(found):
+        raise RegistryError(
+            f"{kind} {name!r}{where} is {type(found).__name__} {found!r:.60}, not a function or class; name the "
+            f"function (or class) itself"
+        )
+    return found
 
 
 def trait(component: Any, name: str, default: Any = None) -> Any:

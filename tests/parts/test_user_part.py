@@ -153,3 +153,12 @@ def test_a_key_the_users_yaml_node_lacks_gets_hydras_append_advice():
         compose_config([SEARCHPATH, "policy/strategy=counting_bare", "policy.strategy.tag=x"])
     assert "renames" not in str(caught.value)
     assert compose_config([SEARCHPATH, "policy/strategy=counting_bare", "+policy.strategy.tag=x"]).policy.strategy.tag == "x"
+
+
+def test_a_name_that_imports_something_not_callable_is_refused_naming_the_key():
+    """Before, validation passed and step 1 failed with `'int' object is not callable`, exit 6, naming no key."""
+    with pytest.raises(ConfigError, match=r"policy_loss 'user_loss.not_a_function' \(config key `algorithm.policy_loss.name`\) "
+                                          r"is int 42, not a function or class"):
+        validate(compose_config(["algorithm.policy_loss.name=user_loss.not_a_function"]))
+    with pytest.raises(ConfigError, match=r"reward 'user_loss.not_a_function' \(config key `reward.functions\[0\].name`\) is int"):
+        validate(compose_config(["reward.functions=[{name: user_loss.not_a_function}]"]))

@@ -55,3 +55,5 @@ def check_raises(logp, batch, cfg):
 
 
 check_raises.config = CheckRaisesConfig
+
+not_a_function = 42  # named as a part or a reward function by mistake: refused before any model loads
