@@ -139,3 +139,35 @@ def test_the_cli_run_exits_6_naming_the_function_and_the_value(tmp_path):
     assert proc.returncode == exits.RUN_RAISED, log[-3000:]
     assert "RewardValueError: reward function 'huge_reward.huge' scored row 2 1e+38 (float): too large" in log
     assert "Traceback" not in log
+
+
+WHOLE_RETURNS = {  # id: (what the user function returns instead of a list, text the error must show)
+    "none": ("None", "returned NoneType None, not one score per response; return a list of 3 floats"),
+    "float": ("0.5", "returned float 0.5, not one score per response"),
+    "string": ("'1 0 1'", "returned str '1 0 1', not one score per response"),
+    "dict": ("{'a': 1.0}", "returned dict {'a': 1.0}, not one score per response"),
+}
+
+
+@pytest.mark.parametrize("case", WHOLE_RETURNS, ids=list(WHOLE_RETURNS))
+def test_a_return_that_is_not_a_list_of_scores_names_the_function(tmp_path, monkeypatch, case):
+    """Before, None or a float failed with `'NoneType' object is not iterable`, naming no function."""
+    returned, shown = WHOLE_RETURNS[case]
+    (tmp_path / f"whole_{case}.py").write_text(f"def score(prompts, responses, ground_truths, **_):\n    return {returned}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rewards = reward_set((f"whole_{case}.score", 1.0))
+    with pytest.raises(RewardValueError, match=rf"^reward function 'whole_{case}.score' {shown}"):
+        rewards.score(["p"] * 3, ["a", "b", "c"], [None] * 3, rollout(3))
+    sys.modules.pop(f"whole_{case}", None)
+
+
+def test_an_async_reward_function_is_named_and_its_coroutine_closed(tmp_path, monkeypatch, recwarn):
+    """An `async def` returns a coroutine, never awaited: the error says to make it a plain def, and no 'never
+    awaited' warning follows (the coroutine is closed)."""
+    (tmp_path / "async_reward.py").write_text("async def score(prompts, responses, ground_truths, **_):\n    return [1.0]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rewards = reward_set(("async_reward.score", 1.0))
+    with pytest.raises(RewardValueError, match=r"^reward function 'async_reward.score' returned a coroutine: it is an `async def`"):
+        rewards.score(["p"], ["a"], [None], rollout(1))
+    sys.modules.pop("async_reward", None)
+    assert not [w for w in recwarn if "never awaited" in str(w.message)]

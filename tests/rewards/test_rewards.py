@@ -200,8 +200,9 @@ def test_unimportable_or_missing_attribute_names_key(user_rewards):
 
 
 def test_non_callable_reward_is_rejected(user_rewards):
-    """An import path to something that is not a function is a TypeError naming the key."""
-    with pytest.raises(TypeError, match=r"reward\.functions\[0\]\.name"):
+    """An import path to something that is not a function is a config error naming the key (`validate` resolves it
+    too, before any model loads)."""
+    with pytest.raises(ConfigError, match=r"\(config key `reward\.functions\[0\]\.name`\) is int 3, not a function"):
         RewardSet(reward_cfg((f"{user_rewards}.NOT_A_FUNCTION", 1.0, {})))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
+from collections.abc import Iterable
 
 import torch
 
@@ -32,8 +33,19 @@ def as_score(value) -> float | None:
 def checked_scores(source: str, scores, rows: int) -> torch.Tensor:
     """``scores`` (one per row) as a float32 tensor, or RewardValueError naming ``source``, the row and the value
     when one is not a number, not finite, or larger than MAX_ABS_SCORE. Shape: (rows,)."""
+    if inspect.iscoroutine(scores):
+        scores.close()  # never awaited: closed, so Python does not warn about it as well
+        raise RewardValueError(
+            f"{source} returned a coroutine: it is an `async def`, and reward functions are called, not awaited; make "
+            f"it a plain `def` (run an event loop inside it if it needs one)"
+        )
     if isinstance(scores, torch.Tensor):
         scores = scores.detach().cpu().reshape(-1).tolist()
+    if isinstance(scores, (str, bytes, dict)) or not isinstance(scores, Iterable):
+        raise RewardValueError(
+            f"{source} returned {type(scores).__name__} {scores!r:.60}, not one score per response; return a list of "
+            f"{rows} floats"
+        )
     values = [as_score(value) for value in scores]
     if len(values) != rows:
         raise ValueError(f"{source} returned {len(values)} scores for {rows} responses")
@@ -85,8 +97,6 @@ class RewardSet:
         self.functions = []
         for i, fn_cfg in enumerate(cfg.functions):
             fn = registry.resolve("reward", fn_cfg.name, key=f"reward.functions[{i}].name")
-            if not callable(fn):
-                raise TypeError(f"reward.functions[{i}].name={fn_cfg.name!r} is not callable")
             args = dict(fn_cfg.args)
             check_args(fn, args, f"reward.functions[{i}]", fn_cfg.name)
             self.functions.append((fn_cfg.name, float(fn_cfg.weight), args, fn))
