@@ -61,6 +61,8 @@ def test_staleness_metrics_by_hand():
         staleness_metrics(torch.tensor([4, 3]), trainer_version=5, bound=1)
     with pytest.raises(RuntimeError, match="outside"):
         staleness_metrics(torch.tensor([6]), trainer_version=5, bound=1)  # from the future
+    huge = 99999999999999999999  # schedule.max_staleness past int64 (before: OverflowError in step 1)
+    assert staleness_metrics(torch.tensor([4, 3]), trainer_version=5, bound=huge)["async/staleness_max"] == 2.0
 
 
 def test_versioned_generator_loads_published_weights_between_generate_calls(make_generator, tiny_model_dir, encode):

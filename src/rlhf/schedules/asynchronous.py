@@ -225,7 +225,7 @@ def staleness_metrics(versions: torch.Tensor, trainer_version: int, bound: int) 
     Shape: versions (B,). Raises if any sample breaks the bound (a scheduling bug, never expected).
     """
     staleness = trainer_version - versions
-    if staleness.min() < 0 or staleness.max() > bound:
+    if staleness.min().item() < 0 or staleness.max().item() > bound:  # Python ints: any bound, however large
         raise RuntimeError(f"staleness {staleness.tolist()} outside [0, schedule.max_staleness={bound}]")
     return {
         "async/staleness_mean": staleness.float().mean().item(),
