@@ -425,3 +425,26 @@ def test_importance_sampling_is_accepted_with_a_correction_or_on_policy():
     base = ["schedule=stream", "algorithm/policy_loss=importance_sampling"]
     validate(compose_config([*base, "algorithm/rollout_correction=token_tis"]))
     validate(compose_config([*base, "schedule.max_staleness=0"]))
+
+
+def test_the_stream_warnings_give_fixes_that_apply_to_the_run():
+    """A pairwise algorithm is told to stream on-policy (its node has no rollout correction to add: before, the
+    advice was `algorithm/rollout_correction=token_tis`, which Hydra refuses there); a token gap below the staleness
+    bound is flagged (before, the stream preset with gap 0 trained on almost no tokens, silently)."""
+    from rlhf.schedules.streaming import stream_warnings
+
+    def warnings(*overrides: str, pairwise: bool = False) -> list[str]:
+        cfg = compose_config(["schedule=stream", *overrides])
+        validate(cfg)
+        return stream_warnings(cfg, pairwise)
+
+    (pairs,) = warnings("algorithm=online_dpo", pairwise=True)
+    assert "pairwise algorithm (algorithm=online_dpo)" in pairs and "set schedule.max_staleness=0" in pairs
+    assert "rollout_correction" not in pairs
+    assert warnings("algorithm=online_dpo", "schedule.max_staleness=0", pairwise=True) == []
+    (uncorrected,) = warnings()
+    assert "add algorithm/rollout_correction=token_tis" in uncorrected
+    assert warnings("algorithm/rollout_correction=token_tis") == []
+    (gap,) = warnings("algorithm/rollout_correction=token_tis", "schedule.max_staleness=2", "schedule.max_token_version_gap=0")
+    assert gap.startswith("schedule.max_token_version_gap=0 is below schedule.max_staleness=2") and "raise the gap to 2" in gap
+    assert warnings("algorithm/rollout_correction=token_tis", "schedule.max_staleness=2", "schedule.max_token_version_gap=2") == []

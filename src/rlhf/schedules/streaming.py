@@ -113,15 +113,31 @@ def check_run(config: StreamConfig, cfg) -> None:
     )
 
 
-def correction_warning(cfg) -> str | None:
-    """The warning for a streaming run whose loss trains stale tokens as if the trainer had sampled them."""
-    if cfg.algorithm.rollout_correction is not None or cfg.schedule.max_staleness == 0:
-        return None
-    return (
-        f"schedule=stream with schedule.max_staleness={cfg.schedule.max_staleness} and no algorithm.rollout_correction: "
-        "tokens sampled by older weights train as if the trainer had sampled them (the clip bounds the update, not the "
-        "staleness); add algorithm/rollout_correction=token_tis"
-    )
+def stream_warnings(cfg, pairwise: bool) -> list[str]:
+    """The warnings for a streaming run whose loss trains stale tokens as if the trainer had sampled them, or whose
+    token gap drops what the staleness bound lets through. ``pairwise``: the algorithm compares pairs (online DPO),
+    whose loss takes no rollout correction."""
+    warnings = []
+    staleness, gap = cfg.schedule.max_staleness, cfg.schedule.max_token_version_gap
+    if staleness > 0 and pairwise:
+        warnings.append(
+            f"schedule=stream with schedule.max_staleness={staleness} and a pairwise algorithm "
+            f"(algorithm={cfg.algorithm.name}): its loss takes no rollout correction, so pairs sampled by older weights "
+            "train as if the trainer had sampled them; set schedule.max_staleness=0 for on-policy pairs"
+        )
+    elif staleness > 0 and cfg.algorithm.rollout_correction is None:
+        warnings.append(
+            f"schedule=stream with schedule.max_staleness={staleness} and no algorithm.rollout_correction: tokens "
+            "sampled by older weights train as if the trainer had sampled them (the clip bounds the update, not the "
+            "staleness); add algorithm/rollout_correction=token_tis"
+        )
+    if gap is not None and gap < staleness:
+        warnings.append(
+            f"schedule.max_token_version_gap={gap} is below schedule.max_staleness={staleness}: the generator runs up "
+            f"to {staleness} versions ahead, and every token more than {gap} behind leaves the loss, which can be most "
+            f"of a step's tokens (async/stale_token_share); raise the gap to {staleness}, or lower max_staleness to {gap}"
+        )
+    return warnings
 
 
 @dataclass
@@ -389,8 +405,7 @@ def stream_step(c, cfg, state: RunState, producer: StreamingProducer, step: int)
 @register("schedule", "stream")
 def run(c, cfg, sizes, tracker, state: RunState, stop) -> RunState:
     """Train from ``state.step`` to `train.num_steps` while the generator streams rows."""
-    warning = correction_warning(cfg)
-    if warning:
+    for warning in stream_warnings(cfg, c.algorithm.pairwise):
         log.warning(warning)
     collector = c.collector
     generator = VersionedGenerator(collector.generator, version=state.step)
