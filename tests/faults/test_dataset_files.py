@@ -249,6 +249,18 @@ def no_hub(monkeypatch):
     return calls
 
 
+def test_a_missing_file_is_named_before_the_chat_template_is_asked_for(tokenizer, no_hub):
+    """The tiny tokenizer has no chat template: before, a missing file reported the template (what a user fixes
+    second), and a template fix then led to the missing file."""
+    assert not getattr(tokenizer, "chat_template", None)
+    for cfg, key in ((path_cfg("prompts.jsonl", chat_template="tokenizer"), "dataset.path"),
+                     (path_cfg(write_jsonl("train.jsonl", good_lines(4)), chat_template="tokenizer",
+                               eval=[DataSourceConfig(path="held_out.jsonl", split="train", amount=1.0)]), "dataset.eval[0].path")):
+        with pytest.raises(ConfigError) as err:
+            mixed_dataset(cfg, tokenizer, 1)
+        assert one_paragraph(err).startswith(f"{key}="), str(err.value)
+
+
 @pytest.mark.parametrize(
     "path", ["prompts.jsonl", "data/train.parquet", "p.json", "./data", "../elsewhere", "~/no/such", "/no/such"]
 )

@@ -316,6 +316,10 @@ def mixed_dataset(cfg, tokenizer, seed: int = 1) -> PromptSplits:
     if not train_sources:
         raise ValueError("dataset.name=mix needs dataset.train sources or dataset.path=<file>")
     sources = {"train": [OmegaConf.create(dict(s)) for s in train_sources], "eval": [OmegaConf.create(dict(s)) for s in cfg.eval]}
+    for split, srcs in sources.items():  # a missing file first: it is what a user fixes first
+        for i, src in enumerate(srcs):
+            if looks_local(src.path) and not Path(src.path).expanduser().exists():
+                raise missing_path_error("dataset" if not cfg.train and split == "train" else f"dataset.{split}[{i}]", src.path)
     template = resolve_template(cfg.chat_template, tokenizer)
     key = cache_key(cfg, seed, template, tokenizer, sources)
     path = cache_folder(cfg) / f"{key}.json"
