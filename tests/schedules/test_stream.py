@@ -132,6 +132,22 @@ def test_rows_joining_and_leaving_the_batch_decode_as_they_would_alone(make_gene
         assert torch.allclose(torch.tensor(row.logprobs), one.gen_logp[0, :n], atol=1e-4)
 
 
+def test_a_chunk_longer_than_any_rows_room_reserves_only_that_room(make_generator, tiny_model_dir, encode):
+    """`schedule.chunk_tokens` far past `generator.max_new_tokens`: the slot cache holds the longest row plus the
+    tokens its rows may still sample, not plus the chunk (before, 100000 reserved 100000 columns a row: 19.7 GB for
+    the stream preset), and the rows decode as with a chunk of their room."""
+    generator = make_generator(tiny_model_dir)
+    prompts = encode(["1+2=", "12+30="])
+    greedy = SamplingParams(6, greedy=True)
+    rows = [Row(tuple(p)) for p in prompts]
+    advance(generator, rows, greedy, chunk=100_000, version=0)
+    columns = generator._continuous.cache_keys[0].shape[2] if generator._continuous.cache_keys else 0
+    assert columns <= max(len(p) for p in prompts) + 6 + 64, columns  # the cache rounds its columns up a little
+    alone = generator.generate(prompts, greedy)
+    for i, row in enumerate(rows):
+        assert row.done(6) and row.tokens == alone.window_ids[i, : int(alone.loss_mask[i].sum())].tolist()
+
+
 def test_a_call_without_rows_lets_every_row_go(make_generator, tiny_model_dir, encode):
     """Asked for no rows, the continuous batch drops what it held; a row asked for later is read from scratch."""
     generator = make_generator(tiny_model_dir)

@@ -95,7 +95,8 @@ class ContinuousBatch:
         held = set(self.keys)
         new = [(key, tokens) for key, tokens, _ in requests if key not in held]
         longest = max([len(tokens) for _, tokens in new] + self.lengths)
-        self._room(len(self.keys) + len(new), longest + steps)
+        # every row moves one column a step, for as many steps as the roomiest row samples: no more than that
+        self._room(len(self.keys) + len(new), longest + min(steps, max(room for _, _, room in requests)))
         if new:
             self._add(new, pad_id)
         sampled: dict[int, tuple[list[int], list[float]]] = {key: ([], []) for key in self.keys}
