@@ -300,3 +300,17 @@ def test_an_unknown_cluster_device_is_a_config_error_naming_the_choices(device):
         validate(compose_config([f"cluster.device={device}"]))
     for fine in ("auto", "cpu", "cuda", "cuda:1"):
         validate(compose_config([f"cluster.device={fine}"]))
+
+
+def test_an_algorithm_without_a_part_another_choice_overrides_is_a_config_error_saying_why():
+    """Before, Hydra's "Could not override 'algorithm/rollout_correction'. No match in the defaults list" (and its
+    advice to append with `+`, which the ownership check then refuses)."""
+    from rlhf.config.compose import check_part_groups
+
+    with pytest.raises(ConfigError, match=r"^algorithm/rollout_correction: algorithm=online_dpo has no rollout_correction part "
+                                          r".*experiment/stream_count_tiny\.yaml chooses one .* without experiment=stream_count_tiny$"):
+        check_part_groups(["experiment=stream_count_tiny", "algorithm=online_dpo"])
+    with pytest.raises(ConfigError, match=r"remove the override algorithm/rollout_correction=\.\.\., or choose an algorithm"):
+        compose_config(["algorithm=online_dpo", "algorithm/rollout_correction=token_tis"])
+    check_part_groups(["experiment=stream_count_tiny"])  # composes: nothing to say
+    check_part_groups(["algorithm=online_dpo,grpo", "algorithm/rollout_correction=token_tis"])  # a sweep: Hydra's per job

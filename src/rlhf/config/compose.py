@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
@@ -47,6 +49,7 @@ def compose_config(overrides: list[str] | None = None, config_name: str = "confi
         except ConfigCompositionException as err:
             raise_if_moved(err)
             raise_if_not_the_parts(list(overrides or []), err, config_name)
+            raise_if_no_such_part(list(overrides or []), err)
             raise
 
 
@@ -60,6 +63,39 @@ def check_part_overrides(overrides: list[str]) -> None:
         compose_config(overrides)
     except ConfigCompositionException:
         pass  # Hydra's own message, shown when Hydra composes
+
+
+def check_part_groups(overrides: list[str]) -> None:
+    """For the command line, before Hydra composes: an algorithm (or experiment) whose defaults list lacks a part group
+    another choice overrides (`algorithm=online_dpo` under a preset choosing `algorithm/rollout_correction`) fails
+    naming the group and why, instead of Hydra's "No match in the defaults list". Composes only when an algorithm, an
+    experiment or an algorithm part is chosen (not for sweeps)."""
+    chosen = [o.partition("=")[0] for o in overrides if "=" in o]
+    if any("," in o for o in overrides) or not any(k in ("algorithm", "experiment") or k.startswith("algorithm/") for k in chosen):
+        return
+    try:
+        compose_config(overrides)
+    except ConfigCompositionException:
+        pass  # Hydra's own message, shown when Hydra composes
+
+
+def raise_if_no_such_part(overrides: list[str], err: Exception) -> None:
+    """ConfigError for Hydra's "Could not override 'algorithm/<part>'": the chosen algorithm's preset lists no such
+    part (a pairwise algorithm has no rollout correction)."""
+    found = re.search(r"(?:In '([\w/]+)': )?Could not override '(algorithm/\w+)'\. No match in the defaults list", str(err))
+    if found is None:
+        return
+    source, group = found.groups()
+    algorithm = next((o.partition("=")[2] for o in overrides if o.partition("=")[0] == "algorithm"), None)
+    which = f"algorithm={algorithm}" if algorithm else "the chosen algorithm"
+    where = f"conf/algorithm/{algorithm}.yaml" if algorithm else "its preset under conf/algorithm/"
+    fix = (f"{source}.yaml chooses one (`override /{group}`): keep that preset's algorithm, or set its other choices "
+           f"without experiment={source.partition('/')[2]}" if source and source.startswith("experiment/")
+           else f"remove the override {group}=..., or choose an algorithm that lists one")
+    raise ConfigError(
+        f"{group}: {which} has no {group.partition('/')[2]} part to choose ({where} lists none: a pairwise algorithm "
+        f"such as online_dpo compares pairs and reads no rollout correction); {fix}"
+    )
 
 
 def raise_if_not_the_parts(overrides: list[str], err: Exception, config_name: str) -> None:
