@@ -314,3 +314,16 @@ def test_an_algorithm_without_a_part_another_choice_overrides_is_a_config_error_
         compose_config(["algorithm=online_dpo", "algorithm/rollout_correction=token_tis"])
     check_part_groups(["experiment=stream_count_tiny"])  # composes: nothing to say
     check_part_groups(["algorithm=online_dpo,grpo", "algorithm/rollout_correction=token_tis"])  # a sweep: Hydra's per job
+
+
+def test_the_checks_before_hydra_read_only_the_overrides_of_the_command_line():
+    """`--cfg job` and the like are Hydra's flags, not overrides (before, `--cfg job generator.enable_sleep=true`
+    ended in an OverrideParseException traceback); a flag choosing another primary config turns the checks off."""
+    from rlhf.config.compose import command_line_overrides
+
+    assert command_line_overrides(["--cfg", "job", "algorithm=rloo", "-m", "seed=1,2"]) == ["algorithm=rloo", "seed=1,2"]
+    assert command_line_overrides(["-c", "all", "-p", "algorithm", "x=1"]) == ["x=1"]
+    assert command_line_overrides(["--info", "defaults", "x=1"]) == ["x=1"]
+    assert command_line_overrides(["--info", "x=1"]) == ["x=1"]  # --info's value is optional
+    assert command_line_overrides(["--config-name", "train_reward", "x=1"]) == []
+    assert command_line_overrides(["--config-dir=conf", "x=1"]) == []

@@ -53,6 +53,27 @@ def compose_config(overrides: list[str] | None = None, config_name: str = "confi
             raise
 
 
+HYDRA_VALUED_FLAGS = ("--cfg", "-c", "--package", "-p", "--experimental-rerun")  # Hydra's flags followed by a value
+OTHER_CONFIG_FLAGS = ("--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd")  # another primary config
+
+
+def command_line_overrides(argv: list[str]) -> list[str]:
+    """The overrides among ``argv`` (Hydra's own flags and their values left out: `--cfg job`, `-m`, `--info
+    defaults`), which the checks before Hydra compose with; none when a flag chooses another primary config."""
+    overrides, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+        elif arg.partition("=")[0] in OTHER_CONFIG_FLAGS:
+            return []
+        elif arg.startswith("-"):  # a flag; a value follows those that take one (--info's is optional)
+            following = argv[i + 1] if i + 1 < len(argv) else ""
+            skip = arg in HYDRA_VALUED_FLAGS or (arg in ("--info", "-i") and "=" not in following and following != "")
+        else:
+            overrides.append(arg)
+    return overrides
+
+
 def check_part_overrides(overrides: list[str]) -> None:
     """For the command line, before Hydra composes: an override of a key under a part's node (`generator.enable_sleep`)
     that the chosen part does not declare fails naming the part and the parts that do, instead of Hydra's advice to
