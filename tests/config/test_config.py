@@ -314,6 +314,11 @@ def test_an_algorithm_without_a_part_another_choice_overrides_is_a_config_error_
         compose_config(["algorithm=online_dpo", "algorithm/rollout_correction=token_tis"])
     check_part_groups(["experiment=stream_count_tiny"])  # composes: nothing to say
     check_part_groups(["algorithm=online_dpo,grpo", "algorithm/rollout_correction=token_tis"])  # a sweep: Hydra's per job
+    with pytest.raises(ConfigError) as other:  # another group: no rollout-correction reason given for it
+        compose_config(["algorithm=online_dpo", "algorithm/kl_ctl=adaptive"])
+    assert str(other.value).startswith("algorithm/kl_ctl: algorithm=online_dpo has no kl_ctl part to choose")
+    assert "rollout correction" not in str(other.value)
+    check_part_groups(["algorithm=rloo", "x=[1"])  # a malformed override: Hydra's own message when it composes
 
 
 def test_the_checks_before_hydra_read_only_the_overrides_of_the_command_line():

@@ -146,6 +146,7 @@ WHOLE_RETURNS = {  # id: (what the user function returns instead of a list, text
     "float": ("0.5", "returned float 0.5, not one score per response"),
     "string": ("'1 0 1'", "returned str '1 0 1', not one score per response"),
     "dict": ("{'a': 1.0}", "returned dict {'a': 1.0}, not one score per response"),
+    "0-d array": ("__import__('numpy').array(0.5)", "returned ndarray array\\(0.5\\), not one score per response"),
 }
 
 
@@ -171,3 +172,30 @@ def test_an_async_reward_function_is_named_and_its_coroutine_closed(tmp_path, mo
         rewards.score(["p"], ["a"], [None], rollout(1))
     sys.modules.pop("async_reward", None)
     assert not [w for w in recwarn if "never awaited" in str(w.message)]
+
+
+@pytest.mark.parametrize("returned", ["[1.0, 0.0, 1.0]", "(1.0, 0.0, 1.0)", "__import__('numpy').array([1.0, 0.0, 1.0])",
+                                      "(float(r == 'a') for r in 'aba')", "__import__('torch').tensor([1.0, 0.0, 1.0])"],
+                         ids=["list", "tuple", "numpy", "generator", "tensor"])
+def test_every_kind_of_sequence_of_scores_passes(tmp_path, monkeypatch, returned):
+    """What the return check must keep accepting: a list, a tuple, a numpy array, a generator, a tensor."""
+    (tmp_path / "good_return.py").write_text(f"def score(prompts, responses, ground_truths, **_):\n    return {returned}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rewards = reward_set(("good_return.score", 1.0))
+    scores, _ = rewards.score(["p"] * 3, ["a", "b", "c"], [None] * 3, rollout(3))
+    assert scores.tolist() == [1.0, 0.0, 1.0]
+    sys.modules.pop("good_return", None)
+
+
+def test_the_single_turn_environment_names_a_function_that_returns_no_list(tmp_path, monkeypatch):
+    """env=single_turn scores each action with the reward functions: a None there is the same named error (before,
+    `object of type 'NoneType' has no len()`, naming nothing)."""
+    from rlhf.data.prompts import PromptExample
+    from rlhf.envs.single_turn import SingleTurnEpisode
+
+    (tmp_path / "none_reward.py").write_text("def score(prompts, responses, ground_truths, **_):\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    episode = SingleTurnEpisode(reward_set(("none_reward.score", 1.0)).functions, PromptExample("1+1=", (1,), "2"))
+    with pytest.raises(RewardValueError, match=r"^reward function 'none_reward.score' returned NoneType None"):
+        episode.step("2")
+    sys.modules.pop("none_reward", None)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from rlhf.run.state import NonFiniteError, NonFiniteGuard, RunState, StopSignals
+from rlhf.run.state import NonFiniteError, NonFiniteGuard, RunState, StopNow, StopSignals
 
 # --- NonFiniteGuard -----------------------------------------------------------------------------------
 
@@ -151,7 +151,18 @@ def test_a_second_sigterm_stops_at_once_and_a_fanned_out_repeat_does_not():
         with pytest.raises(SystemExit) as stopped:
             os.kill(os.getpid(), signal.SIGTERM)
             wait_for(lambda: False, timeout=1.0)
-    assert stopped.value.code == 128 + signal.SIGTERM
+    assert stopped.value.code == 128 + signal.SIGTERM and isinstance(stopped.value, StopNow)
+
+
+def test_a_ctrl_c_after_a_sigterm_interrupts():
+    """Any second request stops at once: Ctrl-C after a SIGTERM raises KeyboardInterrupt (before, it was recorded
+    again, and a third signal was needed)."""
+    with StopSignals() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        wait_for(lambda: stop.requested is not None)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            wait_for(lambda: False, timeout=1.0)
 
 
 def test_handlers_are_restored_on_exit():

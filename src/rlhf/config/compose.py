@@ -7,7 +7,7 @@ import re
 from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
-from hydra.errors import ConfigCompositionException
+from hydra.errors import ConfigCompositionException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf.config.moved import check_overrides, moved_to
@@ -82,7 +82,7 @@ def check_part_overrides(overrides: list[str]) -> None:
         return
     try:
         compose_config(overrides)
-    except ConfigCompositionException:
+    except (ConfigCompositionException, OverrideParseException):
         pass  # Hydra's own message, shown when Hydra composes
 
 
@@ -96,7 +96,7 @@ def check_part_groups(overrides: list[str]) -> None:
         return
     try:
         compose_config(overrides)
-    except ConfigCompositionException:
+    except (ConfigCompositionException, OverrideParseException):
         pass  # Hydra's own message, shown when Hydra composes
 
 
@@ -113,10 +113,8 @@ def raise_if_no_such_part(overrides: list[str], err: Exception) -> None:
     fix = (f"{source}.yaml chooses one (`override /{group}`): keep that preset's algorithm, or set its other choices "
            f"without experiment={source.partition('/')[2]}" if source and source.startswith("experiment/")
            else f"remove the override {group}=..., or choose an algorithm that lists one")
-    raise ConfigError(
-        f"{group}: {which} has no {group.partition('/')[2]} part to choose ({where} lists none: a pairwise algorithm "
-        f"such as online_dpo compares pairs and reads no rollout correction); {fix}"
-    )
+    why = ": a pairwise algorithm such as online_dpo compares pairs and reads no rollout correction" if group == "algorithm/rollout_correction" else ""
+    raise ConfigError(f"{group}: {which} has no {group.partition('/')[2]} part to choose ({where} lists none{why}); {fix}")
 
 
 def raise_if_not_the_parts(overrides: list[str], err: Exception, config_name: str) -> None:

@@ -41,7 +41,7 @@ def checked_scores(source: str, scores, rows: int) -> torch.Tensor:
         )
     if isinstance(scores, torch.Tensor):
         scores = scores.detach().cpu().reshape(-1).tolist()
-    if isinstance(scores, (str, bytes, dict)) or not isinstance(scores, Iterable):
+    if isinstance(scores, (str, bytes, dict)) or not isinstance(scores, Iterable) or getattr(scores, "ndim", 1) == 0:
         raise RewardValueError(
             f"{source} returned {type(scores).__name__} {scores!r:.60}, not one score per response; return a list of "
             f"{rows} floats"

@@ -27,7 +27,7 @@ from rlhf.run.build import build_components
 from rlhf.config import ConfigError, validate
 from rlhf.distributed.remote import WorkerError
 from rlhf.registry import schedule_trait
-from rlhf.run.state import NonFiniteGuard, RunState
+from rlhf.run.state import NonFiniteGuard, RunState, StopNow
 from rlhf.seeding import seed_everything
 from rlhf.models.fingerprint import first_difference, fingerprint
 
@@ -213,6 +213,8 @@ def rehearse(cfg, out: Path) -> list[StageResult]:
             start = time.perf_counter()
             try:
                 detail, status = stage(), "ok"
+            except StopNow:
+                raise
             except (Exception, SystemExit) as caught:  # noqa: BLE001 -- the report names it (sys.exit too)
                 err = as_user_error(caught)
                 log.debug("preflight stage %s failed", name, exc_info=True)

@@ -68,13 +68,18 @@ class RunState:
         )
 
 
+class StopNow(SystemExit):
+    """A second stop signal: the run ends at once, nothing more saved (not a user's sys.exit: never reported as one)."""
+
+
 class StopSignals:
     """Within the block, SIGTERM and SIGINT ask the schedule to stop at the next safe point instead of killing it.
 
-    A second SIGINT falls back to the default (KeyboardInterrupt), so an impatient user can still abort; so does a
-    second SIGTERM (SystemExit with 143, 128 + SIGTERM, no checkpoint), for a step held up in user code that never
-    returns (a reward function that hangs). A repeat within ``REPEAT_S`` of the first is one signal fanned out twice
-    (to a process group, and forwarded by a launcher), not a second request.
+    A second SIGINT raises KeyboardInterrupt, so an impatient user can still abort; a second SIGTERM raises `StopNow`
+    (exit 143, 128 + SIGTERM, no checkpoint), for a step held up in user code that never returns (a reward function
+    that hangs; one stuck inside a single C call runs no Python, and so no handler, until it returns: kill -9 then).
+    A SIGTERM within ``REPEAT_S`` of the first is one signal fanned out twice (to a process group, and forwarded by
+    a launcher), not a second request.
     """
 
     REPEAT_S = 1.0  # a SIGTERM this soon after the first counts as the same one
@@ -85,11 +90,13 @@ class StopSignals:
         self._first_at = 0.0
 
     def _handle(self, signum, frame) -> None:
-        if signum == signal.SIGTERM and self.requested is not None:
+        if self.requested is not None:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
             if time.monotonic() - self._first_at < self.REPEAT_S:
                 return
             log.error("a second SIGTERM: stopping now, without finishing the step or saving a checkpoint")
-            raise SystemExit(128 + signal.SIGTERM)
+            raise StopNow(128 + signal.SIGTERM)
         self.requested, self._first_at = signal.Signals(signum).name, time.monotonic()
         log.warning("%s: finishing the current step, then saving a checkpoint (send it again to stop at once, without "
                     "one)", self.requested)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -27,7 +28,7 @@ from rlhf.errors import require
 from rlhf.generators.base import SamplingParams
 from rlhf.parts import PartConfig
 from rlhf.registry import register
-from rlhf.run.state import RunState
+from rlhf.run.state import RunState, StopNow
 from rlhf.schedules.loop import one_step, push_to_generator, run_steps, timed
 from rlhf.step.scored import Scored
 from rlhf.trajectory import Trajectories
@@ -269,7 +270,7 @@ def run(c, cfg, sizes, tracker, state: RunState, stop) -> RunState:
             stream_states=producer.states_after, guard=generator.lock,
         )
     finally:
-        producer.close()
+        producer.close(timeout=0 if isinstance(sys.exc_info()[1], StopNow) else 60.0)  # stopping now: no wait
         collector.generator = generator.inner
 
 

@@ -19,7 +19,7 @@ from rlhf.errors import as_user_error
 from rlhf.run import checkpoint
 from rlhf.data.prompts import epochs_done
 from rlhf.distributed.remote import WorkerError
-from rlhf.run.state import RunState
+from rlhf.run.state import RunState, StopNow
 from rlhf.step.scored import Scored, group_rows
 
 log = logging.getLogger("rlhf")
@@ -79,6 +79,8 @@ def run_steps(
         updates = c.learner.updates  # an update begun in this step may have changed the models
         try:
             metrics, scored = step_fn(step)
+        except StopNow:  # a second stop signal: nothing saved, nothing reported as the step's error
+            raise
         except (Exception, SystemExit) as caught:  # SystemExit: user code called sys.exit (`as_user_error`)
             err = as_user_error(caught)
             if c.learner.updates != updates:
@@ -95,6 +97,8 @@ def run_steps(
         try:
             record_step(c, cfg, sizes, tracker, state, metrics, scored, states, guard)
             checkpoint.check_room(tracker.checkpoint_root, step)  # a disk filling up stops the run while it can save
+        except StopNow:
+            raise
         except (Exception, SystemExit) as caught:
             err = as_user_error(caught)
             save_on_failure(c, cfg, tracker.checkpoint_root, state, step, states, err)

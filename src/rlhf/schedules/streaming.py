@@ -27,6 +27,7 @@ also masks tokens older than that many versions.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -38,7 +39,7 @@ from rlhf.functional.staleness import fresh_enough, oldest_version, token_stalen
 from rlhf.parts import PartConfig
 from rlhf.registry import register, resolve
 from rlhf.run import checkpoint
-from rlhf.run.state import RunState
+from rlhf.run.state import RunState, StopNow
 from rlhf.schedules.asynchronous import THREAD_NAME, VersionedGenerator, staleness_metrics, stop_thread
 from rlhf.schedules.loop import one_step, push_to_generator, run_steps, timed
 from rlhf.step.inflight import Group, advance, group_batch
@@ -417,7 +418,7 @@ def run(c, cfg, sizes, tracker, state: RunState, stop) -> RunState:
             stream_states=producer.states_after, guard=generator.lock,
         )
     finally:
-        producer.close()
+        producer.close(timeout=0 if isinstance(sys.exc_info()[1], StopNow) else 60.0)  # stopping now: no wait
         collector.generator = generator.inner
     error = producer.take_error()
     if error is not None:  # after the last step's groups (a weight load that failed its check): still a failure
