@@ -69,15 +69,16 @@ def test_stream_on_ray_with_a_vllm_engine_learns_the_long_tail_task(tmp_path):
     run_cli(
         *VLLM, "experiment=stream_count_tiny", "cluster=ray_local", "cluster.roles.policy.devices_per_node=1",
         "cluster.roles.reference.devices_per_node=1",
-        "cluster.colocate=[[policy,reference]]", "train.num_steps=30", "eval.every=10", "schedule.chunk_tokens=4",
+        "cluster.colocate=[[policy,reference]]", "train.num_steps=40", "eval.every=10", "schedule.chunk_tokens=4",
         f"hydra.run.dir={out}", cwd=tmp_path, env_extra={"RAY_AUTH_MODE": "disabled"},
     )
     steps = records(out)
-    assert max(steps[s]["async/token_staleness_max"] for s in range(1, 31)) <= 2  # the preset's schedule.max_staleness
-    assert max(steps[s]["async/versions_per_row"] for s in range(1, 31)) > 1
-    # learned: the mean of the last two evaluations (one greedy eval swings by 0.1 between steps here: alone on 2 cores
-    # four runs' means were 0.72-0.83 from 0.48, and one run under CI's load ended at 0.67 at step 30)
-    late = (steps[20]["eval/greedy_correct_rate"] + steps[30]["eval/greedy_correct_rate"]) / 2
+    assert max(steps[s]["async/token_staleness_max"] for s in range(1, 41)) <= 2  # the preset's schedule.max_staleness
+    assert max(steps[s]["async/versions_per_row"] for s in range(1, 41)) > 1
+    # learned: the mean of the last two evaluations (one greedy eval swings by 0.1 between steps here; the rows' order,
+    # and so the batches, follow the workers' timing). At 30 steps, alone on 2 cores, four runs' means of steps 20 and 30
+    # were 0.72-0.83 from 0.48, and two runs under CI's load 0.677 (failing) and above; 40 steps leave more margin
+    late = (steps[30]["eval/greedy_correct_rate"] + steps[40]["eval/greedy_correct_rate"]) / 2
     assert late > steps[0]["eval/greedy_correct_rate"] + 0.2
 
 
