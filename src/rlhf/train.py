@@ -28,7 +28,7 @@ from rlhf import exits, plan, registry
 from rlhf.checks import hub, parity
 from rlhf.run.build import build_components
 from rlhf.config import ConfigError, register_schema, validate
-from rlhf.config.compose import check_part_groups, check_part_overrides, command_line_overrides
+from rlhf.config.compose import check_command_line
 from rlhf.config.moved import check_overrides
 from rlhf.distributed.remote import WorkerError
 from rlhf.run.lock import check_free, folder_lock
@@ -129,8 +129,7 @@ def main() -> float | None:
     `run`."""
     try:
         check_overrides(sys.argv[1:])
-        check_part_overrides(command_line_overrides(sys.argv[1:]))
-        check_part_groups(command_line_overrides(sys.argv[1:]))
+        check_command_line(sys.argv[1:])
         sweep.check_sweep_values(sys.argv[1:])
         for override in sys.argv[1:]:  # a folder another run holds: refused before Hydra writes into it
             if override.startswith("hydra.run.dir=") and "${" not in override:

@@ -305,20 +305,20 @@ def test_an_unknown_cluster_device_is_a_config_error_naming_the_choices(device):
 def test_an_algorithm_without_a_part_another_choice_overrides_is_a_config_error_saying_why():
     """Before, Hydra's "Could not override 'algorithm/rollout_correction'. No match in the defaults list" (and its
     advice to append with `+`, which the ownership check then refuses)."""
-    from rlhf.config.compose import check_part_groups
+    from rlhf.config.compose import check_command_line
 
     with pytest.raises(ConfigError, match=r"^algorithm/rollout_correction: algorithm=online_dpo has no rollout_correction part "
                                           r".*experiment/stream_count_tiny\.yaml chooses one .* without experiment=stream_count_tiny$"):
-        check_part_groups(["experiment=stream_count_tiny", "algorithm=online_dpo"])
+        check_command_line(["experiment=stream_count_tiny", "algorithm=online_dpo"])
     with pytest.raises(ConfigError, match=r"remove the override algorithm/rollout_correction=\.\.\., or choose an algorithm"):
         compose_config(["algorithm=online_dpo", "algorithm/rollout_correction=token_tis"])
-    check_part_groups(["experiment=stream_count_tiny"])  # composes: nothing to say
-    check_part_groups(["algorithm=online_dpo,grpo", "algorithm/rollout_correction=token_tis"])  # a sweep: Hydra's per job
+    check_command_line(["experiment=stream_count_tiny"])  # composes: nothing to say
+    check_command_line(["algorithm=online_dpo,grpo", "algorithm/rollout_correction=token_tis"])  # a sweep: Hydra's per job
     with pytest.raises(ConfigError) as other:  # another group: no rollout-correction reason given for it
         compose_config(["algorithm=online_dpo", "algorithm/kl_ctl=adaptive"])
     assert str(other.value).startswith("algorithm/kl_ctl: algorithm=online_dpo has no kl_ctl part to choose")
     assert "rollout correction" not in str(other.value)
-    check_part_groups(["algorithm=rloo", "x=[1"])  # a malformed override: Hydra's own message when it composes
+    check_command_line(["algorithm=rloo", "x=[1"])  # a malformed override: Hydra's own message when it composes
 
 
 def test_the_checks_before_hydra_read_only_the_overrides_of_the_command_line():
@@ -332,3 +332,24 @@ def test_the_checks_before_hydra_read_only_the_overrides_of_the_command_line():
     assert command_line_overrides(["--info", "x=1"]) == ["x=1"]  # --info's value is optional
     assert command_line_overrides(["--config-name", "train_reward", "x=1"]) == []
     assert command_line_overrides(["--config-dir=conf", "x=1"]) == []
+
+
+def test_the_command_line_check_composes_once_and_names_the_part_for_either_failure(monkeypatch):
+    """One composition before Hydra's, whichever checks the overrides call for (a key a part may lack, a part
+    group chosen); none for overrides that need neither, or for a sweep. (Before, each check composed on its own.)"""
+    import rlhf.config.compose as compose_module
+
+    calls = []
+    real = compose_module.compose_config
+    monkeypatch.setattr(compose_module, "compose_config", lambda overrides, *rest: calls.append(list(overrides)) or real(overrides, *rest))
+    check = compose_module.check_command_line
+    check(["--cfg", "job", "algorithm=rloo", "generator.max_new_tokens=4"])  # both kinds of key, composes fine
+    assert calls == [["algorithm=rloo", "generator.max_new_tokens=4"]]
+    calls.clear()
+    check(["train.lr=1e-4", "seed=3"])  # nothing a part could lack, no part chosen
+    check(["-m", "algorithm=rloo,grpo", "generator.enable_sleep=true"])  # a sweep: Hydra's own per job
+    assert calls == []
+    with pytest.raises(ConfigError, match=r"^generator.enable_sleep is not a key of generator hf"):
+        check(["--cfg", "job", "generator.enable_sleep=true"])
+    with pytest.raises(ConfigError, match=r"^algorithm/rollout_correction: algorithm=online_dpo has no rollout_correction part"):
+        check(["algorithm=online_dpo", "algorithm/rollout_correction=token_tis", "generator.enable_sleep=true"])

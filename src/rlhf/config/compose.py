@@ -74,25 +74,25 @@ def command_line_overrides(argv: list[str]) -> list[str]:
     return overrides
 
 
-def check_part_overrides(overrides: list[str]) -> None:
-    """For the command line, before Hydra composes: an override of a key under a part's node (`generator.enable_sleep`)
-    that the chosen part does not declare fails naming the part and the parts that do, instead of Hydra's advice to
-    add it with `+`. Composes once, and only when such a key is set and some part lacks it (not for sweeps)."""
-    if any("," in o for o in overrides) or not any(_may_lack(o.partition("=")[0]) for o in overrides if not o.startswith(("+", "~"))):
+def check_command_line(argv: list[str]) -> None:
+    """For `python -m rlhf.train <argv>`, before Hydra composes: the overrides among ``argv`` composed once, when one of
+    them could fail in Hydra with a message that misleads, so the failure names the part instead (not for sweeps,
+    which Hydra composes per job):
+
+    - a key under a part's node that the chosen part does not declare (`generator.enable_sleep`): the message names the
+      part and the parts that declare it, instead of Hydra's advice to add it with `+`;
+    - an algorithm (or experiment) whose defaults list lacks a part group another choice overrides (`algorithm=online_dpo`
+      under a preset choosing `algorithm/rollout_correction`): the message names the group and why, instead of Hydra's
+      "No match in the defaults list".
+
+    A malformed override or any other composition error is left to Hydra's own message."""
+    overrides = command_line_overrides(argv)
+    if any("," in o for o in overrides):
         return
-    try:
-        compose_config(overrides)
-    except (ConfigCompositionException, OverrideParseException):
-        pass  # Hydra's own message, shown when Hydra composes
-
-
-def check_part_groups(overrides: list[str]) -> None:
-    """For the command line, before Hydra composes: an algorithm (or experiment) whose defaults list lacks a part group
-    another choice overrides (`algorithm=online_dpo` under a preset choosing `algorithm/rollout_correction`) fails
-    naming the group and why, instead of Hydra's "No match in the defaults list". Composes only when an algorithm, an
-    experiment or an algorithm part is chosen (not for sweeps)."""
-    chosen = [o.partition("=")[0] for o in overrides if "=" in o]
-    if any("," in o for o in overrides) or not any(k in ("algorithm", "experiment") or k.startswith("algorithm/") for k in chosen):
+    keys = [o.partition("=")[0] for o in overrides if "=" in o]
+    lacking = any(_may_lack(o.partition("=")[0]) for o in overrides if not o.startswith(("+", "~")))
+    chooses = any(k in ("algorithm", "experiment") or k.startswith("algorithm/") for k in keys)
+    if not (lacking or chooses):
         return
     try:
         compose_config(overrides)
