@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import json
 import threading
+from contextlib import nullcontext
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from rlhf.run import checkpoint
 from rlhf.run.checkpoint import STATE_FILE
+from rlhf.run.state import StopNow
 from rlhf.config.compose import compose_config
 from rlhf.generators.hf import HFGenerator
 from rlhf.schedules.asynchronous import THREAD_NAME, VersionedGenerator, staleness_metrics
@@ -306,3 +309,33 @@ def test_remax_under_async_baselines_each_batch_on_the_version_that_sampled_it(t
     assert [r["step"] for r in trained] == [1, 2, 3]
     assert all("time/greedy_baseline" in r and "objective/greedy_baseline_scores" in r for r in trained)
     assert len(versions) == 3  # one pinned version per batch: the samples and their greedy baselines share it
+
+
+class RecordingProducer:
+    """A producer that records how long it was told to wait for its thread when closed."""
+
+    def __init__(self, generator) -> None:
+        self.generator, self.waits = generator, []
+
+    def close(self, timeout: float) -> None:
+        self.waits.append(timeout)
+
+
+@pytest.mark.parametrize(("raised", "wait"), [(None, 60.0), (RuntimeError("a step failed"), 60.0), (StopNow(143), 0.0)])
+def test_a_producer_is_waited_for_unless_a_second_stop_signal_ends_the_run(raised, wait):
+    """`producing` (the async and stream schedules): the collector samples through a versioned generator inside the
+    block and gets its own back after; the producer's thread is waited for on the way out, except after a second
+    stop signal (`StopNow`), which must end the process at once."""
+    from rlhf.schedules.asynchronous import producing
+
+    own = object()
+    collector = SimpleNamespace(generator=own)  # `producing` reads and swaps only the collector's generator
+    made = []
+    with pytest.raises(type(raised)) if raised is not None else nullcontext():
+        with producing(collector, 3, lambda generator: made.append(RecordingProducer(generator)) or made[-1]) as producer:
+            assert isinstance(collector.generator, VersionedGenerator) and collector.generator.version == 3
+            assert producer.generator is collector.generator
+            if raised is not None:
+                raise raised
+    assert made[0].waits == [wait]
+    assert collector.generator is own

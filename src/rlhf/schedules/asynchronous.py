@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -220,6 +219,28 @@ def stop_thread(stopping: threading.Event, thread: threading.Thread, timeout: fl
         log.warning("%s did not stop within %.0f s (a generate call is still running)", name, timeout)
 
 
+@contextmanager
+def producing(collector, version: int, make_producer):
+    """The run's collector samples through a `VersionedGenerator` (holding policy ``version``) and a producer,
+    ``make_producer(generator)``, fills batches ahead of training inside the block. Afterwards the producer is stopped:
+    waited for up to a minute, or not at all when a second stop signal ends the run (`StopNow`), and the collector gets
+    its own generator back."""
+    generator = VersionedGenerator(collector.generator, version=version)
+    collector.generator = generator
+    wait = 60.0
+    try:
+        producer = make_producer(generator)
+        try:
+            yield producer
+        except StopNow:
+            wait = 0.0  # stopping now
+            raise
+        finally:
+            producer.close(timeout=wait)
+    finally:
+        collector.generator = generator.inner
+
+
 def staleness_metrics(versions: torch.Tensor, trainer_version: int, bound: int) -> dict[str, float]:
     """Staleness of a trained batch: policy versions between each sample's generator and the trainer.
 
@@ -260,18 +281,12 @@ def run(c, cfg, sizes, tracker, state: RunState, stop) -> RunState:
     if cfg.cluster.backend == "local":
         log.warning("schedule=async on the local backend: generation and training share this process and its devices, "
                     "so they overlap little; cluster=ray_local (or ray) gives the generator its own devices")
-    collector = c.collector
-    generator = VersionedGenerator(collector.generator, version=state.step)
-    collector.generator = generator
-    producer = RolloutProducer(collector, generator, state.step + 1, cfg.train.num_steps, cfg.schedule.max_staleness)
-    try:
+    last, bound = cfg.train.num_steps, cfg.schedule.max_staleness
+    with producing(c.collector, state.step, lambda gen: RolloutProducer(c.collector, gen, state.step + 1, last, bound)) as producer:
         return run_steps(
             c, cfg, sizes, tracker, state, stop, lambda step: async_step(c, cfg, state, producer, step),
-            stream_states=producer.states_after, guard=generator.lock,
+            stream_states=producer.states_after, guard=producer.generator.lock,
         )
-    finally:
-        producer.close(timeout=0 if isinstance(sys.exc_info()[1], StopNow) else 60.0)  # stopping now: no wait
-        collector.generator = generator.inner
 
 
 run.config = AsyncConfig  # its keys (`schedule.*`)

@@ -27,7 +27,6 @@ also masks tokens older than that many versions.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -39,8 +38,8 @@ from rlhf.functional.staleness import fresh_enough, oldest_version, token_stalen
 from rlhf.parts import PartConfig
 from rlhf.registry import register, resolve
 from rlhf.run import checkpoint
-from rlhf.run.state import RunState, StopNow
-from rlhf.schedules.asynchronous import THREAD_NAME, VersionedGenerator, staleness_metrics, stop_thread
+from rlhf.run.state import RunState
+from rlhf.schedules.asynchronous import THREAD_NAME, VersionedGenerator, producing, staleness_metrics, stop_thread
 from rlhf.schedules.loop import one_step, push_to_generator, run_steps, timed
 from rlhf.step.inflight import Group, advance, group_batch
 from rlhf.step.scored import Scored, group_rows, groups_with_signal, join, take_groups
@@ -408,18 +407,12 @@ def run(c, cfg, sizes, tracker, state: RunState, stop) -> RunState:
     """Train from ``state.step`` to `train.num_steps` while the generator streams rows."""
     for warning in stream_warnings(cfg, c.algorithm.pairwise):
         log.warning(warning)
-    collector = c.collector
-    generator = VersionedGenerator(collector.generator, version=state.step)
-    collector.generator = generator
-    producer = StreamingProducer(collector, generator, cfg.schedule, state.step, cfg.train.num_steps)
-    try:
+    make = lambda generator: StreamingProducer(c.collector, generator, cfg.schedule, state.step, cfg.train.num_steps)
+    with producing(c.collector, state.step, make) as producer:
         state = run_steps(
             c, cfg, sizes, tracker, state, stop, lambda step: stream_step(c, cfg, state, producer, step),
-            stream_states=producer.states_after, guard=generator.lock,
+            stream_states=producer.states_after, guard=producer.generator.lock,
         )
-    finally:
-        producer.close(timeout=0 if isinstance(sys.exc_info()[1], StopNow) else 60.0)  # stopping now: no wait
-        collector.generator = generator.inner
     error = producer.take_error()
     if error is not None:  # after the last step's groups (a weight load that failed its check): still a failure
         raise error
