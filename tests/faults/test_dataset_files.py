@@ -341,3 +341,20 @@ def test_a_file_whose_rows_all_go_to_evaluation_is_a_config_error(monkeypatch):
     monkeypatch.setattr("rlhf.run.build.build_local_models", lambda *a, **k: pytest.fail("models were built"))
     with pytest.raises(ConfigError, match=r"no training prompts are left \(1 went to evaluation.*dataset\.eval_holdout"):
         build_components(cfg, validate(cfg))
+
+
+# --- 5. what a hostile user tried -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["p.jsonl", "p.json"])
+def test_a_utf8_bom_is_read_as_utf8_sig(tokenizer, name):
+    """A leading byte-order mark (Windows editors write one) is not part of the first line's JSON."""
+    Path(name).write_bytes(b"\xef\xbb\xbf" + "\n".join(good_lines(2)).encode() + b"\n")
+    splits = mixed_dataset(path_cfg(name), tokenizer, 1)
+    assert [e.text for e in splits.train] == ["0+1=", "1+1="]
+    assert splits.report["sources"][0]["bad_rows"] == 0
+
+
+def test_a_utf8_bom_before_a_json_array_is_read(tokenizer):
+    Path("p.json").write_bytes(b"\xef\xbb\xbf" + json.dumps([{"prompt": "1+1="}]).encode())
+    assert [e.text for e in mixed_dataset(path_cfg("p.json"), tokenizer, 1).train] == ["1+1="]

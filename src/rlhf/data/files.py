@@ -6,6 +6,7 @@ number, or counted and skipped with `dataset.strict=false`, instead of failing a
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 from dataclasses import dataclass, field
@@ -88,7 +89,7 @@ def _json_array_rows(data: bytes, key: str, file: Path) -> list[dict[str, Any]]:
 
 def read_json_rows(file: Path, key: str, strict: bool) -> FileRows:
     """Rows of a JSON Lines file (or a .json array); malformed lines raise ConfigError, or are skipped if not strict."""
-    data = file.read_bytes()
+    data = file.read_bytes().removeprefix(codecs.BOM_UTF8)  # read as utf-8-sig: editors on Windows write a BOM
     if not data.strip():
         raise ConfigError(f"{key}.path: {file} is empty; give a JSON Lines file with one JSON object per line")
     if file.suffix == ".json" and data.lstrip().startswith(b"["):
