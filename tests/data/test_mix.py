@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from omegaconf import OmegaConf
 
-from rlhf.config import compose_config
+from rlhf.config import ConfigError, compose_config
 from rlhf.data.config import DataSourceConfig
 from rlhf.parts import typed_node
 from rlhf.data.mix import BadRow, MixDatasetConfig, mixed_dataset, row_ground_truth, row_messages
@@ -259,7 +259,7 @@ def test_folder_split_mixing_formats_errors(tokenizer):
     """A split whose files are both JSON Lines and Parquet names the folder, the split and the files."""
     write_jsonl("folder/train.jsonl", [{"prompt": "a"}])
     write_parquet("folder/train-00001.parquet", [{"prompt": "b"}])
-    with pytest.raises(ValueError, match=r"^folder: split 'train' mixes file formats \['train-00001\.parquet', 'train\.jsonl'\]$"):
+    with pytest.raises(ConfigError, match=r"^dataset\.train\[0\]\.path: folder: split 'train' mixes file formats \(train-00001\.parquet, train\.jsonl\); keep one format"):
         mixed_dataset(mix_cfg([src("folder")]), tokenizer, 1)
 
 

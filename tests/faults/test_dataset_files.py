@@ -358,3 +358,87 @@ def test_a_utf8_bom_is_read_as_utf8_sig(tokenizer, name):
 def test_a_utf8_bom_before_a_json_array_is_read(tokenizer):
     Path("p.json").write_bytes(b"\xef\xbb\xbf" + json.dumps([{"prompt": "1+1="}]).encode())
     assert [e.text for e in mixed_dataset(path_cfg("p.json"), tokenizer, 1).train] == ["1+1="]
+
+
+def test_a_folder_names_the_bad_line_of_the_right_file(tokenizer, caplog):
+    """A folder is read as its files are: b.jsonl's malformed line 51 is skipped and named, a.jsonl's rows kept."""
+    Path("data").mkdir()
+    write_jsonl("data/a.jsonl", good_lines(3))
+    lines = good_lines(60)
+    lines[50] = '{"prompt": "50+1=", '
+    write_jsonl("data/b.jsonl", lines)
+    with caplog.at_level(logging.INFO, logger="rlhf"):
+        splits = mixed_dataset(path_cfg("data"), tokenizer, 1)
+    [report] = splits.report["sources"]
+    assert (report["rows"], report["bad_rows"], report["kept"]) == (63, 1, 62)
+    assert report["bad_examples"][0].startswith("data/b.jsonl line 51: not valid JSON (")
+    assert "data/b.jsonl line 51: " in caplog.text
+
+
+def test_a_folder_with_strict_stops_at_the_bad_line_of_the_right_file(tokenizer):
+    Path("data").mkdir()
+    write_jsonl("data/a.jsonl", good_lines(3))
+    write_jsonl("data/b.jsonl", [*good_lines(50), "{oops"])
+    with pytest.raises(ConfigError) as err:
+        mixed_dataset(path_cfg("data", strict=True), tokenizer, 1)
+    assert one_paragraph(err).startswith("dataset.path: data/b.jsonl line 51: not valid JSON (")
+
+
+def test_a_folder_of_train_shards_still_reads_only_its_split(tokenizer):
+    """Files named for splits keep their meaning: train-0 and train-1 are the train split, test.jsonl is not."""
+    Path("data").mkdir()
+    write_jsonl("data/train-0.jsonl", good_lines(2))
+    write_jsonl("data/train-1.jsonl", [json.dumps({"prompt": "9+1="})])
+    write_jsonl("data/test.jsonl", [json.dumps({"prompt": "5+5="})])
+    assert [e.text for e in mixed_dataset(path_cfg("data"), tokenizer, 1).train] == ["0+1=", "1+1=", "9+1="]
+
+
+@pytest.mark.parametrize("files", [[], ["README.md", "notes.txt"]], ids=["empty", "no-prompt-files"])
+def test_a_folder_without_prompt_files_names_dataset_path(tokenizer, no_hub, files):
+    """An empty folder (or one of other files) was `datasets`' EmptyDatasetError; now the key and the fix."""
+    Path("data").mkdir()
+    for name in files:
+        Path("data", name).write_text("hello\n")
+    with pytest.raises(ConfigError) as err:
+        mixed_dataset(path_cfg("data"), tokenizer, 1)
+    assert one_paragraph(err) == (
+        "dataset.path=data: the folder holds no .jsonl, .json or .parquet file; put the prompt files there, or give "
+        "one file"
+    )
+    assert no_hub == []
+
+
+def test_a_folder_whose_files_name_other_splits_names_the_split(tokenizer):
+    """Only test.jsonl and validation.jsonl: no train split, said with the files the folder holds."""
+    Path("data").mkdir()
+    write_jsonl("data/test.jsonl", good_lines(2))
+    write_jsonl("data/validation.jsonl", good_lines(2))
+    with pytest.raises(ConfigError) as err:
+        mixed_dataset(path_cfg("data"), tokenizer, 1)
+    assert one_paragraph(err) == (
+        "dataset.path=data: the folder has no file for split 'train' (it holds test.jsonl, validation.jsonl); name "
+        "the files train.jsonl or train-<n>.jsonl, or choose the split the files are named for"
+    )
+
+
+def test_an_empty_folder_stops_the_run_before_models_load(monkeypatch):
+    """Through build_components, as `python -m rlhf.train dataset=jsonl dataset.path=data` runs it (exit 2)."""
+    Path("data").mkdir()
+    cfg = compose_config([
+        "dataset=jsonl", "dataset.path=data", "dataset.cache_dir=cache", "dataset.chat_template=simple_concat_with_space",
+        "dataset.max_prompt_length=60",
+    ])
+    monkeypatch.setattr("rlhf.run.build.build_local_models", lambda *a, **k: pytest.fail("models were built"))
+    with pytest.raises(ConfigError, match=r"^dataset\.path=data: the folder holds no \.jsonl"):
+        build_components(cfg, validate(cfg))
+
+
+def test_a_hub_layout_folder_that_datasets_cannot_read_names_the_key(tokenizer):
+    """Files only in a subfolder go to `datasets` (the hub's layout); its failure is a ConfigError naming the key."""
+    Path("data/sub").mkdir(parents=True)
+    write_jsonl("data/sub/train.jsonl", [*good_lines(3), "{oops"])
+    with pytest.raises(ConfigError) as err:
+        mixed_dataset(path_cfg("data"), tokenizer, 1)
+    message = one_paragraph(err)
+    assert message.startswith("dataset.path=data: `datasets` could not read split 'train' of this folder (")
+    assert message.endswith("so each file and line is checked and named")

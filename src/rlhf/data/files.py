@@ -9,6 +9,7 @@ from __future__ import annotations
 import codecs
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from rlhf.errors import ConfigError
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 LOCAL_PREFIXES = ("/", "./", "../", "~")
+SPLIT_WORDS = ("train", "training", "test", "testing", "eval", "validation", "valid", "val", "dev")  # as in file names
 
 
 @dataclass
@@ -37,6 +39,45 @@ def missing_path_error(key: str, path: str) -> ConfigError:
     return ConfigError(
         f"{key}.path={path}: no such file or folder, relative to {os.getcwd()} (the launch folder); give an existing "
         f".jsonl, .json or .parquet file or a folder of them, or a hub dataset name such as openai/gsm8k"
+    )
+
+
+def _names_a_split(file: Path) -> bool:
+    """Whether a file's name holds a split word as a word of its own (`test.jsonl`, `train_prefs-0.parquet`)."""
+    return any(word in SPLIT_WORDS for word in re.split(r"[^a-z]+", file.stem.lower()))
+
+
+def _check_one_format(folder: Path, split: str, files: list[Path], key: str) -> list[Path]:
+    if len({LOCAL_FORMATS[p.suffix] for p in files}) > 1:
+        raise ConfigError(
+            f"{key}.path: {folder}: split {split!r} mixes file formats ({', '.join(p.name for p in files)}); "
+            f"keep one format (JSON Lines or Parquet) per split"
+        )
+    return files
+
+
+def folder_files(folder: Path, split: str, key: str, shown: str) -> list[Path] | None:
+    """The files of a local folder that make up ``split``: `<split>.<ext>` or `<split>-*.<ext>`, or, for `train`, every
+    file when no file name names a split (as `datasets` reads such a folder). None for a folder in the hub's layout
+    (prompt files only in subfolders), left to `datasets`; ConfigError for a folder without prompt files. ``shown``:
+    the path as the user gave it."""
+    top = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in LOCAL_FORMATS)
+    named = [p for p in top if p.stem == split or p.stem.startswith(split + "-")]
+    if named:
+        return _check_one_format(folder, split, named, key)
+    if top and split == "train" and not any(_names_a_split(p) for p in top):
+        return _check_one_format(folder, split, top, key)
+    if top:
+        raise ConfigError(
+            f"{key}.path={shown}: the folder has no file for split {split!r} (it holds "
+            f"{', '.join(p.name for p in top[:6])}{' ...' if len(top) > 6 else ''}); name the files {split}.jsonl or "
+            f"{split}-<n>.jsonl, or choose the split the files are named for"
+        )
+    if any(p.suffix in LOCAL_FORMATS for p in folder.rglob("*") if p.is_file()):
+        return None
+    raise ConfigError(
+        f"{key}.path={shown}: the folder holds no .jsonl, .json or .parquet file; put the prompt files there, or give "
+        f"one file"
     )
 
 

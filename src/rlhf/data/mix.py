@@ -24,10 +24,10 @@ from omegaconf import OmegaConf
 from rlhf.data.answers import GROUND_TRUTH_FORMATS, with_suffix
 from rlhf.data.cache import cache_folder, read_cache, write_cache
 from rlhf.data.config import DatasetConfig, DataSourceConfig
-from rlhf.data.files import LOCAL_FORMATS, FileRows, looks_local, missing_path_error, read_files
+from rlhf.data.files import LOCAL_FORMATS, FileRows, folder_files, looks_local, missing_path_error, read_files
 from rlhf.data.prompts import PromptExample, PromptSplits
 from rlhf.data.templates import resolve_template
-from rlhf.errors import require
+from rlhf.errors import ConfigError, require
 from rlhf.registry import register
 
 log = logging.getLogger("rlhf")
@@ -101,17 +101,6 @@ def source_label(src) -> str:
     return f"{src.path}[{src.split}]"
 
 
-def split_files(folder: Path, split: str) -> list[Path]:
-    """A folder's files for ``split``: `<split>.<ext>` or `<split>-*.<ext>` (any split name, e.g. test_prefs)."""
-    files = [
-        p for p in sorted(folder.iterdir())
-        if p.suffix in LOCAL_FORMATS and (p.stem == split or p.stem.startswith(split + "-"))
-    ]
-    if len({LOCAL_FORMATS[p.suffix] for p in files}) > 1:
-        raise ValueError(f"{folder}: split {split!r} mixes file formats {[p.name for p in files]}")
-    return files
-
-
 def read_source(src, key: str, strict: bool) -> FileRows | Any:
     """A source's split: its local files' rows (FileRows), or a `datasets` split (hub name, hub-layout folder)."""
     local = Path(src.path).expanduser()
@@ -121,15 +110,31 @@ def read_source(src, key: str, strict: bool) -> FileRows | Any:
         if src.split != "train":
             raise ValueError(f"{key}.split={src.split}: a single local file only has the split `train`")
         return read_files([local], key, strict)
-    if local.is_dir() and (files := split_files(local, src.split)):
-        return read_files(files, key, strict)
+    if local.is_dir() and (files := folder_files(local, src.split, key, src.path)):
+        return read_files(files, key, strict)  # each file checked as a single file is, its bad lines named
     if not local.is_dir() and looks_local(src.path):
         raise missing_path_error(key, src.path)
     from datasets import load_dataset  # 1.5 s to import (pandas, pyarrow): only hub datasets pay it
 
     if local.is_dir():
-        return load_dataset(str(local), split=src.split)
+        return read_hub_layout_folder(local, src, key)
     return load_dataset(src.path, src.subset, split=src.split, revision=src.revision)
+
+
+def read_hub_layout_folder(folder: Path, src, key: str):
+    """A local folder in the hub's layout (files in subfolders) read by `datasets`; its failures name the key."""
+    from datasets import load_dataset
+    from datasets.exceptions import DatasetGenerationError
+
+    try:
+        return load_dataset(str(folder), split=src.split)
+    except (DatasetGenerationError, FileNotFoundError, ValueError) as err:  # EmptyDatasetError is a FileNotFoundError
+        reason = str(err.__cause__ or err).strip().splitlines()
+        raise ConfigError(
+            f"{key}.path={src.path}: `datasets` could not read split {src.split!r} of this folder "
+            f"({reason[0] if reason else type(err).__name__}); put the split's .jsonl or .parquet files in the folder "
+            f"itself (named {src.split}.jsonl or {src.split}-<n>.jsonl) so each file and line is checked and named"
+        ) from None
 
 
 def load_rows(src, seed: int, sanity_check: int | None, key: str, strict: bool = False):
