@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
+import pytest
+from omegaconf import OmegaConf
+
+from rlhf.data.mix import MixDatasetConfig, mixed_dataset
 from rlhf.data.templates import BUILTIN_TEMPLATES, resolve_template, render_prompt
+from rlhf.errors import ConfigError
 from rlhf.models.tiny import build_char_tokenizer
 
 # A fixed conversation: a system turn, a user turn, an assistant answer and a follow-up user turn.
@@ -123,3 +128,43 @@ def test_rendered_text_does_not_depend_on_vocabulary(tok):
     ids = wide(text, add_special_tokens=False)["input_ids"]
     assert wide.unk_token_id not in ids, "the wide alphabet covers every character of the tulu prompt"
     assert wide.decode(ids) == text
+
+
+def test_a_jinja_file_with_a_syntax_error_names_the_key(tok, tmp_path):
+    """A .jinja file cut short was Jinja's TemplateSyntaxError; now a config error with Jinja's reason and line."""
+    path = tmp_path / "bad.jinja"
+    path.write_text("{% for m in messages %}{{ m.content ")
+    with pytest.raises(ConfigError) as err:
+        resolve_template(str(path), tok)
+    message = str(err.value)
+    assert message.startswith(
+        f"dataset.chat_template={path} fails on a one-message example conversation (TemplateSyntaxError at line 1: "
+    )
+    assert message.endswith("fix the template (Jinja over `messages`, a list of {role, content}, and "
+                            "`add_generation_prompt`) or choose tokenizer, simple_concat_with_space, tulu")
+    assert "\n" not in message
+
+
+def test_an_inline_template_calling_an_unknown_function_names_the_key(tok):
+    """`{{ nope(1) }}` compiles but fails to render: UndefinedError, named with the key."""
+    with pytest.raises(ConfigError) as err:
+        resolve_template("{{ nope(1) }}", tok)
+    assert str(err.value).startswith(
+        "dataset.chat_template='{{ nope(1) }}' fails on a one-message example conversation (UndefinedError: "
+        "'nope' is undefined); fix the template"
+    )
+
+
+def test_a_template_failing_on_one_row_names_the_row(tok, tmp_path, monkeypatch):
+    """A template that renders the example but not a row's conversation names the source and the row."""
+    monkeypatch.chdir(tmp_path)
+    Path("p.jsonl").write_text('{"prompt": "1+1="}\n{"prompt": "2+2="}\n')
+    template = "{% if messages[0]['content'] == '2+2=' %}{{ 1 + 'a' }}{% endif %}{{ messages[0]['content'] }}"
+    cfg = OmegaConf.structured(MixDatasetConfig(name="mix", path="p.jsonl", chat_template=template, cache_dir="cache"))
+    with pytest.raises(ConfigError) as err:
+        mixed_dataset(cfg, tok, 1)
+    message = str(err.value)
+    assert message.startswith(  # inline Jinja is shown quoted, cut at 60 characters
+        """dataset.chat_template="{% if messages[0]['content'] == '2+2=' %}{{ 1 + 'a' }}{% ..." fails on dataset source """
+        "p.jsonl[train], row 1 (TypeError: "
+    )

@@ -26,7 +26,7 @@ from rlhf.data.cache import cache_folder, read_cache, write_cache
 from rlhf.data.config import DatasetConfig, DataSourceConfig
 from rlhf.data.files import LOCAL_FORMATS, FileRows, folder_files, looks_local, missing_path_error, read_files
 from rlhf.data.prompts import PromptExample, PromptSplits
-from rlhf.data.templates import resolve_template
+from rlhf.data.templates import render_prompt, resolve_template
 from rlhf.errors import ConfigError, require
 from rlhf.registry import register
 
@@ -227,7 +227,7 @@ def to_examples(rows, src, cfg, tokenizer, template: str, skipped=()) -> tuple[l
             if len(report.bad_examples) < 3:
                 report.bad_examples.append(f"row {index}: {err}")
             continue
-        text = tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=False)
+        text = render_prompt(tokenizer, messages, template, cfg.chat_template, f"dataset source {report.source}, row {index}")
         ids = encode_prompt(tokenizer, text)
         if len(ids) > cfg.max_prompt_length:
             report.too_long += 1

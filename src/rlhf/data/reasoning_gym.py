@@ -16,7 +16,7 @@ from rlhf.data.answers import with_suffix
 from rlhf.data.config import DatasetConfig
 from rlhf.data.mix import SourceReport, encode_prompt, log_report
 from rlhf.data.prompts import PromptExample, PromptSplits
-from rlhf.data.templates import resolve_template
+from rlhf.data.templates import render_prompt, resolve_template
 from rlhf.errors import ConfigError
 from rlhf.registry import register
 
@@ -82,9 +82,7 @@ def task_examples(task: str, entries, cfg, tokenizer, template: str, split: str)
     examples = []
     for entry in entries:
         messages = with_suffix([{"role": "user", "content": entry["question"]}], cfg.prompt_suffix)
-        text = tokenizer.apply_chat_template(
-            messages, chat_template=template, add_generation_prompt=True, tokenize=False
-        )
+        text = render_prompt(tokenizer, messages, template, cfg.chat_template, f"a reasoning_gym {task} question")
         ids = encode_prompt(tokenizer, text)
         if len(ids) > cfg.max_prompt_length:
             report.too_long += 1

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rlhf.errors import ConfigError
+
 # One space between message contents; nothing marks the response (TL;DR-style completion prompts).
 SIMPLE_CONCAT_WITH_SPACE = (
     "{% for m in messages %}{% if not loop.first %} {% endif %}{{ m['content'] }}{% endfor %}"
@@ -27,9 +29,36 @@ TULU = (
 
 BUILTIN_TEMPLATES = {"simple_concat_with_space": SIMPLE_CONCAT_WITH_SPACE, "tulu": TULU}
 
+EXAMPLE_CONVERSATION = [{"role": "user", "content": "What is 1+1?"}]  # what every template must render
+
+
+def _shown(name: str) -> str:
+    """`dataset.chat_template`'s value as a message shows it: a name or path as is, inline Jinja quoted and cut short."""
+    if "{{" in name or "{%" in name:
+        return repr(name if len(name) <= 60 else name[:57] + "...")
+    return name
+
+
+def _template_error(name: str, where: str, err: Exception) -> ConfigError:
+    """The error for a template that fails to compile or render on ``where``, with Jinja's own reason and line."""
+    why = " ".join(str(getattr(err, "message", None) or err).split())
+    line = f" at line {err.lineno}" if getattr(err, "lineno", None) else ""
+    return ConfigError(
+        f"dataset.chat_template={_shown(name)} fails on {where} ({type(err).__name__}{line}: {why}); fix the template "
+        f"(Jinja over `messages`, a list of {{role, content}}, and `add_generation_prompt`) or choose tokenizer, "
+        f"{', '.join(BUILTIN_TEMPLATES)}"
+    )
+
 
 def resolve_template(name: str, tokenizer) -> str:
-    """The Jinja source for `dataset.chat_template`."""
+    """The Jinja source for `dataset.chat_template`, checked: it compiles and renders a one-message conversation."""
+    template = _template_source(name, tokenizer)
+    render_prompt(tokenizer, EXAMPLE_CONVERSATION, template, name=name, where="a one-message example conversation")
+    return template
+
+
+def _template_source(name: str, tokenizer) -> str:
+    """The Jinja source `dataset.chat_template` names (unchecked)."""
     if name == "tokenizer":
         template = getattr(tokenizer, "chat_template", None)
         if not template:
@@ -53,6 +82,12 @@ def resolve_template(name: str, tokenizer) -> str:
     )
 
 
-def render_prompt(tokenizer, messages: list[dict[str, str]], template: str) -> str:
-    """The prompt text for ``messages``, ending with the template's generation prompt."""
-    return tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=False)
+def render_prompt(tokenizer, messages: list[dict[str, str]], template: str, name: str = "", where: str = "") -> str:
+    """The prompt text for ``messages``, ending with the template's generation prompt. A template that fails is a
+    ConfigError naming `dataset.chat_template` (``name``, its value) and ``where`` (the conversation's row)."""
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=False)
+    except (TemplateError, TypeError) as err:  # a syntax error, an undefined name, a wrong operation on a value
+        raise _template_error(name or template, where or "a conversation", err) from None
