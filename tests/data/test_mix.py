@@ -378,8 +378,9 @@ def test_limit_that_removes_everything_errors(tokenizer):
     with pytest.raises(ValueError) as err:
         mixed_dataset(mix_cfg([src("a.jsonl")], max_prompt_length=3), tokenizer, 1)
     assert str(err.value) == (
-        "no training prompt is left: 5 rows read, 4 longer than dataset.max_prompt_length=3, 1 bad; "
-        "raise the limit or check the columns"
+        "no training prompt is left: 5 rows read, 4 longer than dataset.max_prompt_length=3, 1 bad (column 'prompt': "
+        "missing in 1 row; the rows have columns answer); raise dataset.max_prompt_length, or set dataset.prompt_key "
+        "to the column holding the prompt string (or dataset.sft_messages_key to a column holding a conversation)"
     )
 
 

@@ -442,3 +442,57 @@ def test_a_hub_layout_folder_that_datasets_cannot_read_names_the_key(tokenizer):
     message = one_paragraph(err)
     assert message.startswith("dataset.path=data: `datasets` could not read split 'train' of this folder (")
     assert message.endswith("so each file and line is checked and named")
+
+
+def question_rows(n: int) -> list[str]:
+    """``n`` rows `{"question": ..., "answer": ...}`: no `prompt` column."""
+    return [json.dumps({"question": f"{a}+1=", "answer": str(a + 1)}) for a in range(n)]
+
+
+def test_every_row_missing_the_prompt_column_says_which_column_and_key(tokenizer):
+    """The default prompt_key on question/answer rows: the error names the reason, the columns and the key to set."""
+    write_jsonl("p.jsonl", question_rows(200))
+    with pytest.raises(ConfigError) as err:
+        mixed_dataset(path_cfg("p.jsonl", max_prompt_length=60), tokenizer, 1)
+    assert one_paragraph(err) == (
+        "no training prompt is left: 200 rows read, 0 longer than dataset.max_prompt_length=60, 200 bad (column "
+        "'prompt': missing in 200 rows; the rows have columns question, answer); set dataset.prompt_key to the column "
+        "holding the prompt string (or dataset.sft_messages_key to a column holding a conversation)"
+    )
+
+
+def test_every_row_missing_the_ground_truth_column_names_ground_truth_key(tokenizer):
+    write_jsonl("p.jsonl", [json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1)}) for a in range(200)])
+    with pytest.raises(ConfigError) as err:
+        mixed_dataset(path_cfg("p.jsonl", ground_truth_key="nope"), tokenizer, 1)
+    assert one_paragraph(err) == (
+        "no training prompt is left: 200 rows read, 0 longer than dataset.max_prompt_length=64, 200 bad (column "
+        "'nope': missing in 200 rows; the rows have columns prompt, answer); set dataset.ground_truth_key to the "
+        "column holding the answer (and dataset.ground_truth_format to how it is written)"
+    )
+
+
+def test_mixed_reasons_give_the_two_commonest_and_malformed_lines(tokenizer):
+    """Three missing prompts, two malformed lines, one empty prompt: the two commonest reasons and their fixes."""
+    write_jsonl("p.jsonl", [*question_rows(3), "{oops", "[1]", json.dumps({"prompt": ""})])
+    with pytest.raises(ConfigError) as err:
+        mixed_dataset(path_cfg("p.jsonl"), tokenizer, 1)
+    assert one_paragraph(err) == (
+        "no training prompt is left: 6 rows read, 0 longer than dataset.max_prompt_length=64, 6 bad (column 'prompt': "
+        "missing in 3 rows; a malformed JSON Lines line in 2 rows; the rows have columns question, answer, prompt); "
+        "set dataset.prompt_key to the column holding the prompt string (or dataset.sft_messages_key to a column "
+        "holding a conversation), or fix the malformed lines the log names"
+    )
+
+
+def test_all_bad_rows_stop_the_run_before_models_load(monkeypatch):
+    """Through build_components (exit 2): the reason reaches the user, not only the counts."""
+    write_jsonl("p.jsonl", question_rows(20))
+    cfg = compose_config([
+        "dataset=jsonl", "dataset.path=p.jsonl", "dataset.ground_truth_key=answer", "dataset.cache_dir=cache",
+        "dataset.chat_template=simple_concat_with_space", "dataset.max_prompt_length=60",
+    ])
+    monkeypatch.setattr("rlhf.run.build.build_local_models", lambda *a, **k: pytest.fail("models were built"))
+    with pytest.raises(ConfigError, match=r"20 bad \(column 'prompt': missing in 20 rows; the rows have columns "
+                                          r"question, answer\); set dataset\.prompt_key to"):
+        build_components(cfg, validate(cfg))

@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import random
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -95,6 +96,53 @@ class SourceReport:
     too_long: int = 0  # rows dropped by max_prompt_length
     kept: int = 0  # rows that became prompts
     bad_examples: list[str] = field(default_factory=list)  # the first few reasons, for the log
+
+
+MALFORMED_LINE = "a malformed JSON Lines line"  # the reason counted for each line files.py skipped
+
+COLUMN_FIXES = {  # the key that names a bad row's column -> how to set it
+    "dataset.prompt_key": "set dataset.prompt_key to the column holding the prompt string (or dataset.sft_messages_key "
+                          "to a column holding a conversation)",
+    "dataset.sft_messages_key": "set dataset.sft_messages_key to the column holding a list of {role, content} messages "
+                                "(or dataset.prompt_key to a column holding the prompt string)",
+    "dataset.ground_truth_key": "set dataset.ground_truth_key to the column holding the answer (and "
+                                "dataset.ground_truth_format to how it is written)",
+    "dataset.path": "fix the malformed lines the log names",
+}
+
+
+@dataclass
+class BadRowTally:
+    """Why rows were bad, over the training sources: what the error says when no training prompt is left."""
+
+    reasons: Counter = field(default_factory=Counter)  # "column 'prompt': missing" -> rows
+    keys: dict[str, str] = field(default_factory=dict)  # reason -> the key that names its column (a COLUMN_FIXES key)
+    columns: dict[str, None] = field(default_factory=dict)  # the bad rows' columns, in first-seen order
+
+    def add(self, reason: str, key: str, row: dict[str, Any] | None = None) -> None:
+        self.reasons[reason] += 1
+        self.keys.setdefault(reason, key)
+        self.columns.update(dict.fromkeys(row or ()))
+
+    def summary(self, most: int = 2) -> str:
+        """The commonest reasons with their counts, and the columns the bad rows have."""
+        parts = [f"{why} in {n} row{'s' if n != 1 else ''}" for why, n in self.reasons.most_common(most)]
+        if self.columns:
+            names = list(self.columns)
+            parts.append(f"the rows have columns {', '.join(names[:12])}{' ...' if len(names) > 12 else ''}")
+        return "; ".join(parts)
+
+    def fixes(self, most: int = 2) -> list[str]:
+        """How to set the key behind each of the commonest reasons, once per key."""
+        keys = dict.fromkeys(self.keys[why] for why, _ in self.reasons.most_common(most))
+        return [COLUMN_FIXES[key] for key in keys]
+
+
+def column_key(cfg, column: str, from_prompt: bool) -> str:
+    """The key that named a bad row's ``column``: the prompt's (`sft_messages_key` or `prompt_key`) or the answer's."""
+    if not from_prompt:
+        return "dataset.ground_truth_key"
+    return "dataset.sft_messages_key" if cfg.sft_messages_key else "dataset.prompt_key"
 
 
 def source_label(src) -> str:
@@ -211,19 +259,28 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"]
 
 
-def to_examples(rows, src, cfg, tokenizer, template: str, skipped=()) -> tuple[list[PromptExample], SourceReport]:
-    """Prompts from one source's rows, with the report of what was dropped and why (``skipped``: malformed lines)."""
+def to_examples(
+    rows, src, cfg, tokenizer, template: str, skipped=(), tally: BadRowTally | None = None,
+) -> tuple[list[PromptExample], SourceReport]:
+    """Prompts from one source's rows, with the report of what was dropped and why (``skipped``: malformed lines;
+    ``tally``: where to count the bad rows' reasons)."""
     report = SourceReport(source_label(src), src.split, rows=len(rows) + len(skipped), bad_rows=len(skipped))
     report.bad_examples = list(skipped[:3])
+    tally = tally if tally is not None else BadRowTally()
+    for _ in skipped:
+        tally.add(MALFORMED_LINE, "dataset.path")
     examples = []
     for index, row in rows:
+        from_prompt = True
         try:
             messages = with_suffix(row_messages(row, cfg), cfg.prompt_suffix)
+            from_prompt = False
             ground_truth = row_ground_truth(row, cfg)
         except BadRow as err:
             if cfg.strict:
                 raise ValueError(f"dataset source {report.source}, row {index}: {err} (dataset.strict=true)") from None
             report.bad_rows += 1
+            tally.add(str(err), column_key(cfg, err.column, from_prompt), row)
             if len(report.bad_examples) < 3:
                 report.bad_examples.append(f"row {index}: {err}")
             continue
@@ -273,25 +330,31 @@ def cache_key(cfg, seed: int, template: str, tokenizer, sources: dict[str, list]
     return hashlib.sha256(json.dumps(shaping, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
+def no_prompt_left_error(cfg, reports: list[dict], tally: BadRowTally) -> ConfigError:
+    """The error when every training row was bad or too long: the counts, the commonest reasons and the keys to set."""
+    rows, too_long, bad = (sum(r[k] for r in reports) for k in ("rows", "too_long", "bad_rows"))
+    reasons = f" ({tally.summary()})" if bad else ""
+    fixes = (["raise dataset.max_prompt_length"] if too_long else []) + (tally.fixes() if bad else [])
+    return ConfigError(
+        f"no training prompt is left: {rows} rows read, {too_long} longer than dataset.max_prompt_length="
+        f"{cfg.max_prompt_length}, {bad} bad{reasons}; {', or '.join(fixes) or 'add rows'}"
+    )
+
+
 def build_splits(cfg, tokenizer, seed: int, sources: dict[str, list], path_key: bool = False) -> PromptSplits:
     """Load, mix, render, tokenise and filter every source (no cache); ``path_key``: the one source is `dataset.path`."""
     template = resolve_template(cfg.chat_template, tokenizer)
     out: dict[str, list[PromptExample]] = {"train": [], "eval": []}
-    reports = []
+    reports, tally = [], BadRowTally()
     for split, srcs in sources.items():
         for i, src in enumerate(srcs):
             key = "dataset" if path_key and split == "train" else f"dataset.{split}[{i}]"
             rows, skipped = load_rows(src, seed, cfg.sanity_check, key, cfg.strict)
-            examples, report = to_examples(rows, src, cfg, tokenizer, template, skipped)
+            examples, report = to_examples(rows, src, cfg, tokenizer, template, skipped, tally if split == "train" else None)
             out[split] += examples
             reports.append({"role": split, **asdict(report)})
     if not out["train"]:
-        raise ValueError(
-            f"no training prompt is left: {sum(r['rows'] for r in reports if r['role'] == 'train')} rows read, "
-            f"{sum(r['too_long'] for r in reports if r['role'] == 'train')} longer than dataset.max_prompt_length="
-            f"{cfg.max_prompt_length}, {sum(r['bad_rows'] for r in reports if r['role'] == 'train')} bad; "
-            "raise the limit or check the columns"
-        )
+        raise no_prompt_left_error(cfg, [r for r in reports if r["role"] == "train"], tally)
     train, eval_ = out["train"], out["eval"]
     if not sources["eval"] and cfg.eval_holdout > 0:
         shuffled = train[:]
