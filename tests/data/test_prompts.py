@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -154,3 +156,25 @@ def test_arith_rejects_too_small_max_prompt_length(tokenizer):
     assert len(arith_dataset(dataset_cfg(max_operand=9, max_prompt_length=longest), tokenizer).train) == 100
     with pytest.raises(ValueError, match="dataset.max_prompt_length"):
         arith_dataset(dataset_cfg(max_operand=9, max_prompt_length=longest - 1), tokenizer)
+
+
+def test_a_step_larger_than_the_split_warns_once(caplog):
+    """9 prompts against 16 per step (a 10-row file less its hold-out): one warning names the key and the counts."""
+    stream = PromptStream(make_examples(9), seed=1)
+    with caplog.at_level(logging.WARNING, logger="rlhf"):
+        first = texts(stream.next_batch(16))
+        stream.next_batch(16)
+    assert len(first) == 16 and len(set(first)) == 9
+    [record] = caplog.records
+    assert record.getMessage() == (
+        "the training split has 9 prompts, fewer than the 16 a step draws (train.prompts_per_step), so every step "
+        "trains some prompts more than once; add prompts, or set train.prompts_per_step<=9"
+    )
+
+
+def test_a_step_that_fits_the_split_does_not_warn(caplog):
+    stream = PromptStream(make_examples(16), seed=1)
+    with caplog.at_level(logging.WARNING, logger="rlhf"):
+        for _ in range(5):
+            stream.next_batch(16)
+    assert not caplog.records

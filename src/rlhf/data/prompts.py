@@ -6,10 +6,13 @@ and returns a `PromptSplits`.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+log = logging.getLogger("rlhf")
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class PromptStream:
         self._order = self._permutation(0)
         self._ids: dict[str, int] | None = None  # prompt text -> index in ``examples``, built on first use
         self.replay: list[int] = []  # indices drawn again before the stream goes on (drawn but never trained before a resume)
+        self._warned_short = False  # warn_if_short has warned
 
     def _permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
@@ -52,6 +56,7 @@ class PromptStream:
     def next_batch(self, size: int) -> list[PromptExample]:
         """``size`` prompts; a batch may span the end of one epoch and the start of the next. Prompts to `replay` come
         first."""
+        self.warn_if_short(size)
         batch = [self.examples[i] for i in self.replay[:size]]
         del self.replay[:size]
         while len(batch) < size:
@@ -63,6 +68,18 @@ class PromptStream:
             batch.extend(self.examples[i] for i in self._order[self.position : self.position + take])
             self.position += take
         return batch
+
+    def warn_if_short(self, prompts_per_step: int) -> None:
+        """Warn once when a step draws more prompts than the training split holds: some then repeat within the step.
+        A warning, not an error: a tiny dataset is legitimate for a smoke run."""
+        if prompts_per_step <= len(self.examples) or self._warned_short:
+            return
+        self._warned_short = True
+        log.warning(
+            "the training split has %d prompts, fewer than the %d a step draws (train.prompts_per_step), so every step "
+            "trains some prompts more than once; add prompts, or set train.prompts_per_step<=%d",
+            len(self.examples), prompts_per_step, len(self.examples),
+        )
 
     def state_dict(self) -> dict:
         """Where the stream stands (and what it replays first, when anything); the order follows from (seed, epoch)."""
