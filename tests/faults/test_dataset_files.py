@@ -3,7 +3,9 @@
 A corrupt cache entry is deleted and rebuilt (naming the file); an empty, binary or malformed JSON Lines / Parquet
 file is a ConfigError naming the key, the file, the line and the fix (with dataset.strict=false a malformed line is
 counted and skipped like any bad row); a local-looking path that does not exist never reaches the hub; and
-dataset.max_prompt_length must leave room for generator.max_new_tokens in the model's context.
+dataset.max_prompt_length must leave room for generator.max_new_tokens in the model's context. A folder is read as
+its files are (each bad line named by file and line; an empty folder named by its key), a UTF-8 byte-order mark is
+read, and training rows that are all bad name the commonest reason and the key to set.
 Every test runs in its own folder, with `datasets`' cache there and the hub switched off.
 """
 
