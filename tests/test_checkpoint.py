@@ -134,10 +134,16 @@ def test_complete_checkpoints_sort_by_step_number(tmp_path):
 # --- resume_path --------------------------------------------------------------------------------------
 
 
-def test_resume_none_starts_fresh_even_with_checkpoints(tmp_path):
-    """resume=None ignores existing checkpoints."""
-    make_step_dir(tmp_path, "step_00000001")
+def test_a_fresh_start_where_checkpoints_are_is_refused_and_leaves_them(tmp_path):
+    """resume=None in a folder holding complete checkpoints is a config error (its first save would delete them as an
+    abandoned future); before, the run started and pruned them. Incomplete folders do not count."""
+    make_step_dir(tmp_path, "step_00000003", complete=False)
     assert resume_path(resume_cfg(None), tmp_path) is None
+    held = make_step_dir(tmp_path, "step_00000002")
+    with pytest.raises(ConfigError, match=r"^resume=null starts a fresh run, but .* holds 1 checkpoint\(s\) of an earlier run "
+                                          r"\(the newest step_00000002\).*continue that run with resume=auto"):
+        resume_path(resume_cfg(None), tmp_path)
+    assert (held / STATE_FILE).is_file()
 
 
 @pytest.mark.parametrize("create_root", [False, True], ids=["missing", "empty"])

@@ -92,7 +92,7 @@ def run_schedule(cfg, out: Path, sizes, schedule, components, root: Path, resume
     """Resume if asked, run the schedule with tracking, export the final policy. Returns the final RunState."""
     state = RunState(guard=NonFiniteGuard(cfg.train.max_skipped_steps_in_row))
     if resume_from is not None:
-        state = RunState.from_dict(checkpoint.load(components, resume_from), cfg.train.max_skipped_steps_in_row)
+        state = RunState.from_dict(checkpoint.load(components, resume_from, cfg.checkpoint.allow_config_change), cfg.train.max_skipped_steps_in_row)
         resumed(components.generator, state.step)
         components.generator.update_weights(components.policy.state_dict())  # the generator's first push
     parity.gate(components, cfg)  # before the first step: the generator samples what the trainer scores

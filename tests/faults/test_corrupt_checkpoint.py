@@ -90,3 +90,57 @@ def test_a_checkpoint_missing_its_optimiser_state_is_skipped_by_resume_auto(run_
         state = train(compose_config([*SMALL, "train.num_steps=5", "resume=auto"]), run_dir)
     assert f"{broken / 'policy' / 'optim.pt'} is missing" in caplog.text
     assert state.step == 5 and "starting at step 2" in caplog.text
+
+
+@pytest.mark.parametrize("damage", ["weights deleted", "policy folder deleted", "optimiser state shortened", "config not YAML"])
+def test_a_checkpoint_missing_what_its_save_wrote_is_skipped_naming_the_file(run_dir, caplog, damage):
+    """trainer_state.json lists every file the save wrote, with its size: a file deleted or changed since is named and
+    the checkpoint skipped (before, a deleted weights file passed the checks and the run failed once the models had
+    loaded, advising the same resume again); a recorded config.yaml that does not parse is named too."""
+    broken = run_dir / "checkpoints" / "step_00000004"
+    if damage == "weights deleted":
+        (broken / WEIGHTS).unlink()
+        named = broken / WEIGHTS
+    elif damage == "policy folder deleted":
+        shutil.rmtree(broken / "policy")
+        named = broken / "policy"
+    elif damage == "optimiser state shortened":  # a torch file still readable as a zip, but not the one saved
+        import torch
+
+        torch.save({}, broken / "policy" / "optim.pt")
+        named = broken / "policy" / "optim.pt"
+    else:
+        (broken / "config.yaml").write_text("train: {lr: [")
+        named = broken / "config.yaml"
+    cfg = compose_config([*SMALL, "train.num_steps=5", "resume=auto"])
+    from rlhf.run.checkpoint import resume_path
+
+    with caplog.at_level(logging.WARNING, logger="rlhf"):
+        assert resume_path(cfg, run_dir / "checkpoints") == run_dir / "checkpoints" / "step_00000002"
+    assert str(named) in caplog.text
+    with pytest.raises(ConfigError, match="the checkpoint is corrupt"):
+        resume_path(compose_config([*SMALL, "train.num_steps=5", f"resume={broken}"]), run_dir / "checkpoints")
+
+
+def test_a_removal_cut_short_leaves_no_step_folder_missing_files_and_the_next_save_clears_it(run_dir, monkeypatch):
+    """Pruning renames a checkpoint to a `.tmp-` name before deleting it: a prune stopped half way (kill -9) leaves no
+    step folder that lacks some of its files (before, a step folder holding only config.yaml stayed forever)."""
+    import os
+
+    from rlhf.run import checkpoint
+
+    root = run_dir / "checkpoints"
+    older = root / "step_00000002"
+
+    def stopped(path, ignore_errors=False):
+        raise KeyboardInterrupt  # the removal stops before deleting anything
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint._remove(older)
+    monkeypatch.undo()
+    assert not older.exists() and [p.name for p in complete_checkpoints(root)] == ["step_00000004"]
+    leftover = [p.name for p in root.iterdir() if p.name.startswith(".tmp-removing-step_00000002")]
+    assert leftover == [f".tmp-removing-step_00000002-{os.getpid()}"]
+    train(compose_config([*SMALL, "train.num_steps=5", "resume=auto"]), run_dir)
+    assert not any(p.name.startswith(".tmp-") for p in root.iterdir())

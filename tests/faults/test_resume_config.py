@@ -119,3 +119,31 @@ def test_a_fresh_start_sets_an_earlier_runs_records_aside_instead_of_appending(t
     assert "a fresh start in" in caplog.text and "previous_run_1" in caplog.text
     Tracker(run, tensorboard=False).close()  # another fresh start: the next free folder
     assert (run / "previous_run_2" / "metrics.jsonl").is_file()
+
+
+def test_a_fresh_start_in_a_folder_holding_checkpoints_is_refused_before_any_model_loads(run_dir, monkeypatch):
+    """Before, resume=null in such a folder trained, moved the old records aside and deleted the old checkpoints at
+    its first save ("it belongs to the run that was resumed from an earlier step")."""
+    monkeypatch.setattr("rlhf.train.build_components", lambda *a, **k: pytest.fail("a model loaded before the refusal"))
+    with pytest.raises(ConfigError, match=r"resume=null starts a fresh run, but .*step_00000002.*resume=auto"):
+        train(compose_config([*SMALL, "train.num_steps=4"]), run_dir)
+    assert [p.name for p in complete_checkpoints(run_dir / "checkpoints")] == ["step_00000002"]
+
+
+@pytest.mark.parametrize("change", ["model.name_or_path=builtin:tiny_count", "policy.lora.alpha=32", "dataset.max_operand=5"])
+def test_another_model_lora_setting_or_dataset_is_refused_like_the_batch_keys(run_dir, change, monkeypatch):
+    """Before, these were only listed: a resume onto another model trained against another KL reference, another
+    alpha rescaled the adapters, and another dataset failed once the models had loaded."""
+    monkeypatch.setattr("rlhf.train.build_components", lambda *a, **k: pytest.fail("a model loaded before the refusal"))
+    with pytest.raises(ConfigError, match=rf"^resume from .*{change.split('=')[0]}: .*-> .*checkpoint.allow_config_change=true"):
+        train(compose_config([*SMALL, "train.num_steps=4", "resume=auto", change]), run_dir)
+
+
+def test_allow_config_change_with_another_dataset_starts_the_prompt_stream_over(run_dir, caplog):
+    """Before, checkpoint.allow_config_change=true passed the config check and the run then failed on the prompt
+    stream's size, after the models had loaded."""
+    with caplog.at_level(logging.WARNING, logger="rlhf"):
+        state = train(compose_config([*SMALL, "train.num_steps=3", "resume=auto", "dataset.max_operand=5",
+                                      "checkpoint.allow_config_change=true"]), run_dir)
+    assert state.step == 3
+    assert "the prompt stream starts over" in caplog.text

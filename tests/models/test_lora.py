@@ -134,7 +134,8 @@ def test_a_partial_push_still_catches_a_tensor_that_never_arrived(monkeypatch, t
     (["policy.lora.rank=0"], r"policy\.lora\.rank=0: a LoRA rank must be a positive integer"),
     (["policy.lora.rank=-4"], r"policy\.lora\.rank=-4"),
     (["policy.lora.rank=8", "policy.lora.alpha=0"], r"policy\.lora\.alpha=0\.0 must be > 0"),
-    (["policy.lora.rank=8", "policy.lora.dropout=1.0"], r"policy\.lora\.dropout=1\.0 must be in \[0, 1\)"),
+    (["policy.lora.rank=8", "policy.lora.dropout=1.0"], r"policy\.lora\.dropout=1\.0: dropout makes"),
+    (["policy.lora.rank=8", "policy.lora.dropout=0.1"], r"policy\.lora\.dropout=0\.1: dropout makes the trainer's logprobs random .* set policy\.lora\.dropout=0$"),
     (["policy.lora.rank=8", "policy.lora.target_modules=[]"], r"policy\.lora\.target_modules is empty"),
 ])
 def test_bad_lora_values_are_refused_naming_the_key(overrides, message):

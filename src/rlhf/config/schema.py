@@ -71,7 +71,7 @@ class RewardConfig:
 class LoraConfig:
     rank: Optional[int] = None  # LoRA rank: train low-rank adapters (peft) instead of every weight; null = full fine-tuning
     alpha: float = 16.0  # LoRA scaling numerator: the adapter's update is scaled by alpha / rank
-    dropout: float = 0.0  # dropout on the adapters' input while training
+    dropout: float = 0.0  # dropout on the adapters' input: must be 0 (RL logprobs must be deterministic given the weights); a PEFT habit of 0.05 is refused with the reason
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # module names (suffixes) that get adapters; all-linear = every attention and MLP linear layer
 
 
@@ -135,7 +135,7 @@ class CheckpointConfig:
     keep_last: int = 2  # newest checkpoints kept; 0 keeps all
     dir: Optional[str] = None  # checkpoint folder; null = <run folder>/checkpoints
     save_final_model: bool = True  # export the final policy as a Hugging Face folder <run folder>/final_model
-    allow_config_change: bool = False  # resume even when seed, batch sizes or algorithm.* differ from the checkpoint's config (no exact resume)
+    allow_config_change: bool = False  # resume even when seed, batch sizes, algorithm.*, the models, LoRA settings or dataset.* differ from the checkpoint's config (no exact resume; another dataset starts the prompt stream over)
 
 
 @dataclass

@@ -45,15 +45,20 @@ def enabled(lora_cfg) -> bool:
 
 
 def check_values(lora_cfg, key: str = "policy.lora") -> None:
-    """ConfigError for a rank, alpha or dropout out of range (cheap: no model needed)."""
+    """ConfigError for a rank, alpha or dropout out of range (cheap: no model needed). Dropout must be 0: RL logprobs
+    are deterministic given the weights."""
     if not enabled(lora_cfg):
         return
     if lora_cfg.rank <= 0:
         raise ConfigError(f"{key}.rank={lora_cfg.rank}: a LoRA rank must be a positive integer (8 or 16 are usual); null trains every weight")
     if lora_cfg.alpha <= 0:
         raise ConfigError(f"{key}.alpha={lora_cfg.alpha} must be > 0 (the update is scaled by alpha / rank; 2 x rank is usual)")
-    if not 0.0 <= lora_cfg.dropout < 1.0:
-        raise ConfigError(f"{key}.dropout={lora_cfg.dropout} must be in [0, 1)")
+    if lora_cfg.dropout != 0.0:
+        raise ConfigError(
+            f"{key}.dropout={lora_cfg.dropout}: dropout makes the trainer's logprobs random for the same weights, so the "
+            f"generator-trainer parity check, the gap watch and the importance ratios would read noise (every dropout of "
+            f"the models is off for that reason; a resume's parity check refuses such a run); set {key}.dropout=0"
+        )
     if not lora_cfg.target_modules:
         raise ConfigError(f"{key}.target_modules is empty; name module suffixes such as [q_proj, v_proj], or [{ALL_LINEAR}]")
 
@@ -184,7 +189,10 @@ def load_adapters(model: torch.nn.Module, saved: dict[str, torch.Tensor], path: 
     result = set_peft_model_state_dict(model, saved, adapter_name=ADAPTER)
     missing, unexpected = sorted(trained & set(result.missing_keys)), sorted(result.unexpected_keys)
     if missing or unexpected or not saved:
-        raise ValueError(f"checkpoint {path} does not match the model's LoRA adapters: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise ConfigError(
+            f"checkpoint {path} does not match the model's LoRA adapters: missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]}; resume with the LoRA settings it trained (<role>.lora.* as its config.yaml records)"
+        )
 
 
 def to_model_names(saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

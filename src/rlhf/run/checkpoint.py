@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 
 from rlhf.disk import free_bytes, fsync_dir, fsync_tree, megabytes, no_space_error, out_of_space, tree_bytes
 from rlhf.errors import ConfigError, NoSpaceError
@@ -50,8 +51,18 @@ def complete_checkpoints(root: Path) -> list[Path]:
 
 
 def resume_path(cfg, root: Path) -> Path | None:
-    """The checkpoint `resume` asks for: None (fresh), the newest under ``root`` (auto), or a given folder."""
+    """The checkpoint `resume` asks for: None (fresh), the newest under ``root`` (auto), or a given folder.
+
+    A fresh start where ``root`` already holds complete checkpoints is refused: its first save would prune them as an
+    abandoned future (`_prune`), losing the earlier run."""
     if cfg.resume is None:
+        held = complete_checkpoints(root)
+        if held:
+            raise ConfigError(
+                f"resume=null starts a fresh run, but {root} holds {len(held)} checkpoint(s) of an earlier run (the newest "
+                f"{held[-1].name}), which its first save would delete; continue that run with resume=auto, start this one "
+                f"in another folder (hydra.run.dir=... or checkpoint.dir=...), or delete {root} to start over"
+            )
         return None
     if cfg.resume == "auto":
         return newest_loadable(root)
@@ -82,13 +93,16 @@ def newest_loadable(root: Path) -> Path | None:
         broken.append(problem)
     raise ConfigError(
         f"resume=auto: no checkpoint in {root} loads ({'; '.join(broken)}); move the broken folders away, "
-        f"or start fresh with resume=null"
+        f"or start fresh in another folder (hydra.run.dir=... or checkpoint.dir=...)"
     )
 
 
 def checkpoint_problem(path: Path) -> str | None:
-    """Why checkpoint ``path`` would not load, naming the file, or None; reads headers only, never the tensors."""
-    problems = [_state_problem(path / STATE_FILE)]
+    """Why checkpoint ``path`` would not load, naming the file, or None; reads headers only, never the tensors.
+
+    Every file the save listed in `trainer_state.json` must be there at the size it was written (a file deleted or
+    cut short since, a prune stopped half way), and the recorded config must parse."""
+    problems = [_state_problem(path / STATE_FILE), _listed_files_problem(path), _config_problem(path / CONFIG_FILE)]
     if not (path / "rng.pt").is_file():
         problems.append(f"{path / 'rng.pt'} is missing")
     for model in sorted(p.parent for p in path.glob("*/model")):  # a trained model: its optimiser state beside it
@@ -107,6 +121,35 @@ def _state_problem(file: Path) -> str | None:
         return f"{file} is unreadable or truncated ({err})"
     missing = [k for k in STATE_KEYS if not isinstance(state, dict) or k not in state]
     return f"{file} lacks {', '.join(missing)}" if missing else None
+
+
+def _listed_files_problem(path: Path) -> str | None:
+    """The first file `trainer_state.json`'s "files" lists that is missing or not of the size saved (checkpoints
+    written before the list: not checked), or None."""
+    try:
+        listed = json.loads((path / STATE_FILE).read_text(encoding="utf-8")).get("files", {})
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None  # `_state_problem` names it
+    for name, size in listed.items():
+        file = path / name
+        if name == CONFIG_FILE:
+            continue  # optional: a checkpoint without one resumes with a warning (`preflight.check_resume`)
+        if not file.is_file():
+            return f"{file} is missing (the save wrote it)"
+        if file.stat().st_size != size:
+            return f"{file} holds {file.stat().st_size} bytes, the save wrote {size}"
+    return None
+
+
+def _config_problem(file: Path) -> str | None:
+    """Why the recorded `config.yaml` does not parse, or None (a checkpoint without one loads: older saves)."""
+    if not file.is_file():
+        return None
+    try:
+        yaml.safe_load(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        return f"{file} is unreadable or not YAML ({str(err).splitlines()[0]})"
+    return None
 
 
 def _torch_file_problem(file: Path) -> str | None:
@@ -235,6 +278,7 @@ def _write_state(c, tmp: Path, step: int, run_state: dict[str, Any], stream_stat
         "algorithm": c.algorithm.state_dict() if hasattr(c.algorithm, "state_dict") else {},
         "rewards": stream_states["rewards"] if stream_states else c.rewards.state_dict(),
         "rng": _json_rng(rng),
+        "files": {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()},
     }
     with open(tmp / STATE_FILE, "w", encoding="utf-8") as f:  # written last: its presence marks completeness
         json.dump(state, f)
@@ -257,21 +301,46 @@ def _prune(root: Path, step: int, keep_last: int) -> None:
     for newer in [p for p in complete_checkpoints(root) if int(p.name[5:]) > step]:
         # a run resumed from an older checkpoint has abandoned these; keeping them would make resume=auto jump ahead
         log.warning("removing %s: it belongs to the run that was resumed from an earlier step", newer)
-        shutil.rmtree(newer, ignore_errors=True)
+        _remove(newer)
     if keep_last > 0:
         for old in complete_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
 
 
-def load(c, path: Path) -> dict[str, Any]:
-    """Restore every component and RNG from ``path``; returns the run state saved with it."""
+def load_prompt_stream(prompts, saved: dict, path: Path, new_prompts: bool) -> None:
+    """Put the prompt stream where checkpoint ``path`` left it (``saved``), when it draws from the same prompts in
+    the same order (size and seed); otherwise ConfigError, or with ``new_prompts`` a warning and a fresh stream."""
+    now = prompts.state_dict()
+    if (saved["size"], saved["seed"]) == (now["size"], now["seed"]):
+        prompts.load_state_dict(saved)
+        return
+    differs = f"the checkpoint's prompt stream had {saved['size']} prompts and seed {saved['seed']}, this run's has {now['size']} and seed {now['seed']}"
+    if not new_prompts:
+        raise ConfigError(
+            f"resume from {path}: {differs} (the dataset's files changed?), so resuming would replay or skip prompts; "
+            f"restore the data, or set checkpoint.allow_config_change=true to start the prompt stream over"
+        )
+    log.warning("resume: %s; checkpoint.allow_config_change=true: the prompt stream starts over", differs)
+
+
+def _remove(checkpoint: Path) -> None:
+    """Delete a checkpoint folder: renamed to a `.tmp-` name first, so a removal cut short never leaves a step folder
+    missing some of its files (the next save clears `.tmp-` folders)."""
+    doomed = checkpoint.with_name(f".tmp-removing-{checkpoint.name}-{os.getpid()}")
+    os.replace(checkpoint, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def load(c, path: Path, new_prompts: bool = False) -> dict[str, Any]:
+    """Restore every component and RNG from ``path``; returns the run state saved with it. ``new_prompts``
+    (`checkpoint.allow_config_change`): a prompt stream unlike the checkpoint's starts over instead of refusing."""
     state = json.loads((path / STATE_FILE).read_text())
     c.policy.load_checkpoint(path / "policy")
     if c.critic is not None:
         if not (path / "critic").is_dir():
             raise ConfigError(f"resume: {path} has no critic state, but this run trains a critic")
         c.critic.load_checkpoint(path / "critic")
-    c.prompts.load_state_dict(state["prompts"])
+    load_prompt_stream(c.prompts, state["prompts"], path, new_prompts)
     if hasattr(c.algorithm, "load_state_dict"):
         c.algorithm.load_state_dict(state.get("algorithm", state.get("estimator")))  # older checkpoints: "estimator"
     c.rewards.load_state_dict(state["rewards"])

@@ -44,7 +44,12 @@ ROW_OVERHEAD = 200  # the JSON keys and numbers around one logged completion
 EVAL_PROMPTS_IF_ALL = 1000  # eval.max_prompts=null: the split's size is unknown before the data loads; assumed
 STATE_COPIES = 3  # a trained parameter's checkpoint: its weight and AdamW's two moments, each in the model's dtype
 # keys whose change makes a resumed run diverge from the run it continues
-EXACT_RESUME_KEYS = ("seed", "train.*batch*", "train.prompts_per_step", "algorithm.*")
+EXACT_RESUME_KEYS = (  # what a resumed run must share with its checkpoint to continue the same training
+    "seed", "train.*batch*", "train.prompts_per_step", "algorithm.*",  # the batches and the update
+    "model.name_or_path", "model.tokenizer", "reference.name_or_path", "critic.name_or_path", "teacher.name_or_path",
+    "policy.lora.*", "critic.lora.*",  # the models: another model, or adapters scaled or placed otherwise
+    "dataset.*",  # the prompt stream
+)
 NOT_COMPARED = ("resume",)  # keys expected to differ between a run and its resumption
 ABSENT = "<absent>"
 
@@ -252,7 +257,8 @@ def check_resume(cfg, path: Path) -> None:
     if not cfg.checkpoint.allow_config_change:
         raise ConfigError(
             f"resume from {path}: {'; '.join(breaking)} changed since step {step}; the resumed run would not continue "
-            f"the same training (exact resume needs the same seed, batch sizes and algorithm). Put them back, or set "
+            f"the same training (exact resume needs the same seed, batch sizes, algorithm, models, LoRA settings and "
+            f"dataset). Put them back, or set "
             f"checkpoint.allow_config_change=true to go on with the new values"
         )
     log.warning("resume: checkpoint.allow_config_change=true: continuing with %s", "; ".join(breaking))

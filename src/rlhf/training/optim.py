@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf.models.lora import has_adapters, load_adapters, to_model_names
+from rlhf.errors import ConfigError
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
@@ -91,7 +92,10 @@ def load_trainable(path: Path, model: torch.nn.Module, optimizer, scheduler) -> 
         missing, unexpected = model.load_state_dict(weights, strict=False)
         tied = {name for name in missing if "lm_head" in name and getattr(model.config, "tie_word_embeddings", False)}
         if set(missing) - tied or unexpected:
-            raise ValueError(f"checkpoint {path} does not match the model: missing {sorted(set(missing) - tied)}, unexpected {unexpected}")
+            raise ConfigError(
+                f"checkpoint {path} does not match the model: missing {sorted(set(missing) - tied)[:3]}, unexpected "
+                f"{unexpected[:3]}; resume with the model it trained (model.name_or_path as its config.yaml records)"
+            )
     state = torch.load(path / "optim.pt", weights_only=True)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])

@@ -33,7 +33,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.nn.parallel import DistributedDataParallel
 
 from rlhf.collectives import world
-from rlhf.errors import require
+from rlhf.errors import ConfigError, require
 from rlhf.models.lora import adapter_state, has_adapters, to_model_names
 from rlhf.parts import Part, PartConfig
 from rlhf.registry import register
@@ -262,7 +262,10 @@ class FSDP2Strategy(SingleStrategy):
             weights = to_model_names(weights)
             expected = set(adapter_state(self.model.state_dict()))
             if set(weights) != expected:
-                raise ValueError(f"checkpoint {path} does not match the model's LoRA adapters: {sorted(set(weights) ^ expected)[:3]}")
+                raise ConfigError(
+                    f"checkpoint {path} does not match the model's LoRA adapters: {sorted(set(weights) ^ expected)[:3]}; "
+                    f"resume with the LoRA settings it trained (<role>.lora.* as its config.yaml records)"
+                )
         if self._prefix:
             weights = {self._prefix + k: v for k, v in weights.items()}
         set_model_state_dict(self.module, weights, options=self._options(strict=False))
