@@ -56,3 +56,19 @@ def test_sys_exit_in_a_reward_function_fails_the_preflight_naming_it(tmp_path):
     output = done.stdout + done.stderr
     assert done.returncode == exits.RUN_RAISED, output[-3000:]
     assert "UserExit: sys.exit(0) was called in exits_on_call" in output
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_sys_exit_in_a_reward_function_during_the_first_evaluation_is_its_error_not_the_runs_exit_code(tmp_path, code):
+    """Calls 1 and 2 score the evaluation at step 0, before any step: before, a sys.exit there ended the run silently
+    with the user's code (0 as "finished", 3 as "non-finite loss")."""
+    rewards = REWARDS.replace("sys.exit(0)", f"sys.exit({code})")
+    (tmp_path / "exiting_rewards.py").write_text(rewards)
+    done = subprocess.run(
+        [sys.executable, "-m", "rlhf.train", "train.num_steps=2", "logging.tensorboard=false",
+         f"hydra.run.dir={tmp_path / 'run'}", "reward.functions=[{name: exiting_rewards.exits_on_call, args: {at: 1}}]"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == exits.RUN_RAISED, output[-3000:]
+    assert f"UserExit: sys.exit({code}) was called in exits_on_call" in output

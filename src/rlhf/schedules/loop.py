@@ -72,7 +72,7 @@ def run_steps(
     train = cfg.train
     guard = guard if guard is not None else nullcontext()
     if state.step == 0:
-        with guard:
+        with guard, user_exits_named():  # the first evaluation runs the user's reward functions before any step
             state.first_eval = run_eval(c, cfg, tracker, 0)
     for step in range(state.step + 1, train.num_steps + 1):
         before = StepStart.record(c)
@@ -113,6 +113,18 @@ def run_steps(
             state.preempted = True
             break
     return state
+
+
+@contextmanager
+def user_exits_named():
+    """A ``sys.exit`` in user code within the block is raised as a `UserExit` naming where it was called (exit 6),
+    instead of ending the run silently with the user's exit code; a second stop signal (`StopNow`) passes."""
+    try:
+        yield
+    except StopNow:
+        raise
+    except SystemExit as caught:
+        raise as_user_error(caught) from caught
 
 
 def record_step(c, cfg, sizes, tracker, state: RunState, metrics: dict, scored: Scored, states, guard) -> None:
