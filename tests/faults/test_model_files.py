@@ -156,3 +156,25 @@ def test_a_folder_that_does_not_exist_is_named_as_such(key, tmp_path):
     with pytest.raises(ConfigError, match=rf"{key}={missing}: no such folder; give a folder holding the model"):
         validate(cfg)
         make_plan(cfg)
+
+
+# --- the wrong kind of model ---------------------------------------------------------------------------
+
+
+def test_a_reward_model_where_a_language_model_belongs_and_the_reverse_are_refused(tiny_model_dir, reward_model_dir):
+    """By the folder's `architectures`, before any model loads: before, a reward model as the distillation teacher
+    trained silently (the policy got worse), and a language model as reward.path failed once the models had loaded."""
+    for key in ("model.name_or_path", "reference.name_or_path", "teacher.name_or_path"):
+        with pytest.raises(ConfigError, match=rf"^{key}={reward_model_dir} is a \w+ForSequenceClassification \(a score "
+                                              rf"head, as a reward model has\), not a causal language model; point {key}"):
+            check_model_sources(model_sources(**{"model__name_or_path": tiny_model_dir, key.replace(".", "__"): reward_model_dir}))
+    with pytest.raises(ConfigError, match=rf"^reward.path={tiny_model_dir} is a \w+ForCausalLM, a language model without a "
+                                          r"trained score head; give a reward model"):
+        check_model_sources(model_sources(reward__path=tiny_model_dir))
+    check_model_sources(model_sources(model__name_or_path=tiny_model_dir, reward__path=reward_model_dir,
+                                      critic__name_or_path=tiny_model_dir))  # each where it belongs; a critic from either
+
+
+def test_a_missing_builtin_names_the_key_it_was_given_to():
+    with pytest.raises(ConfigError, match=r"^teacher.name_or_path: built-in model 'nope' not found .* or give a model folder or a hub name$"):
+        check_model_sources(model_sources(model__name_or_path="builtin:tiny_arith", teacher__name_or_path="builtin:nope"))

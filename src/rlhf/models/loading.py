@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from importlib import resources
 from pathlib import Path
@@ -36,9 +37,35 @@ def resolve_model_path(name_or_path: str) -> str:
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(
             f"built-in model {name!r} not found at {folder}; rebuild it with `python -m rlhf.warmstart` "
-            f"or point model.name_or_path at a model folder"
+            f"or give a model folder or a hub name"
         )
     return str(folder)
+
+
+SCORE_HEADS = ("ForSequenceClassification", "ForTokenClassification")  # architectures ending in a score head
+LM_HEADS = ("ForCausalLM", "LMHeadModel")  # architectures ending in a language-model head
+
+
+def check_model_kind(key: str, value: str, folder: Path) -> None:
+    """ConfigError when a local model folder's `architectures` (config.json) contradict the role of ``key``: a model
+    that generates or scores tokens (`model.name_or_path`, `reference.name_or_path`, `teacher.name_or_path`) with only
+    score heads (a reward model), or a `reward.path` with only language-model heads. A folder that lists none passes."""
+    try:
+        names = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return  # unreadable: the loader names it
+    if not names:
+        return
+    if key != "reward.path" and all(name.endswith(SCORE_HEADS) for name in names):
+        raise ConfigError(
+            f"{key}={value} is a {names[0]} (a score head, as a reward model has), not a causal language model; point "
+            f"{key} at a model that generates text (its config.json lists a *ForCausalLM architecture)"
+        )
+    if key == "reward.path" and all(name.endswith(LM_HEADS) for name in names):
+        raise ConfigError(
+            f"reward.path={value} is a {names[0]}, a language model without a trained score head; give a reward model "
+            f"(python -m rlhf.train_reward writes one), or score with reward.functions instead"
+        )
 
 
 def weights_problem(folder: Path) -> str | None:

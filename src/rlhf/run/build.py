@@ -32,7 +32,7 @@ from rlhf.envs.templates import check as check_template
 from rlhf.generators.hf import stop_token_id
 from rlhf.models.lora import AdaptersOff, check_not_adapter, check_targets
 from rlhf.models.loading import (
-    check_model_tokenizer, check_vocab_match, check_weight_files, load_tokenizer, looks_local, pick_device, resolve_model_path,
+    check_model_kind, check_model_tokenizer, check_vocab_match, check_weight_files, load_tokenizer, looks_local, pick_device, resolve_model_path,
 )
 from rlhf.training.trainable import check_compilable
 from rlhf.checks.parity import GapWatch
@@ -121,6 +121,9 @@ def check_output_rows(cfg, tokenizer) -> None:
         )
 
 
+KIND_CHECKED = ("model.name_or_path", "reference.name_or_path", "teacher.name_or_path", "reward.path")  # a critic starts from either kind
+
+
 def check_model_sources(cfg) -> None:
     """Local model folders exist and built-in names are shipped; hub names were checked by `rlhf.checks.hub`."""
     for key, value in (
@@ -143,6 +146,8 @@ def check_model_sources(cfg) -> None:
             raise ConfigError(f"{key}={value} is not a model folder (no config.json there); give a hub name or a saved model folder")
         if looks_local(path) and not Path(path).expanduser().is_dir():
             raise ConfigError(f"{key}={value} is not a folder; give a hub name or a saved tokenizer folder")
+        if looks_local(path) and key in KIND_CHECKED:
+            check_model_kind(key, value, Path(path).expanduser())
         if key != "model.tokenizer":
             check_weight_files(value, key)  # a truncated weights file: named now, not as a loader traceback later
 
