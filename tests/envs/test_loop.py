@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 import asyncio
+import sys
 import time
 from types import SimpleNamespace
 
@@ -47,6 +48,8 @@ class Retry:
             raise KeyError("the user's environment broke")
         if self.fault == "hang":
             time.sleep(30)
+        if self.fault == "exit":
+            sys.exit(0)
         if self.fault == "malformed":
             return ("1+2=", 1.0)
         right = action == "3"
@@ -168,6 +171,17 @@ def test_a_hung_step_times_out(make_generator, tiny_model_dir, tokenizer):
     assert episodes[0].failed and "env.step_timeout_s=0.5" in episodes[0].error
     assert not any(ep.failed for ep in episodes[1:])
     assert time.perf_counter() - start < 25  # the 30 s sleep was abandoned, not waited for
+
+
+@pytest.mark.parametrize("cls", [Retry, AsyncRetry])
+def test_sys_exit_in_step_loses_its_episode_at_once(make_generator, tiny_model_dir, tokenizer, cls):
+    """A step() calling sys.exit is the user's error, reported at once (not a stopped event loop and a timeout)."""
+    start = time.perf_counter()
+    cfg = env_cfg(step_timeout_s=20.0)
+    episodes, _ = play(make_generator, tiny_model_dir, tokenizer, Maker({0: "exit"}, cls), cfg, groups=2)
+    assert episodes[0].failed and episodes[0].error.startswith("step: EnvError: SystemExit(0) raised")
+    assert not any(ep.failed for ep in episodes[1:])  # the other episodes, on the same loop, go on
+    assert time.perf_counter() - start < 15
 
 
 def test_every_episode_failing_stops_the_run(make_generator, tiny_model_dir, tokenizer):

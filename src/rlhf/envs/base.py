@@ -18,6 +18,7 @@ resumed the same way. Episodes of one group (`algorithm.num_samples_per_prompt`)
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import math
 import threading
@@ -139,6 +140,18 @@ def _short(value: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def as_user_error(err: BaseException) -> BaseException:
+    """``err`` raised by the user's environment code, safe to hand to an event loop: an Exception or a cancellation as
+    is; a SystemExit, KeyboardInterrupt or other BaseException (which would stop the loop and leave every call on it
+    waiting until `env.step_timeout_s`) as an EnvError naming it, so its episode is lost at once like any raise."""
+    if isinstance(err, (Exception, asyncio.CancelledError)):
+        return err
+    return EnvError(
+        f"{type(err).__name__}({', '.join(map(repr, err.args))}) raised by the environment's code (sys.exit ends only "
+        f"this episode here; return or raise an exception instead)"
+    )
+
+
 def in_daemon_thread(fn: Callable, args: tuple) -> concurrent.futures.Future:
     """Run ``fn(*args)`` in a daemon thread: one that hangs can be abandoned without blocking the process's exit."""
     future: concurrent.futures.Future = concurrent.futures.Future()
@@ -147,7 +160,7 @@ def in_daemon_thread(fn: Callable, args: tuple) -> concurrent.futures.Future:
         try:
             outcome = (future.set_result, fn(*args))
         except BaseException as err:  # handed to the waiting episode
-            outcome = (future.set_exception, err)
+            outcome = (future.set_exception, as_user_error(err))
         try:
             outcome[0](outcome[1])
         except concurrent.futures.InvalidStateError:  # the episode stopped waiting (timed out): nobody to tell

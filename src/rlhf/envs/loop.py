@@ -5,8 +5,8 @@ whole history; those exact tokens (and their logprobs) are kept, the decoded tex
 observation, rendered by `env.template`, is tokenised on its own and appended. History is never re-tokenised, so
 the trainer sees exactly the tokens the generator sampled.
 
-An environment that raises, answers malformed, or hangs past `env.step_timeout_s` loses its episode (logged once
-per distinct error), never the run.
+An environment that raises (sys.exit included), answers malformed, or hangs past `env.step_timeout_s` loses its
+episode (logged once per distinct error), never the run.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from rlhf.data.mix import encode_prompt
 from rlhf.data.prompts import PromptExample
-from rlhf.envs.base import EnvError, EnvMaker, check_reset, check_step, in_daemon_thread
+from rlhf.envs.base import EnvError, EnvMaker, as_user_error, check_reset, check_step, in_daemon_thread
 from rlhf.envs.templates import render
 from rlhf.generators.base import SamplingParams
 from rlhf.trajectory import Trajectories
@@ -117,7 +117,13 @@ class EpisodeRunner:
         """``awaitable`` run on the environments' own loop, awaitable from `_loop`."""
 
         async def run():
-            return await awaitable
+            try:
+                return await awaitable
+            except BaseException as err:  # a SystemExit here would stop the environments' loop, and every call on it
+                checked = as_user_error(err)
+                if checked is err:
+                    raise
+                raise checked from None
 
         return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(), self._env_loop))
 
