@@ -9,11 +9,12 @@ import pickle
 import textwrap
 
 import pytest
+import torch
 
 from rlhf import registry
 from rlhf.data.prompts import PromptExample
 from rlhf.envs.agent_func import AgentFuncConfig, AgentFuncMaker
-from rlhf.envs.base import EnvConfig, EnvError
+from rlhf.envs.base import EnvConfig, EnvError, check_step
 from rlhf.errors import ConfigError
 
 TASK = PromptExample(text="2+2=", token_ids=(), ground_truth="4")
@@ -93,6 +94,26 @@ def test_next_state_that_does_not_extend_the_conversation_is_an_env_error(tmp_pa
     """
     with pytest.raises(EnvError, match=r"does not extend state \+ action; return extra\['observation'\]"):
         play(maker_for(tmp_path, source).make(TASK), ["4"])
+
+
+@pytest.mark.parametrize("reward", ['"1"', "True", "None", "float('nan')"])
+def test_a_reward_that_is_not_a_finite_number_is_an_env_error_naming_it(tmp_path, reward):
+    """Before: a str reward "1" trained as 1.0 (float() took it); openai_agent refuses it, and so does agent_func."""
+    source = f"""
+    async def step(state, action, label):
+        return {reward}, state + action, True, {{}}
+    """
+    with pytest.raises(EnvError, match=r"agent_func step\(\) returned reward=.*the 1st value must be a finite number"):
+        play(maker_for(tmp_path, source).make(TASK), ["4"])
+
+
+@pytest.mark.parametrize("reward", ["1", True, None])
+def test_the_loop_refuses_a_step_reward_that_is_not_a_number(reward):
+    """Every environment's step() reward passes the check openai_agent's rewards pass (a tensor still does)."""
+    answer = ("obs", reward, True, False, {})
+    with pytest.raises(EnvError, match="step\\(\\) reward must be a finite number"):
+        check_step(answer)
+    assert check_step(("obs", torch.tensor([0.5]), True, False, {})).reward == 0.5
 
 
 def test_an_extra_that_is_not_a_dict_is_an_env_error_naming_it(tmp_path):

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 from importlib import resources
 import logging
-import math
 import queue
 import secrets
 import threading
@@ -36,7 +35,7 @@ from typing import Any, Optional
 from rlhf.agents.messages import Limits, Message, RequestError, parse_messages, read_limits, read_tools, tool_parser
 from rlhf.agents.sessions import Budget, Choice, Plan, Renderer, Reply, Session
 from rlhf.envs.agent_func import call_user, check_function, load_module
-from rlhf.envs.base import EnvConfig
+from rlhf.envs.base import EnvConfig, finite_reward
 from rlhf.envs.loop import Episode, sampled
 from rlhf.errors import ConfigError, require
 from rlhf.registry import register
@@ -217,7 +216,7 @@ class AgentRunner:
 
     def post_reward(self, session: Session, body: dict) -> None:
         reward, finished = body.get("reward", 0.0), body.get("finished", False)
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        if finite_reward(reward) is None:
             raise RequestError(f"reward={reward!r} must be a finite number", field_name="reward")
         if not isinstance(finished, bool):
             raise RequestError(f"finished={finished!r} must be true or false", field_name="finished")
@@ -322,10 +321,10 @@ class AgentRunner:
             session.error = f"run raised {type(err).__name__}: {err}"
             return
         if value is not None:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if finite_reward(value) is None:
                 session.error = f"run returned {value!r}; return a finite number (the reward) or None after posting one"
                 return
-            session.reward = (session.reward or 0.0) + float(value)
+            session.reward = (session.reward or 0.0) + finite_reward(value)
         if session.reward is None:
             session.error = "no reward: return a number from run() or POST one to client.reward_url"
             return

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rlhf.data.prompts import PromptExample
-from rlhf.envs.base import EnvConfig, EnvError, in_daemon_thread
+from rlhf.envs.base import EnvConfig, EnvError, finite_reward, in_daemon_thread
 from rlhf.errors import ConfigError
 from rlhf.registry import register
 
@@ -69,6 +69,11 @@ class AgentEpisode:
             got = type(answer).__name__
             raise EnvError(f"agent_func step() must return (reward, next_state, done, extra); got {got}")
         reward, next_state, done, extra = answer
+        if finite_reward(reward) is None:
+            raise EnvError(
+                f"agent_func step() returned reward={reward!r:.80} ({type(reward).__name__}): the 1st value must be a "
+                f"finite number (an int or float, or a one-element tensor), not a str, bool or None"
+            )
         if extra is not None and not isinstance(extra, dict):
             raise EnvError(
                 f"agent_func step() returned extra={extra!r} ({type(extra).__name__}): the 4th value must be a dict "

@@ -126,13 +126,29 @@ def check_step(answer: Any) -> StepResult:
     observation, reward, terminated, truncated, info = answer
     if not isinstance(observation, str):
         raise EnvError(f"step() observation must be a str; got {type(observation).__name__}")
-    try:
-        reward = float(reward)
-    except (TypeError, ValueError):
-        raise EnvError(f"step() reward must be a number; got {_short(reward)}") from None
-    if not math.isfinite(reward):
-        raise EnvError(f"step() reward must be finite; got {reward}")
-    return StepResult(observation, reward, bool(terminated), bool(truncated), dict(info or {}))
+    number = finite_reward(reward)
+    if number is None:
+        raise EnvError(
+            f"step() reward must be a finite number (an int or float, or a one-element tensor; not a str, bool or "
+            f"None); got {_short(reward)} ({type(reward).__name__})"
+        )
+    return StepResult(observation, number, bool(terminated), bool(truncated), dict(info or {}))
+
+
+def finite_reward(value: Any) -> float | None:
+    """``value`` as a float when it is a finite number: an int or float, or a one-element tensor or array holding one;
+    None for anything else, a str, a bool and None included (``float("1")`` and ``float(True)`` would take them)."""
+    if value is None or isinstance(value, (bool, str, bytes)):
+        return None
+    if not isinstance(value, (int, float)):
+        try:
+            value = value.item()  # a one-element tensor or numpy value
+        except (AttributeError, TypeError, ValueError, RuntimeError):
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return None
+    value = float(value)
+    return value if math.isfinite(value) else None
 
 
 def _short(value: Any, limit: int = 120) -> str:
