@@ -227,6 +227,26 @@ def test_agent_faults_lose_their_own_episode_counted_and_late_calls_get_410(runn
     assert after.status_code == 410 and "ended" in after.json()["error"]["message"]
 
 
+def test_a_request_that_fills_env_max_tokens_loses_its_episode_naming_the_key(runner, generator, tokenizer):
+    """Before: "the agent asked the endpoint for nothing", though it asked and got an empty reply: no room was left."""
+    replies = []
+
+    async def agent(task, client):
+        reply = await client_of(client).chat.completions.create(model=client.model, messages=[{"role": "user", "content": task.prompt}])
+        replies.append((reply.choices[0].message.content, reply.choices[0].finish_reason))
+        return 1.0
+
+    saved = runner.cfg
+    runner.cfg = OpenAIAgentConfig(**{**vars(saved), "max_tokens": 3})
+    try:
+        episodes = play(runner, generator, tokenizer, agent, group_size=1, problems=((1, 2),))
+    finally:
+        runner.cfg = saved
+    assert replies == [("", "length")] and episodes[0].failed
+    assert "fills env.max_tokens=3" in episodes[0].error and "raise env.max_tokens above" in episodes[0].error
+    assert "asked the endpoint for nothing" not in episodes[0].error
+
+
 def test_a_taken_port_is_a_config_error_naming_env_port(tokenizer):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -219,6 +219,17 @@ def test_token_budget_truncates_the_action_and_ends_the_episode(make_generator, 
     assert cut and all(ep.turns[-1].reward == 0.0 and len(ep.turns[-1].action_ids) == 2 for ep in cut)
 
 
+def test_a_first_observation_that_fills_env_max_tokens_names_the_key_and_the_fix(make_generator, tiny_model_dir, tokenizer):
+    """Before: the episodes ended with no action and the batch failed later with "episodes with no action token cannot
+    be trained on", naming neither env.max_tokens nor the prompt's length."""
+    prompt_len = len(tokenizer("1+2=")["input_ids"])
+    cfg = env_cfg(max_tokens=prompt_len)
+    episodes, recording = play(make_generator, tiny_model_dir, tokenizer, Maker(), cfg, groups=1)
+    assert all(ep.failed for ep in episodes) and not recording.calls  # nothing generated for them
+    assert f"is {prompt_len} tokens, which fills env.max_tokens={prompt_len}" in episodes[0].error
+    assert f"raise env.max_tokens above {prompt_len}" in episodes[0].error
+
+
 def test_max_turns_ends_running_episodes(make_generator, tiny_model_dir, tokenizer):
     episodes, _ = play(make_generator, tiny_model_dir, tokenizer, Maker(), env_cfg(max_turns=1))
     assert all(len(ep.turns) == 1 for ep in episodes)

@@ -243,7 +243,7 @@ class AgentRunner:
             episodes = []
             for s in sessions:
                 if s.error is None and not any(c.num_replies for c in s.chains):
-                    s.error = "the agent asked the endpoint for nothing: no reply to train on"
+                    s.error = _no_reply_error(s, self.cfg.max_tokens)
                 if s.error is not None:
                     self._count(_error_kind(s.error))
                     episodes.append(Episode(s.group, s.seed, s.task, [], "failed", s.error))
@@ -404,6 +404,17 @@ class AgentRunner:
 def _waiting(session: Session) -> bool:
     """Whether the session has a request being answered."""
     return any(chain.pending for chain in session.chains)
+
+
+def _no_reply_error(session: Session, max_tokens: int) -> str:
+    """Why ``session`` has no reply to train on: its requests did not fit `env.max_tokens`, or it made none."""
+    if session.unfit is None:
+        return "the agent asked the endpoint for nothing: no reply to train on"
+    return (
+        f"no room for a reply: the agent's request rendered to {session.unfit} tokens, which fills env.max_tokens="
+        f"{max_tokens} (tokens per episode, prompt included), so it was answered with an empty reply (finish_reason "
+        f"length); raise env.max_tokens above {session.unfit} plus the reply tokens wanted"
+    )
 
 
 def _error_kind(error: str) -> str:

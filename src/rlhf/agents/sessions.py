@@ -156,6 +156,7 @@ class Session:
         self.reward: float | None = None  # posted rewards, summed
         self.finished = False  # the agent said so (a reward posted with finished=true) or its `run` returned
         self.error: str | None = None  # why the episode is lost
+        self.unfit: int | None = None  # the longest request (tokens) answered with nothing before any reply: env.max_tokens
         self.active: float | None = None  # when the agent last acted (monotonic seconds); None before it starts
         self.counts = dict.fromkeys(SESSION_COUNTS, 0)  # what happened to its requests (`env/*` metrics)
 
@@ -231,6 +232,8 @@ class Session:
             ended = "max_tokens"
         if ended:
             self.counts["env/budget_ended_requests"] += 1
+            if ended == "max_tokens" and not chain.num_replies:
+                self.unfit = max(self.unfit or 0, len(chain.token_ids()) + len(ids))
             if not fork:
                 chain.ended = ended
             return Plan(chain, key, ended=ended)

@@ -206,13 +206,17 @@ class EpisodeRunner:
         return episodes
 
     def _budgeted(self, episodes: list[Episode], live: list[int]) -> list[int]:
-        """The live episodes with room for at least one more action token; the others end at max_tokens."""
+        """The live episodes with room for at least one more action token; the others end at max_tokens (an episode
+        whose first observation leaves no room fails: there is no action to train on)."""
         kept = []
         for i in live:
-            if len(episodes[i].token_ids()) >= self.cfg.max_tokens:
-                episodes[i].end = "max_tokens"
-            else:
+            used = len(episodes[i].token_ids())
+            if used < self.cfg.max_tokens:
                 kept.append(i)
+            elif len(episodes[i].turns) == 1:
+                self._fail(episodes[i], "reset", EnvError(no_room(used, self.cfg.max_tokens)))
+            else:
+                episodes[i].end = "max_tokens"
         return kept
 
     def _act(self, generator, episodes: list[Episode], live: list[int], sampling: SamplingParams) -> None:
@@ -260,6 +264,15 @@ class EpisodeRunner:
                 continue
             still.append(i)
         return still
+
+
+def no_room(used: int, max_tokens: int) -> str:
+    """Why an episode whose first observation is ``used`` tokens has no action: `env.max_tokens`, and the fix."""
+    return (
+        f"the first observation (the prompt, templated) is {used} tokens, which fills env.max_tokens={max_tokens} "
+        f"(tokens per episode, prompt included) and leaves no room for an action; raise env.max_tokens above {used} "
+        f"plus the action tokens wanted (e.g. + generator.max_new_tokens per turn)"
+    )
 
 
 def sampled(batch: Trajectories) -> list[tuple[list[int], list[float], bool]]:
