@@ -89,6 +89,23 @@ def test_sampling_fields_repeat_the_runs_or_are_refused_naming_the_key():
         assert err.value.field == field, body
 
 
+@pytest.mark.parametrize("body, field", [
+    ({"n": 0}, "n"), ({"n": -2}, "n"), ({"stop": 5}, "stop"), ({"stop": {"x": 1}}, "stop"),
+    ({"logprobs": True}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+])
+def test_n_below_one_a_stop_not_of_strings_and_logprobs_are_refused_naming_the_field(body, field):
+    """Before: n=0 was served as n=1, stop=5 failed as "the chat template cannot render this request: TypeError" with
+    no field named, and logprobs=true was answered with logprobs null."""
+    with pytest.raises(RequestError) as err:
+        limits(**body)
+    assert err.value.field == field and err.value.status == 400
+
+
+def test_absent_or_null_n_stop_and_logprobs_are_the_defaults():
+    assert limits(n=None, stop=None, logprobs=False) == limits() == limits(stop="", logprobs=None, top_logprobs=None)
+    assert (limits().n, limits().stops) == (1, ())
+
+
 def test_tools_are_looked_for_unless_tool_choice_is_none():
     tools = [{"type": "function", "function": {"name": "f"}}]
     assert read_tools({"tools": tools}) == (tools, True)

@@ -219,17 +219,45 @@ def read_limits(body: dict, temperature: float, top_p: float, max_new_tokens: in
         wanted = max_new_tokens
     if not isinstance(wanted, int) or isinstance(wanted, bool) or wanted < 1:
         raise RequestError(f"max_tokens={wanted!r} must be a positive integer", field_name="max_tokens")
-    n = body.get("n") or 1
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= max_n:
-        raise RequestError(f"n={n!r} must be an integer from 1 to env.max_n={max_n}", field_name="n")
-    stop = body.get("stop") or ()
-    stops = (stop,) if isinstance(stop, str) else tuple(stop)
-    if not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
-        raise RequestError("stop must be a non-empty string or a list of up to 4 of them", field_name="stop")
+    _refuse_logprobs(body)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError(f"stream={stream!r} must be true or false", field_name="stream")
-    return Limits(min(wanted, max_new_tokens), n, stops, stream)
+    return Limits(min(wanted, max_new_tokens), _read_n(body, max_n), _read_stops(body), stream)
+
+
+def _read_n(body: dict, max_n: int) -> int:
+    """The request's ``n`` (1 when absent or null), or RequestError: an integer from 1 to `env.max_n`."""
+    n = body.get("n")
+    if n is None:
+        return 1
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= max_n:
+        raise RequestError(f"n={n!r} must be an integer from 1 to env.max_n={max_n}", field_name="n")
+    return n
+
+
+def _read_stops(body: dict) -> tuple[str, ...]:
+    """The request's ``stop`` strings (none when absent, null or empty), or RequestError: a non-empty string or a
+    list of up to 4 of them."""
+    stop = body.get("stop")
+    if stop is None or stop == "" or stop == []:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else None
+    if stops is None or not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
+        raise RequestError(f"stop={stop!r} must be a non-empty string or a list of up to 4 of them", field_name="stop")
+    return stops
+
+
+def _refuse_logprobs(body: dict) -> None:
+    """RequestError when the request asks for logprobs (``logprobs``, ``top_logprobs``): not served, so an agent is
+    told instead of getting ``logprobs: null``."""
+    for name in ("logprobs", "top_logprobs"):
+        value = body.get(name)
+        if value not in (None, False, 0):
+            raise RequestError(
+                f"{name}={value!r}: this endpoint does not return logprobs (the run keeps them for training); leave "
+                f"{name} out or send null", field_name=name,
+            )
 
 
 def read_tools(body: dict) -> tuple[list | None, bool]:
