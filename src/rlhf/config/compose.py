@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhf.config.moved import check_overrides, moved_to
 from rlhf.config.schema import RewardTrainConfig, RunConfig
+from rlhf.config.unknown_keys import declared_keys, describe_unknown
 from rlhf.errors import ConfigError
 from rlhf.parts import GROUPS, PATHS, choose, declared_by_every, store_nodes
 
@@ -50,6 +51,7 @@ def compose_config(overrides: list[str] | None = None, config_name: str = "confi
             raise_if_moved(err)
             raise_if_not_the_parts(list(overrides or []), err, config_name)
             raise_if_no_such_part(list(overrides or []), err)
+            raise_if_not_a_key(list(overrides or []), err, config_name)
             raise
 
 
@@ -83,16 +85,20 @@ def check_command_line(argv: list[str]) -> None:
       part and the parts that declare it, instead of Hydra's advice to add it with `+`;
     - an algorithm (or experiment) whose defaults list lacks a part group another choice overrides (`algorithm=online_dpo`
       under a preset choosing `algorithm/rollout_correction`): the message names the group and why, instead of Hydra's
-      "No match in the defaults list".
+      "No match in the defaults list";
+    - a key the schema does not declare (`checkpoint.evry`): the message names the closest key, instead of Hydra's
+      advice to add it with `+`.
 
     A malformed override or any other composition error is left to Hydra's own message."""
     overrides = command_line_overrides(argv)
     if any("," in o for o in overrides):
         return
     keys = [o.partition("=")[0] for o in overrides if "=" in o]
-    lacking = any(_may_lack(o.partition("=")[0]) for o in overrides if not o.startswith(("+", "~")))
+    plain = [o.partition("=")[0] for o in overrides if "=" in o and not o.startswith(("+", "~"))]
+    lacking = any(_may_lack(k) for k in plain)
+    undeclared = any("." in k and "/" not in k and _part_node(k) is None and k not in declared_keys() for k in plain)
     chooses = any(k in ("algorithm", "experiment") or k.startswith("algorithm/") for k in keys)
-    if not (lacking or chooses):
+    if not (lacking or undeclared or chooses):
         return
     try:
         compose_config(overrides)
@@ -135,6 +141,18 @@ def raise_if_not_the_parts(overrides: list[str], err: Exception, config_name: st
         f"{key}: {path} holds the keys of the part its group chose, and {path}.name={part.name} renames that node "
         f"without bringing {part.name}'s keys; choose the part with {group}={part.name} (then {key}={values[0]})"
     )
+
+
+def raise_if_not_a_key(overrides: list[str], err: Exception, config_name: str) -> None:
+    """ConfigError for an override (without `+`) of a key the schema does not declare (`checkpoint.evry=5`): the
+    closest key, instead of Hydra's advice to add it with `+`, which the unknown-key check would then refuse."""
+    key = _failed_key(err)
+    if key is None or _part_node(key) is not None or not any(o.partition("=")[0] == key for o in overrides):
+        return
+    schema = RewardTrainConfig if config_name == "train_reward" else RunConfig
+    if key in declared_keys(schema):
+        return  # a declared key whose value failed (a wrong type): Hydra's message names it
+    raise ConfigError(describe_unknown(key, schema).replace(" (added with +?)", "")) from None
 
 
 def _part_node(key: str) -> str | None:

@@ -9,9 +9,16 @@ GROUP_FREE_ADVANTAGES = ("reinforce", "reinforce_pp", "rebn", "gae")  # estimato
 
 
 def check_env(cfg) -> None:
-    """ConfigError when an environment meets a reward model (nothing to check without an environment)."""
+    """ConfigError when an environment meets a reward model, or when keys are set under `env` without one (the
+    `env=none` node holds only its name: `+env.max_turns=3` there would be read by nothing)."""
     env = cfg.env
     if env.name is None:
+        extra = [key for key in env if key != "name"]
+        require(
+            not extra,
+            f"env.{extra[0] if extra else ''} is set but no environment is chosen (env=none: single-turn prompts), so "
+            f"nothing would read it; choose one with env=<name> (its keys: docs/environments.md), or remove the key",
+        )
         return
     require(
         not cfg.reward.path,

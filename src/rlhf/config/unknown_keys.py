@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import typing
 from typing import Any, Iterator
 
@@ -25,6 +26,17 @@ def check_unknown_keys(cfg: DictConfig, schema: type = RunConfig) -> None:
     if unknown:
         known = list(_schema_paths(schema, ""))
         raise ConfigError("; ".join(_describe(path, known) for path in unknown))
+
+
+def describe_unknown(path: str, schema: type = RunConfig) -> str:
+    """What to say of ``path``, a key ``schema`` does not declare: where it moved, or the closest key."""
+    return _describe(path, list(_schema_paths(schema, "")))
+
+
+@functools.lru_cache(maxsize=4)
+def declared_keys(schema: type = RunConfig) -> frozenset[str]:
+    """Every dotted key ``schema`` declares."""
+    return frozenset(_schema_paths(schema, ""))
 
 
 def _unknown_paths(node: Any, schema: Any, prefix: str) -> Iterator[str]:
