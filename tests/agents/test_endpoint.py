@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import socket
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -245,6 +247,27 @@ def test_a_request_that_fills_env_max_tokens_loses_its_episode_naming_the_key(ru
     assert replies == [("", "length")] and episodes[0].failed
     assert "fills env.max_tokens=3" in episodes[0].error and "raise env.max_tokens above" in episodes[0].error
     assert "asked the endpoint for nothing" not in episodes[0].error
+
+
+@pytest.mark.parametrize("path", ["/sessions/any/reward", "/v1/chat/completions"])
+def test_a_client_that_disconnects_before_its_body_arrives_is_no_traceback(runner, path):
+    """Before: each such request printed uvicorn's 50-line "Exception in ASGI application ... ClientDisconnect"."""
+    seen = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = seen.append
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addHandler(handler)
+    try:
+        host, port = runner.server.url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            conn.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: 100\r\n\r\n{{\"reward\"".encode())
+            time.sleep(0.3)  # the handler is reading the body when the client leaves
+        time.sleep(0.5)
+        assert httpx.get(runner.server.url + "/v1/models", timeout=10).status_code == 200  # still serving
+    finally:
+        uvicorn_log.removeHandler(handler)
+    assert not [r for r in seen if r.levelno >= logging.WARNING], [r.getMessage() for r in seen]
 
 
 def test_a_taken_port_is_a_config_error_naming_env_port(tokenizer):

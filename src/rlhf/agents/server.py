@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import threading
 import time
@@ -27,11 +28,14 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from rlhf.agents.messages import RequestError
 from rlhf.agents.sessions import Reply
 from rlhf.errors import ConfigError
+
+log = logging.getLogger("rlhf")
 
 
 def error_response(err: RequestError) -> JSONResponse:
@@ -95,6 +99,9 @@ def make_app(hub) -> FastAPI:
     async def answer(request: Request, session_id: str | None, route: str):
         try:
             body = await _json(request)
+        except ClientDisconnect:
+            return _gone(request)
+        try:
             session = hub.session_for(session_id, request.headers.get("authorization"))
             pending = hub.submit(session, route, body)
             reply = await asyncio.wrap_future(pending) if not isinstance(pending, Reply) else pending
@@ -133,12 +140,22 @@ def make_app(hub) -> FastAPI:
     async def reward(session_id: str, request: Request):
         try:
             body = await _json(request)
+        except ClientDisconnect:
+            return _gone(request)
+        try:
             hub.post_reward(hub.session_for(session_id, None), body)
         except RequestError as err:
             return error_response(err)
         return JSONResponse({"ok": True})
 
     return app
+
+
+def _gone(request: Request) -> Response:
+    """The answer to a request whose client left before its body arrived (an agent that was stopped or gave up, e.g.
+    after its episode ended): nobody reads it, so a debug line rather than uvicorn's traceback."""
+    log.debug("agent endpoint: the client of %s %s disconnected before sending its body", request.method, request.url.path)
+    return Response(status_code=499)
 
 
 async def _json(request: Request) -> dict:
