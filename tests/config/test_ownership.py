@@ -30,6 +30,9 @@ from rlhf.config import ConfigError, compose_config, validate
         (["schedule=async", "+schedule.offload_optimizer=true"], r"schedule.offload_optimizer is not a key of schedule async .* key of schedule=hybrid"),
         (["dataset=jsonl", "dataset.path=x.jsonl", "dataset.max_operand=5"], r"dataset.max_operand is not a key of dataset mix .* key of dataset=arith"),
         (["cluster.num_cpus=4"], r"cluster.num_cpus=4 .* cluster.backend=ray"),
+        (["policy.lora.alpha=32"], r"^policy.lora.alpha=32.0 is not read by this run's choice \(policy.lora.rank=null trains "
+         r"every weight\); it is read by LoRA adapters \(policy.lora.rank set"),  # before: silently ignored
+        (["algorithm=ppo", "critic.lora.target_modules=[q_proj]"], r"^critic.lora.target_modules=\['q_proj'\] is not read .*critic.lora.rank set"),
     ],
 )
 def test_a_key_no_chosen_component_reads_is_refused(overrides, message):

@@ -178,3 +178,15 @@ def test_a_step_that_fits_the_split_does_not_warn(caplog):
         for _ in range(5):
             stream.next_batch(16)
     assert not caplog.records
+
+
+def test_a_run_warns_of_a_short_split_when_it_builds_whichever_schedule_draws(caplog):
+    """The stream schedule draws one prompt at a time, so a warning at the draw never came: the run's build warns."""
+    from rlhf.config import compose_config, validate
+    from rlhf.run.build import build_components
+
+    cfg = compose_config(["dataset.max_operand=2", "dataset.eval_size=1", "train.prompts_per_step=16"])
+    with caplog.at_level(logging.WARNING, logger="rlhf"):
+        components = build_components(cfg, validate(cfg))
+    components.close()
+    assert "fewer than the 16 a step draws (train.prompts_per_step)" in caplog.text

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rlhf.config.schema import (
     TeacherConfig,
-    AlgorithmConfig, ClusterConfig, CriticConfig, ReferenceConfig, RewardConfig,
+    AlgorithmConfig, ClusterConfig, CriticConfig, LoraConfig, ReferenceConfig, RewardConfig,
 )
 from rlhf.errors import ConfigError
 
@@ -73,6 +73,11 @@ def check_ownership(cfg, algorithm) -> None:
         model_keys = ("model_weight", "normalize", "clip")
         other = {f.name for f in fields(RewardConfig)} - set(model_keys)
         _refuse("reward", cfg.reward, RewardConfig, other, "reward.path=null: no reward model", lambda k: "a reward model (reward.path)")
+    for role in ("policy", "critic"):
+        lora = cfg[role].lora
+        if lora.rank is None:
+            _refuse(f"{role}.lora", lora, LoraConfig, {"rank"}, f"{role}.lora.rank=null trains every weight",
+                    lambda k, role=role: f"LoRA adapters ({role}.lora.rank set, 8 or 16 are usual)")
     if cfg.cluster.backend == "local":
         local = {"name", "backend", "device", "device_memory_gb"}
         _refuse("cluster", cfg.cluster, ClusterConfig, local, "cluster.backend=local", lambda k: "cluster.backend=ray")

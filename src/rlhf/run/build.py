@@ -235,6 +235,7 @@ def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
     if push:
         generator.update_weights(policy.state_dict())
     prompts = PromptStream(splits.train, seed=cfg.seed)
+    prompts.warn_if_short(cfg.train.prompts_per_step)  # at the start, whichever schedule draws
     gen = cfg.generator
     collector = Collector(
         generator, tokenizer, rewards, prompts, SamplingParams.of(gen),
