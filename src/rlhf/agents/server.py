@@ -99,12 +99,11 @@ def make_app(hub) -> FastAPI:
     async def answer(request: Request, session_id: str | None, route: str):
         try:
             body = await _json(request)
-        except ClientDisconnect:
-            return _gone(request)
-        try:
             session = hub.session_for(session_id, request.headers.get("authorization"))
             pending = hub.submit(session, route, body)
             reply = await asyncio.wrap_future(pending) if not isinstance(pending, Reply) else pending
+        except ClientDisconnect:
+            return _gone(request)
         except RequestError as err:
             return error_response(err)
         if route == "completions":
@@ -140,10 +139,9 @@ def make_app(hub) -> FastAPI:
     async def reward(session_id: str, request: Request):
         try:
             body = await _json(request)
+            hub.post_reward(hub.session_for(session_id, None), body)
         except ClientDisconnect:
             return _gone(request)
-        try:
-            hub.post_reward(hub.session_for(session_id, None), body)
         except RequestError as err:
             return error_response(err)
         return JSONResponse({"ok": True})
