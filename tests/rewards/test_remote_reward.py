@@ -166,3 +166,21 @@ def test_a_service_that_drips_its_reply_is_cut_off_at_the_whole_request_timeout(
     httpd.server_close()
     assert not worker.is_alive(), "the request never ended"
     assert outcome and "took longer than args.timeout_s=1 s" in str(outcome[0])
+
+
+@pytest.mark.parametrize(("url", "weight", "message"), [
+    ("notaurl", 1.0, r"^reward function remote: reward.functions\[0\].args.url='notaurl' is not an http\(s\) URL with a host"),
+    ("ftp://x/y", 1.0, r"reward.functions\[0\].args.url='ftp://x/y' is not an http\(s\) URL"),
+    ("http://127.0.0.1:8000/score", float("nan"), r"^reward.functions\[0\].weight=nan \(remote\) must be a finite number$"),
+    ("http://127.0.0.1:8000/score", float("inf"), r"^reward.functions\[0\].weight=inf \(remote\) must be a finite number$"),
+])
+def test_a_bad_url_or_weight_is_refused_when_the_reward_set_is_built(url, weight, message):
+    """Before any model loads; before, `notaurl` failed at the first scoring as urllib's "unknown url type", naming no
+    key, and a nan weight passed until the first scores."""
+    from omegaconf import OmegaConf
+
+    from rlhf.rewards.combine import RewardSet
+
+    cfg = OmegaConf.create({"functions": [{"name": "remote", "weight": weight, "args": {"url": url}}], "overlong_buffer_len": None})
+    with pytest.raises(ConfigError, match=message):
+        RewardSet(cfg)

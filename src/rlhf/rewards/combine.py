@@ -71,7 +71,8 @@ CALL_ARGS = ("prompts", "responses", "ground_truths")  # what every reward funct
 
 def check_args(fn, args: dict, at: str, name: str) -> None:
     """ConfigError for an `args` key the function does not take: its keyword parameters are its keys. A function
-    whose catch-all is ``**_`` ignores the rest, so a misspelt key would be lost; one with ``**kwargs`` takes any."""
+    whose catch-all is ``**_`` ignores the rest, so a misspelt key would be lost; one with ``**kwargs`` takes any.
+    A function may check its values too: ``fn.check_args(at, **args)`` runs when the reward set is built."""
     params = inspect.signature(fn).parameters.values()
     catch_all = [p.name for p in params if p.kind is inspect.Parameter.VAR_KEYWORD]
     if catch_all and catch_all[0] != "_":
@@ -99,7 +100,12 @@ class RewardSet:
             fn = registry.resolve("reward", fn_cfg.name, key=f"reward.functions[{i}].name")
             args = dict(fn_cfg.args)
             check_args(fn, args, f"reward.functions[{i}]", fn_cfg.name)
-            self.functions.append((fn_cfg.name, float(fn_cfg.weight), args, fn))
+            weight = float(fn_cfg.weight)
+            if not math.isfinite(weight):
+                raise ConfigError(f"reward.functions[{i}].weight={weight} ({fn_cfg.name}) must be a finite number")
+            if callable(check := getattr(fn, "check_args", None)):  # the function's own checks of its args
+                check(f"reward.functions[{i}].args", **args)
+            self.functions.append((fn_cfg.name, weight, args, fn))
 
     def check_truths(self, truths: list) -> None:
         """Each function that reads ground truths a way of its own (``fn.check_truths(truths, **args)``, e.g.

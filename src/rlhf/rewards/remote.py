@@ -22,6 +22,7 @@ import json
 import math
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 from rlhf.errors import require
@@ -97,12 +98,27 @@ def remote(
     backoff_s: float = 1.0, **_,
 ) -> list[float]:
     """The scores an HTTP service returns for the batch (wire format in the module docstring)."""
-    require(bool(url), f"reward function remote needs args.url, e.g. reward.functions=[{_EXAMPLE}]")
-    require(timeout_s > 0, f"reward function remote: args.timeout_s={timeout_s} must be > 0 seconds")
-    require(max_retries >= 0, f"reward function remote: args.max_retries={max_retries} must be >= 0")
-    require(backoff_s >= 0, f"reward function remote: args.backoff_s={backoff_s} must be >= 0 seconds")
+    check_remote_args("args", url, timeout_s, max_retries, backoff_s)
     truths = ground_truths if ground_truths is not None else [None] * len(responses)
     rows = [{"prompt": p, "response": r, "ground_truth": g} for p, r, g in zip(prompts, responses, truths)]
     body = json.dumps({"rows": rows}, default=str).encode()  # a ground truth JSON cannot hold goes as str()
     reply = _post_with_retries(url, body, timeout_s, max_retries, backoff_s)
     return _read_scores(reply, len(rows), url)
+
+
+def check_remote_args(at: str, url: str = "", timeout_s: float = 30.0, max_retries: int = 2, backoff_s: float = 1.0, **_) -> None:
+    """ConfigError for args `remote` cannot use (``at``: where they sit, for the message): an http(s) URL with a host,
+    a positive timeout, retries and backoff not negative. Runs when the reward set is built, before any model loads."""
+    require(bool(url), f"reward function remote needs {at}.url, e.g. reward.functions=[{_EXAMPLE}]")
+    parsed = urllib.parse.urlparse(str(url))
+    require(
+        parsed.scheme in ("http", "https") and bool(parsed.netloc),
+        f"reward function remote: {at}.url={url!r} is not an http(s) URL with a host; give one such as "
+        f"http://127.0.0.1:8000/score",
+    )
+    require(timeout_s > 0, f"reward function remote: {at}.timeout_s={timeout_s} must be > 0 seconds")
+    require(max_retries >= 0, f"reward function remote: {at}.max_retries={max_retries} must be >= 0")
+    require(backoff_s >= 0, f"reward function remote: {at}.backoff_s={backoff_s} must be >= 0 seconds")
+
+
+remote.check_args = check_remote_args
