@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 import socket
 import time
 from types import SimpleNamespace
@@ -18,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlhf.agents.endpoint import AgentRunner, OpenAIAgentConfig, OpenAIAgentMaker
+from rlhf.agents.endpoint import PLAIN_TEMPLATE, AgentRunner, OpenAIAgentConfig, OpenAIAgentMaker
 from rlhf.data.prompts import PromptExample
 from rlhf.envs.loop import drop_failed
 from rlhf.envs.rows import episode_rows
@@ -283,6 +284,29 @@ def test_a_taken_port_is_a_config_error_naming_env_port(tokenizer):
 def test_a_tokenizer_without_a_chat_template_is_refused_with_the_fix(tokenizer):
     with pytest.raises(ConfigError, match="env.chat_template"):
         AgentRunner(SimpleNamespace(run=None), OpenAIAgentConfig(name="openai_agent"), tokenizer, tokenizer.eos_token_id)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("nosuch.jinja", "env.chat_template=nosuch.jinja: no such file"),
+    ("templates/nosuch", "env.chat_template=templates/nosuch: no such file"),
+    ("plian", "env.chat_template='plian' is not a template; choose null"),
+])
+def test_a_missing_chat_template_file_or_misspelt_name_is_a_config_error_before_models_load(value, message):
+    """Before: `nosuch.jinja` was taken as an inline template and failed as "renders an assistant message differently"."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        OpenAIAgentConfig(name="openai_agent", chat_template=value).check("env")
+
+
+def test_a_jinja_file_is_an_env_chat_template_as_it_is_a_dataset_one(tmp_path, tokenizer):
+    path = tmp_path / "plain.jinja"
+    path.write_text(PLAIN_TEMPLATE)
+    cfg = OpenAIAgentConfig(name="openai_agent", chat_template=str(path), port=0)
+    cfg.check("env")
+    runner = AgentRunner(SimpleNamespace(run=None), cfg, tokenizer, tokenizer.eos_token_id)
+    try:
+        assert runner.render.chat_template == PLAIN_TEMPLATE
+    finally:
+        runner.close()
 
 
 @pytest.mark.parametrize("text, message", [

@@ -37,6 +37,7 @@ from rlhf.agents.sessions import Budget, Choice, Plan, Renderer, Reply, Session
 from rlhf.envs.agent_func import call_user, check_function, load_module
 from rlhf.envs.base import EnvConfig, finite_reward
 from rlhf.envs.loop import Episode, sampled
+from rlhf.data.templates import BUILTIN_TEMPLATES
 from rlhf.errors import ConfigError, require
 from rlhf.registry import register
 
@@ -50,6 +51,26 @@ PLAIN_TEMPLATE = (
 )
 _EXAMPLE = "async def run(task, client): ... return reward"
 BUILTIN = "builtin:"  # `env.path=builtin:agents/arith_retry.py`: a file of the examples shipped with the package
+
+
+def chat_template_source(value: str | None) -> str | None:
+    """The Jinja source `env.chat_template` names: null or `tokenizer` (None: the tokenizer's own), `plain`, a built-in
+    name of `dataset.chat_template`, a `.jinja` file, or inline Jinja; else ConfigError naming the key and the fix."""
+    choices = (f"choose null (the tokenizer's own), plain, {', '.join(BUILTIN_TEMPLATES)}, a .jinja file, or an inline "
+               f"Jinja template")
+    if value is None or value == "tokenizer":
+        return None
+    if value == "plain":
+        return PLAIN_TEMPLATE
+    if value in BUILTIN_TEMPLATES:
+        return BUILTIN_TEMPLATES[value]
+    if "{{" in value or "{%" in value:
+        return value
+    path = Path(value).expanduser()
+    if value.endswith(".jinja") or "/" in value or path.is_file():
+        require(path.is_file(), f"env.chat_template={value}: no such file; give an existing .jinja file, or {choices[7:]}")
+        return path.read_text()
+    raise ConfigError(f"env.chat_template={value!r} is not a template; {choices}")
 
 
 @dataclass(frozen=True)
@@ -82,7 +103,7 @@ class OpenAIAgentConfig(EnvConfig):
     host: str = "127.0.0.1"  # the interface the endpoint listens on (loopback unless you say otherwise)
     port: int = 0  # the endpoint's port; 0 = a free one (logged at start)
     model_name: str = "policy"  # the model name the endpoint serves (GET /v1/models; requests may name it or none)
-    chat_template: Optional[str] = None  # a Jinja chat template, or `plain`; null = the tokenizer's own
+    chat_template: Optional[str] = None  # a .jinja file, an inline Jinja chat template, `plain`, or a dataset.chat_template built-in name; null = the tokenizer's own
     tool_parser: str = "hermes"  # how tool calls are read from sampled text: hermes, or an import path `pkg.module.fn`
     chains: str = "last"  # rows per episode: last (the chain the session ended on) or all (needs an estimator without groups)
     batch_wait_s: float = 0.02  # how long a request waits for others to share its generate call
@@ -94,6 +115,7 @@ class OpenAIAgentConfig(EnvConfig):
         require(0 <= self.port <= 65535, f"{at}.port={self.port} must be in 0..65535 (0 = a free port)")
         require(self.batch_wait_s >= 0, f"{at}.batch_wait_s={self.batch_wait_s} must be >= 0")
         require(self.max_n >= 1, f"{at}.max_n={self.max_n} must be >= 1")
+        chat_template_source(self.chat_template)  # a missing file or a misspelt name, before any model loads
 
 
 def load_agent(path: str | None):
@@ -126,7 +148,7 @@ class AgentRunner:
     def __init__(self, maker, cfg, tokenizer, stop_id: int) -> None:
         self.maker, self.cfg, self.tokenizer = maker, cfg, tokenizer
         self._limit = asyncio.Semaphore(cfg.max_concurrency)  # agents running at once; binds to the agents' loop at first use
-        template = PLAIN_TEMPLATE if cfg.chat_template == "plain" else cfg.chat_template
+        template = chat_template_source(cfg.chat_template)
         if template is None and not getattr(tokenizer, "chat_template", None):
             raise ConfigError(
                 "env.name=openai_agent renders chat messages with the tokenizer's chat template, and this tokenizer has "
