@@ -191,7 +191,7 @@ def test_a_serializer_reporting_a_full_disk_in_its_own_words_is_named_as_a_full_
             raise raised
 
     monkeypatch.setattr(checkpoint, "_write_state", fill_disk_at_step_2)
-    monkeypatch.setattr(checkpoint, "check_room", lambda root, step: None)  # the run's own early stop aside
+    monkeypatch.setattr(checkpoint, "check_room", lambda root, step, saved=False: None)  # the run's own early stop aside
     cfg = compose_config([*SMALL, "train.num_steps=3", "checkpoint.every=1", "checkpoint.keep_last=0"])
     root = tmp_path / "checkpoints"
     with pytest.raises(NoSpaceError, match=rf"^No space left on {root}: a checkpoint needs about [\d.]+ MB, 0.0 MB free$"):
@@ -219,3 +219,25 @@ def test_no_room_for_a_long_runs_logs_refuses_before_any_model_loads(tmp_path, m
     with pytest.raises(ConfigError, match=r"hydra.run.dir=.*no space for the run's logs and evaluation completions: "
                                           r"needs about [\d.]+ MB, [\d.]+ MB free; free some space there or point hydra.run.dir"):
         train(cfg, tmp_path / "run")
+
+
+def test_a_scheduled_save_that_takes_the_last_room_stops_the_run_keeping_it(tmp_path, monkeypatch, caplog):
+    """Before, the check ran only before the save: the save at step 2 took the room, step 3 trained, its check failed
+    and its emergency save failed too ("could not be saved either"), so step 3 was lost and the run said it would save
+    it. Now the run stops right after the save that left too little room, that checkpoint kept."""
+    save = checkpoint.save
+    full = []
+
+    def save_then_full(*args, **kwargs):
+        path = save(*args, **kwargs)
+        full.append(True)  # this save took the room
+        return path
+
+    monkeypatch.setattr(checkpoint, "save", save_then_full)
+    real = checkpoint.free_bytes
+    monkeypatch.setattr(checkpoint, "free_bytes", lambda path: 1024 if full else real(path))
+    cfg = compose_config([*SMALL, "train.num_steps=6", "checkpoint.every=2"])
+    with caplog.at_level(logging.ERROR, logger="rlhf"), pytest.raises(NoSpaceError, match=r"stops after step 2 and keeps its checkpoint"):
+        train(cfg, tmp_path / "run")
+    assert [p.name for p in checkpoint.complete_checkpoints(tmp_path / "run" / "checkpoints")] == ["step_00000002"]
+    assert "could not be saved either" not in caplog.text

@@ -215,10 +215,11 @@ def _checkpoint_bytes(root: Path) -> int | None:
     return tree_bytes(found[-1]) if found else _RECORDS.get(Path(root).resolve(), ("", None))[1]
 
 
-def check_room(root: Path, step: int) -> None:
+def check_room(root: Path, step: int, saved: bool = False) -> None:
     """NoSpaceError when the disk holding ``root`` has less room than one more checkpoint and the final model need
     (`RESERVE` times a checkpoint's size): raised after a step is logged, the run's failure path then saves that step
-    while the room is still there, so logs and samples filling the disk never cost the finished work."""
+    while the room is still there, so logs and samples filling the disk never cost the finished work; and after a
+    scheduled save (``saved``), which may itself have taken the room the next step's save would need."""
     needed = _checkpoint_bytes(root)
     if not needed:
         return
@@ -227,7 +228,8 @@ def check_room(root: Path, step: int) -> None:
     if free < reserve:
         raise NoSpaceError(
             f"the disk holding {root} is nearly full: {megabytes(free)} MB free, under the {megabytes(reserve)} MB a "
-            f"checkpoint and the final model need; the run stops after step {step} and saves it while it can. Free "
+            f"checkpoint and the final model need; the run stops after step {step} and "
+            f"{'keeps its checkpoint' if saved else 'saves it while it can'}. Free "
             f"space (or set checkpoint.dir to another disk), then resume=auto"
         )
 

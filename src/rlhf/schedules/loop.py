@@ -108,6 +108,8 @@ def run_steps(
         every = cfg.checkpoint.every
         if stop.requested or (every and step % every == 0) or (every and step == train.num_steps):
             checkpoint.save(c, tracker.checkpoint_root, step, state.to_dict(), cfg.checkpoint.keep_last, states)
+            if not stop.requested and step < train.num_steps:  # the save took its room: is there one more?
+                checkpoint.check_room(tracker.checkpoint_root, step, saved=True)
         if stop.requested:
             log.warning("%s received: stopped after step %d with a checkpoint; continue with resume=auto", stop.requested, step)
             state.preempted = True
