@@ -74,7 +74,7 @@ def train_locked(cfg: DictConfig, out: Path, sizes, schedule, root: Path):
     """`train` once the run's folders are locked."""
     resume_from = checkpoint.resume_path(cfg, root)
     if resume_from is not None:
-        preflight.check_resume(cfg, resume_from)
+        preflight.check_resume(cfg, resume_from, sweep.swept_keys(sys.argv[1:]))
     log.info("output folder: %s", out)
     log.info("derived sizes: %s", ", ".join(f"{k}={v}" for k, v in sizes.as_dict().items()))
     seed_everything(cfg.seed)

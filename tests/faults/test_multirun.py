@@ -101,3 +101,11 @@ def test_a_sweep_value_that_cannot_compose_is_refused_before_any_job_starts(tmp_
     assert "config error: train.lr=fast in the sweep does not compose" in proc.stderr
     assert "could not be converted to Float" in proc.stderr and "no job was started" in proc.stderr
     assert not sweep_dir.exists()
+
+
+def test_the_swept_keys_are_those_a_multirun_varies(monkeypatch):
+    monkeypatch.setattr(sweep, "in_multirun", lambda: True)
+    argv = ["--multirun", "train.lr=1e-4,3e-4", "seed=range(1,3)", "train.num_steps=4", "hydra.sweep.dir=s", "algorithm=grpo,rloo"]
+    assert sweep.swept_keys(argv) == {"train.lr", "seed", "algorithm"}
+    monkeypatch.setattr(sweep, "in_multirun", lambda: False)
+    assert sweep.swept_keys(argv) == set()

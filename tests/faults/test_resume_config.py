@@ -147,3 +147,17 @@ def test_allow_config_change_with_another_dataset_starts_the_prompt_stream_over(
                                       "checkpoint.allow_config_change=true"]), run_dir)
     assert state.step == 3
     assert "the prompt stream starts over" in caplog.text
+
+
+def test_a_sweep_job_whose_swept_value_moved_is_refused(run_dir, caplog):
+    """Re-launching `--multirun train.lr=1e-3,3e-3 resume=auto` as `train.lr=5e-4,1e-3,3e-3`: job 0 (now 5e-4) found
+    job 0's checkpoint (trained at 1e-3) and resumed it with a warning only. A key the sweep varies must match."""
+    from rlhf.run.preflight import check_resume
+
+    path = run_dir / "checkpoints" / "step_00000002"
+    cfg = compose_config([*SMALL, "train.num_steps=4", "resume=auto", "train.lr=5e-4"])
+    with pytest.raises(ConfigError, match=r"^resume from .* in a sweep: this job's swept train.lr: .* -> 0.0005 differs .* new hydra.sweep.dir"):
+        check_resume(cfg, path, swept={"train.lr"})
+    with caplog.at_level(logging.WARNING, logger="rlhf"):
+        check_resume(cfg, path, swept={"seed"})  # swept, but not changed; the changed lr is listed only
+    assert "train.lr" in caplog.text

@@ -230,10 +230,11 @@ def check_model_resume(path: Path, role: str, rank: int | None) -> None:
         )
 
 
-def check_resume(cfg, path: Path) -> None:
+def check_resume(cfg, path: Path, swept: set[str] = frozenset()) -> None:
     """A resume from checkpoint ``path`` continues its training: `train.num_steps` reaches its step, and the keys
     that exact resume needs (`EXACT_RESUME_KEYS`) match its `config.yaml` unless `checkpoint.allow_config_change`.
-    Every changed key is logged."""
+    Every changed key is logged. In a `--multirun` job, a key the sweep varies (``swept``) must match too: a
+    different value means the sweep's list changed since, and this job's folder holds another job's run."""
     step = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))["step"]
     check_lora_resume(cfg, path)
     if cfg.train.num_steps < step:
@@ -251,6 +252,13 @@ def check_resume(cfg, path: Path) -> None:
     listed = "; ".join(f"{key}: {old} -> {new}" for key, (old, new) in changes.items())
     log.warning("resume: %d keys differ from the config step %d ran with (%s): %s",
                 len(changes), step, recorded, listed)
+    moved_jobs = [f"{key}: {changes[key][0]} -> {changes[key][1]}" for key in changes if key in swept]
+    if moved_jobs:
+        raise ConfigError(
+            f"resume from {path} in a sweep: this job's swept {'; '.join(moved_jobs)} differs from the value its "
+            f"checkpoint trained with, so the sweep's values changed since and the job folders no longer match their "
+            f"runs; run the changed sweep in a new hydra.sweep.dir, or repeat the old values in their old order"
+        )
     breaking = [f"{key}: {changes[key][0]} -> {changes[key][1]}" for key in changes if breaks_exact_resume(key)]
     if not breaking:
         return

@@ -145,6 +145,19 @@ def first_job(overrides: list[str]) -> list[str]:
     return _at_first_values(OverridesParser.create().parse_overrides(overrides), overrides)
 
 
+def swept_keys(argv: list[str]) -> set[str]:
+    """The keys a `--multirun` command line ``argv`` varies across jobs (`train.lr` of `train.lr=1e-4,3e-4`);
+    empty outside a multirun or for a malformed override (Hydra reports it)."""
+    if not in_multirun():
+        return set()
+    given = [a for a in argv if not a.startswith("-") and "=" in a]
+    try:
+        parsed = OverridesParser.create().parse_overrides(given)
+    except HydraException:
+        return set()
+    return {o.get_key_element() for o in parsed if o.is_sweep_override()}
+
+
 def check_sweep_values(argv: list[str]) -> None:
     """For `--multirun`, before any job starts: each value of each swept key composes with the others at their first
     values, else ConfigError naming the key and the value (before, a wrong type in one value aborted the sweep partway,
