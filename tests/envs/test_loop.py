@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from rlhf.data.prompts import PromptExample, PromptStream
-from rlhf.envs.base import EnvConfig
+from rlhf.envs.base import EnvConfig, check_prompt_room
+from rlhf.errors import ConfigError
 from rlhf.envs.loop import EpisodeRunner, drop_failed
 from rlhf.trajectory import group_size
 from rlhf.envs.rows import episode_rows
@@ -228,6 +229,14 @@ def test_a_first_observation_that_fills_env_max_tokens_names_the_key_and_the_fix
     assert all(ep.failed for ep in episodes) and not recording.calls  # nothing generated for them
     assert f"is {prompt_len} tokens, which fills env.max_tokens={prompt_len}" in episodes[0].error
     assert f"raise env.max_tokens above {prompt_len}" in episodes[0].error
+
+
+def test_env_max_tokens_that_no_prompt_fits_is_a_config_error_before_models_load():
+    prompts = [PromptExample(f"p{n}", tuple(range(n)), ground_truth=0) for n in (5, 6, 9)]
+    with pytest.raises(ConfigError, match=r"env.max_tokens=5 .*at least 5 tokens \(the longest 9\); raise env.max_tokens above 9"):
+        check_prompt_room(prompts, max_tokens=5)
+    assert check_prompt_room(prompts, max_tokens=6) == 2  # two prompts leave no room: counted, for a warning
+    assert check_prompt_room(prompts, max_tokens=10) == 0
 
 
 def test_max_turns_ends_running_episodes(make_generator, tiny_model_dir, tokenizer):

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Protocol
 
 from rlhf.data.prompts import PromptExample, PromptSplits
 from rlhf.envs.templates import TEMPLATES
-from rlhf.errors import require
+from rlhf.errors import ConfigError, require
 from rlhf.parts import PartConfig
 
 REDUCTIONS = ("sum", "last")  # `env.reward_reduce`: a trajectory's score from its turn rewards
@@ -92,6 +92,21 @@ def seed_tasks(env_id: str, eval_size: int) -> PromptSplits:
 
     first, count = TRAIN_SEEDS
     return PromptSplits(train=[task(s) for s in range(first, first + count)], eval=[task(s) for s in range(eval_size)])
+
+
+def check_prompt_room(prompts: list[PromptExample], max_tokens: int) -> int:
+    """Before models load, for an environment whose first observation is the dataset prompt: ConfigError naming
+    `env.max_tokens` when no training prompt leaves room for an action token (each episode would fail at once);
+    otherwise how many prompts leave none (their episodes will fail, so the caller may warn)."""
+    lengths = [len(ex.token_ids) for ex in prompts if ex.token_ids]
+    full = sum(n >= max_tokens for n in lengths)
+    if lengths and full == len(lengths):
+        raise ConfigError(
+            f"env.max_tokens={max_tokens} (tokens per episode, prompt included) leaves no room for an action: every "
+            f"training prompt is at least {min(lengths)} tokens (the longest {max(lengths)}); raise env.max_tokens above "
+            f"{max(lengths)} plus the action tokens wanted (e.g. + generator.max_new_tokens per turn)"
+        )
+    return full
 
 
 class EnvError(RuntimeError):
