@@ -239,6 +239,18 @@ def test_env_max_tokens_that_no_prompt_fits_is_a_config_error_before_models_load
     assert check_prompt_room(prompts, max_tokens=10) == 0
 
 
+def test_a_run_whose_env_max_tokens_no_prompt_fits_stops_before_any_model_loads(tmp_path, monkeypatch):
+    """`experiment=multiturn_tiny env.max_tokens=5`: before, the parity gate (models loaded) failed with "episodes with
+    no action token cannot be trained on", naming neither the key nor the prompts' length."""
+    from rlhf.config import compose_config
+    from rlhf.run import build
+    from rlhf.train import train
+
+    monkeypatch.setattr(build, "build_local_models", lambda *a, **k: pytest.fail("a model loaded before the refusal"))
+    with pytest.raises(ConfigError, match=r"^env.max_tokens=5 \(tokens per episode, prompt included\) leaves no room"):
+        train(compose_config(["experiment=multiturn_tiny", "env.max_tokens=5", "train.num_steps=1"]), tmp_path / "run")
+
+
 def test_max_turns_ends_running_episodes(make_generator, tiny_model_dir, tokenizer):
     episodes, _ = play(make_generator, tiny_model_dir, tokenizer, Maker(), env_cfg(max_turns=1))
     assert all(len(ep.turns) == 1 for ep in episodes)

@@ -25,7 +25,7 @@ from rlhf.data.prompts import PromptExample, PromptStream
 from rlhf.distributed.cluster import start
 from rlhf.distributed.layout import reference_is_base, used_roles
 from rlhf.models.remote_teacher import RemoteTeacher
-from rlhf.envs.base import seed_tasks
+from rlhf.envs.base import check_prompt_room, seed_tasks
 from rlhf.envs.loop import EpisodeRunner
 from rlhf.generators.base import SamplingParams
 from rlhf.envs.templates import check as check_template
@@ -218,6 +218,9 @@ def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
         check_prompt_budget(cfg.dataset.max_prompt_length, cfg.generator.max_new_tokens, context, model.name_or_path)
     if runner is not None:  # so must a whole episode
         check_episode_budget(cfg.env.max_tokens, context, model.name_or_path)
+    if runner is not None and runner.maker.uses_dataset and (full := check_prompt_room(splits.train, cfg.env.max_tokens)):
+        log.warning("%d of %d training prompts fill env.max_tokens=%d: their episodes will fail; raise env.max_tokens",
+                    full, len(splits.train), cfg.env.max_tokens)
     # 3. models
     if cfg.cluster.backend == "ray":
         models, backend = build_remote_models(cfg, sizes, algorithm, tokenizer)
