@@ -78,24 +78,31 @@ def train_locked(cfg: DictConfig, out: Path, sizes, schedule, root: Path):
     log.info("output folder: %s", out)
     log.info("derived sizes: %s", ", ".join(f"{k}={v}" for k, v in sizes.as_dict().items()))
     seed_everything(cfg.seed)
-    components = build_components(cfg, sizes, push=resume_from is None)  # resuming: the checkpoint's weights are pushed
-    try:
-        state = run_schedule(cfg, out, sizes, schedule, components, root, resume_from)
-    finally:
-        components.close()
+    with StopSignals() as stop:  # from the first model load: a stop before the first step ends the run cleanly
+        components = build_components(cfg, sizes, push=resume_from is None)  # resuming: the checkpoint's weights are pushed
+        try:
+            state = run_schedule(cfg, out, sizes, schedule, components, root, resume_from, stop)
+        finally:
+            components.close()
     if not state.preempted:
         summarize(state)
     return state
 
 
-def run_schedule(cfg, out: Path, sizes, schedule, components, root: Path, resume_from: Path | None):
-    """Resume if asked, run the schedule with tracking, export the final policy. Returns the final RunState."""
+def run_schedule(cfg, out: Path, sizes, schedule, components, root: Path, resume_from: Path | None, stop: StopSignals):
+    """Resume if asked, run the schedule with tracking, export the final policy. Returns the final RunState; a stop
+    requested (``stop``) before the first step returns it at once, preempted."""
     state = RunState(guard=NonFiniteGuard(cfg.train.max_skipped_steps_in_row))
     if resume_from is not None:
         state = RunState.from_dict(checkpoint.load(components, resume_from, cfg.checkpoint.allow_config_change), cfg.train.max_skipped_steps_in_row)
         resumed(components.generator, state.step)
         components.generator.update_weights(components.policy.state_dict())  # the generator's first push
     parity.gate(components, cfg)  # before the first step: the generator samples what the trainer scores
+    if stop.requested:
+        log.warning("%s received before the first step: stopped, nothing new to save; run again (resume=auto) to "
+                    "start", stop.requested)
+        state.preempted = True
+        return state
     tracker = Tracker(
         out, cfg.logging.tensorboard, resume_step=state.step if resume_from else None, checkpoint_root=root,
         settings=cfg.logging,
@@ -104,7 +111,7 @@ def run_schedule(cfg, out: Path, sizes, schedule, components, root: Path, resume
     if components.data_report:
         (out / "dataset_report.json").write_text(json.dumps(components.data_report, indent=2) + "\n")
     log.info("run id %s, starting at step %d", state.run_id, state.step)
-    with tracker, StopSignals() as stop:  # the tracker closes (a W&B run marked failed) on errors too
+    with tracker:  # the tracker closes (a W&B run marked failed) on errors too
         state = schedule(components, cfg, sizes, tracker, state, stop)
     state.elapsed = tracker.elapsed()
     if state.preempted:
@@ -169,7 +176,8 @@ def run(cfg: DictConfig) -> float | None:
         code = exits.report_run_error(err, "fix it, then continue with resume=auto")
         return sweep.end_job(code, f"{type(err).__name__}: {err}")
     if state.preempted:  # saved and resumable, but not finished: a scheduler must not take it for done
-        return sweep.end_job(exits.INTERRUPTED_SAVED, f"interrupted at step {state.step}, checkpoint saved")
+        saved = ", checkpoint saved" if state.step else " (before the first step: nothing to save)"
+        return sweep.end_job(exits.INTERRUPTED_SAVED, f"interrupted at step {state.step}{saved}")
     sweep.end_job(exits.FINISHED, "finished")
     # returned for Hydra sweepers that optimise a value
     return state.last_eval.get("eval/sampled_correct_rate")

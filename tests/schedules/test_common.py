@@ -193,3 +193,31 @@ def test_no_signal_means_no_stop_request():
     with StopSignals() as stop:
         pass
     assert stop.requested is None
+
+
+def test_a_sigterm_while_the_models_load_stops_before_the_first_step_cleanly(tmp_path, monkeypatch, caplog):
+    """Before, the handlers were installed only when the schedule began: a SIGTERM while the models loaded or the
+    parity gate ran killed the process with no message and no cleanup (engines, workers)."""
+    import rlhf.train as train_module
+    from rlhf.config import compose_config
+    from rlhf.run import checkpoint
+
+    build = train_module.build_components
+    closed = []
+
+    def build_then_terminated(*args, **kwargs):
+        components = build(*args, **kwargs)
+        close = components.close
+        components.close = lambda: (closed.append(True), close())
+        os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's stop, while the run is still starting
+        return components
+
+    monkeypatch.setattr(train_module, "build_components", build_then_terminated)
+    before = signal.getsignal(signal.SIGTERM)
+    with caplog.at_level(logging.WARNING, logger="rlhf"):
+        state = train_module.train(compose_config(["train.num_steps=3", "logging.tensorboard=false"]), tmp_path / "run")
+    assert state.preempted and state.step == 0 and closed == [True]
+    assert "SIGTERM received before the first step: stopped" in caplog.text
+    assert checkpoint.complete_checkpoints(tmp_path / "run" / "checkpoints") == []
+    assert not (tmp_path / "run" / "final_model").exists()
+    assert signal.getsignal(signal.SIGTERM) is before  # the handlers are put back
