@@ -80,6 +80,7 @@ def train_locked(cfg: DictConfig, out: Path, sizes, schedule, root: Path):
     seed_everything(cfg.seed)
     with StopSignals() as stop:  # from the first model load: a stop before the first step ends the run cleanly
         components = build_components(cfg, sizes, push=resume_from is None)  # resuming: the checkpoint's weights are pushed
+        stop.arm()  # the build may have put in handlers of its own (ray.init's SIGTERM handler exits at once)
         try:
             state = run_schedule(cfg, out, sizes, schedule, components, root, resume_from, stop)
         finally:

@@ -221,3 +221,36 @@ def test_a_sigterm_while_the_models_load_stops_before_the_first_step_cleanly(tmp
     assert checkpoint.complete_checkpoints(tmp_path / "run" / "checkpoints") == []
     assert not (tmp_path / "run" / "final_model").exists()
     assert signal.getsignal(signal.SIGTERM) is before  # the handlers are put back
+
+
+def test_the_run_takes_the_signals_back_from_a_build_that_installs_its_own(tmp_path, monkeypatch, caplog):
+    """`ray.init` installs a SIGTERM handler that exits at once; the run's handler must be the one in place once the
+    components are built, and the handler found before the run is the one put back after."""
+    import rlhf.train as train_module
+    from rlhf.checks import parity
+    from rlhf.config import compose_config
+
+    build = train_module.build_components
+
+    def ray_like(signum, frame):
+        raise SystemExit(signum)  # ray's handler: sys.exit(signum), at once
+
+    def build_like_ray(*args, **kwargs):
+        components = build(*args, **kwargs)
+        signal.signal(signal.SIGTERM, ray_like)  # as ray.init puts in its own
+        return components
+
+    gate = parity.gate
+
+    def gate_then_terminated(*args, **kwargs):
+        gate(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(train_module, "build_components", build_like_ray)
+    monkeypatch.setattr(parity, "gate", gate_then_terminated)
+    before = signal.getsignal(signal.SIGTERM)
+    with caplog.at_level(logging.WARNING, logger="rlhf"):
+        state = train_module.train(compose_config(["train.num_steps=3", "logging.tensorboard=false"]), tmp_path / "run")
+    assert state.preempted and state.step == 0
+    assert "SIGTERM received before the first step: stopped" in caplog.text
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -98,8 +98,8 @@ class StopSignals:
             log.error("a second SIGTERM: stopping now, without finishing the step or saving a checkpoint")
             raise StopNow(128 + signal.SIGTERM)
         self.requested, self._first_at = signal.Signals(signum).name, time.monotonic()
-        log.warning("%s: finishing the current step, then saving a checkpoint (send it again to stop at once, without "
-                    "one)", self.requested)
+        log.warning("%s: finishing the current step, then saving a checkpoint (before the first step: stopping once "
+                    "the models have loaded, nothing to save); send it again to stop at once, without one", self.requested)
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
@@ -107,6 +107,13 @@ class StopSignals:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
+
+    def arm(self) -> None:
+        """Take the signals back after code that installed handlers of its own inside the block (`ray.init` puts in
+        a SIGTERM handler that exits at once); the handlers found on entry are still the ones put back on exit."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            if signal.getsignal(sig) != self._handle and not (sig == signal.SIGINT and self.requested == "SIGINT"):
+                signal.signal(sig, self._handle)
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
