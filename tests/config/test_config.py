@@ -345,7 +345,7 @@ def test_the_command_line_check_composes_once_and_names_the_part_for_either_fail
     check(["--cfg", "job", "algorithm=rloo", "generator.max_new_tokens=4"])  # both kinds of key, composes fine
     assert calls == [["algorithm=rloo", "generator.max_new_tokens=4"]]
     calls.clear()
-    check(["train.lr=1e-4", "seed=3"])  # nothing a part could lack, no part chosen
+    check(["train.lr=1e-4", "seed=3", "hydra.run.dir=runs/a"])  # nothing a part could lack, no part chosen, Hydra's own
     check(["-m", "algorithm=rloo,grpo", "generator.enable_sleep=true"])  # a sweep: Hydra's own per job
     assert calls == []
     with pytest.raises(ConfigError, match=r"^generator.enable_sleep is not a key of generator hf"):

@@ -105,7 +105,8 @@ def test_a_sweep_value_that_cannot_compose_is_refused_before_any_job_starts(tmp_
 
 def test_the_swept_keys_are_those_a_multirun_varies(monkeypatch):
     monkeypatch.setattr(sweep, "in_multirun", lambda: True)
-    argv = ["--multirun", "train.lr=1e-4,3e-4", "seed=range(1,3)", "train.num_steps=4", "hydra.sweep.dir=s", "algorithm=grpo,rloo"]
-    assert sweep.swept_keys(argv) == {"train.lr", "seed", "algorithm"}
+    argv = ["--multirun", "train.lr=1e-4,3e-4", "seed=range(1,3)", "train.num_steps=4", "hydra.sweep.dir=s", "algorithm=grpo,rloo",
+            "+env.max_turns=1,2", "++train.micro_batch_size=4,8"]
+    assert sweep.swept_keys(argv) == {"train.lr", "seed", "algorithm", "env.max_turns", "train.micro_batch_size"}
     monkeypatch.setattr(sweep, "in_multirun", lambda: False)
     assert sweep.swept_keys(argv) == set()

@@ -161,3 +161,16 @@ def test_a_sweep_job_whose_swept_value_moved_is_refused(run_dir, caplog):
     with caplog.at_level(logging.WARNING, logger="rlhf"):
         check_resume(cfg, path, swept={"seed"})  # swept, but not changed; the changed lr is listed only
     assert "train.lr" in caplog.text
+    grouped = compose_config([*SMALL, "train.num_steps=4", "resume=auto", "dataset.max_operand=5", "checkpoint.allow_config_change=true"])
+    with pytest.raises(ConfigError, match=r"in a sweep: this job's swept dataset.max_operand: 9 -> 5"):
+        check_resume(grouped, path, swept={"dataset"})  # `dataset=a,b`: the keys under the group
+
+
+
+def test_dataset_keys_that_leave_the_training_prompts_as_they_were_do_not_break_exact_resume():
+    from rlhf.run.preflight import breaks_exact_resume
+
+    for free in ("dataset.cache_dir", "dataset.strict", "dataset.eval"):  # the cache, bad-row handling, eval sources
+        assert not breaks_exact_resume(free)
+    for breaking in ("dataset.path", "dataset.train", "dataset.eval_holdout", "dataset.prompt_key", "dataset.max_operand"):
+        assert breaks_exact_resume(breaking)

@@ -50,6 +50,7 @@ EXACT_RESUME_KEYS = (  # what a resumed run must share with its checkpoint to co
     "policy.lora.*", "critic.lora.*",  # the models: another model, or adapters scaled or placed otherwise
     "dataset.*",  # the prompt stream
 )
+RESUME_FREE_KEYS = ("dataset.cache_dir", "dataset.strict", "dataset.eval")  # dataset keys that leave the training prompts as they were
 NOT_COMPARED = ("resume",)  # keys expected to differ between a run and its resumption
 ABSENT = "<absent>"
 
@@ -198,7 +199,7 @@ def config_changes(recorded: dict, current: dict) -> dict[str, tuple]:
 
 
 def breaks_exact_resume(key: str) -> bool:
-    return any(fnmatch.fnmatchcase(key, pattern) for pattern in EXACT_RESUME_KEYS)
+    return key not in RESUME_FREE_KEYS and any(fnmatch.fnmatchcase(key, pattern) for pattern in EXACT_RESUME_KEYS)
 
 
 def check_lora_resume(cfg, path: Path) -> None:
@@ -252,7 +253,8 @@ def check_resume(cfg, path: Path, swept: set[str] = frozenset()) -> None:
     listed = "; ".join(f"{key}: {old} -> {new}" for key, (old, new) in changes.items())
     log.warning("resume: %d keys differ from the config step %d ran with (%s): %s",
                 len(changes), step, recorded, listed)
-    moved_jobs = [f"{key}: {changes[key][0]} -> {changes[key][1]}" for key in changes if key in swept]
+    moved_jobs = [f"{key}: {changes[key][0]} -> {changes[key][1]}" for key in changes
+                  if any(key == s or key.startswith(f"{s}.") for s in swept)]  # a swept group: the keys under it
     if moved_jobs:
         raise ConfigError(
             f"resume from {path} in a sweep: this job's swept {'; '.join(moved_jobs)} differs from the value its "

@@ -146,8 +146,9 @@ def first_job(overrides: list[str]) -> list[str]:
 
 
 def swept_keys(argv: list[str]) -> set[str]:
-    """The keys a `--multirun` command line ``argv`` varies across jobs (`train.lr` of `train.lr=1e-4,3e-4`);
-    empty outside a multirun or for a malformed override (Hydra reports it)."""
+    """The keys a `--multirun` command line ``argv`` varies across jobs (`train.lr` of `train.lr=1e-4,3e-4`, `dataset`
+    of `dataset=gsm8k,math`), without `+`/`~`; empty outside a multirun or for a malformed override (Hydra reports
+    it). Read from the command line: launchers that start each job as a process of its own are not covered."""
     if not in_multirun():
         return set()
     given = [a for a in argv if not a.startswith("-") and "=" in a]
@@ -155,7 +156,7 @@ def swept_keys(argv: list[str]) -> set[str]:
         parsed = OverridesParser.create().parse_overrides(given)
     except HydraException:
         return set()
-    return {o.get_key_element() for o in parsed if o.is_sweep_override()}
+    return {o.get_key_element().lstrip("+~") for o in parsed if o.is_sweep_override()}
 
 
 def check_sweep_values(argv: list[str]) -> None:
