@@ -395,6 +395,17 @@ def test_a_folder_of_train_shards_still_reads_only_its_split(tokenizer):
     assert [e.text for e in mixed_dataset(path_cfg("data"), tokenizer, 1).train] == ["0+1=", "1+1=", "9+1="]
 
 
+def test_a_folder_of_files_holding_the_split_as_a_word_reads_them_and_skips_metadata(tokenizer):
+    """Without a train.jsonl, `gsm8k_train.jsonl` and `train_prefs.jsonl` are the train split, as `datasets` reads
+    them; a hub clone's top-level dataset_infos.json is metadata, not prompts."""
+    Path("data").mkdir()
+    write_jsonl("data/gsm8k_train.jsonl", good_lines(2))
+    write_jsonl("data/train_prefs.jsonl", [json.dumps({"prompt": "9+1="})])
+    write_jsonl("data/gsm8k_test.jsonl", [json.dumps({"prompt": "5+5="})])
+    Path("data/dataset_infos.json").write_text(json.dumps({"default": {"description": "x"}}))
+    assert sorted(e.text for e in mixed_dataset(path_cfg("data"), tokenizer, 1).train) == ["0+1=", "1+1=", "9+1="]
+
+
 @pytest.mark.parametrize("files", [[], ["README.md", "notes.txt"]], ids=["empty", "no-prompt-files"])
 def test_a_folder_without_prompt_files_names_dataset_path(tokenizer, no_hub, files):
     """An empty folder (or one of other files) was `datasets`' EmptyDatasetError; now the key and the fix."""

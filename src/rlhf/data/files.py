@@ -42,9 +42,25 @@ def missing_path_error(key: str, path: str) -> ConfigError:
     )
 
 
+METADATA_FILES = ("dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json")  # hub and save_to_disk metadata, not prompts
+
+
+def _words(file: Path) -> set[str]:
+    """The words of a file's name (`gsm8k_train-0` -> gsm8k, train)."""
+    return set(re.split(r"[^a-z]+", file.stem.lower())) - {""}
+
+
 def _names_a_split(file: Path) -> bool:
     """Whether a file's name holds a split word as a word of its own (`test.jsonl`, `train_prefs-0.parquet`)."""
-    return any(word in SPLIT_WORDS for word in re.split(r"[^a-z]+", file.stem.lower()))
+    return any(word in SPLIT_WORDS for word in _words(file))
+
+
+def _split_files(files: list[Path], split: str) -> list[Path]:
+    """The files of ``split``: those named `<split>` or `<split>-*`; when there are none, those holding the split as
+    a word of their own (`gsm8k_train.jsonl`), as `datasets` reads such names (`train_prefs` beside `train.jsonl` is
+    a split of its own)."""
+    named = [p for p in files if p.stem == split or p.stem.startswith(split + "-")]
+    return named or [p for p in files if split.lower() in _words(p)]
 
 
 def _check_one_format(folder: Path, split: str, files: list[Path], key: str) -> list[Path]:
@@ -57,12 +73,13 @@ def _check_one_format(folder: Path, split: str, files: list[Path], key: str) -> 
 
 
 def folder_files(folder: Path, split: str, key: str, shown: str) -> list[Path] | None:
-    """The files of a local folder that make up ``split``: `<split>.<ext>` or `<split>-*.<ext>`, or, for `train`, every
-    file when no file name names a split (as `datasets` reads such a folder). None for a folder in the hub's layout
+    """The files of a local folder that make up ``split``: `<split>.<ext>`, `<split>-*.<ext>` or a name holding the
+    split as a word (`gsm8k_train.jsonl`), or, for `train`, every file when no file name names a split (as `datasets`
+    reads such a folder); metadata files (`dataset_infos.json`) are not prompts. None for a folder in the hub's layout
     (prompt files only in subfolders), left to `datasets`; ConfigError for a folder without prompt files. ``shown``:
     the path as the user gave it."""
-    top = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in LOCAL_FORMATS)
-    named = [p for p in top if p.stem == split or p.stem.startswith(split + "-")]
+    top = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in LOCAL_FORMATS and p.name not in METADATA_FILES)
+    named = _split_files(top, split)
     if named:
         return _check_one_format(folder, split, named, key)
     if top and split == "train" and not any(_names_a_split(p) for p in top):
