@@ -51,6 +51,6 @@ def as_user_error(caught: BaseException) -> BaseException:
     )
     return UserExit(
         f"sys.exit({caught.code!r}) was called{where} inside the run: user code (a reward function, an environment, "
-        f"an agent) must return a value or raise an exception, never end the process; the run stops here with the "
-        f"last complete step saved"
+        f"an agent) must return a value or raise an exception, never end the process; the run stops here, the last "
+        f"complete step (if one is) saved"
     )

@@ -256,18 +256,26 @@ def test_a_client_that_disconnects_before_its_body_arrives_is_no_traceback(runne
     seen = []
     handler = logging.Handler(logging.DEBUG)
     handler.emit = seen.append
-    uvicorn_log = logging.getLogger("uvicorn.error")
-    uvicorn_log.addHandler(handler)
+    loggers = [logging.getLogger("uvicorn.error"), logging.getLogger("rlhf")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
     try:
         host, port = runner.server.url.removeprefix("http://").rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=10) as conn:
             conn.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          f"Content-Length: 100\r\n\r\n{{\"reward\"".encode())
             time.sleep(0.3)  # the handler is reading the body when the client leaves
-        time.sleep(0.5)
+        deadline = time.monotonic() + 60  # event-driven: until the server has handled the disconnect
+        while not any("disconnected before sending its body" in r.getMessage() for r in seen) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert httpx.get(runner.server.url + "/v1/models", timeout=10).status_code == 200  # still serving
     finally:
-        uvicorn_log.removeHandler(handler)
+        for logger, level in zip(loggers, levels):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+    assert any(f"disconnected before sending its body" in r.getMessage() and path in r.getMessage() for r in seen)
     assert not [r for r in seen if r.levelno >= logging.WARNING], [r.getMessage() for r in seen]
 
 

@@ -96,7 +96,7 @@ def test_next_state_that_does_not_extend_the_conversation_is_an_env_error(tmp_pa
         play(maker_for(tmp_path, source).make(TASK), ["4"])
 
 
-@pytest.mark.parametrize("reward", ['"1"', "True", "None", "float('nan')"])
+@pytest.mark.parametrize("reward", ['"1"', "None", "float('nan')"])
 def test_a_reward_that_is_not_a_finite_number_is_an_env_error_naming_it(tmp_path, reward):
     """Before: a str reward "1" trained as 1.0 (float() took it); openai_agent refuses it, and so does agent_func."""
     source = f"""
@@ -107,13 +107,23 @@ def test_a_reward_that_is_not_a_finite_number_is_an_env_error_naming_it(tmp_path
         play(maker_for(tmp_path, source).make(TASK), ["4"])
 
 
-@pytest.mark.parametrize("reward", ["1", True, None])
+@pytest.mark.parametrize("reward", ["1", None, float("inf")])
 def test_the_loop_refuses_a_step_reward_that_is_not_a_number(reward):
-    """Every environment's step() reward passes the check openai_agent's rewards pass (a tensor still does)."""
+    """Every environment's step() reward passes one check (a tensor still does, and a bool: `action == answer`)."""
     answer = ("obs", reward, True, False, {})
     with pytest.raises(EnvError, match="step\\(\\) reward must be a finite number"):
         check_step(answer)
     assert check_step(("obs", torch.tensor([0.5]), True, False, {})).reward == 0.5
+    assert check_step(("obs", True, True, False, {})).reward == 1.0 and check_step(("obs", False, True, False, {})).reward == 0.0
+
+
+def test_an_agent_func_step_may_return_a_bool_reward(tmp_path):
+    source = """
+    async def step(state, action, label):
+        return action.strip() == "4", state + action, True, {}
+    """
+    (_, step), (_, wrong) = (play(maker_for(tmp_path, source).make(TASK), [action]) for action in ("4", "5"))
+    assert check_step(step).reward == 1.0 and check_step(wrong).reward == 0.0
 
 
 def test_an_extra_that_is_not_a_dict_is_an_env_error_naming_it(tmp_path):

@@ -177,12 +177,10 @@ def test_a_hung_step_times_out(make_generator, tiny_model_dir, tokenizer):
 @pytest.mark.parametrize("cls", [Retry, AsyncRetry])
 def test_sys_exit_in_step_loses_its_episode_at_once(make_generator, tiny_model_dir, tokenizer, cls):
     """A step() calling sys.exit is the user's error, reported at once (not a stopped event loop and a timeout)."""
-    start = time.perf_counter()
-    cfg = env_cfg(step_timeout_s=20.0)
+    cfg = env_cfg(step_timeout_s=120.0)  # a timeout would name env.step_timeout_s instead of the SystemExit
     episodes, _ = play(make_generator, tiny_model_dir, tokenizer, Maker({0: "exit"}, cls), cfg, groups=2)
     assert episodes[0].failed and episodes[0].error.startswith("step: EnvError: SystemExit(0) raised")
     assert not any(ep.failed for ep in episodes[1:])  # the other episodes, on the same loop, go on
-    assert time.perf_counter() - start < 15
 
 
 def test_every_episode_failing_stops_the_run(make_generator, tiny_model_dir, tokenizer):

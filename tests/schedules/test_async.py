@@ -12,7 +12,6 @@ import threading
 from contextlib import nullcontext
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -328,14 +327,22 @@ def test_a_producer_is_waited_for_unless_a_second_stop_signal_ends_the_run(raise
     stop signal (`StopNow`), which must end the process at once."""
     from rlhf.schedules.asynchronous import producing
 
-    own = object()
-    collector = SimpleNamespace(generator=own)  # `producing` reads and swaps only the collector's generator
+    from rlhf.config import validate
+    from rlhf.run.build import build_components
+
+    cfg = compose_config(["logging.tensorboard=false"])
+    components = build_components(cfg, validate(cfg))
+    collector = components.collector
+    own = collector.generator
     made = []
-    with pytest.raises(type(raised)) if raised is not None else nullcontext():
-        with producing(collector, 3, lambda generator: made.append(RecordingProducer(generator)) or made[-1]) as producer:
-            assert isinstance(collector.generator, VersionedGenerator) and collector.generator.version == 3
-            assert producer.generator is collector.generator
-            if raised is not None:
-                raise raised
-    assert made[0].waits == [wait]
-    assert collector.generator is own
+    try:
+        with pytest.raises(type(raised)) if raised is not None else nullcontext():
+            with producing(collector, 3, lambda generator: made.append(RecordingProducer(generator)) or made[-1]) as producer:
+                assert isinstance(collector.generator, VersionedGenerator) and collector.generator.version == 3
+                assert producer.generator is collector.generator and collector.generator.inner is own
+                if raised is not None:
+                    raise raised
+        assert made[0].waits == [wait]
+        assert collector.generator is own
+    finally:
+        components.close()

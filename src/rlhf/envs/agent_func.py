@@ -69,10 +69,10 @@ class AgentEpisode:
             got = type(answer).__name__
             raise EnvError(f"agent_func step() must return (reward, next_state, done, extra); got {got}")
         reward, next_state, done, extra = answer
-        if finite_reward(reward) is None:
+        if finite_reward(reward, bools=True) is None:
             raise EnvError(
                 f"agent_func step() returned reward={reward!r:.80} ({type(reward).__name__}): the 1st value must be a "
-                f"finite number (an int or float, or a one-element tensor), not a str, bool or None"
+                f"finite number (an int, float or bool, or a one-element tensor), not a str or None"
             )
         if extra is not None and not isinstance(extra, dict):
             raise EnvError(

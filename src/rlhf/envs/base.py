@@ -141,18 +141,22 @@ def check_step(answer: Any) -> StepResult:
     observation, reward, terminated, truncated, info = answer
     if not isinstance(observation, str):
         raise EnvError(f"step() observation must be a str; got {type(observation).__name__}")
-    number = finite_reward(reward)
+    number = finite_reward(reward, bools=True)
     if number is None:
         raise EnvError(
-            f"step() reward must be a finite number (an int or float, or a one-element tensor; not a str, bool or "
+            f"step() reward must be a finite number (an int, float or bool, or a one-element tensor; not a str or "
             f"None); got {_short(reward)} ({type(reward).__name__})"
         )
     return StepResult(observation, number, bool(terminated), bool(truncated), dict(info or {}))
 
 
-def finite_reward(value: Any) -> float | None:
+def finite_reward(value: Any, bools: bool = False) -> float | None:
     """``value`` as a float when it is a finite number: an int or float, or a one-element tensor or array holding one;
-    None for anything else, a str, a bool and None included (``float("1")`` and ``float(True)`` would take them)."""
+    with ``bools`` (Python environment code, where `step()` may return ``action == answer``) a bool as 1.0 or 0.0.
+    None for anything else: a str and None (``float("1")`` would take it), and a bool unless ``bools`` (a JSON `true`
+    posted as a reward)."""
+    if isinstance(value, bool) and bools:
+        return float(value)
     if value is None or isinstance(value, (bool, str, bytes)):
         return None
     if not isinstance(value, (int, float)):
@@ -171,7 +175,7 @@ def _short(value: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def as_user_error(err: BaseException) -> BaseException:
+def as_episode_error(err: BaseException) -> BaseException:
     """``err`` raised by the user's environment code, safe to hand to an event loop: an Exception or a cancellation as
     is; a SystemExit, KeyboardInterrupt or other BaseException (which would stop the loop and leave every call on it
     waiting until `env.step_timeout_s`) as an EnvError naming it, so its episode is lost at once like any raise."""
@@ -191,7 +195,7 @@ def in_daemon_thread(fn: Callable, args: tuple) -> concurrent.futures.Future:
         try:
             outcome = (future.set_result, fn(*args))
         except BaseException as err:  # handed to the waiting episode
-            outcome = (future.set_exception, as_user_error(err))
+            outcome = (future.set_exception, as_episode_error(err))
         try:
             outcome[0](outcome[1])
         except concurrent.futures.InvalidStateError:  # the episode stopped waiting (timed out): nobody to tell

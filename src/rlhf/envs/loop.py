@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from rlhf.data.mix import encode_prompt
 from rlhf.data.prompts import PromptExample
-from rlhf.envs.base import EnvError, EnvMaker, as_user_error, check_reset, check_step, in_daemon_thread
+from rlhf.envs.base import EnvError, EnvMaker, as_episode_error, check_reset, check_step, in_daemon_thread
 from rlhf.envs.templates import render
 from rlhf.generators.base import SamplingParams
 from rlhf.trajectory import Trajectories
@@ -120,7 +120,7 @@ class EpisodeRunner:
             try:
                 return await awaitable
             except BaseException as err:  # a SystemExit here would stop the environments' loop, and every call on it
-                checked = as_user_error(err)
+                checked = as_episode_error(err)
                 if checked is err:
                     raise
                 raise checked from None

@@ -329,7 +329,11 @@ def _remove(checkpoint: Path) -> None:
     """Delete a checkpoint folder: renamed to a `.tmp-` name first, so a removal cut short never leaves a step folder
     missing some of its files (the next save clears `.tmp-` folders)."""
     doomed = checkpoint.with_name(f".tmp-removing-{checkpoint.name}-{os.getpid()}")
-    os.replace(checkpoint, doomed)
+    try:
+        os.replace(checkpoint, doomed)
+    except OSError as err:  # pruning never fails the save that ran it
+        log.warning("could not remove %s (%s); delete it by hand", checkpoint, err)
+        return
     shutil.rmtree(doomed, ignore_errors=True)
 
 
