@@ -138,8 +138,8 @@ class BadRowTally:
         return [COLUMN_FIXES[key] for key in keys]
 
 
-def column_key(cfg, column: str, from_prompt: bool) -> str:
-    """The key that named a bad row's ``column``: the prompt's (`sft_messages_key` or `prompt_key`) or the answer's."""
+def column_key(cfg, from_prompt: bool) -> str:
+    """The key that named a bad row's column: the prompt's (`sft_messages_key` or `prompt_key`) or the answer's."""
     if not from_prompt:
         return "dataset.ground_truth_key"
     return "dataset.sft_messages_key" if cfg.sft_messages_key else "dataset.prompt_key"
@@ -280,7 +280,7 @@ def to_examples(
             if cfg.strict:
                 raise ValueError(f"dataset source {report.source}, row {index}: {err} (dataset.strict=true)") from None
             report.bad_rows += 1
-            tally.add(str(err), column_key(cfg, err.column, from_prompt), row)
+            tally.add(str(err), column_key(cfg, from_prompt), row)
             if len(report.bad_examples) < 3:
                 report.bad_examples.append(f"row {index}: {err}")
             continue
