@@ -62,9 +62,13 @@ def test_reward_model_with_another_vocabulary_is_rejected_before_loading(tmp_pat
     """A reward model whose tokenizer differs from the policy's fails fast, naming reward.path."""
     from rlhf.models.tiny import build_char_tokenizer, build_tiny_llama
 
+    from transformers import LlamaForSequenceClassification
+
     folder = tmp_path / "other"
     tokenizer = build_char_tokenizer("abcdefghij")
-    build_tiny_llama(len(tokenizer)).save_pretrained(folder)
+    config = build_tiny_llama(len(tokenizer)).config
+    config.num_labels = 1
+    LlamaForSequenceClassification(config).save_pretrained(folder)  # a reward model's kind, another vocabulary
     tokenizer.save_pretrained(folder)
     proc = run_cli("reward=model", f"reward.path={folder}", "train.num_steps=1", cwd=tmp_path, check=False)
     assert proc.returncode == 2

@@ -130,10 +130,10 @@ def test_a_fresh_start_in_a_folder_holding_checkpoints_is_refused_before_any_mod
     assert [p.name for p in complete_checkpoints(run_dir / "checkpoints")] == ["step_00000002"]
 
 
-@pytest.mark.parametrize("change", ["model.name_or_path=builtin:tiny_count", "policy.lora.alpha=32", "dataset.max_operand=5"])
+@pytest.mark.parametrize("change", ["model.name_or_path=builtin:tiny_count", "reference.name_or_path=builtin:tiny_count", "dataset.max_operand=5"])
 def test_another_model_lora_setting_or_dataset_is_refused_like_the_batch_keys(run_dir, change, monkeypatch):
-    """Before, these were only listed: a resume onto another model trained against another KL reference, another
-    alpha rescaled the adapters, and another dataset failed once the models had loaded."""
+    """Before, these were only listed: a resume onto another model (or reference) trained against another KL
+    reference, and another dataset failed once the models had loaded."""
     monkeypatch.setattr("rlhf.train.build_components", lambda *a, **k: pytest.fail("a model loaded before the refusal"))
     with pytest.raises(ConfigError, match=rf"^resume from .*{change.split('=')[0]}: .*-> .*checkpoint.allow_config_change=true"):
         train(compose_config([*SMALL, "train.num_steps=4", "resume=auto", change]), run_dir)
@@ -174,3 +174,14 @@ def test_dataset_keys_that_leave_the_training_prompts_as_they_were_do_not_break_
         assert not breaks_exact_resume(free)
     for breaking in ("dataset.path", "dataset.train", "dataset.eval_holdout", "dataset.prompt_key", "dataset.max_operand"):
         assert breaks_exact_resume(breaking)
+
+
+@pytest.mark.parametrize("change", ["policy.lora.alpha=32", "policy.lora.target_modules=[q_proj,v_proj]"])
+def test_other_lora_settings_are_refused_like_the_batch_keys(tmp_path, change, monkeypatch):
+    """Another alpha rescales the adapters (the resumed policy is not the checkpointed one); other target modules
+    failed once the models had loaded."""
+    lora = ["policy.lora.rank=4", "train.num_steps=2", "checkpoint.save_final_model=false"]
+    train(compose_config([*SMALL, *lora]), tmp_path)
+    monkeypatch.setattr("rlhf.train.build_components", lambda *a, **k: pytest.fail("a model loaded before the refusal"))
+    with pytest.raises(ConfigError, match=rf"^resume from .*{change.split('=')[0]}: .*-> .*checkpoint.allow_config_change=true"):
+        train(compose_config([*SMALL, *lora, "train.num_steps=4", "resume=auto", change]), tmp_path)

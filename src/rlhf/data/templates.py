@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from jinja2 import TemplateError
+
 from rlhf.errors import ConfigError
 
 # One space between message contents; nothing marks the response (TL;DR-style completion prompts).
@@ -85,8 +87,6 @@ def _template_source(name: str, tokenizer) -> str:
 def render_prompt(tokenizer, messages: list[dict[str, str]], template: str, name: str = "", where: str = "") -> str:
     """The prompt text for ``messages``, ending with the template's generation prompt. A template that fails is a
     ConfigError naming `dataset.chat_template` (``name``, its value) and ``where`` (the conversation's row)."""
-    from jinja2 import TemplateError
-
     try:
         return tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=False)
     except (TemplateError, TypeError) as err:  # a syntax error, an undefined name, a wrong operation on a value
