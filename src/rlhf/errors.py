@@ -1,6 +1,7 @@
 """The error every user-facing config problem raises (kept apart so any module can raise it without cycles)."""
 
 import errno
+from contextlib import contextmanager
 
 FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # an OSError with one of these: the disk (or the user's quota) is full
 
@@ -33,6 +34,10 @@ class RewardValueError(ValueError):
     the source, the row and the value, so the run stops before that score reaches a statistic or a loss."""
 
 
+class StopNow(SystemExit):
+    """A second stop signal: the run ends at once, nothing more saved (not a user's sys.exit: never reported as one)."""
+
+
 class UserExit(RuntimeError):
     """User code inside the run (a reward function, an environment, an agent) called ``sys.exit`` or raised
     ``SystemExit``: the run reports it as that code's error (exit 6, the last complete step saved) instead of
@@ -40,8 +45,9 @@ class UserExit(RuntimeError):
 
 
 def as_user_error(caught: BaseException) -> BaseException:
-    """``caught`` itself, or for a ``SystemExit`` a `UserExit` naming the function that raised it and its line."""
-    if not isinstance(caught, SystemExit):
+    """``caught`` itself, or for a ``SystemExit`` (but a `StopNow`) a `UserExit` naming the function that raised it
+    and its line."""
+    if not isinstance(caught, SystemExit) or isinstance(caught, StopNow):
         return caught
     tb = caught.__traceback__
     while tb is not None and tb.tb_next is not None:
@@ -54,3 +60,17 @@ def as_user_error(caught: BaseException) -> BaseException:
         f"an agent) must return a value or raise an exception, never end the process; the run stops here, the last "
         f"complete step (if one is) saved"
     )
+
+
+@contextmanager
+def user_exits_named():
+    """A ``sys.exit`` in user code within the block is raised as a `UserExit` naming where it was called (exit 6),
+    an Exception the run's error handling takes like any other, instead of ending the run silently with the user's
+    exit code; a second stop signal (`StopNow`) passes as itself."""
+    try:
+        yield
+    except SystemExit as caught:
+        err = as_user_error(caught)
+        if err is caught:
+            raise
+        raise err from caught

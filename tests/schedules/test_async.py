@@ -18,7 +18,7 @@ import torch
 
 from rlhf.run import checkpoint
 from rlhf.run.checkpoint import STATE_FILE
-from rlhf.run.state import StopNow
+from rlhf.errors import StopNow
 from rlhf.config.compose import compose_config
 from rlhf.generators.hf import HFGenerator
 from rlhf.schedules.asynchronous import THREAD_NAME, VersionedGenerator, staleness_metrics

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from rlhf.run.state import NonFiniteError, NonFiniteGuard, RunState, StopNow, StopSignals
+from rlhf.errors import StopNow
+from rlhf.run.state import NonFiniteError, NonFiniteGuard, RunState, StopSignals
 
 # --- NonFiniteGuard -----------------------------------------------------------------------------------
 

@@ -21,13 +21,13 @@ import torch
 
 from rlhf.run import checkpoint, preflight
 from rlhf import exits, plan
-from rlhf.errors import as_user_error
+from rlhf.errors import user_exits_named
 from rlhf.checks import hub, parity
 from rlhf.run.build import build_components
 from rlhf.config import ConfigError, validate
 from rlhf.distributed.remote import WorkerError
 from rlhf.registry import schedule_trait
-from rlhf.run.state import NonFiniteGuard, RunState, StopNow
+from rlhf.run.state import NonFiniteGuard, RunState
 from rlhf.seeding import seed_everything
 from rlhf.models.fingerprint import first_difference, fingerprint
 
@@ -212,11 +212,9 @@ def rehearse(cfg, out: Path) -> list[StageResult]:
             peak.reset()
             start = time.perf_counter()
             try:
-                detail, status = stage(), "ok"
-            except StopNow:
-                raise
-            except (Exception, SystemExit) as caught:  # noqa: BLE001 -- the report names it (sys.exit too)
-                err = as_user_error(caught)
+                with user_exits_named():
+                    detail, status = stage(), "ok"
+            except Exception as err:  # noqa: BLE001 -- the report names it (a sys.exit too, as a UserExit)
                 log.debug("preflight stage %s failed", name, exc_info=True)
                 detail, status = f"{type(err).__name__}: {err}", "error"
                 code = exit_code(err)

@@ -8,6 +8,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from rlhf.errors import StopNow
+
 log = logging.getLogger("rlhf")
 
 
@@ -66,10 +68,6 @@ class RunState:
             guard=NonFiniteGuard(max_in_row, state["skipped_total"], state["skipped_in_row"]),
             run_id=state["run_id"],
         )
-
-
-class StopNow(SystemExit):
-    """A second stop signal: the run ends at once, nothing more saved (not a user's sys.exit: never reported as one)."""
 
 
 class StopSignals:

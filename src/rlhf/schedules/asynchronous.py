@@ -27,7 +27,8 @@ from rlhf.errors import require
 from rlhf.generators.base import SamplingParams
 from rlhf.parts import PartConfig
 from rlhf.registry import register
-from rlhf.run.state import RunState, StopNow
+from rlhf.errors import StopNow
+from rlhf.run.state import RunState
 from rlhf.schedules.loop import one_step, push_to_generator, run_steps, timed
 from rlhf.step.scored import Scored
 from rlhf.trajectory import Trajectories

@@ -15,11 +15,11 @@ from typing import Callable
 
 import torch
 
-from rlhf.errors import as_user_error
+from rlhf.errors import user_exits_named
 from rlhf.run import checkpoint
 from rlhf.data.prompts import epochs_done
 from rlhf.distributed.remote import WorkerError
-from rlhf.run.state import RunState, StopNow
+from rlhf.run.state import RunState
 from rlhf.step.scored import Scored, group_rows
 
 log = logging.getLogger("rlhf")
@@ -78,33 +78,25 @@ def run_steps(
         before = StepStart.record(c)
         updates = c.learner.updates  # an update begun in this step may have changed the models
         try:
-            metrics, scored = step_fn(step)
-        except StopNow:  # a second stop signal: nothing saved, nothing reported as the step's error
-            raise
-        except (Exception, SystemExit) as caught:  # SystemExit: user code called sys.exit (`as_user_error`)
-            err = as_user_error(caught)
+            with user_exits_named():
+                metrics, scored = step_fn(step)
+        except Exception as err:  # a sys.exit in user code arrives as a UserExit; a second stop signal passes
             if c.learner.updates != updates:
                 log.error("step %d failed during its update: the models are mid-update, so nothing more is saved", step)
             else:
                 before.rewind(c)
                 streams = stream_states(step - 1) if stream_states is not None else before.streams
                 save_on_failure(c, cfg, tracker.checkpoint_root, state, step - 1, streams, err)
-            if err is caught:
-                raise
-            raise err from caught
+            raise
         state.step = step
         states = stream_states(step) if stream_states is not None else None
         try:
-            record_step(c, cfg, sizes, tracker, state, metrics, scored, states, guard)
-            checkpoint.check_room(tracker.checkpoint_root, step)  # a disk filling up stops the run while it can save
-        except StopNow:
-            raise
-        except (Exception, SystemExit) as caught:
-            err = as_user_error(caught)
+            with user_exits_named():
+                record_step(c, cfg, sizes, tracker, state, metrics, scored, states, guard)
+                checkpoint.check_room(tracker.checkpoint_root, step)  # a disk filling up stops the run while it can save
+        except Exception as err:
             save_on_failure(c, cfg, tracker.checkpoint_root, state, step, states, err)
-            if err is caught:
-                raise
-            raise err from caught
+            raise
         every = cfg.checkpoint.every
         if stop.requested or (every and step % every == 0) or (every and step == train.num_steps):
             checkpoint.save(c, tracker.checkpoint_root, step, state.to_dict(), cfg.checkpoint.keep_last, states)
@@ -115,18 +107,6 @@ def run_steps(
             state.preempted = True
             break
     return state
-
-
-@contextmanager
-def user_exits_named():
-    """A ``sys.exit`` in user code within the block is raised as a `UserExit` naming where it was called (exit 6),
-    instead of ending the run silently with the user's exit code; a second stop signal (`StopNow`) passes."""
-    try:
-        yield
-    except StopNow:
-        raise
-    except SystemExit as caught:
-        raise as_user_error(caught) from caught
 
 
 def record_step(c, cfg, sizes, tracker, state: RunState, metrics: dict, scored: Scored, states, guard) -> None:
