@@ -86,8 +86,13 @@ class PromptStream:
         state = {"seed": self.seed, "epoch": self.epoch, "position": self.position, "size": len(self.examples)}
         return state | ({"replay": list(self.replay)} if self.replay else {})
 
+    def draws_as(self, state: dict[str, int]) -> bool:
+        """Whether a `state_dict` ``state`` is of a stream drawing the same prompts in the same order (size and seed),
+        which this one can continue."""
+        return state["size"] == len(self.examples) and state["seed"] == self.seed
+
     def load_state_dict(self, state: dict[str, int]) -> None:
-        if state["size"] != len(self.examples) or state["seed"] != self.seed:
+        if not self.draws_as(state):
             raise ValueError(
                 f"the checkpoint's prompt stream had {state['size']} prompts and seed {state['seed']}; this run has "
                 f"{len(self.examples)} and seed {self.seed}: resuming would replay or skip prompts"

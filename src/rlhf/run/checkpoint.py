@@ -102,7 +102,8 @@ def checkpoint_problem(path: Path) -> str | None:
 
     Every file the save listed in `trainer_state.json` must be there at the size it was written (a file deleted or
     cut short since, a prune stopped half way), and the recorded config must parse."""
-    problems = [_state_problem(path / STATE_FILE), _listed_files_problem(path), _config_problem(path / CONFIG_FILE)]
+    state, problem = _read_state(path / STATE_FILE)
+    problems = [problem, _listed_files_problem(path, state), _config_problem(path / CONFIG_FILE)]
     if not (path / "rng.pt").is_file():
         problems.append(f"{path / 'rng.pt'} is missing")
     for model in sorted(p.parent for p in path.glob("*/model")):  # a trained model: its optimiser state beside it
@@ -113,31 +114,30 @@ def checkpoint_problem(path: Path) -> str | None:
     return next((problem for problem in problems if problem), None)
 
 
-def _state_problem(file: Path) -> str | None:
-    """Why ``trainer_state.json`` is unusable (truncated, not JSON, keys missing), or None."""
+def _read_state(file: Path) -> tuple[dict, str | None]:
+    """``trainer_state.json`` read once: (its contents, or {} when unusable; why it is unusable (truncated, not JSON,
+    keys missing), or None)."""
     try:
         state = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        return f"{file} is unreadable or truncated ({err})"
-    missing = [k for k in STATE_KEYS if not isinstance(state, dict) or k not in state]
-    return f"{file} lacks {', '.join(missing)}" if missing else None
+        return {}, f"{file} is unreadable or truncated ({err})"
+    if not isinstance(state, dict):
+        return {}, f"{file} lacks {', '.join(STATE_KEYS)}"
+    missing = [k for k in STATE_KEYS if k not in state]
+    return state, f"{file} lacks {', '.join(missing)}" if missing else None
 
 
-def _listed_files_problem(path: Path) -> str | None:
-    """The first file `trainer_state.json`'s "files" lists that is missing or not of the size saved (checkpoints
-    written before the list: not checked), or None."""
-    try:
-        listed = json.loads((path / STATE_FILE).read_text(encoding="utf-8")).get("files", {})
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-        return None  # `_state_problem` names it
-    for name, size in listed.items():
+def _listed_files_problem(path: Path, state: dict) -> str | None:
+    """The first file `trainer_state.json` (``state``) lists under "files" that is missing or not of the size saved
+    (checkpoints written before the list: not checked), or None."""
+    for name, size in state.get("files", {}).items():
         file = path / name
         if name == CONFIG_FILE:
             continue  # optional: a checkpoint without one resumes with a warning (`preflight.check_resume`)
         if not file.is_file():
             return f"{file} is missing (the save wrote it)"
-        if file.stat().st_size != size:
-            return f"{file} holds {file.stat().st_size} bytes, the save wrote {size}"
+        if (held := file.stat().st_size) != size:
+            return f"{file} holds {held} bytes, the save wrote {size}"
     return None
 
 
@@ -312,10 +312,10 @@ def _prune(root: Path, step: int, keep_last: int) -> None:
 def load_prompt_stream(prompts, saved: dict, path: Path, new_prompts: bool) -> None:
     """Put the prompt stream where checkpoint ``path`` left it (``saved``), when it draws from the same prompts in
     the same order (size and seed); otherwise ConfigError, or with ``new_prompts`` a warning and a fresh stream."""
-    now = prompts.state_dict()
-    if (saved["size"], saved["seed"]) == (now["size"], now["seed"]):
+    if prompts.draws_as(saved):
         prompts.load_state_dict(saved)
         return
+    now = prompts.state_dict()
     differs = f"the checkpoint's prompt stream had {saved['size']} prompts and seed {saved['seed']}, this run's has {now['size']} and seed {now['seed']}"
     if not new_prompts:
         raise ConfigError(
