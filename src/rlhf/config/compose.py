@@ -96,8 +96,7 @@ def check_command_line(argv: list[str]) -> None:
     keys = [o.partition("=")[0] for o in overrides if "=" in o]
     plain = [o.partition("=")[0] for o in overrides if "=" in o and not o.startswith(("+", "~"))]
     lacking = any(_may_lack(k) for k in plain)
-    undeclared = any("." in k and "/" not in k and not k.startswith("hydra.") and _part_node(k) is None
-                     and k not in declared_keys() for k in plain)
+    undeclared = any("." in k and "/" not in k and _undeclared(k, RunConfig) for k in plain)
     chooses = any(k in ("algorithm", "experiment") or k.startswith("algorithm/") for k in keys)
     if not (lacking or undeclared or chooses):
         return
@@ -148,12 +147,16 @@ def raise_if_not_a_key(overrides: list[str], err: Exception, config_name: str) -
     """ConfigError for an override (without `+`) of a key the schema does not declare (`checkpoint.evry=5`): the
     closest key, instead of Hydra's advice to add it with `+`, which the unknown-key check would then refuse."""
     key = _failed_key(err)
-    if key is None or key.startswith("hydra.") or _part_node(key) is not None or not any(o.partition("=")[0] == key for o in overrides):
-        return
     schema = RewardTrainConfig if config_name == "train_reward" else RunConfig
-    if key in declared_keys(schema):
+    if key is None or not _undeclared(key, schema) or not any(o.partition("=")[0] == key for o in overrides):
         return  # a declared key whose value failed (a wrong type): Hydra's message names it
-    raise ConfigError(describe_unknown(key, schema).replace(" (added with +?)", "")) from None
+    raise ConfigError(describe_unknown(key, schema)) from None
+
+
+def _undeclared(key: str, schema: type) -> bool:
+    """Whether ``key`` is one ``schema`` does not declare, outside a part's node (the part's own config says what
+    it holds) and Hydra's own `hydra.*`."""
+    return not key.startswith("hydra.") and _part_node(key) is None and key not in declared_keys(schema)
 
 
 def _part_node(key: str) -> str | None:

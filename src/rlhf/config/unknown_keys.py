@@ -24,19 +24,20 @@ def check_unknown_keys(cfg: DictConfig, schema: type = RunConfig) -> None:
     tree = OmegaConf.to_container(cfg, resolve=False)  # plain containers: no interpolation or `???` is evaluated
     unknown = list(_unknown_paths(tree, schema, ""))
     if unknown:
-        known = list(_schema_paths(schema, ""))
+        known = list(declared_keys(schema))
         raise ConfigError("; ".join(_describe(path, known) for path in unknown))
 
 
 def describe_unknown(path: str, schema: type = RunConfig) -> str:
-    """What to say of ``path``, a key ``schema`` does not declare: where it moved, or the closest key."""
-    return _describe(path, list(_schema_paths(schema, "")))
+    """What to say of ``path``, a key ``schema`` does not declare, set on the command line without `+`: where it
+    moved, or the closest key."""
+    return _describe(path, list(declared_keys(schema)), added=False)
 
 
 @functools.lru_cache(maxsize=4)
-def declared_keys(schema: type = RunConfig) -> frozenset[str]:
-    """Every dotted key ``schema`` declares."""
-    return frozenset(_schema_paths(schema, ""))
+def declared_keys(schema: type = RunConfig) -> tuple[str, ...]:
+    """Every dotted key ``schema`` declares, in declaration order (list items as `[0]`)."""
+    return tuple(_schema_paths(schema, ""))
 
 
 def _unknown_paths(node: Any, schema: Any, prefix: str) -> Iterator[str]:
@@ -78,12 +79,13 @@ def _without_optional(hint: Any) -> Any:
     return hint
 
 
-def _describe(path: str, known: list[str]) -> str:
-    """"<path> is not a config key (added with +?); did you mean <closest>?" (or where its siblings are listed)."""
+def _describe(path: str, known: list[str], added: bool = True) -> str:
+    """"<path> is not a config key (added with +?); did you mean <closest>?" (or where its siblings are listed);
+    ``added``: the key reached the config (with `+`), rather than failing to override it."""
     moved = moved_to(path)
     if moved is not None:
         return f"{path} moved to {moved[0]} ({moved[1]})"
-    text = f"{path} is not a config key (added with +?)"
+    text = f"{path} is not a config key" + (" (added with +?)" if added else "")
     suggestion = _closest(path, known)
     return f"{text}; did you mean {suggestion}?" if suggestion else f"{text}; remove it (see `--cfg job` for the keys)"
 
