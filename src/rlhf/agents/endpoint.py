@@ -343,10 +343,10 @@ class AgentRunner:
             session.error = f"run raised {type(err).__name__}: {err}"
             return
         if value is not None:
-            if finite_reward(value) is None:
+            if (reward := finite_reward(value)) is None:
                 session.error = f"run returned {value!r}; return a finite number (the reward) or None after posting one"
                 return
-            session.reward = (session.reward or 0.0) + finite_reward(value)
+            session.reward = (session.reward or 0.0) + reward
         if session.reward is None:
             session.error = "no reward: return a number from run() or POST one to client.reward_url"
             return
