@@ -27,7 +27,7 @@ from rlhf.config import ConfigError, register_schema
 from rlhf.data.preferences import encode_pairs
 from rlhf.models.hf_folder import save_hf_folder
 from rlhf.models.loading import load_tokenizer, pick_device
-from rlhf.training.optim import clip_gradients, lr_lambda
+from rlhf.training.optim import check_lr, clip_gradients, lr_lambda
 from rlhf.models.value import load_value_model, sequence_scores
 from rlhf.run.lock import folder_lock
 from rlhf.seeding import seed_everything
@@ -67,8 +67,7 @@ def train(cfg: DictConfig, out: Path) -> dict[str, float]:
     for key in ("num_epochs", "batch_size", "eval_every"):
         if loop[key] < 1:
             raise ConfigError(f"train.{key}={loop[key]} must be >= 1")
-    if loop.lr <= 0:
-        raise ConfigError(f"train.lr={loop.lr} must be > 0")
+    check_lr("train.lr", loop.lr)
     if cfg.model.dtype != "float32":
         raise ConfigError(f"model.dtype={cfg.model.dtype}: reward-model training keeps float32 weights; set model.dtype=float32")
     builder = registry.resolve("preference_dataset", cfg.preferences.name, key="preferences.name")

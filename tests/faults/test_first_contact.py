@@ -273,3 +273,16 @@ def test_train_reward_refuses_a_missing_hub_model_with_exit_2(offline, tmp_path,
     output = console.out + console.err
     assert "config error: model.name_or_path=org/missing-model is neither a local folder nor in the local" in output
     assert "hf download org/missing-model" in output and "Traceback" not in output
+
+
+def test_train_reward_refuses_a_learning_rate_that_would_wreck_the_weights(tmp_path, monkeypatch, capsys):
+    """`python -m rlhf.train_reward train.lr=1e38`: exit 2 naming the key and the range, before any model loads
+    (AdamW's first step would overflow float32 mid-step)."""
+    monkeypatch.setattr(sys, "argv", [
+        "rlhf.train_reward", "train.lr=1e38", f"hydra.run.dir={tmp_path / 'run'}", "hydra.job.name=train_reward",
+    ])
+    with pytest.raises(SystemExit) as exited:
+        rlhf.train_reward.main()
+    assert exited.value.code == exits.CONFIG_ERROR
+    output = "".join(capsys.readouterr())
+    assert "config error: train.lr=1e+38 must be in (0, 1]" in output and "Traceback" not in output

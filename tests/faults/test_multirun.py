@@ -35,9 +35,9 @@ def test_a_bad_job_fails_alone_and_the_summary_names_it(tmp_path):
     assert summary[0] == "sweep summary: 2 of 3 job(s) finished"
     assert summary[1].startswith("#0 train.lr=0.001 ") and summary[1].endswith(": finished")
     assert summary[2].startswith("#1 train.lr=-1 ")
-    assert summary[2].endswith(": exit 2: config error: train.lr=-1.0 must be > 0")
+    assert ": exit 2: config error: train.lr=-1.0 must be in (0, 1]" in summary[2]
     assert summary[3].startswith("#2 train.lr=0.0005 ") and summary[3].endswith(": finished")
-    assert "#1 train.lr=-1" in console and "config error: train.lr=-1.0 must be > 0" in console, "printed too"
+    assert "#1 train.lr=-1" in console and "config error: train.lr=-1.0 must be in (0, 1]" in console, "printed too"
 
     jobs = json.loads((sweep_dir / "summary.json").read_text())
     assert [(job["job"], job["code"]) for job in jobs] == [(0, 0), (1, exits.CONFIG_ERROR), (2, 0)]

@@ -104,7 +104,7 @@ class TeacherConfig:
 class CriticConfig:
     name: str = "torch"  # value-model backend (used by ppo): torch or an import path
     name_or_path: Optional[str] = None  # initial weights; null = reward.path when set, else the policy's model
-    lr: Optional[float] = None  # critic learning rate; null = train.lr
+    lr: Optional[float] = None  # critic learning rate, in (0, 1]; null = train.lr
     gradient_checkpointing: bool = False  # trade compute for activation memory
     strategy: Any = field(default_factory=lambda: {"name": "auto"})  # node: critic/strategy=auto, single, ddp, fsdp2 or deepspeed, as policy.strategy; how the critic's training spreads over its devices
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters on the critic's backbone (its value head trains whole); strategy single or ddp
@@ -118,7 +118,7 @@ class TrainConfig:
     num_mini_batches: int = 1  # optimiser steps per pass; samples per step must divide evenly
     micro_batch_size: int = 32  # samples per forward/backward; a mini batch must divide evenly
     max_tokens_per_micro_batch: Optional[int] = None  # also cap a forward at this many tokens, padding counted (rows sorted by length); null = rows only
-    lr: float = 1e-4  # peak learning rate
+    lr: float = 1e-4  # peak learning rate, in (0, 1]
     lr_schedule: str = "constant"  # constant or linear (decay to 0 over the run)
     warmup_steps: int = 0  # optimiser steps of linear warm-up
     weight_decay: float = 0.0  # AdamW weight decay
@@ -250,7 +250,7 @@ class PreferenceDataConfig:
 class RewardTrainLoopConfig:
     num_epochs: int = 3  # passes over the training pairs
     batch_size: int = 64  # pairs per optimiser step
-    lr: float = 1e-3  # peak learning rate (linear decay to 0)
+    lr: float = 1e-3  # peak learning rate (linear decay to 0), in (0, 1]
     weight_decay: float = 0.0  # AdamW weight decay
     max_grad_norm: float = 1.0  # gradient clipping by global norm; <= 0 disables
     mixed_precision: str = "master"  # model.dtype=bfloat16 training: master (bf16 weights and compute, float32 master weights in the optimiser; fsdp2: its MixedPrecisionPolicy) or autocast (float32 weights, bf16 autocast; ddp always)

@@ -30,6 +30,7 @@ from rlhf.functional.losses import LOSS_AGGREGATIONS
 from rlhf.models.dtypes import DTYPES, cpu_computes_bf16
 from rlhf.models.lora import check_values as check_lora_values
 from rlhf.tracking.checks import check_logging
+from rlhf.training.optim import check_lr
 from rlhf.checks.weight_sync import MODES as WEIGHT_SYNC_MODES
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -286,7 +287,9 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     _require(
         algo.loss_agg_norm is None or algo.loss_agg_norm > 0, f"algorithm.loss_agg_norm={algo.loss_agg_norm} must be > 0 or null"
     )
-    _require(train.lr > 0, f"train.lr={train.lr} must be > 0")
+    check_lr("train.lr", train.lr)
+    if cfg.critic.lr is not None:
+        check_lr("critic.lr", cfg.critic.lr)
     _require(
         train.lr_schedule in LR_SCHEDULES,
         f"train.lr_schedule={train.lr_schedule!r}; choose one of {', '.join(LR_SCHEDULES)}",
