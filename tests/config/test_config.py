@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -371,6 +372,31 @@ def test_a_misspelt_key_on_the_command_line_names_the_closest_key(override, clos
         check_command_line(["train.lr=1e-4", override])
     with pytest.raises(ConfigError, match=rf"did you mean {closest}\?"):
         compose_config([override])
+
+
+@pytest.mark.parametrize(("override", "ours"), [
+    ("output_dir=/tmp/run", r"hydra.run.dir \(the run's folder"), ("learning_rate=1e-5", "train.lr"),
+    ("trainer.total_training_steps=5", "train.num_steps"), ("num_generations=4", "algorithm.num_samples_per_prompt"),
+    ("algorithm.kl_coef=0.1", "algorithm.beta"),
+])
+def test_a_peer_librarys_key_name_is_translated(override, ours):
+    """What TRL, OpenRLHF or verl call a key, on our command line: the message names our key. Before, a top-level key
+    (`output_dir=...`) got Hydra's advice to add it with `+` (which the unknown-key check then refused), and a key
+    under an unknown section (`trainer.total_training_steps`) Hydra's "Key 'trainer' not in 'RunConfig'"."""
+    from rlhf.config.compose import check_command_line
+
+    key = re.escape(override.partition("=")[0])
+    with pytest.raises(ConfigError, match=rf"^{key} is not a config key; this project calls it {ours}"):
+        check_command_line([override])
+    with pytest.raises(ConfigError, match=rf"{key} is not a config key \(added with \+\?\); this project calls it {ours}"):
+        validate(compose_config(["+" + override]))
+
+
+def test_an_unknown_top_level_key_without_a_likeness_is_named():
+    from rlhf.config.compose import check_command_line
+
+    with pytest.raises(ConfigError, match=r"^zzqx is not a config key; remove it \(see `--cfg job` for the keys\)$"):
+        check_command_line(["zzqx=1"])
 
 
 def test_keys_under_env_without_an_environment_are_refused():

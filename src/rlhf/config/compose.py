@@ -96,7 +96,7 @@ def check_command_line(argv: list[str]) -> None:
     keys = [o.partition("=")[0] for o in overrides if "=" in o]
     plain = [o.partition("=")[0] for o in overrides if "=" in o and not o.startswith(("+", "~"))]
     lacking = any(_may_lack(k) for k in plain)
-    undeclared = any("." in k and "/" not in k and _undeclared(k, RunConfig) for k in plain)
+    undeclared = any("/" not in k and _undeclared(k, RunConfig) for k in plain)
     chooses = any(k in ("algorithm", "experiment") or k.startswith("algorithm/") for k in keys)
     if not (lacking or undeclared or chooses):
         return
@@ -146,9 +146,11 @@ def raise_if_not_the_parts(overrides: list[str], err: Exception, config_name: st
 def raise_if_not_a_key(overrides: list[str], err: Exception, config_name: str) -> None:
     """ConfigError for an override (without `+`) of a key the schema does not declare (`checkpoint.evry=5`): the
     closest key, instead of Hydra's advice to add it with `+`, which the unknown-key check would then refuse."""
-    key = _failed_key(err)
+    failed = _failed_key(err)
     schema = RewardTrainConfig if config_name == "train_reward" else RunConfig
-    if key is None or not _undeclared(key, schema) or not any(o.partition("=")[0] == key for o in overrides):
+    keys = [o.partition("=")[0] for o in overrides]
+    key = next((k for k in keys if failed and (k == failed or k.startswith(failed + "."))), None)  # trainer.x fails at trainer
+    if key is None or not _undeclared(key, schema):
         return  # a declared key whose value failed (a wrong type): Hydra's message names it
     raise ConfigError(describe_unknown(key, schema)) from None
 

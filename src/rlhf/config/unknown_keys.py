@@ -19,6 +19,35 @@ from rlhf.config.schema import RunConfig
 from rlhf.errors import ConfigError
 
 
+PEER_NAMES = {  # a key's name in TRL, OpenRLHF or verl (its last part) -> this project's key
+    "output_dir": "hydra.run.dir",
+    "save_path": "hydra.run.dir",
+    "learning_rate": "train.lr",
+    "actor_learning_rate": "train.lr",
+    "critic_learning_rate": "critic.lr",
+    "max_steps": "train.num_steps",
+    "total_training_steps": "train.num_steps",
+    "num_episodes": "train.num_steps",
+    "num_generations": "algorithm.num_samples_per_prompt",
+    "n_samples_per_prompt": "algorithm.num_samples_per_prompt",
+    "rollout_n": "algorithm.num_samples_per_prompt",
+    "kl_coef": "algorithm.beta",
+    "init_kl_coef": "algorithm.beta",
+    "max_completion_length": "generator.max_new_tokens",
+    "generate_max_len": "generator.max_new_tokens",
+    "response_length": "generator.max_new_tokens",
+    "prompt_max_len": "dataset.max_prompt_length",
+    "prompt_length": "dataset.max_prompt_length",
+    "model_name_or_path": "model.name_or_path",
+    "pretrain": "model.name_or_path",
+    "per_device_train_batch_size": "train.micro_batch_size",
+    "micro_train_batch_size": "train.micro_batch_size",
+    "save_steps": "checkpoint.every",
+    "eval_steps": "eval.every",
+    "logging_steps": "logging.log_every",
+}
+
+
 def check_unknown_keys(cfg: DictConfig, schema: type = RunConfig) -> None:
     """Raise ConfigError naming every key of ``cfg`` that ``schema`` (a dataclass) does not declare."""
     tree = OmegaConf.to_container(cfg, resolve=False)  # plain containers: no interpolation or `???` is evaluated
@@ -48,7 +77,7 @@ def _unknown_paths(node: Any, schema: Any, prefix: str) -> Iterator[str]:
         for key, value in node.items():
             path = f"{prefix}.{key}" if prefix else str(key)
             if key not in fields:
-                yield path
+                yield from _leaves(value, path)
             else:
                 yield from _unknown_paths(value, fields[key], path)
     elif typing.get_origin(schema) is list and isinstance(node, list):
@@ -71,6 +100,16 @@ def _schema_paths(schema: Any, prefix: str) -> Iterator[str]:
         yield from _schema_paths(item_type, f"{prefix}[0]")
 
 
+def _leaves(node: Any, path: str) -> Iterator[str]:
+    """``path``, or the dotted paths of the values under it when ``node`` is a mapping (`+trainer.lr=1` names
+    `trainer.lr`, the key a user typed, not `trainer`)."""
+    if isinstance(node, dict) and node:
+        for key, value in node.items():
+            yield from _leaves(value, f"{path}.{key}")
+    else:
+        yield path
+
+
 def _without_optional(hint: Any) -> Any:
     """``X`` for ``Optional[X]``; other hints unchanged."""
     if typing.get_origin(hint) is typing.Union:
@@ -86,11 +125,27 @@ def _describe(path: str, known: list[str], added: bool = True) -> str:
     if moved is not None:
         return f"{path} moved to {moved[0]} ({moved[1]})"
     text = f"{path} is not a config key" + (" (added with +?)" if added else "")
+    peer = PEER_NAMES.get(path.rpartition(".")[2])
+    if peer is not None and (peer in known or peer.startswith("hydra.")):
+        return f"{text}; this project calls it {peer}" + (" (the run's folder: checkpoints, logs, TensorBoard)" if peer == "hydra.run.dir" else "")
     suggestion = _closest(path, known)
     return f"{text}; did you mean {suggestion}?" if suggestion else f"{text}; remove it (see `--cfg job` for the keys)"
 
 
 def _closest(path: str, known: list[str]) -> str | None:
+    """The schema key most like ``path``, else ``path`` with its closest section put right (`trian.num_steps` ->
+    `train.num_steps`, `reward.functions[0].argz.x` -> `reward.functions[0].args.x`)."""
+    head, rest = path, ""
+    while head and head not in known:  # a known section holds no key like it: nothing to put right above it
+        match = _closest_key(head, known)
+        if match is not None:
+            return match + rest
+        head, _, leaf = head.rpartition(".")
+        rest = f".{leaf}{rest}"
+    return None
+
+
+def _closest_key(path: str, known: list[str]) -> str | None:
     """The schema key most like ``path``: a sibling with a similar name, else any key with a similar last name."""
     parent, _, leaf = path.rpartition(".")
     template = _as_template(parent)
