@@ -98,7 +98,8 @@ def test_gsm8k_preset_hands_rewards_the_number(tmp_path, tokenizer):
     assert [e.ground_truth for e in splits.eval] == ["4"]
     assert splits.train[0].text == f"{GSM8K_TRAIN[0]['question']} {INSTRUCTION}"
     (train, _) = splits.report["sources"]
-    assert (train["bad_rows"], train["bad_examples"]) == (1, ["row 3: column 'answer': no gsm8k answer in it"])
+    bad = f"{folder}/train-00000-of-00001.parquet row 4: column 'answer': no gsm8k answer in it"  # the fourth row
+    assert (train["bad_rows"], train["bad_examples"]) == (1, [bad])
 
 
 def test_math_preset_hands_rewards_the_last_box(tmp_path, tokenizer):
@@ -109,7 +110,7 @@ def test_math_preset_hands_rewards_the_last_box(tmp_path, tokenizer):
     assert [e.ground_truth for e in splits.train] == ["\\frac{1}{2}", "2", "\\{1, \\{2\\}\\}"]
     assert [e.ground_truth for e in splits.eval] == ["4"]
     assert splits.train[0].text.endswith(INSTRUCTION)
-    assert splits.report["sources"][0]["bad_examples"] == ["row 3: column 'solution': no boxed answer in it"]
+    assert splits.report["sources"][0]["bad_examples"] == [f"{folder}/train.parquet row 4: column 'solution': no boxed answer in it"]
 
 
 def test_gsm8k_reads_the_hub_with_its_subset(tmp_path, tokenizer, monkeypatch):

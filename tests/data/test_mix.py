@@ -120,8 +120,11 @@ def test_prompt_key_wraps_a_string_as_one_user_message():
 
 
 def test_ground_truth_passes_through():
-    """The ground-truth column is returned as stored (any JSON type); without the key it is None."""
-    assert row_ground_truth({"answer": [7, "seven"]}, mix_cfg(ground_truth_key="answer")) == [7, "seven"]
+    """The ground-truth column is returned as stored (a string or number; with format json any JSON value); without
+    the key it is None."""
+    assert [row_ground_truth({"answer": v}, mix_cfg(ground_truth_key="answer")) for v in ("7", 7, 7.5)] == ["7", 7, 7.5]
+    json_format = mix_cfg(ground_truth_key="answer", ground_truth_format="json")
+    assert row_ground_truth({"answer": [7, "seven"]}, json_format) == [7, "seven"]
     assert row_ground_truth({"answer": "7"}, mix_cfg()) is None
 
 
@@ -402,7 +405,7 @@ def test_report_gives_each_source_its_role_and_split(tokenizer):
             {"role": "train", "source": "uf[train_prefs]", "split": "train_prefs", "rows": 1, "bad_rows": 0,
              "too_long": 0, "kept": 1, "bad_examples": []},
             {"role": "eval", "source": "e.jsonl[train]", "split": "train", "rows": 2, "bad_rows": 1,
-             "too_long": 0, "kept": 1, "bad_examples": ["row 1: column 'prompt': empty prompt"]},
+             "too_long": 0, "kept": 1, "bad_examples": ["e.jsonl line 2: column 'prompt': empty prompt"]},
         ],
         "cache": "miss",
     }
@@ -448,9 +451,9 @@ def test_bad_prompt_rows_are_counted(tokenizer):
     assert [(e.text, e.ground_truth) for e in splits.train] == [("1+1=", "2"), ("3+3=", "6")]
     assert source_reports(splits) == [("bad.jsonl[train]", 8, 6, 0, 2)]
     assert splits.report["sources"][0]["bad_examples"] == [
-        "row 1: column 'prompt': missing",
-        "row 2: column 'prompt': empty prompt",
-        "row 3: column 'prompt': expected a string, got int",
+        "bad.jsonl line 2: column 'prompt': missing",
+        "bad.jsonl line 3: column 'prompt': empty prompt",
+        "bad.jsonl line 4: column 'prompt': expected a string, got int",
     ]
 
 
@@ -461,9 +464,9 @@ def test_bad_rows_name_their_column(tokenizer):
     splits = mixed_dataset(mix_cfg([src("bad.jsonl"), src("ok.jsonl")], ground_truth_key="answer"), tokenizer, 1)
     assert source_reports(splits) == [("bad.jsonl[train]", 3, 3, 0, 0), ("ok.jsonl[train]", 1, 0, 0, 1)]
     assert splits.report["sources"][0]["bad_examples"] == [
-        "row 0: column 'answer': missing",
-        "row 1: column 'prompt': expected a string, got list",
-        "row 2: column 'prompt': empty prompt",
+        "bad.jsonl line 1: column 'answer': missing",
+        "bad.jsonl line 2: column 'prompt': expected a string, got list",
+        "bad.jsonl line 3: column 'prompt': empty prompt",
     ]
 
 
@@ -482,44 +485,151 @@ def test_bad_message_rows_are_counted(tokenizer):
         "column 'messages': no message left to prompt with",
         "column 'messages': not a list of {role, content} messages",
     ]
-    assert splits.report["sources"][0]["bad_examples"] == [f"row {i}: {reasons[i - 1]}" for i in (1, 2, 3)]
+    assert splits.report["sources"][0]["bad_examples"] == [f"bad.jsonl line {i + 1}: {reasons[i - 1]}" for i in (1, 2, 3)]
 
 
-def test_strict_names_source_row_and_column(tokenizer):
-    """strict=true stops at the first bad row, naming the source, the row's index in the file and the column."""
+STRICT_OFF = ", or set dataset.strict=false to count and skip bad rows"
+
+
+def test_strict_names_source_line_column_and_fix(tokenizer):
+    """strict=true stops at the first bad row, naming the source's key, the file and line (counted from 1, as an
+    editor counts), the column and the fix."""
     write_jsonl("bad.jsonl", PROMPT_ROWS)
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ConfigError) as err:
         mixed_dataset(mix_cfg([src("bad.jsonl")], ground_truth_key="answer", strict=True), tokenizer, 1)
-    assert str(err.value) == "dataset source bad.jsonl[train], row 1: column 'prompt': missing (dataset.strict=true)"
+    assert str(err.value) == (
+        "dataset.train[0].path: bad.jsonl line 2: column 'prompt': missing; set dataset.prompt_key to the column "
+        f"holding the prompt string (or dataset.sft_messages_key to a column holding a conversation){STRICT_OFF}"
+    )
 
 
 def test_strict_names_a_wrong_type(tokenizer):
     """strict=true on a non-string prompt names the column and the type found."""
     write_jsonl("bad.jsonl", [PROMPT_ROWS[0], PROMPT_ROWS[3]])
-    with pytest.raises(ValueError, match=r"^dataset source bad\.jsonl\[train\], row 1: column 'prompt': expected a string, got int"):
+    with pytest.raises(ConfigError, match=r"^dataset\.train\[0\]\.path: bad\.jsonl line 2: column 'prompt': expected a string, got int; "):
         mixed_dataset(mix_cfg([src("bad.jsonl")], strict=True), tokenizer, 1)
 
 
 def test_strict_names_bad_messages(tokenizer):
     """strict=true on a malformed conversation names the messages column."""
     write_jsonl("conv.jsonl", MESSAGE_ROWS[:3])
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ConfigError) as err:
         mixed_dataset(mix_cfg([src("conv.jsonl")], sft_messages_key="messages", strict=True), tokenizer, 1)
     assert str(err.value) == (
-        "dataset source conv.jsonl[train], row 1: column 'messages': not a list of {role, content} messages (dataset.strict=true)"
+        "dataset.train[0].path: conv.jsonl line 2: column 'messages': not a list of {role, content} messages; set "
+        "dataset.sft_messages_key to the column holding a list of {role, content} messages (or dataset.prompt_key to "
+        f"a column holding the prompt string){STRICT_OFF}"
     )
 
 
-def test_strict_row_index_is_the_index_in_the_file(tokenizer):
-    """With half of 10 rows chosen (seed 1: rows 0, 3, 6, 7, 9), the bad row is reported as row 7, not 3."""
+def test_a_bad_row_is_named_by_its_line_in_the_file(tokenizer):
+    """With half of 10 rows chosen (seed 1: rows 0, 3, 6, 7, 9), the bad eighth row is reported as line 8, not as
+    the fourth row chosen."""
     rows = arith_rows(10)
     rows[7] = {"prompt": None, "answer": "8"}
     write_jsonl("bad.jsonl", rows)
     lenient = mixed_dataset(mix_cfg([src("bad.jsonl", amount=0.5)]), tokenizer, 1)
     assert texts(lenient.train) == ["0+1=", "3+1=", "6+1=", "9+1="]
-    assert lenient.report["sources"][0]["bad_examples"] == ["row 7: column 'prompt': missing"]
-    with pytest.raises(ValueError, match=r"^dataset source bad\.jsonl\[train\], row 7: column 'prompt': missing"):
+    assert lenient.report["sources"][0]["bad_examples"] == ["bad.jsonl line 8: column 'prompt': missing"]
+    with pytest.raises(ConfigError, match=r"^dataset\.train\[0\]\.path: bad\.jsonl line 8: column 'prompt': missing"):
         mixed_dataset(mix_cfg([src("bad.jsonl", amount=0.5)], strict=True), tokenizer, 1)
+
+
+# --- what a row may hold: an answer is a string or a number, a message's role one a chat template renders ------
+
+STRUCTURED_ANSWERS = [
+    {"prompt": "1+1=", "answer": "2"},  # line 1 good
+    {"prompt": "2+2=", "answer": ["4", "four"]},  # line 2 a list
+    {"prompt": "3+3=", "answer": {"value": 6}},  # line 3 an object
+    {"prompt": "4+4=", "answer": 8},  # line 4 good: a number
+]
+
+TRUTH_TYPE_FIX = (
+    'write each answer as one string or number (e.g. "42"), or set dataset.ground_truth_format=json if your reward '
+    "functions read lists and objects"
+)
+
+
+@pytest.mark.parametrize("line, kind", [(2, "list"), (3, "dict")])
+def test_strict_names_an_answer_that_is_a_list_or_an_object(tokenizer, line, kind):
+    """strict=true: an answer column holding a list or an object (which exact_match would compare as its Python
+    text) stops the run, naming the line, the column and the fix."""
+    write_jsonl("a.jsonl", [STRUCTURED_ANSWERS[0], STRUCTURED_ANSWERS[line - 1]])
+    with pytest.raises(ConfigError) as err:
+        mixed_dataset(mix_cfg([src("a.jsonl")], ground_truth_key="answer", strict=True), tokenizer, 1)
+    assert str(err.value) == (
+        f"dataset.train[0].path: a.jsonl line 2: column 'answer': expected a string or number, got {kind}; "
+        f"{TRUTH_TYPE_FIX}{STRICT_OFF}"
+    )
+
+
+def test_answers_that_are_lists_or_objects_are_counted_and_skipped(tokenizer):
+    """strict=false: such rows are bad rows like any other, counted and named by line; strings and numbers stay."""
+    write_jsonl("a.jsonl", STRUCTURED_ANSWERS)
+    splits = mixed_dataset(mix_cfg([src("a.jsonl")], ground_truth_key="answer"), tokenizer, 1)
+    assert [(e.text, e.ground_truth) for e in splits.train] == [("1+1=", "2"), ("4+4=", 8)]
+    assert source_reports(splits) == [("a.jsonl[train]", 4, 2, 0, 2)]
+    assert splits.report["sources"][0]["bad_examples"] == [
+        "a.jsonl line 2: column 'answer': expected a string or number, got list",
+        "a.jsonl line 3: column 'answer': expected a string or number, got dict",
+    ]
+
+
+def test_every_answer_a_list_names_the_json_format(tokenizer):
+    """When no training prompt is left because every answer is a list, the error gives the fix, not only the key."""
+    write_jsonl("a.jsonl", [STRUCTURED_ANSWERS[1]] * 3)
+    with pytest.raises(ConfigError) as err:
+        mixed_dataset(mix_cfg([src("a.jsonl")], ground_truth_key="answer"), tokenizer, 1)
+    assert str(err.value) == (
+        "no training prompt is left: 3 rows read, 0 longer than dataset.max_prompt_length=64, 3 bad (column 'answer': "
+        f"expected a string or number, got list in 3 rows; the rows have columns prompt, answer); {TRUTH_TYPE_FIX}"
+    )
+
+
+def test_json_format_hands_on_lists_and_objects(tokenizer):
+    """ground_truth_format=json: every answer reaches the reward functions as stored, strict or not."""
+    write_jsonl("a.jsonl", STRUCTURED_ANSWERS)
+    cfg = mix_cfg([src("a.jsonl")], ground_truth_key="answer", ground_truth_format="json", strict=True)
+    splits = mixed_dataset(cfg, tokenizer, 1)
+    assert [e.ground_truth for e in splits.train] == [row["answer"] for row in STRUCTURED_ANSWERS]
+
+
+ROLE_ROWS = [
+    {"messages": [{"role": "system", "content": "Add."}, {"role": "user", "content": "1+1="}]},  # line 1 good
+    {"messages": [{"role": "human", "content": "2+2="}, {"role": "gpt", "content": "4"}]},  # line 2 ShareGPT roles
+    {"messages": [{"role": "user", "content": "3+3="}, {"role": "tool", "content": "6"}]},  # line 3 good: a tool turn
+    {"messages": [{"role": "user", "content": "4+4="}, {"role": "User", "content": "and?"}]},  # line 4 a capital
+]
+
+ROLE_FIX = (
+    "rename the conversation's other roles to these (ShareGPT's human and gpt are user and assistant; a chat template "
+    "may drop a message of another role without a word)"
+)
+
+
+def test_strict_names_a_message_role_no_template_renders(tokenizer):
+    """strict=true: a conversation with a role outside system/user/assistant/tool (which Qwen2.5's template drops,
+    and whose final answer was never dropped as the assistant's) stops the run, naming line, message and fix."""
+    write_jsonl("conv.jsonl", ROLE_ROWS[:2])
+    with pytest.raises(ConfigError) as err:
+        mixed_dataset(mix_cfg([src("conv.jsonl")], sft_messages_key="messages", strict=True), tokenizer, 1)
+    assert str(err.value) == (
+        "dataset.train[0].path: conv.jsonl line 2: column 'messages': message 1 has role 'human', not one of system, "
+        f"user, assistant, tool; {ROLE_FIX}{STRICT_OFF}"
+    )
+
+
+def test_unknown_message_roles_are_counted_and_skipped(tokenizer):
+    """strict=false: rows with an unknown role (roles are case-sensitive) are counted and named by line; a tool
+    turn is a role chat templates render, and stays."""
+    write_jsonl("conv.jsonl", ROLE_ROWS)
+    splits = mixed_dataset(mix_cfg([src("conv.jsonl")], sft_messages_key="messages"), tokenizer, 1)
+    assert texts(splits.train) == ["Add. 1+1=", "3+3= 6"]
+    assert source_reports(splits) == [("conv.jsonl[train]", 4, 2, 0, 2)]
+    assert splits.report["sources"][0]["bad_examples"] == [
+        "conv.jsonl line 2: column 'messages': message 1 has role 'human', not one of system, user, assistant, tool",
+        "conv.jsonl line 4: column 'messages': message 2 has role 'User', not one of system, user, assistant, tool",
+    ]
 
 
 def test_strict_passes_clean_data(tokenizer):
@@ -573,9 +683,9 @@ def test_second_build_is_a_cache_hit(tokenizer, cached):
 
 
 def test_cache_hit_keeps_ground_truth_types(tokenizer):
-    """Ground truths of any JSON type come back from the cache unchanged."""
+    """Ground truths of any JSON type (ground_truth_format=json) come back from the cache unchanged."""
     write_jsonl("a.jsonl", [{"prompt": "1+1=", "answer": 2}, {"prompt": "2+2=", "answer": ["4", 4]}])
-    cfg = mix_cfg([src("a.jsonl")], ground_truth_key="answer")
+    cfg = mix_cfg([src("a.jsonl")], ground_truth_key="answer", ground_truth_format="json")
     first, second = mixed_dataset(cfg, tokenizer, 1), mixed_dataset(cfg, tokenizer, 1)
     assert second.report["cache"] == "hit"
     assert [e.ground_truth for e in second.train] == [2, ["4", 4]] == [e.ground_truth for e in first.train]

@@ -156,7 +156,7 @@ def test_an_inline_template_calling_an_unknown_function_names_the_key(tok):
 
 
 def test_a_template_failing_on_one_row_names_the_row(tok, tmp_path, monkeypatch):
-    """A template that renders the example but not a row's conversation names the source and the row."""
+    """A template that renders the example but not a row's conversation names the file and the row's line."""
     monkeypatch.chdir(tmp_path)
     Path("p.jsonl").write_text('{"prompt": "1+1="}\n{"prompt": "2+2="}\n')
     template = "{% if messages[0]['content'] == '2+2=' %}{{ 1 + 'a' }}{% endif %}{{ messages[0]['content'] }}"
@@ -165,6 +165,6 @@ def test_a_template_failing_on_one_row_names_the_row(tok, tmp_path, monkeypatch)
         mixed_dataset(cfg, tok, 1)
     message = str(err.value)
     assert message.startswith(  # inline Jinja is shown quoted, cut at 60 characters
-        """dataset.chat_template="{% if messages[0]['content'] == '2+2=' %}{{ 1 + 'a' }}{% ..." fails on dataset source """
-        "p.jsonl[train], row 1 (TypeError: "
+        """dataset.chat_template="{% if messages[0]['content'] == '2+2=' %}{{ 1 + 'a' }}{% ..." fails on p.jsonl line 2 """
+        "(TypeError: "
     )

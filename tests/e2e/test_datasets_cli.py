@@ -107,10 +107,10 @@ def test_jsonl_run_reports_bad_rows_and_uses_the_cache(tmp_path):
                 "bad_rows": 4,
                 "too_long": 2,
                 "kept": 100,
-                "bad_examples": [
-                    "row 50: column 'prompt': expected a string, got int",
-                    "row 51: column 'prompt': missing",
-                    "row 52: column 'prompt': empty prompt",
+                "bad_examples": [  # after the 50 good lines
+                    f"{path} line 51: column 'prompt': expected a string, got int",
+                    f"{path} line 52: column 'prompt': missing",
+                    f"{path} line 53: column 'prompt': empty prompt",
                 ],
             }
         ],
@@ -141,23 +141,23 @@ def test_parquet_run(tmp_path):
         f"{path}[train]", 105, 3, 2, 100,
     )
     assert source["bad_examples"] == [
-        "row 50: column 'prompt': missing",
-        "row 51: column 'prompt': empty prompt",
-        "row 52: column 'answer': missing",
+        f"{path} row 51: column 'prompt': missing",
+        f"{path} row 52: column 'prompt': empty prompt",
+        f"{path} row 53: column 'answer': missing",
     ]
     check_eval_outputs(out)
 
 
 def test_strict_bad_row_exits_with_code_2(tmp_path):
-    """dataset.strict=true on the file with bad rows stops before training, naming the row and the column."""
+    """dataset.strict=true on the file with bad rows stops before training, naming the line and the column."""
     path = write_jsonl(tmp_path / "prompts.jsonl", rows_with(BAD_JSONL))
     out = tmp_path / "run"
     proc = train(tmp_path, out, *dataset_args("jsonl", path, tmp_path), "dataset.strict=true", check=False)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 2, log[-3000:]
     assert (
-        f"config error: dataset source {path}[train], row 50: column 'prompt': expected a string, got int "
-        "(dataset.strict=true)" in log
+        f"config error: dataset.path: {path} line 51: column 'prompt': expected a string, got int; set "
+        "dataset.prompt_key to" in log
     )
     assert not (out / "eval_generations.jsonl").exists() and not (out / "dataset_report.json").exists()
 

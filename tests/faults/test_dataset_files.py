@@ -5,7 +5,8 @@ file is a ConfigError naming the key, the file, the line and the fix (with datas
 counted and skipped like any bad row); a local-looking path that does not exist never reaches the hub; and
 dataset.max_prompt_length must leave room for generator.max_new_tokens in the model's context. A folder is read as
 its files are (each bad line named by file and line; an empty folder named by its key), a UTF-8 byte-order mark is
-read, and training rows that are all bad name the commonest reason and the key to set.
+read, and training rows that are all bad name the commonest reason and the key to set. A bad row is named where an
+editor finds it: its file and line (counted from 1) in JSON Lines, its file and row in a JSON array or Parquet.
 Every test runs in its own folder, with `datasets`' cache there and the hub switched off.
 """
 
@@ -19,6 +20,8 @@ import shutil
 from pathlib import Path
 
 import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from omegaconf import OmegaConf
 
@@ -384,6 +387,60 @@ def test_a_folder_with_strict_stops_at_the_bad_line_of_the_right_file(tokenizer)
     with pytest.raises(ConfigError) as err:
         mixed_dataset(path_cfg("data", strict=True), tokenizer, 1)
     assert one_paragraph(err).startswith("dataset.path: data/b.jsonl line 51: not valid JSON (")
+
+
+def write_files(files: dict[str, str | list[dict]]) -> None:
+    """Write each file: text as it is, a list of rows as Parquet."""
+    for name, content in files.items():
+        Path(name).parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, str):
+            Path(name).write_text(content)
+        else:
+            pq.write_table(pa.Table.from_pylist(content), name)
+
+
+GOOD, NO_PROMPT = '{"prompt": "1+1="}', '{"question": "2+2="}'
+
+
+@pytest.mark.parametrize(
+    "path, files, place",
+    [
+        pytest.param("p.jsonl", {"p.jsonl": f"{GOOD}\n\n{NO_PROMPT}\n"}, "p.jsonl line 3", id="jsonl-after-a-blank-line"),
+        pytest.param("data", {"data/a.jsonl": f"{GOOD}\n{GOOD}\n", "data/b.jsonl": f"{GOOD}\n{NO_PROMPT}\n"},
+                     "data/b.jsonl line 2", id="folder-second-file"),
+        pytest.param("p.json", {"p.json": f"[\n{GOOD},\n{NO_PROMPT}\n]"}, "p.json row 2", id="json-array"),
+        pytest.param("data", {"data/train-0.parquet": [{"prompt": "1+1="}], "data/train-1.parquet": [
+            {"prompt": "2+2="}, {"prompt": None}]}, "data/train-1.parquet row 2", id="parquet-second-shard"),
+        pytest.param("uf", {"uf/data/train-00000-of-00001.parquet": [{"prompt": "1+1="}, {"prompt": None}]},
+                     "uf[train] row 2", id="hub-layout-folder"),
+    ],
+)
+def test_a_bad_row_is_named_where_an_editor_finds_it(tokenizer, path, files, place):
+    """Lines and rows count from 1 (as files.py counts malformed lines), within the file the row is in: the report
+    and the strict error name the same place."""
+    write_files(files)
+    splits = mixed_dataset(path_cfg(path), tokenizer, 1)
+    assert splits.report["sources"][0]["bad_examples"][-1] == f"{place}: column 'prompt': missing"
+    with pytest.raises(ConfigError) as err:
+        mixed_dataset(path_cfg(path, strict=True, cache_dir="cache_strict"), tokenizer, 1)
+    assert one_paragraph(err).startswith(f"dataset.path: {place}: column 'prompt': missing; set dataset.prompt_key")
+
+
+def test_a_bad_row_after_a_skipped_malformed_line_keeps_its_line(tokenizer):
+    """strict=false: the malformed line 2 is skipped, and the row after it is still line 3."""
+    write_jsonl("p.jsonl", [GOOD, "{oops", NO_PROMPT])
+    bad = mixed_dataset(path_cfg("p.jsonl"), tokenizer, 1).report["sources"][0]["bad_examples"]
+    assert [example.partition(": ")[0] for example in bad] == ["p.jsonl line 2", "p.jsonl line 3"]
+    assert bad[1] == "p.jsonl line 3: column 'prompt': missing"
+
+
+def test_a_json_array_item_that_is_not_an_object_is_named_by_its_row(tokenizer):
+    Path("p.json").write_text(json.dumps([{"prompt": "1+1="}, "2+2=", {"prompt": "3+3="}]))
+    with pytest.raises(ConfigError) as err:
+        mixed_dataset(path_cfg("p.json"), tokenizer, 1)
+    assert one_paragraph(err) == (
+        "dataset.path: p.json row 2 is a JSON str, not an object; a JSON array must hold one object per row"
+    )
 
 
 def test_a_folder_of_train_shards_still_reads_only_its_split(tokenizer):

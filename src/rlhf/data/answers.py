@@ -49,7 +49,7 @@ def raw_answer(value: Any) -> Any:
 
 
 GROUND_TRUTH_FORMATS: dict[str, Callable[[Any], Any]] = {
-    "raw": raw_answer, "gsm8k": gsm8k_answer, "boxed": last_boxed,
+    "raw": raw_answer, "gsm8k": gsm8k_answer, "boxed": last_boxed, "json": raw_answer,
 }
 
 

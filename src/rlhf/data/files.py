@@ -6,6 +6,7 @@ number, or counted and skipped with `dataset.strict=false`, instead of failing a
 
 from __future__ import annotations
 
+import bisect
 import codecs
 import json
 import os
@@ -22,11 +23,36 @@ SPLIT_WORDS = ("train", "training", "test", "testing", "eval", "validation", "va
 
 
 @dataclass
+class RowSpan:
+    """One file's run of a source's rows (or a hub split's), for naming a row where a user finds it."""
+
+    name: str  # the file as the user gave it (or the hub split, `openai/gsm8k[train]`)
+    start: int  # the index of its first row among the source's rows
+    lines: list[int] | None = None  # each row's line number in a JSON Lines file; None where rows are not lines
+
+
+@dataclass
 class FileRows:
-    """The rows read from a source's files, and the malformed lines skipped (``strict=false`` only)."""
+    """The rows read from a source's files (or a hub split), where each came from, and the malformed lines skipped
+    (``strict=false`` only)."""
 
     rows: list[dict[str, Any]] = field(default_factory=list)  # a `datasets` split (indexable the same way) for Parquet
     skipped: list[str] = field(default_factory=list)  # "<file> line <n>: <why>", one per malformed line
+    spans: list[RowSpan] = field(default_factory=list)  # each file's rows, in order
+
+    def where(self, index: int) -> str:
+        """Row ``index`` of ``rows`` as an editor finds it, counted from 1: `<file> line <n>` in a JSON Lines file,
+        `<file> row <n>` in a JSON array, a Parquet file or a hub split."""
+        span = self.spans[bisect.bisect_right([s.start for s in self.spans], index) - 1]
+        if span.lines is not None:
+            return f"{span.name} line {span.lines[index - span.start]}"
+        return f"{span.name} row {index - span.start + 1}"
+
+    def extend(self, part: FileRows) -> None:
+        """Append another file's rows (a split's next shard), keeping each row's place."""
+        self.spans += [RowSpan(s.name, s.start + len(self.rows), s.lines) for s in part.spans]
+        self.rows += part.rows
+        self.skipped += part.skipped
 
 
 def looks_local(path: str) -> bool:
@@ -140,8 +166,12 @@ def _json_array_rows(data: bytes, key: str, file: Path) -> list[dict[str, Any]]:
             f"{key}.path: {file} line {err.lineno}: not valid JSON ({err.msg} at column {err.colno}); a .json file "
             f"that starts with `[` must be one JSON array of objects (or use JSON Lines, one object per line)"
         ) from None
-    if not all(isinstance(row, dict) for row in whole):
-        raise ConfigError(f"{key}.path: {file} is a JSON array whose items are not all objects; give one object per row")
+    for number, row in enumerate(whole, start=1):
+        if not isinstance(row, dict):
+            raise ConfigError(
+                f"{key}.path: {file} row {number} is a JSON {type(row).__name__}, not an object; a JSON array must "
+                f"hold one object per row"
+            )
     return whole
 
 
@@ -151,13 +181,14 @@ def read_json_rows(file: Path, key: str, strict: bool) -> FileRows:
     if not data.strip():
         raise ConfigError(f"{key}.path: {file} is empty; give a JSON Lines file with one JSON object per line")
     if file.suffix == ".json" and data.lstrip().startswith(b"["):
-        return FileRows(rows=_json_array_rows(data, key, file))
-    out, first_bad = FileRows(), 0
+        return FileRows(rows=_json_array_rows(data, key, file), spans=[RowSpan(str(file), 0)])
+    out, lines, first_bad = FileRows(), [], 0
     for number, raw in enumerate(data.split(b"\n"), start=1):
         if not raw.strip():
             continue
         try:
             out.rows.append(_parse_line(raw))
+            lines.append(number)
         except ValueError as err:
             if not (out.rows or out.skipped) and ("UTF-8" in str(err) or "binary" in str(err)):
                 raise _not_text_error(key, file, number, str(err)) from None  # whatever dataset.strict says
@@ -167,6 +198,7 @@ def read_json_rows(file: Path, key: str, strict: bool) -> FileRows:
             out.skipped.append(f"{file} line {number}: {err}")
     if not out.rows:
         raise _not_text_error(key, file, first_bad, "no line is a JSON object")
+    out.spans = [RowSpan(str(file), 0, lines)]
     return out
 
 
@@ -191,10 +223,12 @@ def read_files(files: list[Path], key: str, strict: bool) -> FileRows:
         from datasets import concatenate_datasets
 
         parts = [read_parquet(file, key) for file in files]
-        return FileRows(rows=parts[0] if len(parts) == 1 else concatenate_datasets(parts))
+        starts = [sum(len(part) for part in parts[:i]) for i in range(len(parts))]
+        return FileRows(
+            rows=parts[0] if len(parts) == 1 else concatenate_datasets(parts),
+            spans=[RowSpan(str(file), start) for file, start in zip(files, starts)],
+        )
     out = FileRows()
     for file in files:
-        part = read_json_rows(file, key, strict)
-        out.rows += part.rows
-        out.skipped += part.skipped
+        out.extend(read_json_rows(file, key, strict))
     return out

@@ -5,7 +5,8 @@ chosen by a seeded shuffle. Rows become prompts through `dataset.sft_messages_ke
 final assistant turn is dropped) or `dataset.prompt_key` (a string, as one user message), plus
 `dataset.prompt_suffix`, rendered with `dataset.chat_template`; `dataset.ground_truth_format` extracts the
 answer from the ground-truth column. Bad rows (malformed JSON Lines lines among them) and over-long prompts
-are counted per source and reported; tokenised results are cached on disk (rlhf.data.cache) under a key that
+are counted per source and reported, each bad row named where an editor finds it (`p.jsonl line 3`, counted from 1,
+or `p.parquet row 3`); tokenised results are cached on disk (rlhf.data.cache) under a key that
 covers everything that shaped them.
 """
 
@@ -25,15 +26,15 @@ from omegaconf import OmegaConf
 from rlhf.data.answers import GROUND_TRUTH_FORMATS, with_suffix
 from rlhf.data.cache import cache_folder, read_cache, write_cache
 from rlhf.data.config import DatasetConfig, DataSourceConfig
-from rlhf.data.files import LOCAL_FORMATS, FileRows, folder_files, looks_local, missing_path_error, read_files
+from rlhf.data.files import LOCAL_FORMATS, FileRows, RowSpan, folder_files, looks_local, missing_path_error, read_files
 from rlhf.data.prompts import PromptExample, PromptSplits
-from rlhf.data.templates import render_prompt, resolve_template
+from rlhf.data.templates import CHAT_ROLES, render_prompt, resolve_template
 from rlhf.errors import ConfigError, require
 from rlhf.registry import register
 
 log = logging.getLogger("rlhf")
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3  # 3: structured ground truths and unknown message roles are bad rows, bad rows named by line
 
 
 
@@ -48,10 +49,10 @@ class MixDatasetConfig(DatasetConfig):
     prompt_key: str = "prompt"  # column holding the prompt string (used when sft_messages_key is null)
     sft_messages_key: Optional[str] = None  # column holding a conversation; its final assistant turn is dropped
     ground_truth_key: Optional[str] = None  # column passed to the reward functions as ground truth
-    ground_truth_format: str = "raw"  # raw (the column as is), gsm8k (the answer after `####`) or boxed (the last \boxed{})
+    ground_truth_format: str = "raw"  # raw (a string or number), json (any value), gsm8k (the answer after `####`) or boxed (the last \boxed{})
     prompt_suffix: Optional[str] = None  # instruction appended to every prompt after a space; null = none
     chat_template: str = "tokenizer"  # tokenizer (its own), simple_concat_with_space, tulu, a .jinja file, or inline Jinja
-    strict: bool = False  # bad rows stop the run (naming source, row and column) instead of being counted
+    strict: bool = False  # bad rows stop the run (naming file, line or row, and column) instead of being counted
     sanity_check: Optional[int] = None  # keep at most this many rows of every source, for quick debugging
     cache_dir: Optional[str] = None  # tokenised-dataset cache; null = $RLHF_CACHE/datasets or ~/.cache/rlhf/datasets
 
@@ -78,11 +79,12 @@ class MixDatasetConfig(DatasetConfig):
                 )
 
 class BadRow(ValueError):
-    """A row that cannot become a prompt; carries the column at fault."""
+    """A row that cannot become a prompt; carries the column at fault and, where the column's key is not the fix,
+    the fix."""
 
-    def __init__(self, column: str, why: str) -> None:
+    def __init__(self, column: str, why: str, fix: str | None = None) -> None:
         super().__init__(f"column {column!r}: {why}")
-        self.column = column
+        self.column, self.fix = column, fix
 
 
 @dataclass
@@ -92,10 +94,10 @@ class SourceReport:
     source: str  # the source's label (path, subset)
     split: str  # the split read
     rows: int = 0  # rows taken from the split (after amount and sanity_check), plus malformed lines skipped
-    bad_rows: int = 0  # rows dropped for a missing column, wrong type or empty prompt, or a malformed line
+    bad_rows: int = 0  # rows dropped for a missing column, wrong type, unknown role or empty prompt, or a malformed line
     too_long: int = 0  # rows dropped by max_prompt_length
     kept: int = 0  # rows that became prompts
-    bad_examples: list[str] = field(default_factory=list)  # the first few reasons, for the log
+    bad_examples: list[str] = field(default_factory=list)  # the first few "p.jsonl line 3: <why>", for the log
 
 
 MALFORMED_LINE = "a malformed JSON Lines line"  # the reason counted for each line files.py skipped
@@ -110,18 +112,27 @@ COLUMN_FIXES = {  # the key that names a bad row's column -> how to set it
     "dataset.path": "fix the malformed lines the log names",
 }
 
+ROLE_FIX = (  # follows the reason, which lists CHAT_ROLES
+    "rename the conversation's other roles to these (ShareGPT's human and gpt are user and assistant; a chat "
+    "template may drop a message of another role without a word)"
+)
+TRUTH_TYPE_FIX = (
+    "write each answer as one string or number (e.g. \"42\"), or set dataset.ground_truth_format=json if your reward "
+    "functions read lists and objects"
+)
+
 
 @dataclass
 class BadRowTally:
     """Why rows were bad, over the training sources: what the error says when no training prompt is left."""
 
     reasons: Counter = field(default_factory=Counter)  # "column 'prompt': missing" -> rows
-    keys: dict[str, str] = field(default_factory=dict)  # reason -> the key that names its column (a COLUMN_FIXES key)
+    fix_of: dict[str, str] = field(default_factory=dict)  # reason -> its fix (the bad row's own, or a COLUMN_FIXES value)
     columns: dict[str, None] = field(default_factory=dict)  # the bad rows' columns, in first-seen order
 
-    def add(self, reason: str, key: str, row: dict[str, Any] | None = None) -> None:
+    def add(self, reason: str, fix: str, row: dict[str, Any] | None = None) -> None:
         self.reasons[reason] += 1
-        self.keys.setdefault(reason, key)
+        self.fix_of.setdefault(reason, fix)
         self.columns.update(dict.fromkeys(row or ()))
 
     def summary(self, most: int = 2) -> str:
@@ -133,24 +144,26 @@ class BadRowTally:
         return "; ".join(parts)
 
     def fixes(self, most: int = 2) -> list[str]:
-        """How to set the key behind each of the commonest reasons, once per key."""
-        keys = dict.fromkeys(self.keys[why] for why, _ in self.reasons.most_common(most))
-        return [COLUMN_FIXES[key] for key in keys]
+        """How to fix each of the commonest reasons, once per fix."""
+        return list(dict.fromkeys(self.fix_of[why] for why, _ in self.reasons.most_common(most)))
 
 
-def column_key(cfg, from_prompt: bool) -> str:
-    """The key that named a bad row's column: the prompt's (`sft_messages_key` or `prompt_key`) or the answer's."""
+def row_fix(err: BadRow, cfg, from_prompt: bool) -> str:
+    """A bad row's fix: its own, or how to set the key that named its column (the prompt's or the answer's)."""
+    if err.fix:
+        return err.fix
     if not from_prompt:
-        return "dataset.ground_truth_key"
-    return "dataset.sft_messages_key" if cfg.sft_messages_key else "dataset.prompt_key"
+        return COLUMN_FIXES["dataset.ground_truth_key"]
+    return COLUMN_FIXES["dataset.sft_messages_key" if cfg.sft_messages_key else "dataset.prompt_key"]
 
 
 def source_label(src) -> str:
     return f"{src.path}[{src.split}]"
 
 
-def read_source(src, key: str, strict: bool) -> FileRows | Any:
-    """A source's split: its local files' rows (FileRows), or a `datasets` split (hub name, hub-layout folder)."""
+def read_source(src, key: str, strict: bool) -> FileRows:
+    """A source's split: its local files' rows, or a `datasets` split (hub name, hub-layout folder), each row's place
+    known."""
     local = Path(src.path).expanduser()
     if local.is_file():
         if local.suffix not in LOCAL_FORMATS:
@@ -165,8 +178,10 @@ def read_source(src, key: str, strict: bool) -> FileRows | Any:
     from datasets import load_dataset  # 1.5 s to import (pandas, pyarrow): only hub datasets pay it
 
     if local.is_dir():
-        return read_hub_layout_folder(local, src, key)
-    return load_dataset(src.path, src.subset, split=src.split, revision=src.revision)
+        split = read_hub_layout_folder(local, src, key)
+    else:
+        split = load_dataset(src.path, src.subset, split=src.split, revision=src.revision)
+    return FileRows(rows=split, spans=[RowSpan(source_label(src), 0)])
 
 
 def read_hub_layout_folder(folder: Path, src, key: str):
@@ -186,11 +201,10 @@ def read_hub_layout_folder(folder: Path, src, key: str):
 
 
 def load_rows(src, seed: int, sanity_check: int | None, key: str, strict: bool = False):
-    """(row index in the split, row) for one source after `amount` (seeded) and `sanity_check`; the lines skipped."""
-    data, skipped = read_source(src, key, strict), []
-    if isinstance(data, FileRows):
-        data, skipped = data.rows, data.skipped
-    n = len(data)
+    """(row index in the split, row) for one source after `amount` (seeded) and `sanity_check`; all the split's rows
+    read (FileRows: where each row is, the lines skipped)."""
+    read = read_source(src, key, strict)
+    n = len(read.rows)
     if src.amount <= 1:
         take = round(n * src.amount)
     else:
@@ -206,7 +220,7 @@ def load_rows(src, seed: int, sanity_check: int | None, key: str, strict: bool =
     order = sorted(order[:take])  # the chosen rows, in file order
     if sanity_check is not None:
         order = order[:sanity_check]
-    return [(i, data[i]) for i in order], skipped
+    return [(i, read.rows[i]) for i in order], read
 
 
 def row_messages(row: dict[str, Any], cfg) -> list[dict[str, str]]:
@@ -220,6 +234,9 @@ def row_messages(row: dict[str, Any], cfg) -> list[dict[str, str]]:
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
         ):
             raise BadRow(key, "not a list of {role, content} messages")
+        for number, m in enumerate(messages, start=1):
+            if m["role"] not in CHAT_ROLES:
+                raise BadRow(key, f"message {number} has role {m['role']!r}, not one of {', '.join(CHAT_ROLES)}", ROLE_FIX)
         messages = [{"role": m["role"], "content": m["content"]} for m in messages]
         if messages and messages[-1]["role"] == "assistant":
             messages = messages[:-1]
@@ -243,7 +260,11 @@ def row_ground_truth(row: dict[str, Any], cfg) -> Any:
         return None
     if key not in row or row[key] is None:
         raise BadRow(key, "missing")
-    if cfg.ground_truth_format == "raw":
+    if cfg.ground_truth_format == "json":
+        return row[key]
+    if cfg.ground_truth_format == "raw":  # what exact_match, arith_correct and math_verify read (bool is an int: kept)
+        if not isinstance(row[key], (str, int, float)):
+            raise BadRow(key, f"expected a string or number, got {type(row[key]).__name__}", TRUTH_TYPE_FIX)
         return row[key]
     if not isinstance(row[key], str):
         raise BadRow(key, f"expected a string to extract a {cfg.ground_truth_format} answer from")
@@ -260,15 +281,17 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
 
 
 def to_examples(
-    rows, src, cfg, tokenizer, template: str, skipped=(), tally: BadRowTally | None = None,
+    rows, read: FileRows, src, key: str, cfg, tokenizer, template: str, tally: BadRowTally | None = None,
 ) -> tuple[list[PromptExample], SourceReport]:
-    """Prompts from one source's rows, with the report of what was dropped and why (``skipped``: malformed lines;
-    ``tally``: where to count the bad rows' reasons)."""
+    """Prompts from one source's chosen ``rows`` (``read``: its split as read, naming each row's place and the
+    malformed lines skipped; ``key``: the source's key), with the report of what was dropped and why (``tally``:
+    where to count the bad rows' reasons)."""
+    skipped = read.skipped
     report = SourceReport(source_label(src), src.split, rows=len(rows) + len(skipped), bad_rows=len(skipped))
     report.bad_examples = list(skipped[:3])
     tally = tally if tally is not None else BadRowTally()
     for _ in skipped:
-        tally.add(MALFORMED_LINE, "dataset.path")
+        tally.add(MALFORMED_LINE, COLUMN_FIXES["dataset.path"])
     examples = []
     for index, row in rows:
         from_prompt = True
@@ -277,14 +300,18 @@ def to_examples(
             from_prompt = False
             ground_truth = row_ground_truth(row, cfg)
         except BadRow as err:
+            fix = row_fix(err, cfg, from_prompt)
             if cfg.strict:
-                raise ValueError(f"dataset source {report.source}, row {index}: {err} (dataset.strict=true)") from None
+                raise ConfigError(
+                    f"{key}.path: {read.where(index)}: {err}; {fix}, or set dataset.strict=false to count and skip "
+                    f"bad rows"
+                ) from None
             report.bad_rows += 1
-            tally.add(str(err), column_key(cfg, from_prompt), row)
+            tally.add(str(err), fix, row)
             if len(report.bad_examples) < 3:
-                report.bad_examples.append(f"row {index}: {err}")
+                report.bad_examples.append(f"{read.where(index)}: {err}")
             continue
-        text = render_prompt(tokenizer, messages, template, cfg.chat_template, f"dataset source {report.source}, row {index}")
+        text = render_prompt(tokenizer, messages, template, cfg.chat_template, read.where(index))
         ids = encode_prompt(tokenizer, text)
         if len(ids) > cfg.max_prompt_length:
             report.too_long += 1
@@ -349,8 +376,8 @@ def build_splits(cfg, tokenizer, seed: int, sources: dict[str, list], path_key: 
     for split, srcs in sources.items():
         for i, src in enumerate(srcs):
             key = "dataset" if path_key and split == "train" else f"dataset.{split}[{i}]"
-            rows, skipped = load_rows(src, seed, cfg.sanity_check, key, cfg.strict)
-            examples, report = to_examples(rows, src, cfg, tokenizer, template, skipped, tally if split == "train" else None)
+            rows, read = load_rows(src, seed, cfg.sanity_check, key, cfg.strict)
+            examples, report = to_examples(rows, read, src, key, cfg, tokenizer, template, tally if split == "train" else None)
             out[split] += examples
             reports.append({"role": split, **asdict(report)})
     if not out["train"]:

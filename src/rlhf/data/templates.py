@@ -33,6 +33,10 @@ BUILTIN_TEMPLATES = {"simple_concat_with_space": SIMPLE_CONCAT_WITH_SPACE, "tulu
 
 EXAMPLE_CONVERSATION = [{"role": "user", "content": "What is 1+1?"}]  # what every template must render
 
+# The roles of Hugging Face's chat-template conversations; a template may drop a message of any other role without a
+# word (Qwen2.5's does), so a dataset row with one is a bad row.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
 
 def _shown(name: str) -> str:
     """`dataset.chat_template`'s value as a message shows it: a name or path as is, inline Jinja quoted and cut short."""
