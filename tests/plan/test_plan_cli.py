@@ -71,3 +71,18 @@ def test_the_cli_names_a_model_it_cannot_find_in_one_paragraph(tmp_path):
     assert len((proc.stdout + proc.stderr).strip().splitlines()) <= 3
     bad_key = run_plan("train.no_such_key=1")
     assert bad_key.returncode == 2 and "train.no_such_key" in bad_key.stderr and "Traceback" not in bad_key.stderr
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["policy.lora.rank=4", "policy.lora.target_modules=[nope]"], "policy.lora.target_modules: ['nope'] match no linear layer"),
+    (["policy.lora.rank=4096"], "policy.lora.rank=4096 is past the width of the adapted layer"),
+    (["algorithm=ppo", "critic.lora.rank=4", "critic.lora.target_modules=[nope]"], "critic.lora.target_modules: ['nope']"),
+])
+def test_the_plan_refuses_the_layers_the_run_would_refuse(overrides, message, capsys):
+    """LoRA targets the model lacks: the run refuses them before loading, and the plan said "fits" (it planned no
+    adapters at all). In process: `rlhf.plan.__main__.main`, what `python -m rlhf.plan` runs."""
+    from rlhf.plan.__main__ import main
+
+    assert main(overrides) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: ") and message in err

@@ -12,15 +12,19 @@ from omegaconf.errors import OmegaConfBaseException
 from rlhf import exits
 from rlhf.checks import hub
 from rlhf.config import ConfigError, compose_config, validate
+from rlhf.algorithms import build_algorithm
 from rlhf.plan import advise, make_plan, render
+from rlhf.plan.roles import check_trained_layers
 
 
 def main(argv: list[str]) -> int:
-    """Compose, validate, find the models (datasets are not needed), plan, print; returns the exit code."""
+    """Compose, validate, find the models (not the datasets: the plan reads none, and they may live only where the run
+    will), check the layers LoRA and compile name, plan, print; returns the exit code."""
     try:
         cfg = compose_config(argv)
         validate(cfg)
         hub.check_sources(cfg, datasets=False)
+        check_trained_layers(cfg, build_algorithm(cfg.algorithm, cfg.generator.max_new_tokens).needs_critic)
         plan = make_plan(cfg)
     except (ConfigError, HydraException, OmegaConfBaseException) as err:
         print(f"config error: {str(err).splitlines()[0]}", file=sys.stderr)

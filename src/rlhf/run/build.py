@@ -30,11 +30,11 @@ from rlhf.envs.loop import EpisodeRunner
 from rlhf.generators.base import SamplingParams
 from rlhf.envs.templates import check as check_template
 from rlhf.generators.hf import stop_token_id
-from rlhf.models.lora import AdaptersOff, check_not_adapter, check_targets
+from rlhf.models.lora import AdaptersOff, check_not_adapter
 from rlhf.models.loading import (
     check_model_kind, check_model_tokenizer, check_vocab_match, check_weight_files, load_tokenizer, looks_local, pick_device, resolve_model_path,
 )
-from rlhf.training.trainable import check_compilable
+from rlhf.plan.roles import check_trained_layers
 from rlhf.checks.parity import GapWatch
 from rlhf.rewards.combine import RewardSet
 from rlhf.rewards.model import RewardModelScorer
@@ -209,10 +209,7 @@ def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
     if runner is None or runner.maker.uses_dataset:
         rewards.check_truths([ex.ground_truth for ex in splits.train + splits.eval])
     check_output_rows(cfg, tokenizer)
-    check_targets(cfg.policy.lora, model)
-    check_compilable(cfg.policy, model)
-    if algorithm.needs_critic:
-        check_targets(cfg.critic.lora, model, "critic.lora", critic_init_path(cfg))
+    check_trained_layers(cfg, algorithm.needs_critic)
     context = model_context(model)
     if runner is None or runner.maker.uses_dataset:  # a prompt plus its response must fit the model's context
         check_prompt_budget(cfg.dataset.max_prompt_length, cfg.generator.max_new_tokens, context, model.name_or_path)
