@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import resource
 import shutil
 from pathlib import Path
 
-from rlhf.errors import FULL_DISK_ERRNOS, NoSpaceError
+from rlhf.errors import FULL_DISK_ERRNOS, FileSizeLimitError, NoSpaceError
 
 
 def fsync_dir(path: Path) -> None:
@@ -52,12 +54,42 @@ def no_space_error(folder: Path, what: str, needed: int | None) -> NoSpaceError:
     return NoSpaceError(f"No space left on {folder}: {need}{megabytes(free_bytes(folder))} MB free")
 
 
+def lack_of_room(err: BaseException, folder: Path, what: str, needed: int | None) -> NoSpaceError | None:
+    """The error to raise instead of ``err``, a failed save of about ``needed`` bytes into ``folder``, when room was
+    what it lacked (None otherwise): a file past this process's file size limit (`FileSizeLimitError`), or a full
+    disk (`no_space_error`)."""
+    if isinstance(err, NoSpaceError):
+        return None  # already named
+    limit = file_size_limit()
+    if limit is not None and _past_file_size_limit(err):
+        return FileSizeLimitError(
+            f"A file of {what} in {folder} passes this process's file size limit (ulimit -f: {megabytes(limit)} MB); "
+            f"raise it (ulimit -f unlimited)"
+        )
+    if out_of_space(err, folder, needed):
+        return no_space_error(folder, what, needed)
+    return None
+
+
+def file_size_limit() -> int | None:
+    """This process's limit on the size of a file it writes, in bytes (`ulimit -f`); None when unlimited."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def _past_file_size_limit(err: BaseException) -> bool:
+    """Whether ``err`` is a write refused for the file size limit: an OSError saying so, or the serializers' own
+    reports of the same (safetensors' "File too large (os error 27)", torch's "unexpected pos")."""
+    if isinstance(err, OSError):
+        return err.errno == errno.EFBIG
+    text = str(err)
+    return "File too large" in text or f"os error {errno.EFBIG}" in text or "unexpected pos" in text
+
+
 def out_of_space(err: BaseException, folder: Path, needed: int | None) -> bool:
     """Whether a failed save of about ``needed`` bytes into ``folder`` ran out of disk: an OSError saying so, or
     another error (torch's "unexpected pos", safetensors' own) raised while less than ``needed`` is free, the
     serializers' way of reporting the same."""
-    if isinstance(err, NoSpaceError):
-        return False  # already named
     if isinstance(err, OSError):
         return err.errno in FULL_DISK_ERRNOS
     return isinstance(err, Exception) and bool(needed) and free_bytes(folder) < needed

@@ -19,14 +19,22 @@ def require(ok: bool, message: str) -> None:
 class NoSpaceError(OSError):
     """A save failed on a full disk or quota; the message names the folder, the room it needs and the room free."""
 
+    code = errno.ENOSPC
+
     def __init__(self, message: str) -> None:
-        super().__init__(errno.ENOSPC, message)
+        super().__init__(self.code, message)
 
     def __str__(self) -> str:
         return self.strerror
 
     def __reduce__(self):  # OSError pickles (errno, strerror); a Ray worker's error must rebuild from the message alone
         return type(self), (self.strerror,)
+
+
+class FileSizeLimitError(NoSpaceError):
+    """A save failed on this process's file size limit (`ulimit -f`): room is lacking for one file, not on the disk."""
+
+    code = errno.EFBIG
 
 
 class RewardValueError(ValueError):

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
+import resource
 import shutil
+import subprocess
+import sys
 from collections import namedtuple
 from pathlib import Path
 
@@ -16,7 +20,7 @@ from rlhf.run import checkpoint, preflight
 from rlhf.config import ConfigError, compose_config
 from rlhf import disk
 from rlhf.disk import tree_bytes
-from rlhf.errors import NoSpaceError
+from rlhf.errors import FileSizeLimitError, NoSpaceError
 from rlhf.models.hf_folder import save_hf_folder
 from rlhf.models.loading import load_causal_lm, load_tokenizer
 from rlhf.train import train
@@ -114,6 +118,42 @@ def test_a_full_disk_during_an_hf_export_names_it(tmp_path):
     with pytest.raises(NoSpaceError, match=rf"^No space left on {tmp_path / 'out'}: the export needs about 0.3 MB"):
         save_hf_folder(tmp_path / "out", FullDisk(), tokenizer)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_past_the_file_size_limit_in_an_hf_export_names_the_limit(tmp_path, monkeypatch):
+    """`ulimit -f` set: safetensors reports "File too large (os error 27)", not an OSError."""
+    tokenizer = load_tokenizer("builtin:tiny_arith")
+
+    class Limited:
+        def save_pretrained(self, folder, **_):
+            raise RuntimeError("Error while serializing: I/O error: File too large (os error 27)")
+
+        def parameters(self):
+            return []
+
+    monkeypatch.setattr(disk, "file_size_limit", lambda: 200 * 1024)
+    with pytest.raises(FileSizeLimitError, match=r"^A file of the export in .*out passes this process's file size limit \(ulimit -f: 0.2 MB\); raise it"):
+        save_hf_folder(tmp_path / "out", Limited(), tokenizer)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_past_the_file_size_limit_names_the_limit(tmp_path):
+    """The default run with `ulimit -f 200` and a checkpoint each step: before, "the run raised SafetensorError: Error
+    while serializing: I/O error: File too large (os error 27)" (torch's "unexpected pos" for its own files)."""
+    limit = 200 * 1024  # the logs fit, a checkpoint's weights (0.3 MB) do not
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlhf.train", "train.num_steps=2", "checkpoint.every=1", *SMALL, f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, preexec_fn=limited,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 6, console[-3000:]
+    assert f"FileSizeLimitError: A file of a checkpoint in {tmp_path / 'run' / 'checkpoints'} passes this process's file size limit (ulimit -f: 0.2 MB)" in console
+    assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*")), "the partial copy is removed"
 
 
 FAILING_REWARD = '''

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from rlhf.disk import fsync_dir, fsync_tree, no_space_error, out_of_space  # the checkpoints' own flushes and messages
+from rlhf.disk import fsync_dir, fsync_tree, lack_of_room  # the checkpoints' own flushes and messages
 from rlhf.models.dtypes import tensor_bytes
 
 
@@ -26,10 +26,10 @@ def save_hf_folder(path: Path, model, tokenizer, **save_kwargs) -> None:
             model.save_pretrained(tmp, **save_kwargs)
             tokenizer.save_pretrained(tmp)
     except Exception as err:
-        needed = weights_bytes(model, save_kwargs.get("state_dict"))
-        if not out_of_space(err, Path(path).parent, needed):
+        lacking = lack_of_room(err, Path(path), "the export", weights_bytes(model, save_kwargs.get("state_dict")))
+        if lacking is None:
             raise
-        raise no_space_error(Path(path), "the export", needed) from err
+        raise lacking from err
 
 
 def weights_bytes(model, state_dict: dict | None = None) -> int:

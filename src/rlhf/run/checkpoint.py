@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import yaml
 
-from rlhf.disk import free_bytes, fsync_dir, fsync_tree, megabytes, no_space_error, out_of_space, tree_bytes
+from rlhf.disk import free_bytes, fsync_dir, fsync_tree, lack_of_room, megabytes, tree_bytes
 from rlhf.errors import ConfigError, NoSpaceError
 from rlhf.models.loading import safetensors_problem
 
@@ -252,9 +252,9 @@ def save(c, root: Path, step: int, run_state: dict[str, Any], keep_last: int, st
         fsync_tree(tmp)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)  # a partial copy would only hold on to the space it took
-        needed = _checkpoint_bytes(root)
-        if out_of_space(err, root, needed):
-            raise no_space_error(root, "a checkpoint", needed) from err
+        lacking = lack_of_room(err, root, "a checkpoint", _checkpoint_bytes(root))
+        if lacking is not None:
+            raise lacking from err
         raise
     _swap_in(tmp, final, root)
     log.info("checkpoint saved: %s", final)
