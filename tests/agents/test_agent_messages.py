@@ -1,19 +1,14 @@
-"""What a request says, read strictly: messages normalised for comparison, tool calls parsed from sampled text, and
-sampling fields that would corrupt the trainer's logprobs refused with the field named."""
+"""What a request's messages say, read strictly: messages normalised for comparison, tool calls parsed from sampled
+text."""
 
 from __future__ import annotations
 
 import pytest
 
 from rlhf.agents.messages import (
-    Message, RequestError, ToolCall, extends, parse_hermes, parse_messages, read_limits, read_tools, same_message,
-    tool_parser,
+    Message, RequestError, ToolCall, extends, parse_hermes, parse_messages, same_message, tool_parser,
 )
 from rlhf.errors import ConfigError
-
-
-def limits(**body):
-    return read_limits(body, temperature=1.0, top_p=1.0, max_new_tokens=16, max_n=4)
 
 
 def test_messages_are_normalised_text_parts_joined_and_arguments_canonical():
@@ -74,44 +69,3 @@ def test_a_parser_is_named_by_builtin_name_or_import_path():
     with pytest.raises(ConfigError, match="env.tool_parser='nope'"):
         tool_parser("nope")
 
-
-def test_sampling_fields_repeat_the_runs_or_are_refused_naming_the_key():
-    assert limits(temperature=1.0, top_p=1, max_tokens=4, n=2, stop="\n") == limits(max_completion_tokens=4, n=2, stop=["\n"], temperature=1)
-    assert limits(max_tokens=999).max_new_tokens == 16  # more than generator.max_new_tokens is cut to it
-    with pytest.raises(RequestError, match="generator.temperature=1") as err:
-        limits(temperature=0.7)
-    assert err.value.field == "temperature"
-    for body, field in [({"top_p": 0.9}, "top_p"), ({"presence_penalty": 0.5}, "presence_penalty"),
-                        ({"logit_bias": {"5": 3}}, "logit_bias"), ({"max_tokens": 0}, "max_tokens"), ({"n": 5}, "n"),
-                        ({"stop": ["", "x"]}, "stop"), ({"stream": "yes"}, "stream")]:
-        with pytest.raises(RequestError) as err:
-            limits(**body)
-        assert err.value.field == field, body
-
-
-@pytest.mark.parametrize("body, field", [
-    ({"n": 0}, "n"), ({"n": -2}, "n"), ({"stop": 5}, "stop"), ({"stop": {"x": 1}}, "stop"),
-    ({"logprobs": True}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
-])
-def test_n_below_one_a_stop_not_of_strings_and_logprobs_are_refused_naming_the_field(body, field):
-    """Before: n=0 was served as n=1, stop=5 failed as "the chat template cannot render this request: TypeError" with
-    no field named, and logprobs=true was answered with logprobs null."""
-    with pytest.raises(RequestError) as err:
-        limits(**body)
-    assert err.value.field == field and err.value.status == 400
-
-
-def test_absent_or_null_n_stop_and_logprobs_are_the_defaults():
-    assert limits(n=None, stop=None, logprobs=False) == limits() == limits(stop="", logprobs=None, top_logprobs=None)
-    assert (limits().n, limits().stops) == (1, ())
-
-
-def test_tools_are_looked_for_unless_tool_choice_is_none():
-    tools = [{"type": "function", "function": {"name": "f"}}]
-    assert read_tools({"tools": tools}) == (tools, True)
-    assert read_tools({"tools": tools, "tool_choice": "none"}) == (tools, False)
-    assert read_tools({}) == (None, False)
-    with pytest.raises(RequestError, match="tool_choice"):
-        read_tools({"tools": tools, "tool_choice": "required"})
-    with pytest.raises(RequestError, match="tools must be a list"):
-        read_tools({"tools": "f"})

@@ -377,3 +377,92 @@ def test_env_chains_all_trains_every_chain_of_a_session_in_its_group(runner, gen
     assert all(len(ep.turns) == 1 for ep in last)  # the fork: its history (with the rewritten "99") is one observation
     assert sorted(len(ep.turns) for ep in every) == [1, 1, 1, 1]
     assert runner.last_metrics["env/forked_chains"] == 2 and runner.last_metrics["env/rewritten_messages"] == 2
+
+
+def test_logprobs_served_are_the_ones_each_row_trains_on(runner, generator, tokenizer):
+    """Before: logprobs=true was refused (400) and completions' logprobs=0 answered with null. Each choice's
+    logprobs (chat, streamed chat, completions) are its sampled tokens and the generator's logprobs of them, exactly
+    what its row trains on; the stream ends with the usage chunk stream_options.include_usage asks for."""
+    served, seen = [], {}
+
+    async def asks_for_logprobs(task, client):
+        llm = client_of(client)
+        asked = [{"role": "user", "content": task.prompt}]
+        plain = await llm.chat.completions.create(model=client.model, messages=asked)
+        seen["plain"] = plain.choices[0].logprobs
+        asked += [{"role": "assistant", "content": plain.choices[0].message.content}, {"role": "user", "content": "1="}]
+        both = await llm.chat.completions.create(model=client.model, messages=asked, logprobs=True, top_logprobs=0, n=2)
+        for choice in both.choices:
+            served.append([(t.token, t.logprob, t.bytes, t.top_logprobs) for t in choice.logprobs.content])
+        again = asked + [{"role": "assistant", "content": both.choices[0].message.content}, {"role": "user", "content": "2="}]
+        stream = await llm.chat.completions.create(model=client.model, messages=again, logprobs=True, stream=True,
+                                                   stream_options={"include_usage": True})
+        chunks = [chunk async for chunk in stream]
+        served.append([(t.token, t.logprob, t.bytes, t.top_logprobs) for c in chunks for ch in c.choices
+                       if ch.logprobs for t in ch.logprobs.content])
+        seen["usage"] = chunks[-1].usage if not chunks[-1].choices else None
+        done = await llm.completions.create(model=client.model, prompt="5+5=", logprobs=0)
+        lp = done.choices[0].logprobs
+        seen["completion"] = (lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset)
+        return 1.0
+
+    saved = runner.cfg
+    runner.cfg = OpenAIAgentConfig(**{**vars(saved), "chains": "all"})
+    try:
+        episodes = play(runner, generator, tokenizer, asks_for_logprobs, group_size=1, problems=((1, 2),))
+    finally:
+        runner.cfg = saved
+    assert seen["plain"] is None  # not asked: not sent
+
+    def texts(ids):
+        return [tokenizer.decode([i]) for i in ids]
+
+    # rows: the chat chain (its unasked first reply, the n=2 request's choice 0, the streamed reply), choice 1's twin
+    # of it, and the completions chain (one reply)
+    assert sorted(len(ep.turns) for ep in episodes) == [1, 2, 3]
+    chat_trained = sorted((texts(t.action_ids), t.action_logp) for ep in episodes for t in ep.turns[1:])
+    chat_served = sorted(([t for t, *_ in s], [lp for _, lp, *_ in s]) for s in served)
+    assert chat_served == chat_trained
+    tokens, logprobs, top, offsets = seen["completion"]
+    (completion,) = [ep.turns[0] for ep in episodes if len(ep.turns) == 1]
+    assert (tokens, logprobs) == (texts(completion.action_ids), completion.action_logp)
+    assert top == [{text: logprob} for text, logprob in zip(tokens, logprobs)]
+    assert offsets == [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
+    assert all(b == list(t.encode()) and alternatives == [] for s in served for t, _, b, alternatives in s)
+    assert all(math.isfinite(lp) and lp <= 0 for s in served for _, lp, *_ in s)
+    assert seen["usage"] is not None and seen["usage"].completion_tokens == len(served[-1])
+
+
+def test_unknown_and_unhonoured_fields_get_a_400_naming_them_and_bookkeeping_fields_pass(runner, generator, tokenizer):
+    """Before: a field the endpoint did not read was accepted and ignored: a misspelt `temprature`, a JSON
+    response_format or vLLM's top_k were answered with a reply sampled freely, and trained on."""
+    errors, replies = {}, []
+
+    async def agent(task, client):
+        llm = client_of(client)
+        asked = [{"role": "user", "content": task.prompt}]
+        for name, options in {
+            "temprature": {"extra_body": {"temprature": 0.2}},
+            "response_format": {"response_format": {"type": "json_object"}},
+            "top_k": {"extra_body": {"top_k": 5}},
+            "top_logprobs": {"logprobs": True, "top_logprobs": 3},
+        }.items():
+            try:
+                await llm.chat.completions.create(model=client.model, messages=asked, **options)
+            except openai.BadRequestError as err:
+                errors[name] = (err.param, err.message)
+        reply = await llm.chat.completions.create(  # what SDKs and agent frameworks send besides: ignored
+            model=client.model, messages=asked, user="u1", metadata={"episode": "1"}, store=False, seed=7,
+            service_tier="auto", parallel_tool_calls=True, stream_options={"include_usage": True},
+            response_format={"type": "text"}, presence_penalty=0, extra_body={"top_k": -1},
+        )
+        replies.append(reply.choices[0].message.content)
+        return 1.0
+
+    episodes = play(runner, generator, tokenizer, agent, group_size=1, problems=((1, 2),))
+    assert not episodes[0].failed and len(replies) == 1
+    assert set(errors) == {"temprature", "response_format", "top_k", "top_logprobs"}
+    assert {name: param for name, (param, _) in errors.items()} == {name: name for name in errors}
+    assert "did you mean 'temperature'?" in errors["temprature"][1]
+    assert "constrained decoding" in errors["response_format"][1] and "sampling" in errors["top_k"][1]
+    assert runner.last_metrics["env/rejected_requests"] == 4

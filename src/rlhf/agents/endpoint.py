@@ -22,6 +22,7 @@ reward, or makes no request for `env.step_timeout_s` while not waiting for a rep
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Future
 from importlib import resources
 import logging
 import queue
@@ -32,7 +33,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
-from rlhf.agents.messages import Limits, Message, RequestError, parse_messages, read_limits, read_tools, tool_parser
+from rlhf.agents.fields import Limits, read_limits, read_tools
+from rlhf.agents.messages import Message, RequestError, parse_messages, tool_parser
 from rlhf.agents.sessions import Budget, Choice, Plan, Renderer, Reply, Session
 from rlhf.envs.agent_func import call_user, check_function, load_module
 from rlhf.envs.base import EnvConfig, finite_reward
@@ -138,7 +140,7 @@ class Job:
 
     session: Session  # whose request it is
     plan: Plan  # the chain and the context to generate after
-    limits: Limits  # the request's max_tokens, n and stop strings
+    limits: Limits  # the request's max_tokens, n, stop strings and answer shape
     tools: bool  # look for tool calls in the reply
 
 
@@ -201,14 +203,15 @@ class AgentRunner:
                 raise RequestError("no such session", 404)
             return session
 
-    def submit(self, session: Session, route: str, body: dict):
-        """Plan an answer to one request: a recorded `Reply` (a retry, or a chain out of budget) or a future one."""
+    def submit(self, session: Session, route: str, body: dict) -> tuple[Reply | Future, Limits]:
+        """Plan an answer to one request: a recorded `Reply` (a retry, or a chain out of budget) or a future one, and
+        the request's `Limits` (what it asked of the answer)."""
         try:
             model = body.get("model")
             if model not in (None, self.model_name):
                 raise RequestError(f"model {model!r} is not served here; ask for {self.model_name!r}", 404, "model")
             sampling = self.sampling
-            limits = read_limits(body, sampling.temperature, sampling.top_p, sampling.max_new_tokens, self.cfg.max_n)
+            limits = read_limits(body, sampling.temperature, sampling.top_p, sampling.max_new_tokens, self.cfg.max_n, route)
             if route == "chat":
                 messages = parse_messages(body.get("messages"))
                 tools, look_for_calls = read_tools(body)
@@ -231,10 +234,10 @@ class AgentRunner:
             self._count("env/rejected_requests")
             raise RequestError(f"the chat template cannot render this request: {type(err).__name__}: {err}") from None
         if plan.recorded is not None:
-            return plan.recorded
+            return plan.recorded, limits
         if plan.ended:
-            return Reply([Choice(Message("assistant", ""), "length", 0)], len(plan.chain.token_ids()), self.version)
-        return plan.waiting
+            return Reply([Choice(Message("assistant", ""), "length")], len(plan.chain.token_ids()), self.version), limits
+        return plan.waiting, limits
 
     def post_reward(self, session: Session, body: dict) -> None:
         reward, finished = body.get("reward", 0.0), body.get("finished", False)

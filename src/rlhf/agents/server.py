@@ -4,8 +4,9 @@ Routes, each also under ``/sessions/<id>`` (a session's own base URL; without it
 is the ``Authorization: Bearer`` token):
 
 - ``POST /v1/chat/completions``: messages, tools, tool_choice (auto, none), temperature and top_p (the run's
-  values only), max_tokens, n, stop, stream (server-sent events);
-- ``POST /v1/completions``: a text prompt;
+  values only), max_tokens, n, stop, stream (server-sent events, with stream_options.include_usage), logprobs (the
+  sampled tokens'); other fields as `rlhf.agents.fields` sorts them (ignored, or refused unless neutral);
+- ``POST /v1/completions``: a text prompt, and logprobs=0 for the sampled tokens' logprobs;
 - ``GET /v1/models``: the one model served (`env.model_name`);
 - ``POST /sessions/<id>/reward``: ``{"reward": x, "finished": false}`` adds ``x`` to the episode's reward;
   ``finished: true`` ends the episode.
@@ -24,7 +25,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -32,7 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from rlhf.agents.messages import RequestError
-from rlhf.agents.sessions import Reply
+from rlhf.agents.sessions import Choice, Reply
 from rlhf.errors import ConfigError
 
 log = logging.getLogger("rlhf")
@@ -44,24 +45,41 @@ def error_response(err: RequestError) -> JSONResponse:
     return JSONResponse(body, status_code=err.status)
 
 
-def chat_body(reply: Reply, model: str) -> dict[str, Any]:
-    """A chat completion object for ``reply``."""
+def chat_body(reply: Reply, model: str, token_text: Callable[[int], str] | None = None) -> dict[str, Any]:
+    """A chat completion object for ``reply``; with ``token_text`` (a token id -> its text), each choice's logprobs."""
     choices = []
     for k, choice in enumerate(reply.choices):
         message: dict[str, Any] = {"role": "assistant", "content": choice.message.content}
         if choice.message.tool_calls:
             message["tool_calls"] = [c.as_openai() for c in choice.message.tool_calls]
             message["content"] = choice.message.content or None
-        choices.append({"index": k, "message": message, "finish_reason": choice.finish_reason, "logprobs": None})
+        logprobs = None if token_text is None else {"content": token_logprobs(choice, token_text), "refusal": None}
+        choices.append({"index": k, "message": message, "finish_reason": choice.finish_reason, "logprobs": logprobs})
     return _envelope("chat.completion", reply, model, choices)
 
 
-def completion_body(reply: Reply, model: str) -> dict[str, Any]:
-    """A text completion object for ``reply``."""
-    choices = [
-        {"index": k, "text": c.message.content, "finish_reason": c.finish_reason, "logprobs": None}
-        for k, c in enumerate(reply.choices)
+def token_logprobs(choice: Choice, token_text: Callable[[int], str]) -> list[dict[str, Any]]:
+    """OpenAI's ``logprobs.content`` of a chat choice: each sampled token (as trained, so the stop token too), its
+    text, the UTF-8 bytes of that text and the generator's logprob; no alternatives (they are not recorded)."""
+    texts = [token_text(t) for t in choice.token_ids]
+    return [
+        {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8")), "top_logprobs": []}
+        for text, logprob in zip(texts, choice.logprobs)
     ]
+
+
+def completion_body(reply: Reply, model: str, token_text: Callable[[int], str] | None = None) -> dict[str, Any]:
+    """A text completion object for ``reply``; with ``token_text``, each choice's logprobs in the completions shape
+    (``top_logprobs`` holds the sampled token alone, as ``logprobs: 0`` asks)."""
+    choices = []
+    for k, choice in enumerate(reply.choices):
+        logprobs = None
+        if token_text is not None:
+            texts = [token_text(t) for t in choice.token_ids]
+            offsets = [sum(len(t) for t in texts[:j]) for j in range(len(texts))]
+            logprobs = {"tokens": texts, "token_logprobs": choice.logprobs, "text_offset": offsets,
+                        "top_logprobs": [{text: logprob} for text, logprob in zip(texts, choice.logprobs)]}
+        choices.append({"index": k, "text": choice.message.content, "finish_reason": choice.finish_reason, "logprobs": logprobs})
     return _envelope("text_completion", reply, model, choices)
 
 
@@ -75,16 +93,22 @@ def _envelope(kind: str, reply: Reply, model: str, choices: list) -> dict[str, A
     }
 
 
-def chat_events(body: dict[str, Any]):
-    """A chat completion as OpenAI's stream: one chunk per choice with its whole reply, one with its finish
-    reason, then ``[DONE]`` (the reply is sampled whole before it is sent)."""
+def chat_events(body: dict[str, Any], usage_chunk: bool = False):
+    """A chat completion as OpenAI's stream: one chunk per choice with its whole reply (and its logprobs), one with
+    its finish reason, then (``usage_chunk``: stream_options.include_usage) one with the usage and no choices, then
+    ``[DONE]`` (the reply is sampled whole before it is sent)."""
     base = {k: body[k] for k in ("id", "created", "model", "policy_version")} | {"object": "chat.completion.chunk"}
+    if usage_chunk:
+        base["usage"] = None  # on every chunk but the last, as OpenAI sends it
     for choice in body["choices"]:
         delta = dict(choice["message"])
         for k, call in enumerate(delta.get("tool_calls") or ()):
             call["index"] = k
-        yield _event(base | {"choices": [{"index": choice["index"], "delta": delta, "finish_reason": None}]})
-        yield _event(base | {"choices": [{"index": choice["index"], "delta": {}, "finish_reason": choice["finish_reason"]}]})
+        index = choice["index"]
+        yield _event(base | {"choices": [{"index": index, "delta": delta, "logprobs": choice["logprobs"], "finish_reason": None}]})
+        yield _event(base | {"choices": [{"index": index, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}]})
+    if usage_chunk:
+        yield _event(base | {"choices": [], "usage": body["usage"]})
     yield "data: [DONE]\n\n"
 
 
@@ -100,17 +124,18 @@ def make_app(hub) -> FastAPI:
         try:
             body = await _json(request)
             session = hub.session_for(session_id, request.headers.get("authorization"))
-            pending = hub.submit(session, route, body)
+            pending, limits = hub.submit(session, route, body)
             reply = await asyncio.wrap_future(pending) if not isinstance(pending, Reply) else pending
         except ClientDisconnect:
             return _gone(request)
         except RequestError as err:
             return error_response(err)
+        token_text = hub.render.token_text if limits.logprobs else None
         if route == "completions":
-            return JSONResponse(completion_body(reply, hub.model_name), headers=_version(reply))
-        out = chat_body(reply, hub.model_name)
-        if body.get("stream"):
-            return StreamingResponse(chat_events(out), media_type="text/event-stream", headers=_version(reply))
+            return JSONResponse(completion_body(reply, hub.model_name, token_text), headers=_version(reply))
+        out = chat_body(reply, hub.model_name, token_text)
+        if limits.stream:
+            return StreamingResponse(chat_events(out, limits.usage_chunk), media_type="text/event-stream", headers=_version(reply))
         return JSONResponse(out, headers=_version(reply))
 
     def routes(route: str):

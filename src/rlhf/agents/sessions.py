@@ -69,6 +69,10 @@ class Renderer:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens shown (``<eos>``), as a logprob entry names it."""
+        return self.tokenizer.decode([token_id])
+
 
 @dataclass
 class Choice:
@@ -76,7 +80,12 @@ class Choice:
 
     message: Message  # the assistant message (content and tool calls); completions: its text as content
     finish_reason: str  # stop | length | tool_calls
-    completion_tokens: int
+    token_ids: list[int] = field(default_factory=list)  # the sampled tokens, as trained (the stop token included)
+    logprobs: list[float] = field(default_factory=list)  # the generator's logprob of each, as trained
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 @dataclass
@@ -302,7 +311,8 @@ class Session:
             chain.text += text
         chain.boundaries[chain.length] = len(chain.turns)
         reason = "tool_calls" if parsed.tool_calls else ("stop" if stopped else "length")
-        return Choice(message, reason, len(chain.turns[-1].action_ids))
+        turn = chain.turns[-1]
+        return Choice(message, reason, list(turn.action_ids), list(turn.action_logp))
 
     # -- the episode ------------------------------------------------------------------------------------
     def episodes(self, which: str, render: Renderer) -> list[Episode]:
