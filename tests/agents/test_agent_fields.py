@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf.agents.fields import Limits, known_fields, read_limits, read_tools
+from rlhf.agents.fields import Limits, check_reward_fields, known_fields, read_limits, read_tools
 from rlhf.agents.messages import RequestError
 
 
@@ -148,3 +148,19 @@ def test_parallel_tool_calls_false_is_refused_where_tool_calls_are_looked_for():
     with pytest.raises(RequestError) as err:
         read_tools({"tools": tools, "parallel_tool_calls": False})
     assert err.value.field == "parallel_tool_calls"
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"rewrad": 1.0}, r"unrecognized field 'rewrad'; did you mean 'reward'\?"),
+    ({"reward": 1.0, "done": True}, r"unrecognized field 'done': a reward body is"),
+    ({}, r"an empty reward body"),
+])
+def test_a_reward_body_with_an_unknown_field_or_none_is_refused(body, message):
+    """Before, `{"rewrad": 1}` posted a reward of 0 and answered ok."""
+    with pytest.raises(RequestError, match=message):
+        check_reward_fields(body)
+
+
+def test_a_reward_body_of_either_field_or_both_passes():
+    for body in ({"reward": 0.5}, {"finished": True}, {"reward": 1, "finished": False}):
+        check_reward_fields(body)

@@ -180,6 +180,9 @@ def test_bad_requests_are_answered_with_the_field_named_and_the_episode_goes_on(
             errors["no key"] = (nobody.status_code, nobody.text)
             unknown = await http.post(client.base_url.split("/sessions/")[0] + "/sessions/nope/v1/chat/completions", json={"messages": asked})
             errors["unknown"] = (unknown.status_code, unknown.text)
+            for name, body in (("rewrad", {"rewrad": 1.0}), ("empty reward", {})):  # before: a reward of 0, silently
+                posted = await http.post(client.reward_url, json=body)
+                errors[name] = (posted.status_code, posted.text)
         reply = await llm.chat.completions.create(model=client.model, messages=asked)
         return float(reply.choices[0].message.content == "3")
 
@@ -190,6 +193,8 @@ def test_bad_requests_are_answered_with_the_field_named_and_the_episode_goes_on(
     assert errors["role"][0] == 400 and "messages[0].role" in errors["role"][1]
     assert errors["json"][0] == 400 and "not JSON" in errors["json"][1]
     assert errors["no key"][0] == 401 and errors["unknown"][0] == 404
+    assert errors["rewrad"][0] == 400 and "unrecognized field 'rewrad'; did you mean 'reward'?" in errors["rewrad"][1]
+    assert errors["empty reward"][0] == 400 and "an empty reward body" in errors["empty reward"][1]
     assert runner.last_metrics["env/rejected_requests"] == 3
 
 

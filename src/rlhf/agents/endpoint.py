@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
-from rlhf.agents.fields import Limits, read_limits, read_tools
+from rlhf.agents.fields import Limits, check_reward_fields, read_limits, read_tools
 from rlhf.agents.messages import Message, RequestError, parse_messages, tool_parser
 from rlhf.agents.sessions import Budget, Choice, Plan, Renderer, Reply, Session
 from rlhf.envs.agent_func import call_user, check_function, load_module
@@ -240,6 +240,7 @@ class AgentRunner:
         return plan.waiting, limits
 
     def post_reward(self, session: Session, body: dict) -> None:
+        check_reward_fields(body)
         reward, finished = body.get("reward", 0.0), body.get("finished", False)
         if finite_reward(reward) is None:
             raise RequestError(f"reward={reward!r} must be a finite number", field_name="reward")

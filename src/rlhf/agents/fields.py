@@ -93,6 +93,22 @@ def _unknown(name: str, route: str, known: tuple[str, ...]) -> str:
     return f"unrecognized field {name!r}{hint} ({PATHS[route]} refuses fields it does not know rather than ignore them)"
 
 
+REWARD_FIELDS = ("reward", "finished")  # a reward body's (`POST /sessions/<id>/reward`)
+
+
+def check_reward_fields(body: dict) -> None:
+    """RequestError for a reward body with a field other than `REWARD_FIELDS`, or with neither: a misspelt
+    ``rewrad`` would otherwise post a reward of 0 without a word."""
+    unknown = [name for name in body if name not in REWARD_FIELDS]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], REWARD_FIELDS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise RequestError(f"unrecognized field {unknown[0]!r}{hint}: a reward body is {{\"reward\": x, \"finished\": "
+                           f"false}}", field_name=unknown[0])
+    if not body:
+        raise RequestError('an empty reward body: send {"reward": x}, {"finished": true}, or both')
+
+
 @dataclass(frozen=True)
 class Limits:
     """What a request asks of the sampling, checked against the run's, and of the answer's shape."""
