@@ -30,7 +30,7 @@ from rlhf.models.loading import load_tokenizer, pick_device
 from rlhf.training.optim import check_lr, clip_gradients, lr_lambda
 from rlhf.models.value import load_value_model, sequence_scores
 from rlhf.run.lock import folder_lock
-from rlhf.seeding import seed_everything
+from rlhf.seeding import check_seed, seed_everything
 
 log = logging.getLogger("rlhf")
 
@@ -68,6 +68,7 @@ def train(cfg: DictConfig, out: Path) -> dict[str, float]:
         if loop[key] < 1:
             raise ConfigError(f"train.{key}={loop[key]} must be >= 1")
     check_lr("train.lr", loop.lr)
+    check_seed(cfg.seed)
     if cfg.model.dtype != "float32":
         raise ConfigError(f"model.dtype={cfg.model.dtype}: reward-model training keeps float32 weights; set model.dtype=float32")
     builder = registry.resolve("preference_dataset", cfg.preferences.name, key="preferences.name")

@@ -29,6 +29,7 @@ from rlhf.distributed.layout import validate_cluster
 from rlhf.functional.losses import LOSS_AGGREGATIONS
 from rlhf.models.dtypes import DTYPES, cpu_computes_bf16
 from rlhf.models.lora import check_values as check_lora_values
+from rlhf.seeding import check_seed
 from rlhf.tracking.checks import check_logging
 from rlhf.training.optim import check_lr
 from rlhf.checks.weight_sync import MODES as WEIGHT_SYNC_MODES
@@ -371,6 +372,10 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         f"train.max_skipped_steps_in_row={train.max_skipped_steps_in_row} must be >= 1",
     )
     _require(cfg.logging.log_every >= 1, f"logging.log_every={cfg.logging.log_every} must be >= 1")
+    for key, value in (("train.warmup_steps", train.warmup_steps), ("logging.sample_every", cfg.logging.sample_every),
+                       ("logging.num_sample_texts", cfg.logging.num_sample_texts)):
+        _require(value >= 0, f"{key}={value} must be >= 0")
+    check_seed(cfg.seed)
     check_logging(cfg.logging)
     check_env(cfg)
     check_ownership(cfg, algorithm)
