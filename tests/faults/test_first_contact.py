@@ -275,14 +275,17 @@ def test_train_reward_refuses_a_missing_hub_model_with_exit_2(offline, tmp_path,
     assert "hf download org/missing-model" in output and "Traceback" not in output
 
 
-def test_train_reward_refuses_a_learning_rate_that_would_wreck_the_weights(tmp_path, monkeypatch, capsys):
-    """`python -m rlhf.train_reward train.lr=1e38`: exit 2 naming the key and the range, before any model loads
-    (AdamW's first step would overflow float32 mid-step)."""
+@pytest.mark.parametrize(("override", "message"), [
+    ("train.lr=1e38", "train.lr=1e+38 must be in (0, 1]"),  # AdamW's first step would overflow float32 mid-step
+    ("seed=-1", "seed=-1 must be in [0, 2**31)"),  # numpy's ValueError, after the tokenizer and data loaded
+])
+def test_train_reward_refuses_a_learning_rate_or_seed_no_optimiser_or_generator_takes(override, message, tmp_path, monkeypatch, capsys):
+    """`python -m rlhf.train_reward <override>`: exit 2 naming the key and the range, before any model loads."""
     monkeypatch.setattr(sys, "argv", [
-        "rlhf.train_reward", "train.lr=1e38", f"hydra.run.dir={tmp_path / 'run'}", "hydra.job.name=train_reward",
+        "rlhf.train_reward", override, f"hydra.run.dir={tmp_path / 'run'}", "hydra.job.name=train_reward",
     ])
     with pytest.raises(SystemExit) as exited:
         rlhf.train_reward.main()
     assert exited.value.code == exits.CONFIG_ERROR
     output = "".join(capsys.readouterr())
-    assert "config error: train.lr=1e+38 must be in (0, 1]" in output and "Traceback" not in output
+    assert f"config error: {message}" in output and "Traceback" not in output
