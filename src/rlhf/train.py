@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -30,6 +31,7 @@ from rlhf.run.build import build_components
 from rlhf.config import ConfigError, register_schema, validate
 from rlhf.config.compose import check_command_line
 from rlhf.config.moved import check_overrides
+from rlhf.distributed.layout import check_launcher
 from rlhf.distributed.remote import WorkerError
 from rlhf.run.lock import check_free, folder_lock
 from rlhf.run.state import NonFiniteError, NonFiniteGuard, RunState, StopSignals
@@ -133,9 +135,10 @@ def summarize(state) -> None:
 
 
 def main() -> float | None:
-    """`python -m rlhf.train` and `rlhf-train`: a key that moved is refused (exit 2) before Hydra composes, then
-    `run`."""
+    """`python -m rlhf.train` and `rlhf-train`: a launch under torchrun or a key that moved is refused (exit 2) before
+    Hydra composes, then `run`."""
     try:
+        check_launcher(os.environ)  # under torchrun every copy would train the whole run: refused in each
         check_overrides(sys.argv[1:])
         check_command_line(sys.argv[1:])
         sweep.check_sweep_values(sys.argv[1:])

@@ -211,7 +211,7 @@ def test_check_fits_rejects_more_nodes_than_have_a_device():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["policy/strategy=ddp"], "policy/strategy=ddp runs one process per device; it needs cluster.backend=ray"),
+    (["policy/strategy=ddp"], r"policy/strategy=ddp runs one process per device, which the run starts as Ray actors \(not torchrun\): it needs cluster.backend=ray"),
     (["policy/strategy=fsdp2"], "it needs cluster.backend=ray"),
     (["cluster=ray_local", "policy/strategy=single"],
      "policy/strategy=single trains on one device but cluster.roles.policy has 2 ranks"),

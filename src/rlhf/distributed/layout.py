@@ -126,12 +126,33 @@ def check_fits(specs: list[PlacementSpec], cluster, total: dict[str, float], per
             )
 
 
+def check_launcher(environ) -> None:
+    """ConfigError when a multi-process launcher (torchrun, `accelerate launch`, the `deepspeed` launcher: each sets
+    ``WORLD_SIZE``) started this process as one of several: `rlhf.train` places its own ranks, as Ray actors, so each
+    copy would train the whole run alone, all in one run folder."""
+    world_size = environ.get("WORLD_SIZE", "1")
+    if not world_size.isdigit() or int(world_size) <= 1:
+        return
+    raise ConfigError(
+        f"this process is rank {environ.get('RANK', '?')} of {world_size} started by a launcher such as torchrun "
+        f"(WORLD_SIZE={world_size}), but python -m rlhf.train starts its own training ranks: each of the {world_size} "
+        f"processes would train the whole run alone. Start it once, without the launcher, and give the ranks in the "
+        f"config: python -m rlhf.train cluster=ray_local policy/strategy=ddp (or fsdp2, deepspeed) "
+        f"cluster.roles.policy.devices_per_node={world_size} cluster.roles.reference.devices_per_node={world_size} "
+        f"(several nodes: cluster=ray after `ray start`; docs/scaling.md)"
+    )
+
+
 def _check_strategy(key: str, node, ranks: int, backend: str, role: str) -> None:
     """The strategy's own checks (its node typed by its config class), then how it fits the role's ranks and backend."""
     strategy = choose("strategy", node, key)
     group = key.replace(".", "/")
     if backend == "local" and strategy.trait("needs_process_group", False):
-        raise ConfigError(f"{group}={strategy.name} runs one process per device; it needs cluster.backend=ray (e.g. cluster=ray_local)")
+        raise ConfigError(
+            f"{group}={strategy.name} runs one process per device, which the run starts as Ray actors (not torchrun): "
+            f"it needs cluster.backend=ray, e.g. cluster=ray_local (2 ranks per trained model; "
+            f"cluster.roles.{role}.devices_per_node sets the number)"
+        )
     if strategy.trait("single_device", False) and ranks > 1:
         raise ConfigError(
             f"{group}={strategy.name} trains on one device but cluster.roles.{role} has {ranks} ranks; choose auto, ddp, "
