@@ -135,6 +135,7 @@ def test_unknown_group_option_is_an_error_that_lists_the_options():
          r"algorithm.rollout_correction.low is not a key of rollout_correction token_tis.*key of algorithm/rollout_correction=geo_reject or icepop"),
         (["algorithm=online_dpo", "+algorithm/rollout_correction=token_tis"], r"algorithm.rollout_correction=.* is not read by this run's choice \(algorithm.advantage=best_vs_worst, a pairwise algorithm\)"),
         (["algorithm/advantage=remax", "env=arith_retry"], r"algorithm.advantage=remax baselines each prompt with the score of one greedy response"),
+        (["algorithm.policy_loss.clip_eps_low=1.5"], r"algorithm.policy_loss.clip_eps_low=1.5 must be <= 1: the ratio is never below 0"),
         (["algorithm/policy_loss=cispo", "algorithm.policy_loss.clip_eps_high=0"], r"algorithm.policy_loss.clip_eps_high=0.0 must be > 0"),
         (["algorithm.policy_loss.clip_eps_high=wide"], r"algorithm.policy_loss.clip_eps_high: Value 'wide' of type 'str' could not be converted to Float \(policy_loss ppo_clip, config PpoClipConfig\)"),
         (["reward.overlong_buffer_len=4"], r"reward.overlong_buffer_len=4 must be >= 1 and below generator.max_new_tokens=4"),

@@ -28,6 +28,11 @@ class ClipConfig(PartConfig):
             self.clip_eps_low > 0 and self.clip_eps_high > 0,
             f"{at}.clip_eps_low={self.clip_eps_low} and {at}.clip_eps_high={self.clip_eps_high} must be > 0",
         )
+        require(
+            self.clip_eps_low <= 1,
+            f"{at}.clip_eps_low={self.clip_eps_low} must be <= 1: the ratio is never below 0, so 1 already means no "
+            f"lower clip",
+        )
 
 
 @dataclass
