@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 
 from rlhf.algorithms import build_algorithm
 from rlhf.disk import free_bytes, megabytes
+from rlhf.distributed.layout import role_ranks
 from rlhf.run.checkpoint import CONFIG_FILE, STATE_FILE
 from rlhf.config.validate import longest_row
 from rlhf.errors import ConfigError
@@ -231,6 +232,56 @@ def check_model_resume(path: Path, role: str, rank: int | None) -> None:
         )
 
 
+def check_strategy_resume(cfg, path: Path) -> None:
+    """The checkpoint's policy and critic can be read by this run's strategies: DeepSpeed's own sharded state
+    (`<role>/deepspeed`) only by DeepSpeed at the same number of ranks and with ZeRO-3 or not as saved, full weights and
+    optimiser state (single, ddp, fsdp2) by any strategy but DeepSpeed."""
+    recorded = path / CONFIG_FILE
+    saved_cfg = yaml.safe_load(recorded.read_text(encoding="utf-8")) if recorded.is_file() else {}
+    for role in ("policy", "critic"):
+        if (path / role).is_dir():
+            check_role_strategy_resume(cfg, path, role, saved_cfg.get(role, {}).get("strategy", {}))
+
+
+def check_role_strategy_resume(cfg, path: Path, role: str, saved_strategy: dict) -> None:
+    """`check_strategy_resume` for one trained model (``role``: policy or critic; ``saved_strategy``: its
+    `<role>.strategy` node as the checkpoint's config.yaml recorded it, or empty)."""
+    strategy = cfg[role].strategy
+    shards = path / role / "deepspeed" / "state"
+    fix = (f"resume with the strategy it was saved under, or start a new run from its weights in another "
+           f"hydra.run.dir (model.name_or_path={path / role / 'model'})")
+    if not shards.is_dir():
+        if strategy.name == "deepspeed":
+            was = saved_strategy.get("name", "single, ddp or fsdp2")
+            raise ConfigError(
+                f"resume from {path}: the checkpoint's {role} holds full weights and optimiser state (saved under "
+                f"{role}/strategy={was}), which {role}/strategy=deepspeed cannot load; {fix}"
+            )
+        return
+    if strategy.name != "deepspeed":
+        raise ConfigError(
+            f"resume from {path}: the checkpoint's {role} is DeepSpeed's own sharded state (saved under "
+            f"{role}/strategy=deepspeed), which {role}/strategy={strategy.name} cannot read; {fix}"
+        )
+    saved_ranks = len(list(shards.glob("*zero_pp_rank_*_optim_states.pt")))
+    ranks = role_ranks(cfg.cluster, role) if cfg.cluster.backend == "ray" else 1
+    if saved_ranks != ranks:
+        raise ConfigError(
+            f"resume from {path}: the checkpoint's {role} is DeepSpeed's sharded state of {saved_ranks} ranks, this run "
+            f"places {ranks} (cluster.roles.{role}: num_nodes x devices_per_node); DeepSpeed resumes only at the world "
+            f"size it saved: set cluster.roles.{role} (and roles colocated with it) back to {saved_ranks} ranks, or "
+            f"start a new run from its weights in another hydra.run.dir (model.name_or_path={path / role / 'model'})"
+        )
+    saved_stage3 = any(shards.glob("*zero_pp_rank_*_model_states.pt"))  # ZeRO-3 saves each rank's parameter shard
+    if saved_stage3 != (strategy.zero_stage == 3):
+        was = "3" if saved_stage3 else "1 or 2"
+        raise ConfigError(
+            f"resume from {path}: the checkpoint's {role} was saved under ZeRO stage {was} and this run has "
+            f"{role}.strategy.zero_stage={strategy.zero_stage}; DeepSpeed reads ZeRO-3 state only under ZeRO-3: set "
+            f"{role}.strategy.zero_stage={saved_strategy.get('zero_stage', was)}"
+        )
+
+
 def check_resume(cfg, path: Path, swept: set[str] = frozenset()) -> None:
     """A resume from checkpoint ``path`` continues its training: `train.num_steps` reaches its step, and the keys
     that exact resume needs (`EXACT_RESUME_KEYS`) match its `config.yaml` unless `checkpoint.allow_config_change`.
@@ -238,6 +289,7 @@ def check_resume(cfg, path: Path, swept: set[str] = frozenset()) -> None:
     different value means the sweep's list changed since, and this job's folder holds another job's run."""
     step = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))["step"]
     check_lora_resume(cfg, path)
+    check_strategy_resume(cfg, path)
     if cfg.train.num_steps < step:
         raise ConfigError(
             f"train.num_steps={cfg.train.num_steps} is below step {step} of the checkpoint {path} this run resumes "
