@@ -110,3 +110,33 @@ def test_killed_worker_ends_the_run_with_role_rank_and_exit_code_4(tmp_path):
     assert proc.returncode == 4, log[-3000:]
     assert "a worker failed:" in log and " rank " in log and "died" in log, log[-3000:]
     assert elapsed < 90
+
+
+def test_a_stop_whose_console_is_gone_still_exits_5_with_its_checkpoint(tmp_path):
+    """`python -m rlhf.train cluster=ray_local | tee log`, then Ctrl-C: tee ends at once and the run finishes its step
+    and saves into a closed pipe. Ray's shutdown prints its workers' last lines there (BrokenPipeError); the stop is
+    still exit 5, the checkpoint written, as with a console. Before, exit 6 ('the run raised BrokenPipeError')."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **RAY_ENV}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlhf.train", "cluster=ray_local", "train.num_steps=100000", "eval.every=0",
+         "eval.num_samples=1", "eval.greedy=false", "logging.tensorboard=false", "logging.log_every=1",
+         "cluster.object_store_memory=200000000", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "step    3/" in line:
+                break
+        assert any("step    3/" in line for line in lines), "".join(lines[-40:])
+        proc.send_signal(signal.SIGTERM)
+        proc.stdout.close()  # the reader is gone: every later write to the console fails
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = (run_dir / "train.log").read_text()
+    assert proc.returncode == 5, log[-3000:]
+    assert "SIGTERM received: stopped after step" in log and sorted((run_dir / "checkpoints").glob("step_*"))

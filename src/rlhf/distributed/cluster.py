@@ -8,6 +8,8 @@ reserving an equal fraction of the bundle (e.g. 0.5 GPU for policy+reference), s
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from dataclasses import dataclass, field
 
 from rlhf.errors import ConfigError
@@ -59,7 +61,13 @@ class RayRun:
         self.groups.clear()
         self.placement_groups.clear()
         if self.started_ray and ray.is_initialized():
-            ray.shutdown()
+            try:
+                ray.shutdown()
+            except BrokenPipeError:
+                # the console is gone (a `| tee` ended by the same Ctrl-C): Ray's last worker lines cannot be printed,
+                # and the shutdown stopped before its own processes; the run's log file holds the rest
+                sys.stdout = sys.stderr = open(os.devnull, "w")  # left open: the process is ending
+                ray.shutdown()
 
 
 def reserve(specs: list[PlacementSpec], cluster) -> list:
