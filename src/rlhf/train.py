@@ -58,6 +58,7 @@ def train(cfg: DictConfig, out: Path):
     checkpoint_size = preflight.checkpoint_bytes(cfg)
     preflight.check_outputs(preflight.train_outputs(cfg, out, root, checkpoint_size))
     preflight.check_wandb(cfg.logging)
+    preflight.check_ray_address(cfg.cluster)
     with run_folder_locks(out, root), checkpoint.recording(root, preflight.config_text(cfg), checkpoint_size):
         return train_locked(cfg, out, sizes, schedule, root)
 

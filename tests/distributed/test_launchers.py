@@ -1,9 +1,11 @@
-"""`python -m rlhf.train` starts its own training ranks (Ray actors): a launch by torchrun, where every process would
-train the whole run alone in one run folder, is refused in each process before Hydra composes, naming the fix."""
+"""How a run is started and finds its cluster: `python -m rlhf.train` starts its own training ranks (Ray actors), so a
+launch by torchrun, where every process would train the whole run alone in one run folder, is refused in each process
+before Hydra composes; a `cluster.address` where nothing answers is refused before any model loads."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -38,3 +40,21 @@ def test_a_launcher_of_one_process_changes_nothing(tmp_path):
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+
+
+def test_a_ray_address_where_nothing_answers_is_refused_before_any_model_loads(tmp_path):
+    """cluster.address names a head that is not there (a closed port): exit 2 naming the key and the fix, before the
+    models load; before, Ray retried its connection for minutes without a word."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed once the block ends: nothing listens there
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlhf.train", "cluster=ray", f"cluster.address=127.0.0.1:{port}", "train.num_steps=1",
+         f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 2, log[-3000:]
+    assert f"cluster.address=127.0.0.1:{port}: nothing answers there" in log and "ray start --head" in log
+    assert "policy trains" not in log  # no model was built

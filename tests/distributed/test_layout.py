@@ -228,6 +228,8 @@ def test_check_fits_rejects_more_nodes_than_have_a_device():
      "cluster.roles.policy has 3 training ranks, which must divide the 128 samples per step and the 128 units"),
     (["cluster=ray_local", "cluster.roles.policy.devices_per_node=3", "cluster.roles.reference.devices_per_node=3"],
      "cluster.roles.policy has 3 training ranks"),
+    (["cluster=ray_local", "cluster.object_store_memory=1000"],
+     r"cluster.object_store_memory=1000 is under Ray's minimum of 78643200 bytes \(75 MiB\)"),
     (["cluster=ray_local", "train.num_mini_batches=128"], "must divide the 128 samples per step and the 1 units of a mini batch"),
     (["cluster=ray_local", "algorithm=ppo", "cluster.colocate=[]", "cluster.roles.critic.devices_per_node=3"],
      "cluster.roles.critic has 3 training ranks, which must divide the 64 samples per step"),

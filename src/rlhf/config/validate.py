@@ -34,6 +34,8 @@ from rlhf.tracking.checks import check_logging
 from rlhf.training.optim import check_lr
 from rlhf.checks.weight_sync import MODES as WEIGHT_SYNC_MODES
 
+RAY_MIN_OBJECT_STORE = 75 * 1024 * 1024  # bytes: Ray refuses a smaller object store (ray_constants)
+
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LR_SCHEDULES = ("constant", "linear")
 MIXED_PRECISION = ("master", "autocast")  # train.mixed_precision
@@ -320,8 +322,9 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         f"cluster.num_cpus={cluster.num_cpus} must be >= 1, or null for this machine's count",
     )
     _require(
-        cluster.object_store_memory is None or cluster.object_store_memory > 0,
-        f"cluster.object_store_memory={cluster.object_store_memory} must be > 0 bytes, or null for Ray's default",
+        cluster.object_store_memory is None or cluster.object_store_memory >= RAY_MIN_OBJECT_STORE,
+        f"cluster.object_store_memory={cluster.object_store_memory} is under Ray's minimum of {RAY_MIN_OBJECT_STORE} "
+        f"bytes (75 MiB); raise it, or null for Ray's default",
     )
     _require(
         train.mixed_precision in MIXED_PRECISION,

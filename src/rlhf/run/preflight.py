@@ -326,6 +326,26 @@ def check_resume(cfg, path: Path, swept: set[str] = frozenset()) -> None:
     log.warning("resume: checkpoint.allow_config_change=true: continuing with %s", "; ".join(breaking))
 
 
+def check_ray_address(cluster, timeout_s: float = 10.0) -> None:
+    """With `cluster.address` a `host:port` or `ray://host:port`, something answers a connection there within
+    ``timeout_s``, else ConfigError before any model loads (before, Ray retried for minutes without a word). `auto` and
+    a private cluster (null) are Ray's to find."""
+    address = cluster.address
+    if cluster.backend != "ray" or address is None or address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    host = host.strip("[]")  # an IPv6 literal: [::1]:6379
+    if not host or not port.isdigit():
+        raise ConfigError(f"cluster.address={address!r}; give host:port (the head's GCS, 6379 by default), ray://host:10001, auto or null")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as err:
+        raise ConfigError(
+            f"cluster.address={address}: nothing answers there ({err}); start the head with `ray start --head` (it "
+            f"prints the address), fix the address, or use cluster=ray_local for a private cluster on this machine"
+        ) from None
+
+
 WANDB_URL = "https://api.wandb.ai"  # where W&B runs log to unless WANDB_BASE_URL says otherwise
 
 
