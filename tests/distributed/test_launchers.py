@@ -1,6 +1,7 @@
 """How a run is started and finds its cluster: `python -m rlhf.train` starts its own training ranks (Ray actors), so a
 launch by torchrun, where every process would train the whole run alone in one run folder, is refused in each process
-before Hydra composes; a `cluster.address` where nothing answers is refused before any model loads."""
+before Hydra composes; a `cluster.address` where nothing answers, or `auto` with no cluster running, is refused before
+any model loads."""
 
 from __future__ import annotations
 
@@ -58,3 +59,20 @@ def test_a_ray_address_where_nothing_answers_is_refused_before_any_model_loads(t
     assert proc.returncode == 2, log[-3000:]
     assert f"cluster.address=127.0.0.1:{port}: nothing answers there" in log and "ray start --head" in log
     assert "policy trains" not in log  # no model was built
+
+
+def test_cluster_ray_with_no_cluster_running_is_a_config_error_naming_the_fix(tmp_path):
+    """cluster=ray (address auto) where no Ray cluster runs: exit 2 naming cluster.address, `ray start --head` and
+    cluster=ray_local; before, exit 6 ('the run raised ConnectionError'), as if a bug. Ray looks for a running cluster
+    under its temporary folder, here an empty one of this test's own."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env |= {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": str(tmp_path / "ray")}
+    (tmp_path / "ray").mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlhf.train", "cluster=ray", "train.num_steps=1", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 2, log[-3000:]
+    assert "config error: cluster.address=auto: Could not find any running Ray instance" in log
+    assert "`ray start --head`" in log and "cluster=ray_local" in log

@@ -39,7 +39,13 @@ def connect(cluster) -> bool:
             log_to_driver=True, configure_logging=False,
         )
     else:
-        ray.init(address=cluster.address, log_to_driver=True, configure_logging=False)
+        try:
+            ray.init(address=cluster.address, log_to_driver=True, configure_logging=False)
+        except ConnectionError as err:  # `auto` and no cluster found here
+            raise ConfigError(
+                f"cluster.address={cluster.address}: {err} Start a cluster with `ray start --head` (then `ray start "
+                f"--address=<head>:6379` on the other nodes), or use cluster=ray_local for a private one on this machine"
+            ) from None
     return True
 
 
