@@ -227,7 +227,8 @@ def test_check_fits_rejects_more_nodes_than_have_a_device():
     (["cluster=ray_local", "cluster.colocate=[]", "cluster.roles.policy.devices_per_node=3"],
      "cluster.roles.policy has 3 training ranks, which must divide the 128 samples per step and the 128 units"),
     (["cluster=ray_local", "cluster.roles.policy.devices_per_node=3", "cluster.roles.reference.devices_per_node=3"],
-     "cluster.roles.policy has 3 training ranks"),
+     r"cluster.roles.policy has 3 training ranks.*give cluster.roles.policy a number of ranks \(num_nodes x "
+     r"devices_per_node\) that divides both, or make both multiples of 3"),
     (["cluster=ray_local", "cluster.object_store_memory=1000"],
      r"cluster.object_store_memory=1000 is under Ray's minimum of 78643200 bytes \(75 MiB\)"),
     (["cluster=ray_local", "train.num_mini_batches=128"], "must divide the 128 samples per step and the 1 units of a mini batch"),

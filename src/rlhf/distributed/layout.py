@@ -187,7 +187,8 @@ def validate_cluster(cfg, algorithm, samples_per_step: int, mini_batch_units: in
             raise ConfigError(
                 f"cluster.roles.{role} has {n} training ranks, which must divide the {samples_per_step} samples per step "
                 f"and the {mini_batch_units} units of a mini batch (train.prompts_per_step, train.num_mini_batches); "
-                f"every rank takes an equal share"
+                f"every rank takes an equal share: give cluster.roles.{role} a number of ranks (num_nodes x "
+                f"devices_per_node) that divides both, or make both multiples of {n}"
             )
     if cluster.backend == "ray":
         placement_specs(cluster, roles)  # a bad colocation fails here, before anything starts
