@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlhf.config import ConfigError, compose_config
 from rlhf.generators.base import SamplingParams
 from rlhf.generators.hf import left_pad, stop_token_id, truncate_at_stop
 from rlhf.models.logprobs import window_logprobs
+from rlhf.train import train
 
 PROMPTS = ["1+1=", "12+34=", "5", "9+9+9+9=", "3+4=", "0=", "77+", "8+8=", "40+2=", "6", "123=", "2+2+2="]
 GREEDY = SamplingParams(max_new_tokens=6, greedy=True)
@@ -47,11 +49,21 @@ def test_truncate_at_stop_keeps_first_stop_and_pads_the_rest():
 
 
 def test_stop_token_id_eos_literal_and_unknown(tokenizer):
-    """`eos` maps to the EOS id, a literal token to its id, and a non-token is a ValueError."""
+    """`eos` maps to the EOS id, a literal token to its id, and a non-token is a ConfigError naming the key."""
     assert stop_token_id(tokenizer, "eos") == tokenizer.eos_token_id
     assert stop_token_id(tokenizer, "=") == tokenizer.convert_tokens_to_ids("=")
-    with pytest.raises(ValueError, match="not a single token"):
+    with pytest.raises(ConfigError, match="^generator.stop_token=.xyz. is not a single token"):
         stop_token_id(tokenizer, "xyz")
+
+
+def test_a_stop_token_outside_the_vocabulary_is_refused_before_any_weights_load(tmp_path, monkeypatch):
+    """Before, `generator.stop_token=banana` (no environment) failed after the policy and reference loaded, as "the
+    run raised ValueError", exit 6."""
+    loaded = []
+    monkeypatch.setattr("rlhf.training.policy.load_causal_lm", lambda *a, **k: loaded.append(a) or pytest.fail("loaded"))
+    with pytest.raises(ConfigError, match=r"^generator.stop_token='banana' is not a single token of this tokenizer; set a token of its vocabulary"):
+        train(compose_config(["generator.stop_token=banana", "train.num_steps=2", "logging.tensorboard=false"]), tmp_path / "run")
+    assert not loaded
 
 
 # --- Trajectories -------------------------------------------------------------------------------------

@@ -27,14 +27,16 @@ log = logging.getLogger("rlhf")
 
 
 def stop_token_id(tokenizer, stop_token: str) -> int:
-    """The id that ends a response: the tokenizer's EOS for ``eos``, else the id of that literal token."""
+    """The id that ends a response: the tokenizer's EOS for ``eos``, else the id of that literal token; ConfigError
+    naming `generator.stop_token` when there is none."""
     if stop_token == "eos":
-        if tokenizer.eos_token_id is None:
-            raise ValueError("generator.stop_token=eos but the tokenizer has no EOS token; name a stop token")
+        require(tokenizer.eos_token_id is not None,
+                "generator.stop_token=eos but the tokenizer has no EOS token; name a stop token")
         return int(tokenizer.eos_token_id)
     token_id = tokenizer.convert_tokens_to_ids(stop_token)
-    if token_id is None or token_id == tokenizer.unk_token_id:
-        raise ValueError(f"generator.stop_token={stop_token!r} is not a single token of this tokenizer")
+    require(token_id is not None and token_id != tokenizer.unk_token_id,
+            f"generator.stop_token={stop_token!r} is not a single token of this tokenizer; set a token of its "
+            f"vocabulary (e.g. {tokenizer.eos_token!r}), or eos")
     return int(token_id)
 
 

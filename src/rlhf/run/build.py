@@ -173,6 +173,7 @@ def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
     model = cfg.model
     tokenizer = load_tokenizer(model.tokenizer or model.name_or_path, model.revision, model.trust_remote_code)
     check_model_tokenizer(model, tokenizer)
+    stop_token_id(tokenizer, cfg.generator.stop_token)  # the generator's stop token is one of the vocabulary's
     for key, path, used in (
         ("reference.name_or_path", cfg.reference.name_or_path, algorithm.needs_reference),
         ("teacher.name_or_path", cfg.teacher.name_or_path, True),
@@ -296,10 +297,7 @@ def build_env(factory, cfg, tokenizer, rewards: RewardSet) -> EpisodeRunner:
     """The environment maker and its agent loop; the maker checks its own keys (ids, files) before any model loads."""
     env = choose("env", cfg.env, "env").config  # typed by the environment's config class
     maker = factory(cfg=env, tokenizer=tokenizer, rewards=rewards)
-    try:
-        stop_id = stop_token_id(tokenizer, cfg.generator.stop_token)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+    stop_id = stop_token_id(tokenizer, cfg.generator.stop_token)
     check_template(env.template, tokenizer, tokenizer.convert_ids_to_tokens(stop_id))
     runner = getattr(maker, "runner", EpisodeRunner)  # an environment may bring its own loop (openai_agent: an endpoint)
     return runner(maker, env, tokenizer, stop_id)
