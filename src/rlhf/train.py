@@ -20,6 +20,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import hydra
+import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from transformers.utils import logging as transformers_logging
@@ -139,7 +140,7 @@ def main() -> float | None:
     """`python -m rlhf.train` and `rlhf-train`: a launch under torchrun or a key that moved is refused (exit 2) before
     Hydra composes, then `run`."""
     try:
-        check_launcher(os.environ)  # under torchrun every copy would train the whole run: refused in each
+        check_launcher(os.environ, torch.cuda.is_available())  # under torchrun every copy would train the whole run: refused in each
         check_overrides(sys.argv[1:])
         check_command_line(sys.argv[1:])
         sweep.check_sweep_values(sys.argv[1:])

@@ -12,9 +12,13 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from rlhf.config import compose_config
+from rlhf.distributed import cluster as cluster_module
+from rlhf.distributed.layout import check_launcher
+from rlhf.errors import ConfigError
 
 
+@pytest.mark.slow
 def test_torchrun_with_two_processes_is_refused_in_each_before_anything_runs(tmp_path):
     run_dir = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -31,18 +35,29 @@ def test_torchrun_with_two_processes_is_refused_in_each_before_anything_runs(tmp
     assert not run_dir.exists()  # refused before Hydra made the run folder: no model loaded, nothing trained
 
 
-def test_a_launcher_of_one_process_changes_nothing(tmp_path):
-    """`torchrun --nproc_per_node 1` (WORLD_SIZE=1) runs the one process it would run alone."""
-    run_dir = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "1", "RANK": "0"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlhf.train", "train.num_steps=1", "eval.every=0", "eval.num_samples=1", "eval.greedy=false",
-         "logging.tensorboard=false", "checkpoint.save_final_model=false", f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+@pytest.mark.parametrize(("environ", "has_gpu", "advice"), [
+    ({"WORLD_SIZE": "8", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "8"}, True,
+     "python -m rlhf.train cluster=ray_local cluster.device_type=gpu policy/strategy=ddp (or fsdp2, deepspeed) "
+     "cluster.roles.policy.devices_per_node=8"),
+    ({"WORLD_SIZE": "16", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8"}, True,
+     "cluster=ray (after `ray start` on each of the 2 nodes) cluster.roles.policy.num_nodes=2 policy/strategy=ddp"),
+])
+def test_the_launcher_refusal_places_the_ranks_as_the_launcher_did(environ, has_gpu, advice):
+    """Eight GPU ranks are advised on GPUs (ray_local's slots are CPUs), and two nodes of eight as two nodes, not
+    sixteen devices on one."""
+    with pytest.raises(ConfigError, match="started by a launcher such as torchrun") as err:
+        check_launcher(environ, has_gpu)
+    assert advice in str(err.value) and "unset WORLD_SIZE and LOCAL_RANK" in str(err.value)
 
 
+@pytest.mark.parametrize("environ", [{}, {"WORLD_SIZE": "1", "LOCAL_RANK": "0"}, {"WORLD_SIZE": "4", "RANK": "2"}])
+def test_one_process_or_a_scheduler_without_a_launcher_is_not_refused(environ):
+    """A launcher of one process changes nothing; a scheduler that sets WORLD_SIZE in each container (no LOCAL_RANK:
+    no launcher started the process) is not a torchrun launch."""
+    check_launcher(environ)
+
+
+@pytest.mark.slow
 def test_a_ray_address_where_nothing_answers_is_refused_before_any_model_loads(tmp_path):
     """cluster.address names a head that is not there (a closed port): exit 2 naming the key and the fix, before the
     models load; before, Ray retried its connection for minutes without a word."""
@@ -61,18 +76,18 @@ def test_a_ray_address_where_nothing_answers_is_refused_before_any_model_loads(t
     assert "policy trains" not in log  # no model was built
 
 
-def test_cluster_ray_with_no_cluster_running_is_a_config_error_naming_the_fix(tmp_path):
-    """cluster=ray (address auto) where no Ray cluster runs: exit 2 naming cluster.address, `ray start --head` and
-    cluster=ray_local; before, exit 6 ('the run raised ConnectionError'), as if a bug. Ray looks for a running cluster
-    under its temporary folder, here an empty one of this test's own."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env |= {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": str(tmp_path / "ray")}
-    (tmp_path / "ray").mkdir()
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlhf.train", "cluster=ray", "train.num_steps=1", f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 2, log[-3000:]
-    assert "config error: cluster.address=auto: Could not find any running Ray instance" in log
-    assert "`ray start --head`" in log and "cluster=ray_local" in log
+def test_cluster_ray_with_no_cluster_running_is_a_config_error_naming_the_fix(monkeypatch):
+    """cluster=ray (address auto) where no Ray cluster runs: Ray's ConnectionError becomes a config error naming
+    cluster.address, `ray start --head` and cluster=ray_local (before: exit 6, 'the run raised ConnectionError', as if a
+    bug). Ray's own search (`auto` joins any cluster it finds on this machine, another test's too) is replaced by its
+    answer when it finds none."""
+    ray = cluster_module.import_ray()
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+
+    def no_cluster(**kwargs):
+        raise ConnectionError("Could not find any running Ray instance. Please specify the one to connect to.")
+
+    monkeypatch.setattr(ray, "init", no_cluster)
+    with pytest.raises(ConfigError, match=r"^cluster.address=auto: Could not find any running Ray instance.*") as err:
+        cluster_module.connect(compose_config(["cluster=ray"]).cluster)  # address: auto
+    assert "`ray start --head`" in str(err.value) and "cluster=ray_local" in str(err.value)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -73,3 +74,15 @@ def test_a_ddp_checkpoint_resumed_under_deepspeed_is_refused_naming_the_strategy
     assert "holds full weights and optimiser state (saved under policy/strategy=ddp), which policy/strategy=deepspeed cannot load" in log
     assert "placed on Ray" not in log
     check_strategy_resume(compose("policy/strategy=fsdp2", *ONE_RANK), run_dir / "checkpoints" / "step_00000001")  # any world size
+
+
+def test_a_saved_critic_the_run_has_none_for_is_not_checked(deepspeed_run, tmp_path):
+    """A checkpoint with a critic (here the policy's DeepSpeed state copied as one) resumed by an algorithm without a
+    critic: the critic is never loaded, so whatever strategy saved it cannot stop the resume; with a critic it is
+    checked as the policy is."""
+    checkpoint = tmp_path / "step_00000001"
+    shutil.copytree(deepspeed_run / "checkpoints" / "step_00000001", checkpoint)
+    shutil.copytree(checkpoint / "policy", checkpoint / "critic")
+    check_strategy_resume(compose("policy/strategy=deepspeed"), checkpoint)  # grpo: no critic
+    with pytest.raises(ConfigError, match="critic is DeepSpeed's own sharded state .* critic/strategy=auto cannot read"):
+        check_strategy_resume(compose("algorithm=ppo", "policy/strategy=deepspeed"), checkpoint)

@@ -126,20 +126,27 @@ def check_fits(specs: list[PlacementSpec], cluster, total: dict[str, float], per
             )
 
 
-def check_launcher(environ) -> None:
+def check_launcher(environ, has_gpu: bool = False) -> None:
     """ConfigError when a multi-process launcher (torchrun, `accelerate launch`, the `deepspeed` launcher: each sets
-    ``WORLD_SIZE``) started this process as one of several: `rlhf.train` places its own ranks, as Ray actors, so each
-    copy would train the whole run alone, all in one run folder."""
+    ``WORLD_SIZE`` and ``LOCAL_RANK``) started this process as one of several: `rlhf.train` places its own ranks, as
+    Ray actors, so each copy would train the whole run alone, all in one run folder. A scheduler that sets only
+    ``WORLD_SIZE`` (a Kubeflow job's containers) starts no launcher: not refused. ``has_gpu``: this machine has one,
+    so the advice places the ranks on GPUs."""
     world_size = environ.get("WORLD_SIZE", "1")
-    if not world_size.isdigit() or int(world_size) <= 1:
+    if not world_size.isdigit() or int(world_size) <= 1 or "LOCAL_RANK" not in environ:
         return
+    local = environ.get("LOCAL_WORLD_SIZE", world_size)
+    per_node = int(local) if local.isdigit() and int(local) >= 1 else int(world_size)
+    nodes = max(1, int(world_size) // per_node)
+    where = ("cluster=ray_local" + (" cluster.device_type=gpu" if has_gpu else "") if nodes == 1
+             else f"cluster=ray (after `ray start` on each of the {nodes} nodes) cluster.roles.policy.num_nodes={nodes}")
     raise ConfigError(
         f"this process is rank {environ.get('RANK', '?')} of {world_size} started by a launcher such as torchrun "
         f"(WORLD_SIZE={world_size}), but python -m rlhf.train starts its own training ranks: each of the {world_size} "
         f"processes would train the whole run alone. Start it once, without the launcher, and give the ranks in the "
-        f"config: python -m rlhf.train cluster=ray_local policy/strategy=ddp (or fsdp2, deepspeed) "
-        f"cluster.roles.policy.devices_per_node={world_size} cluster.roles.reference.devices_per_node={world_size} "
-        f"(several nodes: cluster=ray after `ray start`; docs/scaling.md)"
+        f"config: python -m rlhf.train {where} policy/strategy=ddp (or fsdp2, deepspeed) "
+        f"cluster.roles.policy.devices_per_node={per_node} cluster.roles.reference.devices_per_node={per_node} "
+        f"(docs/scaling.md). If no launcher started it, unset WORLD_SIZE and LOCAL_RANK"
     )
 
 

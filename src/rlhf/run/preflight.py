@@ -238,7 +238,8 @@ def check_strategy_resume(cfg, path: Path) -> None:
     optimiser state (single, ddp, fsdp2) by any strategy but DeepSpeed."""
     recorded = path / CONFIG_FILE
     saved_cfg = yaml.safe_load(recorded.read_text(encoding="utf-8")) if recorded.is_file() else {}
-    for role in ("policy", "critic"):
+    loaded = ("policy", "critic") if build_algorithm(cfg.algorithm, cfg.generator.max_new_tokens).needs_critic else ("policy",)
+    for role in loaded:  # a saved critic this run has none for is never read
         if (path / role).is_dir():
             check_role_strategy_resume(cfg, path, role, saved_cfg.get(role, {}).get("strategy", {}))
 
@@ -248,8 +249,8 @@ def check_role_strategy_resume(cfg, path: Path, role: str, saved_strategy: dict)
     `<role>.strategy` node as the checkpoint's config.yaml recorded it, or empty)."""
     strategy = cfg[role].strategy
     shards = path / role / "deepspeed" / "state"
-    fix = (f"resume with the strategy it was saved under, or start a new run from its weights in another "
-           f"hydra.run.dir (model.name_or_path={path / role / 'model'})")
+    new_run = f"start a new run from its weights in another hydra.run.dir (model.name_or_path={path / role / 'model'})"
+    fix = f"resume with the strategy it was saved under, or {new_run}"
     if not shards.is_dir():
         if strategy.name == "deepspeed":
             was = saved_strategy.get("name", "single, ddp or fsdp2")
@@ -270,7 +271,7 @@ def check_role_strategy_resume(cfg, path: Path, role: str, saved_strategy: dict)
             f"resume from {path}: the checkpoint's {role} is DeepSpeed's sharded state of {saved_ranks} ranks, this run "
             f"places {ranks} (cluster.roles.{role}: num_nodes x devices_per_node); DeepSpeed resumes only at the world "
             f"size it saved: set cluster.roles.{role} (and roles colocated with it) back to {saved_ranks} ranks, or "
-            f"start a new run from its weights in another hydra.run.dir (model.name_or_path={path / role / 'model'})"
+            f"{new_run}"
         )
     saved_stage3 = any(shards.glob("*zero_pp_rank_*_model_states.pt"))  # ZeRO-3 saves each rank's parameter shard
     if saved_stage3 != (strategy.zero_stage == 3):
@@ -328,15 +329,15 @@ def check_resume(cfg, path: Path, swept: set[str] = frozenset()) -> None:
 
 def check_ray_address(cluster, timeout_s: float = 10.0) -> None:
     """With `cluster.address` a `host:port` or `ray://host:port`, something answers a connection there within
-    ``timeout_s``, else ConfigError before any model loads (before, Ray retried for minutes without a word). `auto` and
-    a private cluster (null) are Ray's to find."""
+    ``timeout_s``, else ConfigError before any model loads (Ray itself would retry for minutes without a word).
+    `auto`, `local` and a private cluster (null) are Ray's to find."""
     address = cluster.address
-    if cluster.backend != "ray" or address is None or address == "auto":
+    if cluster.backend != "ray" or address is None or address in ("auto", "local"):
         return
     host, _, port = address.removeprefix("ray://").rpartition(":")
     host = host.strip("[]")  # an IPv6 literal: [::1]:6379
     if not host or not port.isdigit():
-        raise ConfigError(f"cluster.address={address!r}; give host:port (the head's GCS, 6379 by default), ray://host:10001, auto or null")
+        raise ConfigError(f"cluster.address={address!r}; give host:port (the head's GCS, 6379 by default), ray://host:10001, auto, local or null")
     try:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError as err:
