@@ -164,3 +164,21 @@ def test_a_reward_body_with_an_unknown_field_or_none_is_refused(body, message):
 def test_a_reward_body_of_either_field_or_both_passes():
     for body in ({"reward": 0.5}, {"finished": True}, {"reward": 1, "finished": False}):
         check_reward_fields(body)
+
+
+def test_the_presentation_fields_vllm_agents_send_are_accepted_at_their_defaults_and_refused_otherwise():
+    """An agent written for vLLM's server sends these at their defaults; before this table they were ignored, and in
+    its first form unknown fields (a 400 for `skip_special_tokens`)."""
+    defaults = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "include_stop_str_in_output": False,
+                "return_tokens_as_token_ids": False, "add_generation_prompt": True, "continue_final_message": False,
+                "request_id": "r-1", "priority": 0}
+    assert limits(**defaults) == limits()
+    assert limits("completions", skip_special_tokens=True, include_stop_str_in_output=False, request_id="r") == limits("completions")
+    for name, other in (("include_stop_str_in_output", True), ("continue_final_message", True), ("skip_special_tokens", False)):
+        assert refused(**{name: other}).field == name
+    assert "not of /v1/completions" in str(refused("completions", add_generation_prompt=True))
+
+
+def test_logprobs_off_as_other_sdks_write_it_is_accepted():
+    """Chat's `logprobs: 0` and completions' `logprobs: false` mean no logprobs (both were accepted before the table)."""
+    assert not limits(logprobs=0).logprobs and not limits("completions", logprobs=False).logprobs

@@ -32,8 +32,8 @@ _SERVED = {
 }
 _IGNORED = {  # bookkeeping, caching and determinism hints: the sample and the answer are the same without them
     "chat": ("user", "metadata", "store", "seed", "service_tier", "safety_identifier", "prompt_cache_key",
-             "prompt_cache_retention", "prompt_cache_options", "prediction"),
-    "completions": ("user", "seed"),
+             "prompt_cache_retention", "prompt_cache_options", "prediction", "request_id", "priority"),
+    "completions": ("user", "seed", "request_id", "priority"),
 }
 _SAMPLING = "would change the sampling the policy is trained on"
 _UNLESS_NEUTRAL: dict[str, tuple[tuple, str]] = {  # field -> (neutral values besides null, why any other is refused)
@@ -46,6 +46,12 @@ _UNLESS_NEUTRAL: dict[str, tuple[tuple, str]] = {  # field -> (neutral values be
     "min_tokens": ((0,), _SAMPLING),
     "ignore_eos": ((False,), _SAMPLING),
     "stop_token_ids": (([],), "is not served; send stop strings (stop)"),
+    "skip_special_tokens": ((True,), "replies are decoded without special tokens"),  # vLLM's, as are the next five
+    "spaces_between_special_tokens": ((True,), "replies are decoded as vLLM does by default"),
+    "include_stop_str_in_output": ((False,), "replies end before the stop string"),
+    "return_tokens_as_token_ids": ((False,), "logprobs name tokens by their text"),
+    "add_generation_prompt": ((True,), "the chat template always adds the assistant's turn to answer"),
+    "continue_final_message": ((False,), "a reply is a new assistant turn, not the last message continued"),
     "response_format": (({"type": "text"},), "asks for constrained decoding, which is not served (the policy samples "
                                              "freely); ask for the format in the messages"),
     "reasoning_effort": ((), "is not served (the chat template is rendered without it)"),
@@ -63,7 +69,7 @@ _UNLESS_NEUTRAL: dict[str, tuple[tuple, str]] = {  # field -> (neutral values be
 }
 _COMPLETIONS_ONLY = ("best_of", "echo", "suffix")
 _CHAT_ONLY = ("response_format", "reasoning_effort", "verbosity", "chat_template_kwargs", "functions", "function_call",
-              "audio", "modalities", "web_search_options", "moderation")
+              "audio", "modalities", "web_search_options", "moderation", "add_generation_prompt", "continue_final_message")
 
 
 @functools.cache
@@ -88,9 +94,13 @@ def _unknown(name: str, route: str, known: tuple[str, ...]) -> str:
     other = "completions" if route == "chat" else "chat"
     if name in known_fields(other):
         return f"{name!r} is a field of {PATHS[other]}, not of {PATHS[route]}"
+    return f"unrecognized field {name!r}{_resembling(name, known)} ({PATHS[route]} refuses fields it does not know rather than ignore them)"
+
+
+def _resembling(name: str, known: tuple[str, ...]) -> str:
+    """"; did you mean '<field>'?" for the known field most like ``name``, or nothing."""
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.7)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return f"unrecognized field {name!r}{hint} ({PATHS[route]} refuses fields it does not know rather than ignore them)"
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 REWARD_FIELDS = ("reward", "finished")  # a reward body's (`POST /sessions/<id>/reward`)
@@ -101,9 +111,7 @@ def check_reward_fields(body: dict) -> None:
     ``rewrad`` would otherwise post a reward of 0 without a word."""
     unknown = [name for name in body if name not in REWARD_FIELDS]
     if unknown:
-        close = difflib.get_close_matches(unknown[0], REWARD_FIELDS, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise RequestError(f"unrecognized field {unknown[0]!r}{hint}: a reward body is {{\"reward\": x, \"finished\": "
+        raise RequestError(f"unrecognized field {unknown[0]!r}{_resembling(unknown[0], REWARD_FIELDS)}: a reward body is {{\"reward\": x, \"finished\": "
                            f"false}}", field_name=unknown[0])
     if not body:
         raise RequestError('an empty reward body: send {"reward": x}, {"finished": true}, or both')
@@ -191,9 +199,11 @@ def _read_logprobs(body: dict, route: str) -> bool:
         if top is not None and (not isinstance(top, int) or isinstance(top, bool) or top != 0):
             raise RequestError(f"top_logprobs={top!r}: {_NO_ALTERNATIVES}; leave it out or send 0 (with logprobs: true "
                                f"for the sampled tokens')", field_name="top_logprobs")
+        if body.get("logprobs") == 0 and not isinstance(body.get("logprobs"), bool):
+            return False  # 0 for false, as SDKs of other languages send it
         return _flag(body, "logprobs")
     value = body.get("logprobs")
-    if value is None:
+    if value is None or value is False:
         return False
     if not isinstance(value, int) or isinstance(value, bool) or value != 0:
         raise RequestError(f"logprobs={value!r}: {_NO_ALTERNATIVES}; send 0 for the sampled tokens' logprobs, or leave "

@@ -19,6 +19,7 @@ session or model) or 410 (a session that has ended), none of which the OpenAI SD
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import socket
@@ -75,8 +76,8 @@ def completion_body(reply: Reply, model: str, token_text: Callable[[int], str] |
     for k, choice in enumerate(reply.choices):
         logprobs = None
         if token_text is not None:
-            texts = [token_text(t) for t in choice.token_ids]
-            offsets = [sum(len(t) for t in texts[:j]) for j in range(len(texts))]
+            texts = [entry["token"] for entry in token_logprobs(choice, token_text)]
+            offsets = list(itertools.accumulate(map(len, texts), initial=0))[:-1]  # where each token's text starts
             logprobs = {"tokens": texts, "token_logprobs": choice.logprobs, "text_offset": offsets,
                         "top_logprobs": [{text: logprob} for text, logprob in zip(texts, choice.logprobs)]}
         choices.append({"index": k, "text": choice.message.content, "finish_reason": choice.finish_reason, "logprobs": logprobs})
