@@ -9,12 +9,12 @@ import torch
 
 from rlhf.errors import require
 
-MAX_SEED = 2**31  # NumPy takes seeds in [0, 2**32); ranks and workers add small offsets to the run's seed
+MAX_SEED = 2**32 - 2**16  # NumPy takes seeds in [0, 2**32); ranks and workers add small offsets to the run's seed
 
 
 def check_seed(seed: int) -> None:
     """ConfigError unless ``seed`` (the `seed` key) is one every generator takes."""
-    require(0 <= seed < MAX_SEED, f"seed={seed} must be in [0, 2**31) (numpy takes no negative seed)")
+    require(0 <= seed < MAX_SEED, f"seed={seed} must be in [0, {MAX_SEED}) (numpy takes no negative seed)")
 
 
 def seed_everything(seed: int) -> None:

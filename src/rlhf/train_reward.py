@@ -24,6 +24,8 @@ from rlhf import exits, registry
 from rlhf.checks import hub
 from rlhf.run import preflight
 from rlhf.config import ConfigError, register_schema
+from rlhf.config.schema import RewardTrainConfig
+from rlhf.config.unknown_keys import check_unknown_keys
 from rlhf.data.preferences import encode_pairs
 from rlhf.models.hf_folder import save_hf_folder
 from rlhf.models.loading import load_tokenizer, pick_device
@@ -137,6 +139,7 @@ def main(cfg: DictConfig) -> float:
     out = Path(HydraConfig.get().runtime.output_dir)
     try:  # before any model loads: hub names are reachable (`rlhf.checks.hub`), the folders written are writable and have
         # room for the model (`rlhf.run.preflight`)
+        check_unknown_keys(cfg, RewardTrainConfig)  # `+key=value` composes even into the typed schema
         hub.check_sources(cfg)
         preflight.check_outputs(preflight.reward_outputs(cfg, out, reward_model_dir(cfg, out)))
         with folder_lock(out, "run folder (hydra.run.dir)"):

@@ -115,7 +115,8 @@ def test_unknown_group_option_is_an_error_that_lists_the_options():
         (["generator.temperature=0"], r"generator.temperature=0.0 must be > 0"),
         (["generator.top_p=1.5"], r"generator.top_p=1.5"),
         (["train.lr_schedule=cosine"], r"train.lr_schedule='cosine'"),
-        (["seed=-1"], r"seed=-1 must be in \[0, 2\*\*31\) \(numpy takes no negative seed\)"),
+        (["seed=-1"], r"seed=-1 must be in \[0, 4294901760\) \(numpy takes no negative seed\)"),
+        (["seed=4294967295"], r"seed=4294967295 must be in \[0, 4294901760\)"),
         (["train.warmup_steps=-5"], r"train.warmup_steps=-5 must be >= 0"),
         (["logging.sample_every=-1"], r"logging.sample_every=-1 must be >= 0"),
         (["train.lr=1e38"], r"train.lr=1e\+38 must be in \(0, 1\]: AdamW moves each weight by about lr per step"),
@@ -382,6 +383,8 @@ def test_a_misspelt_key_on_the_command_line_names_the_closest_key(override, clos
     ("output_dir=/tmp/run", r"hydra.run.dir \(the run's folder"), ("learning_rate=1e-5", "train.lr"),
     ("trainer.total_training_steps=5", "train.num_steps"), ("num_generations=4", "algorithm.num_samples_per_prompt"),
     ("algorithm.kl_coef=0.1", "algorithm.beta"),
+    ("max_completion_length=64", "generator.max_new_tokens"),  # a key of the generator's own node
+    ("critic.learning_rate=1e-5", "critic.lr"),  # the same name in the key's own section first
 ])
 def test_a_peer_librarys_key_name_is_translated(override, ours):
     """What TRL, OpenRLHF or verl call a key, on our command line: the message names our key. Before, a top-level key
@@ -396,11 +399,14 @@ def test_a_peer_librarys_key_name_is_translated(override, ours):
         validate(compose_config(["+" + override]))
 
 
-def test_an_unknown_top_level_key_without_a_likeness_is_named():
+@pytest.mark.parametrize("override", ["zzqx=1", "actor_rollout_ref.rollout.n=8"])
+def test_an_unknown_key_without_a_likeness_is_named(override):
+    """No key is made up: `actor_rollout_ref.rollout.n` once got "did you mean critic.lora.dropout.n?"."""
     from rlhf.config.compose import check_command_line
 
-    with pytest.raises(ConfigError, match=r"^zzqx is not a config key; remove it \(see `--cfg job` for the keys\)$"):
-        check_command_line(["zzqx=1"])
+    key = re.escape(override.partition("=")[0])
+    with pytest.raises(ConfigError, match=rf"^{key} is not a config key; remove it \(see `--cfg job` for the keys\)$"):
+        check_command_line([override])
 
 
 def test_keys_under_env_without_an_environment_are_refused():

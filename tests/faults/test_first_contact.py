@@ -277,10 +277,11 @@ def test_train_reward_refuses_a_missing_hub_model_with_exit_2(offline, tmp_path,
 
 @pytest.mark.parametrize(("override", "message"), [
     ("train.lr=1e38", "train.lr=1e+38 must be in (0, 1]"),  # AdamW's first step would overflow float32 mid-step
-    ("seed=-1", "seed=-1 must be in [0, 2**31)"),  # numpy's ValueError, after the tokenizer and data loaded
+    ("seed=-1", "seed=-1 must be in [0, 4294901760)"),
+    ("+output_dir=/tmp/rm", "output_dir is not a config key (added with +?); this project calls it hydra.run.dir"),  # trained before  # numpy's ValueError, after the tokenizer and data loaded
 ])
-def test_train_reward_refuses_a_learning_rate_or_seed_no_optimiser_or_generator_takes(override, message, tmp_path, monkeypatch, capsys):
-    """`python -m rlhf.train_reward <override>`: exit 2 naming the key and the range, before any model loads."""
+def test_train_reward_refuses_a_bad_value_or_key_before_any_model_loads(override, message, tmp_path, monkeypatch, capsys):
+    """`python -m rlhf.train_reward <override>`: exit 2 naming the key and the fix."""
     monkeypatch.setattr(sys, "argv", [
         "rlhf.train_reward", override, f"hydra.run.dir={tmp_path / 'run'}", "hydra.job.name=train_reward",
     ])

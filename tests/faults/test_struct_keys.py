@@ -25,7 +25,7 @@ def test_an_added_typo_key_is_refused_with_the_closest_key():
     [
         ("+num_steps=5", "num_steps", "train.num_steps"),  # right name, wrong section
         ("+trian.num_steps=5", "trian.num_steps", "train.num_steps"),  # the key typed, the section put right
-        ("+reward.functions.0.argz.x=1", "reward.functions[0].argz.x", "reward.functions[0].args.x"),  # inside a list
+        ("+reward.functions.0.argz.x=1", "reward.functions[0].argz.x", "reward.functions[0].args"),  # inside a list: its section
     ],
 )
 def test_the_message_names_the_key_and_suggests_one(override, named, suggested):

@@ -215,7 +215,7 @@ class PlanConfig:
 
 @dataclass
 class RunConfig:
-    seed: int = 1  # seeds python, numpy and torch; in [0, 2**31)
+    seed: int = 1  # seeds python, numpy and torch; in [0, 2**32 - 2**16)
     resume: Optional[str] = None  # null = fresh; auto = newest complete checkpoint in checkpoint.dir (fresh if none); or a checkpoint folder
     preflight: bool = False  # rehearse one step on a tiny batch (every stage, a checkpoint round trip), print a report, exit
     model: ModelConfig = field(default_factory=ModelConfig)  # the policy's starting model
@@ -259,7 +259,7 @@ class RewardTrainLoopConfig:
 
 @dataclass
 class RewardTrainConfig:
-    seed: int = 1  # seeds python, numpy and torch; in [0, 2**31)
+    seed: int = 1  # seeds python, numpy and torch; in [0, 2**32 - 2**16)
     model: ModelConfig = field(default_factory=ModelConfig)  # backbone to start from (its tokenizer is kept)
     preferences: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)  # chosen/rejected pairs
     train: RewardTrainLoopConfig = field(default_factory=RewardTrainLoopConfig)  # optimisation

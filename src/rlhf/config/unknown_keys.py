@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhf.config.moved import moved_to
 from rlhf.config.schema import RunConfig
+from rlhf.parts import PATHS
 from rlhf.errors import ConfigError
 
 
@@ -125,34 +126,53 @@ def _describe(path: str, known: list[str], added: bool = True) -> str:
     if moved is not None:
         return f"{path} moved to {moved[0]} ({moved[1]})"
     text = f"{path} is not a config key" + (" (added with +?)" if added else "")
-    peer = PEER_NAMES.get(path.rpartition(".")[2])
-    if peer is not None and (peer in known or peer.startswith("hydra.")):
+    peer = _peer_key(path, known)
+    if peer is not None:
         return f"{text}; this project calls it {peer}" + (" (the run's folder: checkpoints, logs, TensorBoard)" if peer == "hydra.run.dir" else "")
     suggestion = _closest(path, known)
     return f"{text}; did you mean {suggestion}?" if suggestion else f"{text}; remove it (see `--cfg job` for the keys)"
 
 
-def _closest(path: str, known: list[str]) -> str | None:
-    """The schema key most like ``path``, else ``path`` with its closest section put right (`trian.num_steps` ->
-    `train.num_steps`, `reward.functions[0].argz.x` -> `reward.functions[0].args.x`)."""
-    head, rest = path, ""
-    while head and head not in known:  # a known section holds no key like it: nothing to put right above it
-        match = _closest_key(head, known)
-        if match is not None:
-            return match + rest
-        head, _, leaf = head.rpartition(".")
-        rest = f".{leaf}{rest}"
+def _peer_key(path: str, known: list[str]) -> str | None:
+    """Our key for ``path`` when its last name is a peer library's (`PEER_NAMES`): the same name in ``path``'s own
+    section first (`critic.learning_rate` -> `critic.lr`), else the table's key, if the schema or a part's node (which
+    the schema leaves to the part) holds it."""
+    parent, _, leaf = path.rpartition(".")
+    peer = PEER_NAMES.get(leaf)
+    if peer is None:
+        return None
+    own = f"{parent}.{peer.rpartition('.')[2]}" if parent else None
+    for key in (own, peer):
+        if key is not None and (key in known or key.startswith("hydra.") or key.rpartition(".")[0] in PATHS):
+            return key
     return None
 
 
-def _closest_key(path: str, known: list[str]) -> str | None:
-    """The schema key most like ``path``: a sibling with a similar name, else any key with a similar last name."""
+def _closest(path: str, known: list[str]) -> str | None:
+    """The schema key most like ``path`` (`trian.num_steps` -> `train.num_steps`), else the section above it most like
+    its own (`reward.functions[0].argz.x` -> `reward.functions[0].args`)."""
+    head, rest, section = path, "", None
+    while head and head not in known:  # a known section holds no key like it: nothing to put right above it
+        match = _closest_key(head, known, anywhere=not rest)  # a section above the key: only a sibling of its name
+        if match is not None and (not rest or match + rest in known):
+            return match + rest
+        section = section or match
+        head, _, leaf = head.rpartition(".")
+        rest = f".{leaf}{rest}"
+    return section
+
+
+def _closest_key(path: str, known: list[str], anywhere: bool = True) -> str | None:
+    """The schema key most like ``path``: a sibling with a similar name, else (``anywhere``) any key with a similar
+    last name."""
     parent, _, leaf = path.rpartition(".")
     template = _as_template(parent)
     siblings = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == template}
     match = difflib.get_close_matches(leaf, list(siblings), n=1)
     if match:
         return f"{parent}.{match[0]}" if parent else match[0]
+    if not anywhere:
+        return None
     by_leaf = {k.rpartition(".")[2]: k for k in known if "[" not in k}
     match = difflib.get_close_matches(leaf, list(by_leaf), n=1)
     return by_leaf[match[0]] if match else None

@@ -10,7 +10,10 @@ from rlhf.tracking.wandb_run import WANDB_MODES
 
 
 def check_logging(logging_cfg) -> None:
-    """The progress bar and W&B keys: known choices, and wandb installed when `logging.wandb=true`."""
+    """The sample tables' counts, the progress bar and W&B keys: known choices, and wandb installed when
+    `logging.wandb=true`."""
+    for key in ("sample_every", "num_sample_texts"):
+        require(logging_cfg[key] >= 0, f"logging.{key}={logging_cfg[key]} must be >= 0")
     bar = str(logging_cfg.progress_bar).lower()
     require(
         bar in PROGRESS_BAR_CHOICES,
