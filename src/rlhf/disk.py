@@ -60,14 +60,14 @@ def lack_of_room(err: BaseException, folder: Path, what: str, needed: int | None
     disk (`no_space_error`)."""
     if isinstance(err, NoSpaceError):
         return None  # already named
+    if out_of_space(err, folder, needed):  # first: a full disk raises torch's "unexpected pos" too
+        return no_space_error(folder, what, needed)
     limit = file_size_limit()
     if limit is not None and _past_file_size_limit(err):
         return FileSizeLimitError(
             f"A file of {what} in {folder} passes this process's file size limit (ulimit -f: {megabytes(limit)} MB); "
             f"raise it (ulimit -f unlimited)"
         )
-    if out_of_space(err, folder, needed):
-        return no_space_error(folder, what, needed)
     return None
 
 

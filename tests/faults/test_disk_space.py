@@ -136,6 +136,14 @@ def test_a_file_past_the_file_size_limit_in_an_hf_export_names_the_limit(tmp_pat
         save_hf_folder(tmp_path / "out", Limited(), tokenizer)
 
 
+def test_a_full_disk_under_a_file_size_limit_is_named_as_a_full_disk(tmp_path, monkeypatch):
+    """torch says "unexpected pos" for either; with too little room left for the save, the disk is what to fix."""
+    monkeypatch.setattr(disk, "file_size_limit", lambda: 100 * 2**30)
+    free_space(monkeypatch, 10)
+    lacking = disk.lack_of_room(RuntimeError("PytorchStreamWriter failed writing file: unexpected pos 64 vs 0"), tmp_path, "a checkpoint", 2**20)
+    assert type(lacking) is NoSpaceError and str(lacking).startswith(f"No space left on {tmp_path}: a checkpoint needs about 1.0 MB")
+
+
 @pytest.mark.slow
 def test_a_checkpoint_past_the_file_size_limit_names_the_limit(tmp_path):
     """The default run with `ulimit -f 200` and a checkpoint each step: before, "the run raised SafetensorError: Error

@@ -34,7 +34,7 @@ from rlhf.registry import register
 
 log = logging.getLogger("rlhf")
 
-CACHE_VERSION = 3  # 3: structured ground truths and unknown message roles are bad rows, bad rows named by line
+CACHE_VERSION = 3  # raise it when what a row becomes changes, so caches written before are not reused
 
 
 

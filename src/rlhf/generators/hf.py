@@ -36,7 +36,7 @@ def stop_token_id(tokenizer, stop_token: str) -> int:
     token_id = tokenizer.convert_tokens_to_ids(stop_token)
     require(token_id is not None and token_id != tokenizer.unk_token_id,
             f"generator.stop_token={stop_token!r} is not a single token of this tokenizer; set a token of its "
-            f"vocabulary (e.g. {tokenizer.eos_token!r}), or eos")
+            f"vocabulary" + (f" (e.g. {tokenizer.eos_token!r}), or eos" if tokenizer.eos_token else ""))
     return int(token_id)
 
 

@@ -14,7 +14,7 @@ from rlhf.checks import hub
 from rlhf.config import ConfigError, compose_config, validate
 from rlhf.algorithms import build_algorithm
 from rlhf.plan import advise, make_plan, render
-from rlhf.plan.roles import check_trained_layers
+from rlhf.checks.layers import check_trained_layers
 
 
 def main(argv: list[str]) -> int:

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import torch
 
 from rlhf.training.critic import critic_init_path
-from rlhf.training.trainable import check_compilable
 from rlhf.generators.base import sleep_overrides
 from rlhf.generators.memory import GenerationWork, GeneratorShape, own_copy_memory
 from rlhf.models.dtypes import DTYPES
@@ -131,16 +130,6 @@ def sharding(strategy: Part, ranks: int) -> Sharding:
         name = "single" if ranks == 1 else "ddp"
     return Sharding(name, ranks, getattr(config, "zero_stage", 0), bool(getattr(config, "offload_optimizer", False)),
                     bool(getattr(config, "offload_params", False)))
-
-
-def check_trained_layers(cfg, needs_critic: bool) -> None:
-    """ConfigError before any weights load (each model built on the meta device from its config) when `policy.lora`,
-    or a trained critic's `critic.lora`, targets layers the model lacks or a rank past their width, or `policy.compile`
-    finds no decoder blocks: the run's build and `python -m rlhf.plan` ask the same."""
-    lora.check_targets(cfg.policy.lora, cfg.model)
-    check_compilable(cfg.policy, cfg.model)
-    if needs_critic:
-        lora.check_targets(cfg.critic.lora, cfg.model, "critic.lora", critic_init_path(cfg))
 
 
 def trained_items(role: str, source: ModelSource, head: str, strategy, gradient_checkpointing: bool, ranks: int,

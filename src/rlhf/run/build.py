@@ -34,7 +34,7 @@ from rlhf.models.lora import AdaptersOff, check_not_adapter
 from rlhf.models.loading import (
     check_model_kind, check_model_tokenizer, check_vocab_match, check_weight_files, load_tokenizer, looks_local, pick_device, resolve_model_path,
 )
-from rlhf.plan.roles import check_trained_layers
+from rlhf.checks.layers import check_trained_layers
 from rlhf.checks.parity import GapWatch
 from rlhf.rewards.combine import RewardSet
 from rlhf.rewards.model import RewardModelScorer

@@ -1,0 +1,17 @@
+"""The layers a run's training settings name exist in its models, asked before any weights load."""
+
+from __future__ import annotations
+
+from rlhf.models import lora
+from rlhf.training.critic import critic_init_path
+from rlhf.training.trainable import check_compilable
+
+
+def check_trained_layers(cfg, needs_critic: bool) -> None:
+    """ConfigError before any weights load (each model built on the meta device from its config) when `policy.lora`,
+    or a trained critic's `critic.lora`, targets layers the model lacks or a rank past their width, or `policy.compile`
+    finds no decoder blocks: the run's build and `python -m rlhf.plan` ask the same."""
+    lora.check_targets(cfg.policy.lora, cfg.model)
+    check_compilable(cfg.policy, cfg.model)
+    if needs_critic:
+        lora.check_targets(cfg.critic.lora, cfg.model, "critic.lora", critic_init_path(cfg))
