@@ -615,7 +615,7 @@ def test_strict_names_a_message_role_no_template_renders(tokenizer):
         mixed_dataset(mix_cfg([src("conv.jsonl")], sft_messages_key="messages", strict=True), tokenizer, 1)
     assert str(err.value) == (
         "dataset.train[0].path: conv.jsonl line 2: column 'messages': message 1 has role 'human', not one of system, "
-        f"user, assistant, tool; {ROLE_FIX}{STRICT_OFF}"
+        f"user, assistant, tool, developer, ipython; {ROLE_FIX}{STRICT_OFF}"  # the two last: this template renders them
     )
 
 
@@ -627,9 +627,30 @@ def test_unknown_message_roles_are_counted_and_skipped(tokenizer):
     assert texts(splits.train) == ["Add. 1+1=", "3+3= 6"]
     assert source_reports(splits) == [("conv.jsonl[train]", 4, 2, 0, 2)]
     assert splits.report["sources"][0]["bad_examples"] == [
-        "conv.jsonl line 2: column 'messages': message 1 has role 'human', not one of system, user, assistant, tool",
-        "conv.jsonl line 4: column 'messages': message 2 has role 'User', not one of system, user, assistant, tool",
+        "conv.jsonl line 2: column 'messages': message 1 has role 'human', not one of system, user, assistant, tool, developer, ipython",
+        "conv.jsonl line 4: column 'messages': message 2 has role 'User', not one of system, user, assistant, tool, developer, ipython",
     ]
+
+
+KNOWN_ROLES_ONLY = "{% for m in messages %}{% if m.role in ['system', 'user', 'assistant'] %}{{ m.content }} {% endif %}{% endfor %}"
+
+
+@pytest.mark.parametrize(("template", "kept"), [("simple_concat_with_space", True), (KNOWN_ROLES_ONLY, False)])
+def test_a_developer_or_ipython_message_is_kept_where_the_template_renders_it(tokenizer, template, kept):
+    """OpenAI's developer and Llama 3.1's ipython roles: rows keep them when the chat template shows such a message
+    (here one that renders every message), and are bad rows when it would drop them (one that knows three roles)."""
+    write_jsonl("conv.jsonl", [
+        {"messages": [{"role": "developer", "content": "Add."}, {"role": "user", "content": "1+1="}]},
+        {"messages": [{"role": "user", "content": "2+2="}, {"role": "ipython", "content": "4"}]},
+        {"messages": [{"role": "user", "content": "3+3="}]},
+    ])
+    splits = mixed_dataset(mix_cfg([src("conv.jsonl")], sft_messages_key="messages", chat_template=template), tokenizer, 1)
+    if kept:
+        assert texts(splits.train) == ["Add. 1+1=", "2+2= 4", "3+3="]
+    else:
+        assert texts(splits.train) == ["3+3= "]
+        assert splits.report["sources"][0]["bad_examples"][0] == (
+            "conv.jsonl line 1: column 'messages': message 1 has role 'developer', not one of system, user, assistant, tool")
 
 
 def test_strict_passes_clean_data(tokenizer):

@@ -28,13 +28,13 @@ from rlhf.data.cache import cache_folder, read_cache, write_cache
 from rlhf.data.config import DatasetConfig, DataSourceConfig
 from rlhf.data.files import LOCAL_FORMATS, FileRows, RowSpan, folder_files, looks_local, missing_path_error, read_files
 from rlhf.data.prompts import PromptExample, PromptSplits
-from rlhf.data.templates import CHAT_ROLES, render_prompt, resolve_template
+from rlhf.data.templates import CHAT_ROLES, TEMPLATE_ROLES, render_prompt, renders_role, resolve_template
 from rlhf.errors import ConfigError, require
 from rlhf.registry import register
 
 log = logging.getLogger("rlhf")
 
-CACHE_VERSION = 3  # raise it when what a row becomes changes, so caches written before are not reused
+CACHE_VERSION = 4  # raise it when what a row becomes changes, so caches written before are not reused
 
 
 
@@ -112,7 +112,13 @@ COLUMN_FIXES = {  # the key that names a bad row's column -> how to set it
     "dataset.path": "fix the malformed lines the log names",
 }
 
-ROLE_FIX = (  # follows the reason, which lists CHAT_ROLES
+def _role_order(role: str) -> int:
+    """Roles listed as chat templates know them: `CHAT_ROLES` first, then `TEMPLATE_ROLES`."""
+    order = CHAT_ROLES + TEMPLATE_ROLES
+    return order.index(role) if role in order else len(order)
+
+
+ROLE_FIX = (  # follows the reason, which lists the roles the template renders
     "rename the conversation's other roles to these (ShareGPT's human and gpt are user and assistant; a chat "
     "template may drop a message of another role without a word)"
 )
@@ -223,8 +229,9 @@ def load_rows(src, seed: int, sanity_check: int | None, key: str, strict: bool =
     return [(i, read.rows[i]) for i in order], read
 
 
-def row_messages(row: dict[str, Any], cfg) -> list[dict[str, str]]:
-    """The conversation a prompt is rendered from; raises BadRow naming the column at fault."""
+def row_messages(row: dict[str, Any], cfg, roles: frozenset[str] = frozenset(CHAT_ROLES)) -> list[dict[str, str]]:
+    """The conversation a prompt is rendered from (its messages' ``roles`` among those the chat template renders);
+    raises BadRow naming the column at fault."""
     if cfg.sft_messages_key:
         key = cfg.sft_messages_key
         if key not in row or row[key] is None:
@@ -235,8 +242,8 @@ def row_messages(row: dict[str, Any], cfg) -> list[dict[str, str]]:
         ):
             raise BadRow(key, "not a list of {role, content} messages")
         for number, m in enumerate(messages, start=1):
-            if m["role"] not in CHAT_ROLES:
-                raise BadRow(key, f"message {number} has role {m['role']!r}, not one of {', '.join(CHAT_ROLES)}", ROLE_FIX)
+            if m["role"] not in roles:
+                raise BadRow(key, f"message {number} has role {m['role']!r}, not one of {', '.join(sorted(roles, key=_role_order))}", ROLE_FIX)
         messages = [{"role": m["role"], "content": m["content"]} for m in messages]
         if messages and messages[-1]["role"] == "assistant":
             messages = messages[:-1]
@@ -293,10 +300,11 @@ def to_examples(
     for _ in skipped:
         tally.add(MALFORMED_LINE, COLUMN_FIXES["dataset.path"])
     examples = []
+    roles = frozenset(CHAT_ROLES + tuple(r for r in TEMPLATE_ROLES if renders_role(tokenizer, template, r)))
     for index, row in rows:
         from_prompt = True
         try:
-            messages = with_suffix(row_messages(row, cfg), cfg.prompt_suffix)
+            messages = with_suffix(row_messages(row, cfg, roles), cfg.prompt_suffix)
             from_prompt = False
             ground_truth = row_ground_truth(row, cfg)
         except BadRow as err:

@@ -34,8 +34,22 @@ BUILTIN_TEMPLATES = {"simple_concat_with_space": SIMPLE_CONCAT_WITH_SPACE, "tulu
 EXAMPLE_CONVERSATION = [{"role": "user", "content": "What is 1+1?"}]  # what every template must render
 
 # The roles of Hugging Face's chat-template conversations; a template may drop a message of any other role without a
-# word (Qwen2.5's does), so a dataset row with one is a bad row.
+# word (Qwen2.5's does), so a dataset row with one is a bad row, unless it is one of the roles some templates add
+# (OpenAI's developer, Llama 3.1's ipython) and the chosen template renders it.
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+TEMPLATE_ROLES = ("developer", "ipython")
+_PROBE = "rlhf-role-probe"  # the content of the probe message whose role is asked about
+
+
+def renders_role(tokenizer, template: str, role: str) -> bool:
+    """Whether ``template`` shows a message of ``role`` (one of `TEMPLATE_ROLES`): a conversation of that message and
+    a user's renders with the message's content in it (a template that does not know the role drops it, or refuses)."""
+    conversation = [{"role": role, "content": _PROBE}, {"role": "user", "content": "x"}]
+    try:
+        text = tokenizer.apply_chat_template(conversation, chat_template=template, add_generation_prompt=True, tokenize=False)
+    except (TemplateError, TypeError, ValueError):
+        return False
+    return _PROBE in text
 
 
 def _shown(name: str) -> str:
