@@ -385,6 +385,7 @@ def test_a_misspelt_key_on_the_command_line_names_the_closest_key(override, clos
     ("algorithm.kl_coef=0.1", "algorithm.beta"),
     ("max_completion_length=64", "generator.max_new_tokens"),  # a key of the generator's own node
     ("critic.learning_rate=1e-5", "critic.lr"),  # the same name in the key's own section first
+    ("eval.learning_rate=1e-5", "train.lr"),  # no lr in its own section: the table's key
 ])
 def test_a_peer_librarys_key_name_is_translated(override, ours):
     """What TRL, OpenRLHF or verl call a key, on our command line: the message names our key. Before, a top-level key

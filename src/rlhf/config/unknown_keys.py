@@ -141,11 +141,10 @@ def _peer_key(path: str, known: list[str]) -> str | None:
     peer = PEER_NAMES.get(leaf)
     if peer is None:
         return None
-    own = f"{parent}.{peer.rpartition('.')[2]}" if parent else None
-    for key in (own, peer):
-        if key is not None and (key in known or key.startswith("hydra.") or key.rpartition(".")[0] in PATHS):
-            return key
-    return None
+    own = f"{parent}.{peer.rpartition('.')[2]}"
+    if parent and own in known:
+        return own
+    return peer if peer in known or peer.startswith("hydra.") or peer.rpartition(".")[0] in PATHS else None
 
 
 def _closest(path: str, known: list[str]) -> str | None:
