@@ -140,7 +140,7 @@ def main() -> float | None:
     """`python -m rlhf.train` and `rlhf-train`: a launch under torchrun or a key that moved is refused (exit 2) before
     Hydra composes, then `run`."""
     try:
-        check_launcher(os.environ, torch.cuda.is_available())  # under torchrun every copy would train the whole run: refused in each
+        check_launcher(os.environ, torch.cuda.is_available)  # under torchrun every copy would train the whole run: refused in each
         check_overrides(sys.argv[1:])
         check_command_line(sys.argv[1:])
         sweep.check_sweep_values(sys.argv[1:])

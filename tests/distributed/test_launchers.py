@@ -46,7 +46,7 @@ def test_the_launcher_refusal_places_the_ranks_as_the_launcher_did(environ, has_
     """Eight GPU ranks are advised on GPUs (ray_local's slots are CPUs), and two nodes of eight as two nodes, not
     sixteen devices on one."""
     with pytest.raises(ConfigError, match="started by a launcher such as torchrun") as err:
-        check_launcher(environ, has_gpu)
+        check_launcher(environ, lambda: has_gpu)
     assert advice in str(err.value) and "unset WORLD_SIZE and LOCAL_RANK" in str(err.value)
 
 

@@ -62,11 +62,15 @@ def chat_body(reply: Reply, model: str, token_text: Callable[[int], str] | None 
 def token_logprobs(choice: Choice, token_text: Callable[[int], str]) -> list[dict[str, Any]]:
     """OpenAI's ``logprobs.content`` of a chat choice: each sampled token (as trained, so the stop token too), its
     text, the UTF-8 bytes of that text and the generator's logprob; no alternatives (they are not recorded)."""
-    texts = [token_text(t) for t in choice.token_ids]
     return [
         {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8")), "top_logprobs": []}
-        for text, logprob in zip(texts, choice.logprobs)
+        for text, logprob in zip(token_texts(choice, token_text), choice.logprobs)
     ]
+
+
+def token_texts(choice: Choice, token_text: Callable[[int], str]) -> list[str]:
+    """The text of each token ``choice`` sampled (``token_text``: a token id -> its text)."""
+    return [token_text(t) for t in choice.token_ids]
 
 
 def completion_body(reply: Reply, model: str, token_text: Callable[[int], str] | None = None) -> dict[str, Any]:
@@ -76,7 +80,7 @@ def completion_body(reply: Reply, model: str, token_text: Callable[[int], str] |
     for k, choice in enumerate(reply.choices):
         logprobs = None
         if token_text is not None:
-            texts = [entry["token"] for entry in token_logprobs(choice, token_text)]
+            texts = token_texts(choice, token_text)
             offsets = list(itertools.accumulate(map(len, texts), initial=0))[:-1]  # where each token's text starts
             logprobs = {"tokens": texts, "token_logprobs": choice.logprobs, "text_offset": offsets,
                         "top_logprobs": [{text: logprob} for text, logprob in zip(texts, choice.logprobs)]}

@@ -43,7 +43,7 @@ class FileRows:
     def where(self, index: int) -> str:
         """Row ``index`` of ``rows`` as an editor finds it, counted from 1: `<file> line <n>` in a JSON Lines file,
         `<file> row <n>` in a JSON array, a Parquet file or a hub split."""
-        span = self.spans[bisect.bisect_right([s.start for s in self.spans], index) - 1]
+        span = self.spans[bisect.bisect_right(self.spans, index, key=lambda s: s.start) - 1]
         if span.lines is not None:
             return f"{span.name} line {span.lines[index - span.start]}"
         return f"{span.name} row {index - span.start + 1}"

@@ -8,6 +8,7 @@ fraction of the bundle's GPU (or CPU slot). Every other role gets a placement gr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from rlhf.errors import ConfigError
 from rlhf.parts import choose
@@ -126,19 +127,19 @@ def check_fits(specs: list[PlacementSpec], cluster, total: dict[str, float], per
             )
 
 
-def check_launcher(environ, has_gpu: bool = False) -> None:
+def check_launcher(environ, has_gpu: Callable[[], bool] = lambda: False) -> None:
     """ConfigError when a multi-process launcher (torchrun, `accelerate launch`, the `deepspeed` launcher: each sets
     ``WORLD_SIZE`` and ``LOCAL_RANK``) started this process as one of several: `rlhf.train` places its own ranks, as
     Ray actors, so each copy would train the whole run alone, all in one run folder. A scheduler that sets only
-    ``WORLD_SIZE`` (a Kubeflow job's containers) starts no launcher: not refused. ``has_gpu``: this machine has one,
-    so the advice places the ranks on GPUs."""
+    ``WORLD_SIZE`` (a Kubeflow job's containers) starts no launcher: not refused. ``has_gpu``: whether this machine
+    has one, asked only when refusing, so the advice places the ranks on GPUs."""
     world_size = environ.get("WORLD_SIZE", "1")
     if not world_size.isdigit() or int(world_size) <= 1 or "LOCAL_RANK" not in environ:
         return
     local = environ.get("LOCAL_WORLD_SIZE", world_size)
     per_node = int(local) if local.isdigit() and int(local) >= 1 else int(world_size)
     nodes = max(1, int(world_size) // per_node)
-    where = ("cluster=ray_local" + (" cluster.device_type=gpu" if has_gpu else "") if nodes == 1
+    where = ("cluster=ray_local" + (" cluster.device_type=gpu" if has_gpu() else "") if nodes == 1
              else f"cluster=ray (after `ray start` on each of the {nodes} nodes) cluster.roles.policy.num_nodes={nodes}")
     raise ConfigError(
         f"this process is rank {environ.get('RANK', '?')} of {world_size} started by a launcher such as torchrun "

@@ -232,12 +232,11 @@ def check_model_resume(path: Path, role: str, rank: int | None) -> None:
         )
 
 
-def check_strategy_resume(cfg, path: Path) -> None:
+def check_strategy_resume(cfg, path: Path, saved_cfg: dict) -> None:
     """The checkpoint's policy and critic can be read by this run's strategies: DeepSpeed's own sharded state
     (`<role>/deepspeed`) only by DeepSpeed at the same number of ranks and with ZeRO-3 or not as saved, full weights and
-    optimiser state (single, ddp, fsdp2) by any strategy but DeepSpeed."""
-    recorded = path / CONFIG_FILE
-    saved_cfg = yaml.safe_load(recorded.read_text(encoding="utf-8")) if recorded.is_file() else {}
+    optimiser state (single, ddp, fsdp2) by any strategy but DeepSpeed. ``saved_cfg``: the checkpoint's `config.yaml`
+    (empty when it records none), for the strategies it names."""
     loaded = ("policy", "critic") if build_algorithm(cfg.algorithm, cfg.generator.max_new_tokens).needs_critic else ("policy",)
     for role in loaded:  # a saved critic this run has none for is never read
         if (path / role).is_dir():
@@ -289,18 +288,19 @@ def check_resume(cfg, path: Path, swept: set[str] = frozenset()) -> None:
     Every changed key is logged. In a `--multirun` job, a key the sweep varies (``swept``) must match too: a
     different value means the sweep's list changed since, and this job's folder holds another job's run."""
     step = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))["step"]
+    recorded = path / CONFIG_FILE
+    saved_cfg = yaml.safe_load(recorded.read_text(encoding="utf-8")) if recorded.is_file() else None
     check_lora_resume(cfg, path)
-    check_strategy_resume(cfg, path)
+    check_strategy_resume(cfg, path, saved_cfg or {})
     if cfg.train.num_steps < step:
         raise ConfigError(
             f"train.num_steps={cfg.train.num_steps} is below step {step} of the checkpoint {path} this run resumes "
             f"from; set train.num_steps >= {step}, or resume from an earlier step_* folder"
         )
-    recorded = path / CONFIG_FILE
-    if not recorded.is_file():
+    if saved_cfg is None:
         log.warning("resume: %s records no config (an older checkpoint); changed keys are not checked", path)
         return
-    changes = config_changes(yaml.safe_load(recorded.read_text(encoding="utf-8")), resolved(cfg))
+    changes = config_changes(saved_cfg, resolved(cfg))
     if not changes:
         return
     listed = "; ".join(f"{key}: {old} -> {new}" for key, (old, new) in changes.items())

@@ -9,20 +9,17 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf.models.lora import has_adapters, load_adapters, to_model_names
-from rlhf.errors import ConfigError
+from rlhf.errors import ConfigError, require
 
 
-MAX_LR = 1.0  # AdamW moves each weight by about lr per step; at 1 or more a step overwrites the weights
+MAX_LR = 1.0  # AdamW moves each weight by about lr per step; above this a step overwrites the weights
 
 
 def check_lr(key: str, lr: float) -> None:
     """ConfigError unless the learning rate ``lr`` (set at ``key``) is a number in (0, `MAX_LR`]: above it, AdamW's
     first step replaces the weights by noise (or overflows float32 and fails mid-step)."""
-    if not (0 < lr <= MAX_LR):
-        raise ConfigError(
-            f"{key}={lr} must be in (0, {MAX_LR:g}]: AdamW moves each weight by about lr per step (language models "
-            f"train at 1e-6 to 1e-4, the built-in tiny models at 1e-3)"
-        )
+    require(0 < lr <= MAX_LR, f"{key}={lr} must be in (0, {MAX_LR:g}]: AdamW moves each weight by about lr per step "
+                              f"(language models train at 1e-6 to 1e-4, the built-in tiny models at 1e-3)")
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
