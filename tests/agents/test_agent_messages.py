@@ -38,6 +38,37 @@ def test_a_malformed_message_names_its_field(raw, field):
     assert err.value.field == field and err.value.status == 400
 
 
+@pytest.mark.parametrize("message, field, says", [
+    ({"role": "user", "content": "x", "nmae": "ann"}, "messages[0].nmae", "did you mean 'name'"),
+    ({"role": "user", "content": "x", "images": []}, "messages[0].images", "a message holds role, content"),
+    ({"role": "assistant", "content": "x", "refusal": "no"}, "messages[0].refusal", "send its text as content"),
+    ({"role": "assistant", "content": "", "function_call": {"name": "f", "arguments": "{}"}}, "messages[0].function_call",
+     "send tool_calls"),
+    ({"role": "user", "content": "x", "name": 7}, "messages[0].name", "must be a string"),
+    ({"role": "user", "content": "x", "reasoning_content": "hm"}, "messages[0].reasoning_content", "only an assistant"),
+    ({"role": "assistant", "content": "x", "reasoning_content": "a", "reasoning": "b"}, "messages[0].reasoning", "differ"),
+])
+def test_a_message_field_that_would_be_dropped_or_misread_is_refused_by_name(message, field, says):
+    """Before, every field but role, content, tool_calls and tool_call_id was dropped without a word: a misspelt
+    ``nmae`` rendered the prompt without the name the agent sent."""
+    with pytest.raises(RequestError, match=says) as err:
+        parse_messages([message])
+    assert err.value.field == field and err.value.status == 400
+
+
+def test_a_name_and_an_assistants_reasoning_reach_the_chat_template_under_the_names_templates_read():
+    user, assistant = parse_messages([
+        {"role": "user", "content": "hi", "name": "ann"},
+        {"role": "assistant", "content": "42", "reasoning_content": "6 * 7", "refusal": None, "audio": None,
+         "function_call": None, "annotations": [], "tool_calls": None},  # a reply as SDKs dump it, sent back whole
+    ])
+    assert user.as_template() == {"role": "user", "content": "hi", "name": "ann"}
+    assert assistant.as_template() == {"role": "assistant", "content": "42", "reasoning_content": "6 * 7", "reasoning": "6 * 7"}
+    assert parse_messages([{"role": "assistant", "content": "42", "reasoning": "6 * 7"}]) == [assistant]  # vLLM's newer name
+    assert user != Message("user", "hi")  # a name changes the prompt, so a history that differs only by it forks
+    assert same_message(Message("assistant", "42"), assistant)  # a reply sent back with its reasoning still matches
+
+
 def test_an_assistant_message_sent_back_matches_by_text_and_calls_the_agent_repeats():
     ours = Message("assistant", " 42\n", (ToolCall("f", "{}"),))
     assert same_message(ours, Message("assistant", "42"))  # the agent dropped the calls: still the same reply

@@ -214,3 +214,11 @@ def test_the_last_message_may_not_be_the_assistants(tokenizer, render):
 
     with pytest.raises(RequestError, match="continuing a reply"):
         session().plan_chat(chat(("user", "a"), ("assistant", "b")), None, render)
+
+
+def test_a_message_name_reaches_a_template_that_renders_it(tokenizer):
+    """A name the agent sends is rendered where the template reads it, not dropped on the way."""
+    named = tokenizer.chat_template.replace("{{ m['role'] }}\n", "{{ m['role'] }}{{ (' ' + m['name']) if m.get('name') else '' }}\n")
+    ask = [{"role": "user", "content": "Paris?", "name": "ann"}]
+    plan = session().plan_chat(parse_messages(ask), None, Renderer(tokenizer, "<|im_end|>", named))
+    assert tokenizer.decode(plan.context).endswith("<|im_start|>user ann\nParis?<|im_end|>\n<|im_start|>assistant\n")

@@ -14,6 +14,7 @@ plain content and flagged (`ParsedReply.unparsed`, counted in ``env/unparsed_too
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import json
 import re
@@ -23,6 +24,14 @@ from typing import Any, Callable
 from rlhf.errors import ConfigError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning", "refusal",
+                  "audio", "function_call", "annotations")  # OpenAI's message fields, and vLLM's reasoning by either name
+# ``annotations`` (a reply's citations, sent back by SDKs that dump the reply whole) is read by no chat template: ignored
+_NULL_ONLY = {  # message fields served only as null: field -> why any other value is refused
+    "refusal": "a refusal is not served as its own field; send its text as content",
+    "audio": "audio is not served",
+    "function_call": "the deprecated functions API is not served; send tool_calls",
+}
 
 
 class RequestError(ValueError):
@@ -47,12 +56,15 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class Message:
-    """One chat message, normalised: text content, tool calls, and the id a tool result answers."""
+    """One chat message, normalised: text content, tool calls, the id a tool result answers, the speaker's name and an
+    assistant's reasoning, each handed to the chat template as sent (a template that does not read a field drops it)."""
 
     role: str
     content: str
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str = ""
+    name: str = ""  # OpenAI's participant name (or a tool result's function name)
+    reasoning: str = ""  # an assistant's reasoning, sent as `reasoning_content` or `reasoning` (vLLM's fields)
 
     def as_template(self) -> dict[str, Any]:
         """The message as chat templates read it (tool-call arguments as a mapping, as HF templates expect)."""
@@ -64,6 +76,10 @@ class Message:
             ]
         if self.tool_call_id:
             out["tool_call_id"] = self.tool_call_id
+        if self.name:
+            out["name"] = self.name
+        if self.reasoning:  # under both names: Qwen3's and DeepSeek's templates read reasoning_content, newer ones reasoning
+            out["reasoning_content"] = out["reasoning"] = self.reasoning
         return out
 
 
@@ -115,9 +131,34 @@ def parse_messages(raw: Any) -> list[Message]:
                 raise RequestError(f"{at} must hold function.name and function.arguments", field_name=at)
             arguments = canonical_arguments(function.get("arguments", {}), f"{at}.function.arguments")
             calls.append(ToolCall(function["name"], arguments, str(call.get("id") or "")))
+        _check_message_fields(message, role, where)
         tool_call_id = message.get("tool_call_id") or ""
-        out.append(Message(role, _content(message.get("content"), f"{where}.content"), tuple(calls), str(tool_call_id)))
+        reasoning = message.get("reasoning_content") or message.get("reasoning") or ""
+        out.append(Message(role, _content(message.get("content"), f"{where}.content"), tuple(calls), str(tool_call_id),
+                           message.get("name") or "", reasoning))
     return out
+
+
+def _check_message_fields(message: dict, role: str, where: str) -> None:
+    """RequestError naming the first field of ``message`` (at ``where``) that would be dropped or misread: one outside
+    `MESSAGE_FIELDS` (with the field it resembles), a `_NULL_ONLY` field with a value, a name or reasoning that is not
+    text, or reasoning on a message other than the assistant's."""
+    for name, value in message.items():
+        at = f"{where}.{name}"
+        if name not in MESSAGE_FIELDS:
+            close = difflib.get_close_matches(name, MESSAGE_FIELDS, n=1, cutoff=0.7)
+            hint = f"; did you mean {close[0]!r}?" if close else f" (a message holds {', '.join(MESSAGE_FIELDS)})"
+            raise RequestError(f"unrecognized field {at}{hint}", field_name=at)
+        if name in _NULL_ONLY and value is not None:
+            raise RequestError(f"{at}={value!r}: {_NULL_ONLY[name]}", field_name=at)
+        if name in ("name", "reasoning_content", "reasoning") and value is not None and not isinstance(value, str):
+            raise RequestError(f"{at} must be a string", field_name=at)
+        if name in ("reasoning_content", "reasoning") and value and role != "assistant":
+            raise RequestError(f"{at}: only an assistant message carries reasoning", field_name=at)
+    both = message.get("reasoning_content"), message.get("reasoning")
+    if all(both) and both[0] != both[1]:
+        raise RequestError(f"{where} holds reasoning_content and reasoning that differ; send one of them",
+                           field_name=f"{where}.reasoning")
 
 
 def same_message(ours: Message, theirs: Message) -> bool:
