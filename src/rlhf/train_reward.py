@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 from pathlib import Path
 
 import hydra
@@ -24,6 +25,7 @@ from rlhf import exits, registry
 from rlhf.checks import hub
 from rlhf.run import preflight
 from rlhf.config import ConfigError, register_schema
+from rlhf.config.compose import check_command_line
 from rlhf.config.schema import RewardTrainConfig
 from rlhf.config.unknown_keys import check_unknown_keys
 from rlhf.data.preferences import encode_pairs
@@ -133,8 +135,24 @@ def reward_model_dir(cfg: DictConfig, out: Path) -> Path:
     return Path(cfg.save_dir) if cfg.save_dir else out / "reward_model"
 
 
+def main() -> float:
+    """`python -m rlhf.train_reward`: a key the schema lacks (`output_dir=`, a misspelt `train.lrr=`) is refused (exit
+    2) with the key to use before Hydra composes, then `run`."""
+    try:
+        check_command_line(sys.argv[1:], "train_reward")
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        raise SystemExit(exits.CONFIG_ERROR) from None
+    try:
+        return run()
+    except SystemExit as exit:
+        if exit.code == 1:  # Hydra reporting its own error: always the command line's or the config files'
+            raise SystemExit(exits.CONFIG_ERROR) from None
+        raise
+
+
 @hydra.main(config_path="pkg://rlhf.conf", config_name="train_reward", version_base="1.3")
-def main(cfg: DictConfig) -> float:
+def run(cfg: DictConfig) -> float:
     """Exit codes as `rlhf.train` (`rlhf.exits`): 2 config error or a folder in use, 6 an error while training."""
     out = Path(HydraConfig.get().runtime.output_dir)
     try:  # before any model loads: hub names are reachable (`rlhf.checks.hub`), the folders written are writable and have

@@ -277,8 +277,10 @@ def test_train_reward_refuses_a_missing_hub_model_with_exit_2(offline, tmp_path,
 
 @pytest.mark.parametrize(("override", "message"), [
     ("train.lr=1e38", "train.lr=1e+38 must be in (0, 1]"),  # AdamW's first step would overflow float32 mid-step
-    ("seed=-1", "seed=-1 must be in [0, 4294901760)"),
-    ("+output_dir=/tmp/rm", "output_dir is not a config key (added with +?); this project calls it hydra.run.dir"),  # trained before  # numpy's ValueError, after the tokenizer and data loaded
+    ("seed=-1", "seed=-1 must be in [0, 4294901760)"),  # numpy's ValueError, after the tokenizer and data loaded
+    ("+output_dir=/tmp/rm", "output_dir is not a config key (added with +?); this project calls it hydra.run.dir"),  # trained before
+    ("output_dir=/tmp/rm", "output_dir is not a config key; this project calls it hydra.run.dir"),  # Hydra's "+" advice before
+    ("train.lrr=0.1", "train.lrr is not a config key; did you mean train.lr?"),  # Hydra's "+" advice before
 ])
 def test_train_reward_refuses_a_bad_value_or_key_before_any_model_loads(override, message, tmp_path, monkeypatch, capsys):
     """`python -m rlhf.train_reward <override>`: exit 2 naming the key and the fix."""

@@ -76,8 +76,9 @@ def command_line_overrides(argv: list[str]) -> list[str]:
     return overrides
 
 
-def check_command_line(argv: list[str]) -> None:
-    """For `python -m rlhf.train <argv>`, before Hydra composes: the overrides among ``argv`` composed once, when one of
+def check_command_line(argv: list[str], config_name: str = "config") -> None:
+    """For `python -m rlhf.train <argv>` (or `rlhf.train_reward`'s, with config_name="train_reward", which has no parts),
+    before Hydra composes: the overrides among ``argv`` composed once, when one of
     them could fail in Hydra with a message that misleads, so the failure names the part instead (not for sweeps,
     which Hydra composes per job):
 
@@ -95,13 +96,14 @@ def check_command_line(argv: list[str]) -> None:
         return
     keys = [o.partition("=")[0] for o in overrides if "=" in o]
     plain = [o.partition("=")[0] for o in overrides if "=" in o and not o.startswith(("+", "~"))]
-    lacking = any(_may_lack(k) for k in plain)
-    undeclared = any("/" not in k and _undeclared(k, RunConfig) for k in plain)
-    chooses = any(k in ("algorithm", "experiment") or k.startswith("algorithm/") for k in keys)
+    parts = config_name == "config"
+    lacking = parts and any(_may_lack(k) for k in plain)
+    undeclared = any("/" not in k and _undeclared(k, RunConfig if parts else RewardTrainConfig) for k in plain)
+    chooses = parts and any(k in ("algorithm", "experiment") or k.startswith("algorithm/") for k in keys)
     if not (lacking or undeclared or chooses):
         return
     try:
-        compose_config(overrides)
+        compose_config(overrides, config_name)
     except (ConfigCompositionException, OverrideParseException):
         pass  # Hydra's own message, shown when Hydra composes
 
@@ -156,9 +158,10 @@ def raise_if_not_a_key(overrides: list[str], err: Exception, config_name: str) -
 
 
 def _undeclared(key: str, schema: type) -> bool:
-    """Whether ``key`` is one ``schema`` does not declare, outside a part's node (the part's own config says what
-    it holds) and Hydra's own `hydra.*`."""
-    return not key.startswith("hydra.") and _part_node(key) is None and key not in declared_keys(schema)
+    """Whether ``key`` is one ``schema`` does not declare, outside a part's node of the run's config (the part's own
+    config says what it holds) and Hydra's own `hydra.*`."""
+    in_part = schema is RunConfig and _part_node(key) is not None
+    return not key.startswith("hydra.") and not in_part and key not in declared_keys(schema)
 
 
 def _part_node(key: str) -> str | None:
