@@ -32,6 +32,7 @@ from rlhf.run.build import build_components
 from rlhf.config import ConfigError, register_schema, validate
 from rlhf.config.compose import check_command_line
 from rlhf.config.moved import check_overrides
+from rlhf.distributed.cluster import end_if_cluster_lost
 from rlhf.distributed.layout import check_launcher
 from rlhf.distributed.remote import WorkerError
 from rlhf.run.lock import check_free, folder_lock
@@ -151,13 +152,15 @@ def main() -> float | None:
         print(f"config error: {err}", file=sys.stderr)
         raise SystemExit(exits.CONFIG_ERROR) from None
     try:
-        return run()
+        result = run()
     except SystemExit as exit:
         # `run` ends with this project's codes (`rlhf.exits`); 1 is Hydra reporting its own error, which is always the
         # command line's or the config files' (an unknown key, a wrong type, an unknown group option or experiment)
-        if exit.code == 1:
-            raise SystemExit(exits.CONFIG_ERROR) from None
-        raise
+        code = exits.CONFIG_ERROR if exit.code == 1 else exit.code
+        end_if_cluster_lost(code if isinstance(code, int) else exits.RUN_RAISED)
+        raise SystemExit(code) from None
+    end_if_cluster_lost(exits.FINISHED)
+    return result
 
 
 @hydra.main(config_path="pkg://rlhf.conf", config_name="config", version_base="1.3")

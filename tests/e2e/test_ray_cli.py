@@ -1,5 +1,7 @@
 """The CLI on `cluster=ray_local`: a private Ray cluster, 2 training processes per trained model, learning on
-the built-in task; a worker killed mid-run ends the run promptly with the role, rank and exit code 4."""
+the built-in task; a worker killed mid-run ends the run promptly with the role, rank and exit code 4; a SIGTERM to the
+run's process group saves and exits 5, one to every process exits 4 within seconds, and `kill -9` takes the cluster
+down."""
 
 from __future__ import annotations
 
@@ -140,3 +142,85 @@ def test_a_stop_whose_console_is_gone_still_exits_5_with_its_checkpoint(tmp_path
     log = (run_dir / "train.log").read_text()
     assert proc.returncode == 5, log[-3000:]
     assert "SIGTERM received: stopped after step" in log and sorted((run_dir / "checkpoints").glob("step_*"))
+
+
+def start_until_step(run_dir, step: int) -> tuple[subprocess.Popen, list[str]]:
+    """`python -m rlhf.train cluster=ray_local` as the leader of a process group of its own (as `timeout` and job
+    schedulers start a job), read until it logs step ``step``; the process and the lines read."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **RAY_ENV}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlhf.train", "cluster=ray_local", "train.num_steps=100000", "eval.every=0",
+         "eval.num_samples=1", "eval.greedy=false", "logging.tensorboard=false", "logging.log_every=1",
+         "cluster.object_store_memory=200000000", f"hydra.run.dir={run_dir}"],
+        cwd=run_dir.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if f"step {step:4d}/" in line:
+            break
+    assert any(f"step {step:4d}/" in line for line in lines), "".join(lines[-40:])
+    return proc, lines
+
+
+def test_sigterm_to_the_runs_process_group_saves_and_exits_5(tmp_path):
+    """`timeout 2h python -m rlhf.train cluster=ray_local` (and `kill -TERM -<pgid>`) signal the whole process group.
+    The private cluster's processes lead groups of their own, so the signal reaches the driver alone: it finishes the
+    step, saves and shuts the cluster down. Before, the GCS died with the group, and the driver hung 60 s in Ray's
+    shutdown and exited 1."""
+    run_dir = tmp_path / "run"
+    proc, lines = start_until_step(run_dir, 3)
+    try:
+        cluster = descendants(proc.pid)
+        os.killpg(proc.pid, signal.SIGTERM)
+        began = time.monotonic()
+        rest, _ = proc.communicate(timeout=300)
+        elapsed = time.monotonic() - began
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = "".join(lines) + rest
+    assert proc.returncode == 5, log[-3000:]
+    assert "SIGTERM received: stopped after step" in log and sorted((run_dir / "checkpoints").glob("step_*"))
+    assert elapsed < 45, elapsed  # 60 s of Ray waiting for a dead GCS before
+    assert not [pid for pid in cluster if command_line(pid)], "the run's shutdown left Ray processes behind"
+
+
+def test_sigterm_to_every_process_of_the_job_ends_promptly_with_exit_4(tmp_path):
+    """SLURM's preemption signals every process of the job, Ray's included: the step in progress dies with its
+    workers. The run says so and exits 4 within seconds. Before, it hung 60 s in Ray's shutdown, then exited 1 (or
+    crashed with SIGSEGV once the shutdown was skipped)."""
+    run_dir = tmp_path / "run"
+    proc, lines = start_until_step(run_dir, 3)
+    try:
+        for pid in [proc.pid, *descendants(proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        began = time.monotonic()
+        rest, _ = proc.communicate(timeout=300)
+        elapsed = time.monotonic() - began
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = "".join(lines) + rest
+    assert proc.returncode == 4, log[-3000:]
+    assert "the private Ray cluster's processes have ended" in log and "--signal=B:TERM" in log, log[-3000:]
+    assert elapsed < 45, elapsed
+
+
+def test_kill_9_of_the_run_takes_its_private_cluster_down(tmp_path):
+    """The cluster's processes lead their own process groups, and still die with the driver (Ray ties each to it):
+    no GCS, raylet or worker outlives a `kill -9` of the run. (Ray's dashboard and runtime-env agents, started by the
+    raylet, see it die but wait up to 60 s for the dead GCS before they exit, as they did before; they hold no
+    resources of the run.)"""
+    proc, _ = start_until_step(tmp_path / "run", 2)
+    cluster = [pid for pid in descendants(proc.pid) if b"Agent" not in command_line(pid)]
+    assert cluster and {os.getpgid(pid) for pid in cluster} != {proc.pid}  # groups of their own
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while (alive := [command_line(pid)[:40] for pid in cluster if command_line(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive, alive

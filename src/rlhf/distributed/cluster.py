@@ -7,9 +7,13 @@ reserving an equal fraction of the bundle (e.g. 0.5 GPU for policy+reference), s
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import os
+import socket
 import sys
+import threading
 from dataclasses import dataclass, field
 
 from rlhf.errors import ConfigError
@@ -34,10 +38,11 @@ def connect(cluster) -> bool:
     if ray.is_initialized():
         return False
     if cluster.address is None:
-        ray.init(
-            num_cpus=cluster.num_cpus, object_store_memory=cluster.object_store_memory, include_dashboard=False,
-            log_to_driver=True, configure_logging=False,
-        )
+        with own_process_group(ray):
+            ray.init(
+                num_cpus=cluster.num_cpus, object_store_memory=cluster.object_store_memory, include_dashboard=False,
+                log_to_driver=True, configure_logging=False,
+            )
     else:
         try:
             ray.init(address=cluster.address, log_to_driver=True, configure_logging=False)
@@ -47,6 +52,60 @@ def connect(cluster) -> bool:
                 f"--address=<head>:6379` on the other nodes), or use cluster=ray_local for a private one on this machine"
             ) from None
     return True
+
+
+CLUSTER_LOST = threading.Event()  # set by `RayRun.shutdown` when the private cluster had ended: see `end_if_cluster_lost`
+
+
+def end_if_cluster_lost(code: int) -> None:
+    """End the process at once with ``code`` when `RayRun.shutdown` found its private cluster gone: the Ray client
+    left in this process, torn down at exit with no cluster to answer it, crashes it (SIGSEGV) in place of the run's
+    exit code. The log and the console are flushed first."""
+    if not CLUSTER_LOST.is_set():
+        return
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a console already gone
+            pass
+    os._exit(code)
+
+
+def gcs_answers(ray, timeout_s: float = 5.0) -> bool:
+    """Whether the connected cluster's GCS (its head process) still accepts connections."""
+    host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def own_process_group(ray):
+    """Within the block, the processes `ray.init` starts for a private cluster (its GCS and raylet, and through them
+    every worker) lead a process group of their own, as Ray starts them on Windows. A SIGTERM sent to the driver's
+    group (`timeout`, `kill -TERM -<pgid>`) then reaches the driver alone, which finishes its step, saves, and shuts
+    the cluster down (exit 5); before, the GCS died with the driver's group, and the driver hung 60 s in shutdown and
+    exited 1. Ray still ties each of them to the driver's life (`PR_SET_PDEATHSIG`: killed when the driver dies, by
+    -9 too), and only where it does is the group changed: that is the hook wrapped, run in each child before it
+    starts. Where the hook is missing (another Ray), the processes stay in the driver's group."""
+    utils = getattr(getattr(ray, "_private", None), "utils", None)
+    tie = getattr(utils, "set_kill_on_parent_death_linux", None)
+    if tie is None:
+        yield
+        return
+
+    def tie_and_detach() -> None:
+        tie()
+        os.setpgid(0, 0)
+
+    utils.set_kill_on_parent_death_linux = tie_and_detach
+    try:
+        yield
+    finally:
+        utils.set_kill_on_parent_death_linux = tie
 
 
 @dataclass
@@ -59,6 +118,22 @@ class RayRun:
 
     def shutdown(self) -> None:
         ray = import_ray()
+        if self.started_ray and ray.is_initialized() and not gcs_answers(ray):
+            # the private cluster is gone (a signal sent to every process of the job, as SLURM's scancel sends, stopped
+            # it too): nothing is left to release, and Ray's shutdown, here or at exit, would wait 60 s for its GCS
+            # and then end the process with exit 1 in place of the run's own code
+            log.warning(
+                "the private Ray cluster's processes have ended: killed, or stopped by a signal sent to every process "
+                "of the job (as SLURM sends at preemption), which leaves the step in progress unsaved; the newest "
+                "checkpoint is the last regular one (checkpoint.every). For a checkpoint at a stop, signal this "
+                "process alone (SLURM, before the time limit: --signal=B:TERM@<seconds> and a trap in the batch "
+                "script that forwards it here)"
+            )
+            atexit.unregister(ray.shutdown)
+            CLUSTER_LOST.set()
+            self.groups.clear()
+            self.placement_groups.clear()
+            return
         for group in self.groups.values():
             for actor in group.actors:
                 ray.kill(actor, no_restart=True)
