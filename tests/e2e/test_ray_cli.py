@@ -5,12 +5,14 @@ down."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 from test_cli import ALGORITHM_METRICS, COMMON_METRICS, run_cli, scalars
@@ -84,31 +86,53 @@ def test_hybrid_on_ray_colocates_the_engines_with_the_policy_and_learns(tmp_path
     assert len(freed) == 40 and min(freed) > 0
 
 
-def test_killed_worker_ends_the_run_with_role_rank_and_exit_code_4(tmp_path):
+STOPPABLE = ("train.num_steps=100000", "eval.every=0", "eval.num_samples=1", "eval.greedy=false",
+             "logging.tensorboard=false", "logging.log_every=1", "cluster.object_store_memory=200000000")
+
+
+def start_until_step(run_dir, step: int, *overrides: str) -> tuple[subprocess.Popen, list[str]]:
+    """`python -m rlhf.train cluster=ray_local <overrides>` as the leader of a process group of its own (as `timeout`
+    and job schedulers start a job), read until it logs step ``step``; the process and the lines read."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **RAY_ENV}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlhf.train", "cluster=ray_local", "train.num_steps=100000", "eval.every=0",
-         "cluster.timeout_s=60", "logging.log_every=1", f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [sys.executable, "-m", "rlhf.train", "cluster=ray_local", *overrides, f"hydra.run.dir={run_dir}"],
+        cwd=run_dir.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
     lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if f"step {step:4d}/" in line:
+            break
+    if not any(f"step {step:4d}/" in line for line in lines):
+        proc.kill()
+        raise AssertionError("".join(lines[-40:]))
+    return proc, lines
+
+
+def stop(proc: subprocess.Popen, lines: list[str], send: Callable[[], None]) -> tuple[str, float]:
+    """``send()`` the run a stop, then wait for it to end: its whole console output and the seconds it took to end."""
     try:
-        for line in proc.stdout:
-            lines.append(line)
-            if "step    5/" in line:
-                break
-        assert any("step    5/" in line for line in lines), "".join(lines[-40:])
-        workers = [pid for pid in descendants(proc.pid) if b"ray::RoleWorker" in command_line(pid)]
-        assert workers, "no Ray worker processes found"
-        for pid in workers:  # every role worker of this run (another run's, e.g. a parallel test's, are not its own)
-            os.kill(pid, signal.SIGKILL)
+        send()
         began = time.monotonic()
-        rest, _ = proc.communicate(timeout=120)
-        elapsed = time.monotonic() - began
+        rest, _ = proc.communicate(timeout=300)
+        return "".join(lines) + (rest or ""), time.monotonic() - began
     finally:
         if proc.poll() is None:
             proc.kill()
-    log = "".join(lines) + rest
+
+
+def kill_workers(proc: subprocess.Popen) -> None:
+    """SIGKILL every role worker of this run (another run's, e.g. a parallel test's, are not among its descendants)."""
+    workers = [pid for pid in descendants(proc.pid) if b"ray::RoleWorker" in command_line(pid)]
+    assert workers, "no Ray worker processes found"
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_killed_worker_ends_the_run_with_role_rank_and_exit_code_4(tmp_path):
+    proc, lines = start_until_step(tmp_path / "run", 5, "train.num_steps=100000", "eval.every=0", "cluster.timeout_s=60",
+                                   "logging.log_every=1")
+    log, elapsed = stop(proc, lines, lambda: kill_workers(proc))
     assert proc.returncode == 4, log[-3000:]
     assert "a worker failed:" in log and " rank " in log and "died" in log, log[-3000:]
     assert elapsed < 90
@@ -119,48 +143,16 @@ def test_a_stop_whose_console_is_gone_still_exits_5_with_its_checkpoint(tmp_path
     and saves into a closed pipe. Ray's shutdown prints its workers' last lines there (BrokenPipeError); the stop is
     still exit 5, the checkpoint written, as with a console. Before, exit 6 ('the run raised BrokenPipeError')."""
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **RAY_ENV}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rlhf.train", "cluster=ray_local", "train.num_steps=100000", "eval.every=0",
-         "eval.num_samples=1", "eval.greedy=false", "logging.tensorboard=false", "logging.log_every=1",
-         "cluster.object_store_memory=200000000", f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if "step    3/" in line:
-                break
-        assert any("step    3/" in line for line in lines), "".join(lines[-40:])
+    proc, lines = start_until_step(run_dir, 3, *STOPPABLE)
+
+    def term_and_hang_up() -> None:
         proc.send_signal(signal.SIGTERM)
         proc.stdout.close()  # the reader is gone: every later write to the console fails
-        proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+
+    stop(proc, lines, term_and_hang_up)
     log = (run_dir / "train.log").read_text()
     assert proc.returncode == 5, log[-3000:]
     assert "SIGTERM received: stopped after step" in log and sorted((run_dir / "checkpoints").glob("step_*"))
-
-
-def start_until_step(run_dir, step: int) -> tuple[subprocess.Popen, list[str]]:
-    """`python -m rlhf.train cluster=ray_local` as the leader of a process group of its own (as `timeout` and job
-    schedulers start a job), read until it logs step ``step``; the process and the lines read."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **RAY_ENV}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rlhf.train", "cluster=ray_local", "train.num_steps=100000", "eval.every=0",
-         "eval.num_samples=1", "eval.greedy=false", "logging.tensorboard=false", "logging.log_every=1",
-         "cluster.object_store_memory=200000000", f"hydra.run.dir={run_dir}"],
-        cwd=run_dir.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if f"step {step:4d}/" in line:
-            break
-    assert any(f"step {step:4d}/" in line for line in lines), "".join(lines[-40:])
-    return proc, lines
 
 
 def test_sigterm_to_the_runs_process_group_saves_and_exits_5(tmp_path):
@@ -169,17 +161,9 @@ def test_sigterm_to_the_runs_process_group_saves_and_exits_5(tmp_path):
     step, saves and shuts the cluster down. Before, the GCS died with the group, and the driver hung 60 s in Ray's
     shutdown and exited 1."""
     run_dir = tmp_path / "run"
-    proc, lines = start_until_step(run_dir, 3)
-    try:
-        cluster = descendants(proc.pid)
-        os.killpg(proc.pid, signal.SIGTERM)
-        began = time.monotonic()
-        rest, _ = proc.communicate(timeout=300)
-        elapsed = time.monotonic() - began
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    log = "".join(lines) + rest
+    proc, lines = start_until_step(run_dir, 3, *STOPPABLE)
+    cluster = descendants(proc.pid)
+    log, elapsed = stop(proc, lines, lambda: os.killpg(proc.pid, signal.SIGTERM))
     assert proc.returncode == 5, log[-3000:]
     assert "SIGTERM received: stopped after step" in log and sorted((run_dir / "checkpoints").glob("step_*"))
     assert elapsed < 45, elapsed  # 60 s of Ray waiting for a dead GCS before
@@ -190,21 +174,14 @@ def test_sigterm_to_every_process_of_the_job_ends_promptly_with_exit_4(tmp_path)
     """SLURM's preemption signals every process of the job, Ray's included: the step in progress dies with its
     workers. The run says so and exits 4 within seconds. Before, it hung 60 s in Ray's shutdown, then exited 1 (or
     crashed with SIGSEGV once the shutdown was skipped)."""
-    run_dir = tmp_path / "run"
-    proc, lines = start_until_step(run_dir, 3)
-    try:
+    proc, lines = start_until_step(tmp_path / "run", 3, *STOPPABLE)
+
+    def term_every_process() -> None:
         for pid in [proc.pid, *descendants(proc.pid)]:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        began = time.monotonic()
-        rest, _ = proc.communicate(timeout=300)
-        elapsed = time.monotonic() - began
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    log = "".join(lines) + rest
+
+    log, elapsed = stop(proc, lines, term_every_process)
     assert proc.returncode == 4, log[-3000:]
     assert "the private Ray cluster's processes have ended" in log and "--signal=B:TERM" in log, log[-3000:]
     assert elapsed < 45, elapsed
@@ -215,11 +192,10 @@ def test_kill_9_of_the_run_takes_its_private_cluster_down(tmp_path):
     no GCS, raylet or worker outlives a `kill -9` of the run. (Ray's dashboard and runtime-env agents, started by the
     raylet, see it die but wait up to 60 s for the dead GCS before they exit, as they did before; they hold no
     resources of the run.)"""
-    proc, _ = start_until_step(tmp_path / "run", 2)
+    proc, lines = start_until_step(tmp_path / "run", 2, *STOPPABLE)
     cluster = [pid for pid in descendants(proc.pid) if b"Agent" not in command_line(pid)]
     assert cluster and {os.getpgid(pid) for pid in cluster} != {proc.pid}  # groups of their own
-    proc.kill()
-    proc.wait()
+    stop(proc, lines, proc.kill)
     deadline = time.monotonic() + 30
     while (alive := [command_line(pid)[:40] for pid in cluster if command_line(pid)]) and time.monotonic() < deadline:
         time.sleep(0.2)
