@@ -103,10 +103,43 @@ def test_a_sweep_value_that_cannot_compose_is_refused_before_any_job_starts(tmp_
     assert not sweep_dir.exists()
 
 
-def test_the_swept_keys_are_those_a_multirun_varies(monkeypatch):
+def test_the_swept_keys_are_those_a_multirun_varies(monkeypatch, tmp_path):
+    """From the sweep's multirun.yaml where Hydra's sweeper wrote one (command line and `hydra.sweeper.params`), else
+    from the command line."""
     monkeypatch.setattr(sweep, "in_multirun", lambda: True)
+    monkeypatch.setattr(sweep.HydraConfig, "get", lambda: OmegaConf.create({"sweep": {"dir": str(tmp_path)}}))
     argv = ["--multirun", "train.lr=1e-4,3e-4", "seed=range(1,3)", "train.num_steps=4", "hydra.sweep.dir=s", "algorithm=grpo,rloo",
             "+env.max_turns=1,2", "++train.micro_batch_size=4,8"]
     assert sweep.swept_keys(argv) == {"train.lr", "seed", "algorithm", "env.max_turns", "train.micro_batch_size"}
+    recorded = {"hydra": {"overrides": {"task": ["seed=1,2", "train.num_steps=4"]},
+                          "sweeper": {"params": {"dataset": "arith,counting", "train.kl_coef": "0.1"}}}}
+    OmegaConf.save(OmegaConf.create(recorded), tmp_path / "multirun.yaml")
+    assert sweep.swept_keys(["train.lr=3e-4"]) == {"seed", "dataset"}  # a job process's own argv is not read
     monkeypatch.setattr(sweep, "in_multirun", lambda: False)
     assert sweep.swept_keys(argv) == set()
+
+
+@pytest.mark.slow
+def test_a_sweep_defined_in_a_config_file_refuses_a_resume_whose_values_changed(tmp_path):
+    """`hydra.sweeper.params` in a config file sweeps keys that are not on the command line (as a launcher that runs
+    each job in a process of its own has another command line). A re-launch with `resume=auto` after the file's values
+    changed refused the job whose value moved, as a command-line sweep does. Before, job 1 resumed the lr=0.002 run
+    with lr=0.005, silently."""
+    sweep_dir, experiment = tmp_path / "sweep", tmp_path / "conf" / "experiment" / "lr_sweep.yaml"
+    experiment.parent.mkdir(parents=True)
+
+    def launch(values: str, *extra: str) -> subprocess.CompletedProcess:
+        experiment.write_text(f"# @package _global_\nhydra:\n  sweeper:\n    params:\n      train.lr: {values}\n")
+        return subprocess.run(
+            [sys.executable, "-m", "rlhf.train", "--multirun", f"--config-dir={tmp_path / 'conf'}", "experiment=lr_sweep",
+             *TINY, "checkpoint.every=1", *extra, f"hydra.sweep.dir={sweep_dir}"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        )
+
+    first = launch("1e-3,2e-3")
+    assert first.returncode == exits.FINISHED, (first.stdout + first.stderr)[-3000:]
+    again = launch("1e-3,5e-3", "train.num_steps=2", "resume=auto")
+    summary = (sweep_dir / "summary.txt").read_text().splitlines()
+    assert again.returncode == exits.CONFIG_ERROR, (again.stdout + again.stderr)[-3000:]
+    assert summary[1].startswith("#0 train.lr=0.001 ") and summary[1].endswith(": finished")
+    assert "in a sweep: this job's swept train.lr: 0.002 -> 0.005 differs" in summary[2]

@@ -22,7 +22,7 @@ from hydra.errors import HydraException
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rlhf import exits
@@ -146,17 +146,29 @@ def first_job(overrides: list[str]) -> list[str]:
 
 
 def swept_keys(argv: list[str]) -> set[str]:
-    """The keys a `--multirun` command line ``argv`` varies across jobs (`train.lr` of `train.lr=1e-4,3e-4`, `dataset`
-    of `dataset=gsm8k,math`), without `+`/`~`; empty outside a multirun or for a malformed override (Hydra reports
-    it). Read from the command line: launchers that start each job as a process of its own are not covered."""
+    """The keys this `--multirun` sweep varies across jobs (`train.lr` of `train.lr=1e-4,3e-4`, `dataset` of
+    `dataset=gsm8k,math`), without `+`/`~`; empty outside a multirun or for a malformed override (Hydra reports it).
+    Read from what the sweep recorded (`sweep_overrides`), so a job launched as a process of its own is covered too."""
     if not in_multirun():
         return set()
-    given = [a for a in argv if not a.startswith("-") and "=" in a]
     try:
-        parsed = OverridesParser.create().parse_overrides(given)
+        parsed = OverridesParser.create().parse_overrides(sweep_overrides(argv))
     except HydraException:
         return set()
     return {o.get_key_element().lstrip("+~") for o in parsed if o.is_sweep_override()}
+
+
+def sweep_overrides(argv: list[str]) -> list[str]:
+    """The overrides this job's sweep was launched with: the command line's and the config's `hydra.sweeper.params`,
+    from the sweep's `multirun.yaml`, which Hydra's sweeper writes before any job starts. A launcher that starts each
+    job as a process of its own (joblib, submitit) runs it with another ``argv``, and sweeper params are not on the
+    command line at all. Without that file (another sweeper), the overrides among ``argv``."""
+    recorded = Path(HydraConfig.get().sweep.dir) / "multirun.yaml"
+    if not recorded.is_file():
+        return [a for a in argv if not a.startswith("-") and "=" in a]
+    hydra = OmegaConf.load(recorded).hydra
+    params = hydra.sweeper.get("params") or {}
+    return [*hydra.overrides.task, *(f"{key}={value}" for key, value in params.items())]
 
 
 def check_sweep_values(argv: list[str]) -> None:
