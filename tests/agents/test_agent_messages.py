@@ -3,6 +3,10 @@ text."""
 
 from __future__ import annotations
 
+import json
+
+import httpx
+import openai
 import pytest
 
 from rlhf.agents.messages import (
@@ -100,3 +104,25 @@ def test_a_parser_is_named_by_builtin_name_or_import_path():
     with pytest.raises(ConfigError, match="env.tool_parser='nope'"):
         tool_parser("nope")
 
+
+
+def test_a_reply_the_openai_sdk_sends_back_parses_as_the_object_or_its_dump():
+    """Agents append the SDK's reply message to their history, as the object or as `model_dump()` (which adds
+    `refusal`, `annotations`, `audio`, `function_call` as null): both parse, calls and ids kept."""
+    reply = {"id": "c1", "object": "chat.completion", "created": 0, "model": "m", "choices": [{
+        "index": 0, "finish_reason": "tool_calls", "logprobs": None, "message": {
+            "role": "assistant", "content": "on it", "tool_calls": [
+                {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]}}]}
+    sent = []
+
+    def answer(request):
+        sent.append(json.loads(request.content)["messages"])
+        return httpx.Response(200, json=reply)
+
+    client = openai.OpenAI(base_url="http://endpoint/v1", api_key="k", http_client=httpx.Client(transport=httpx.MockTransport(answer)))
+    ask = {"role": "user", "content": "go"}
+    message = client.chat.completions.create(model="m", messages=[ask]).choices[0].message
+    for held in (message, message.model_dump()):
+        client.chat.completions.create(model="m", messages=[ask, held, {"role": "tool", "tool_call_id": "call_0", "content": "1"}])
+        _, assistant, _ = parse_messages(sent[-1])
+        assert assistant == Message("assistant", "on it", (ToolCall("f", '{"x": 1}', id="call_0"),))
