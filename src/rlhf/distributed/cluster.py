@@ -119,9 +119,8 @@ class RayRun:
     def shutdown(self) -> None:
         ray = import_ray()
         if self.started_ray and ray.is_initialized() and not gcs_answers(ray):
-            # the private cluster is gone (a signal sent to every process of the job, as SLURM's scancel sends, stopped
-            # it too): nothing is left to release, and Ray's shutdown, here or at exit, would wait 60 s for its GCS
-            # and then end the process with exit 1 in place of the run's own code
+            # nothing is left to release, and Ray's shutdown, here or at exit, would wait 60 s for the GCS and then
+            # end the process with exit 1 in place of the run's own code
             log.warning(
                 "the private Ray cluster's processes have ended: killed, or stopped by a signal sent to every process "
                 "of the job (as SLURM sends at preemption), which leaves the step in progress unsaved; the newest "
