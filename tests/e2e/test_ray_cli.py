@@ -17,6 +17,8 @@ from typing import Callable
 import pytest
 from test_cli import ALGORITHM_METRICS, COMMON_METRICS, run_cli, scalars
 
+from rlhf.distributed.cluster import RELEASE_TIMEOUT_S
+
 pytestmark = pytest.mark.slow
 
 RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
@@ -183,8 +185,27 @@ def test_sigterm_to_every_process_of_the_job_ends_promptly_with_exit_4(tmp_path)
 
     log, elapsed = stop(proc, lines, term_every_process)
     assert proc.returncode == 4, log[-3000:]
-    assert "the private Ray cluster's processes have ended" in log and "--signal=B:TERM" in log, log[-3000:]
+    assert "the private Ray cluster does not answer" in log and "--signal=B:TERM" in log, log[-3000:]
     assert elapsed < 45, elapsed
+
+
+def test_a_stop_while_the_clusters_head_is_frozen_saves_and_exits_5_without_waiting_for_it(tmp_path):
+    """The head (GCS) still accepts connections but answers nothing: stopped (SIGSTOP), or still going down after a
+    signal to every process (the race behind a SLURM preemption). The step and its save need only the workers, so
+    the run saves; the release the head does not answer is given up after `RELEASE_TIMEOUT_S`, and the run exits 5.
+    Before, Ray waited 60 s for the head and ended the process with exit 1."""
+    run_dir = tmp_path / "run"
+    proc, lines = start_until_step(run_dir, 3, *STOPPABLE)
+    (head,) = [pid for pid in descendants(proc.pid) if b"gcs_server" in command_line(pid)]
+    os.kill(head, signal.SIGSTOP)
+    log, elapsed = stop(proc, lines, lambda: proc.send_signal(signal.SIGTERM))
+    assert proc.returncode == 5, log[-3000:]
+    assert "checkpoint saved" in log and "the private Ray cluster does not answer" in log, log[-3000:]
+    assert elapsed < RELEASE_TIMEOUT_S + 30, elapsed
+    deadline = time.monotonic() + 30  # the frozen head still dies with the run (SIGKILL reaches a stopped process)
+    while command_line(head) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not command_line(head)
 
 
 def test_kill_9_of_the_run_takes_its_private_cluster_down(tmp_path):

@@ -15,6 +15,7 @@ import socket
 import sys
 import threading
 from dataclasses import dataclass, field
+from typing import Callable
 
 from rlhf.errors import ConfigError
 from rlhf.distributed.layout import PlacementSpec, bundle_resources, check_fits, placement_specs, used_roles
@@ -72,6 +73,27 @@ def end_if_cluster_lost(code: int) -> None:
     os._exit(code)
 
 
+RELEASE_TIMEOUT_S = 15.0  # a live private cluster releases a run's actors and placement groups in under a second
+
+
+def finishes(fn: Callable[[], None], timeout_s: float) -> bool:
+    """Whether ``fn()`` returns within ``timeout_s``, run in a daemon thread that is left behind if it does not. An
+    exception it raises is logged and counts as not finishing: this runs while the run ends, in a `finally` whose
+    exception would hide the one that ended it."""
+    done = threading.Event()
+
+    def call() -> None:
+        try:
+            fn()
+        except Exception:
+            log.warning("releasing the Ray cluster failed", exc_info=True)
+        else:
+            done.set()
+
+    threading.Thread(target=call, daemon=True, name="rlhf-ray-release").start()
+    return done.wait(timeout_s)
+
+
 def gcs_answers(ray, timeout_s: float = 5.0) -> bool:
     """Whether the connected cluster's GCS (its head process) still accepts connections."""
     host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
@@ -116,23 +138,9 @@ class RayRun:
     groups: dict[str, ActorGroup] = field(default_factory=dict)
     placement_groups: list = field(default_factory=list)
 
-    def shutdown(self) -> None:
+    def release(self) -> None:
+        """Kill the run's actors and remove its placement groups."""
         ray = import_ray()
-        if self.started_ray and ray.is_initialized() and not gcs_answers(ray):
-            # nothing is left to release, and Ray's shutdown, here or at exit, would wait 60 s for the GCS and then
-            # end the process with exit 1 in place of the run's own code
-            log.warning(
-                "the private Ray cluster's processes have ended: killed, or stopped by a signal sent to every process "
-                "of the job (as SLURM sends at preemption), which leaves the step in progress unsaved; the newest "
-                "checkpoint is the last regular one (checkpoint.every). For a checkpoint at a stop, signal this "
-                "process alone (SLURM, before the time limit: --signal=B:TERM@<seconds> and a trap in the batch "
-                "script that forwards it here)"
-            )
-            atexit.unregister(ray.shutdown)
-            CLUSTER_LOST.set()
-            self.groups.clear()
-            self.placement_groups.clear()
-            return
         for group in self.groups.values():
             for actor in group.actors:
                 ray.kill(actor, no_restart=True)
@@ -140,14 +148,33 @@ class RayRun:
             ray.util.remove_placement_group(pg)
         self.groups.clear()
         self.placement_groups.clear()
-        if self.started_ray and ray.is_initialized():
-            try:
-                ray.shutdown()
-            except BrokenPipeError:
-                # the console is gone (a `| tee` ended by the same Ctrl-C): Ray's last worker lines cannot be printed,
-                # and the shutdown stopped before its own processes; the run's log file holds the rest
-                sys.stdout = sys.stderr = open(os.devnull, "w")  # left open: the process is ending
-                ray.shutdown()
+
+    def shutdown(self) -> None:
+        ray = import_ray()
+        private = self.started_ray and ray.is_initialized()
+        if private and not (gcs_answers(ray) and finishes(self.release, RELEASE_TIMEOUT_S)):
+            # the GCS is gone, or going, or frozen (a release it does not answer): Ray's shutdown, here or at exit,
+            # would wait 60 s for it and then end the process with exit 1 in place of the run's own code
+            log.warning(
+                "the private Ray cluster does not answer: its processes were killed, frozen, or stopped by a signal "
+                "sent to every process of the job (as SLURM sends at preemption); this process exits without waiting "
+                "for them. A step they were running is lost: the newest checkpoint is the last one logged as saved. "
+                "For a checkpoint at a stop, signal this process alone (SLURM, before the time limit: "
+                "--signal=B:TERM@<seconds> and a trap in the batch script that forwards it here)"
+            )
+            atexit.unregister(ray.shutdown)
+            CLUSTER_LOST.set()
+            return
+        if not private:
+            self.release()
+            return
+        try:
+            ray.shutdown()
+        except BrokenPipeError:
+            # the console is gone (a `| tee` ended by the same Ctrl-C): Ray's last worker lines cannot be printed, and
+            # the shutdown stopped before its own processes; the run's log file holds the rest
+            sys.stdout = sys.stderr = open(os.devnull, "w")  # left open: the process is ending
+            ray.shutdown()
 
 
 def reserve(specs: list[PlacementSpec], cluster) -> list:
