@@ -21,6 +21,13 @@ RUN_RAISED = 6
 
 log = logging.getLogger("rlhf")
 
+
+def of_hydra(code: int | str | None) -> int | str | None:
+    """An entry point's exit code as `rlhf.exits` says it: 1 is Hydra reporting its own error, which is always the
+    command line's or the config files' (an unknown key, a wrong type, an unknown group option or experiment), so
+    CONFIG_ERROR; any other code passes unchanged."""
+    return CONFIG_ERROR if code == 1 else code
+
 _PACKAGE = Path(__file__).resolve().parent
 _LIBRARY_KEYS = ("stdlib", "platstdlib", "purelib", "platlib")
 _LIBRARIES = {Path(p).resolve() for key in _LIBRARY_KEYS if (p := sysconfig.get_path(key))}

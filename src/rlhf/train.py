@@ -153,11 +153,9 @@ def main() -> float | None:
         raise SystemExit(exits.CONFIG_ERROR) from None
     try:
         result = run()
-    except SystemExit as exit:
-        # `run` ends with this project's codes (`rlhf.exits`); 1 is Hydra reporting its own error, which is always the
-        # command line's or the config files' (an unknown key, a wrong type, an unknown group option or experiment)
-        code = exits.CONFIG_ERROR if exit.code == 1 else exit.code
-        end_if_cluster_lost(code if isinstance(code, int) else exits.FINISHED if code is None else exits.RUN_RAISED)
+    except SystemExit as exit:  # `run` ends with this project's codes, Hydra with 1 for its own errors
+        code = exits.of_hydra(exit.code)
+        end_if_cluster_lost(code)
         raise SystemExit(code) from None
     end_if_cluster_lost(exits.FINISHED)
     return result

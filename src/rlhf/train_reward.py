@@ -145,10 +145,8 @@ def main() -> float:
         raise SystemExit(exits.CONFIG_ERROR) from None
     try:
         return run()
-    except SystemExit as exit:
-        if exit.code == 1:  # Hydra reporting its own error: always the command line's or the config files'
-            raise SystemExit(exits.CONFIG_ERROR) from None
-        raise
+    except SystemExit as exit:  # `run` ends with this project's codes, Hydra with 1 for its own errors
+        raise SystemExit(exits.of_hydra(exit.code)) from None
 
 
 @hydra.main(config_path="pkg://rlhf.conf", config_name="train_reward", version_base="1.3")

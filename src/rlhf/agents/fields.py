@@ -16,11 +16,10 @@ resembles, so a misspelt ``temprature`` is not sampled at the run's temperature 
 
 from __future__ import annotations
 
-import difflib
 import functools
 from dataclasses import dataclass
 
-from rlhf.agents.messages import RequestError
+from rlhf.agents.messages import RequestError, resembling
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
@@ -94,13 +93,7 @@ def _unknown(name: str, route: str, known: tuple[str, ...]) -> str:
     other = "completions" if route == "chat" else "chat"
     if name in known_fields(other):
         return f"{name!r} is a field of {PATHS[other]}, not of {PATHS[route]}"
-    return f"unrecognized field {name!r}{_resembling(name, known)} ({PATHS[route]} refuses fields it does not know rather than ignore them)"
-
-
-def _resembling(name: str, known: tuple[str, ...]) -> str:
-    """"; did you mean '<field>'?" for the known field most like ``name``, or nothing."""
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.7)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    return f"unrecognized field {name!r}{resembling(name, known)} ({PATHS[route]} refuses fields it does not know rather than ignore them)"
 
 
 REWARD_FIELDS = ("reward", "finished")  # a reward body's (`POST /sessions/<id>/reward`)
@@ -111,7 +104,7 @@ def check_reward_fields(body: dict) -> None:
     ``rewrad`` would otherwise post a reward of 0 without a word."""
     unknown = [name for name in body if name not in REWARD_FIELDS]
     if unknown:
-        raise RequestError(f"unrecognized field {unknown[0]!r}{_resembling(unknown[0], REWARD_FIELDS)}: a reward body is {{\"reward\": x, \"finished\": "
+        raise RequestError(f"unrecognized field {unknown[0]!r}{resembling(unknown[0], REWARD_FIELDS)}: a reward body is {{\"reward\": x, \"finished\": "
                            f"false}}", field_name=unknown[0])
     if not body:
         raise RequestError('an empty reward body: send {"reward": x}, {"finished": true}, or both')

@@ -83,6 +83,12 @@ class Message:
         return out
 
 
+def resembling(name: str, known: tuple[str, ...]) -> str:
+    """"; did you mean '<field>'?" for the known field most like ``name``, or nothing."""
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.7)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 def canonical_arguments(arguments: Any, where: str) -> str:
     """Tool-call arguments (a JSON string or an object) as canonical JSON, or RequestError naming ``where``."""
     if isinstance(arguments, str):
@@ -146,8 +152,7 @@ def _check_message_fields(message: dict, role: str, where: str) -> None:
     for name, value in message.items():
         at = f"{where}.{name}"
         if name not in MESSAGE_FIELDS:
-            close = difflib.get_close_matches(name, MESSAGE_FIELDS, n=1, cutoff=0.7)
-            hint = f"; did you mean {close[0]!r}?" if close else f" (a message holds {', '.join(MESSAGE_FIELDS)})"
+            hint = resembling(name, MESSAGE_FIELDS) or f" (a message holds {', '.join(MESSAGE_FIELDS)})"
             raise RequestError(f"unrecognized field {at}{hint}", field_name=at)
         if name in _NULL_ONLY and value is not None:
             raise RequestError(f"{at}={value!r}: {_NULL_ONLY[name]}", field_name=at)

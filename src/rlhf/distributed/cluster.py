@@ -58,10 +58,11 @@ def connect(cluster) -> bool:
 CLUSTER_LOST = threading.Event()  # set by `RayRun.shutdown` when the private cluster had ended: see `end_if_cluster_lost`
 
 
-def end_if_cluster_lost(code: int) -> None:
-    """End the process at once with ``code`` when `RayRun.shutdown` found its private cluster gone: the Ray client
-    left in this process, torn down at exit with no cluster to answer it, crashes it (SIGSEGV) in place of the run's
-    exit code. The log and the console are flushed first."""
+def end_if_cluster_lost(code: int | str | None) -> None:
+    """End the process at once with ``code`` (a `SystemExit` code: None is 0, text is 1, as Python exits) when
+    `RayRun.shutdown` found its private cluster gone: the Ray client left in this process, torn down at exit with no
+    cluster to answer it, crashes it (SIGSEGV) in place of the run's exit code. The log and the console are flushed
+    first."""
     if not CLUSTER_LOST.is_set():
         return
     logging.shutdown()
@@ -70,7 +71,7 @@ def end_if_cluster_lost(code: int) -> None:
             stream.flush()
         except (OSError, ValueError):  # a console already gone
             pass
-    os._exit(code)
+    os._exit(0 if code is None else code if isinstance(code, int) else 1)
 
 
 RELEASE_TIMEOUT_S = 15.0  # a live private cluster releases a run's actors and placement groups in under a second
