@@ -32,6 +32,7 @@ from rlhf.run.build import build_components
 from rlhf.config import ConfigError, register_schema, validate
 from rlhf.config.compose import check_command_line
 from rlhf.config.moved import check_overrides
+from rlhf.config.tiny import tiny_settings_warning
 from rlhf.distributed.cluster import end_if_cluster_lost
 from rlhf.distributed.layout import check_launcher
 from rlhf.distributed.remote import WorkerError
@@ -166,6 +167,9 @@ def run(cfg: DictConfig) -> float | None:
     """Train; exit with the outcome's code (`rlhf.exits`), or in a `--multirun` record it for the sweep's summary."""
     if not wants_bar(cfg.logging.progress_bar, sys.stderr):
         transformers_logging.disable_progress_bar()  # its loading bars would put control characters into CI logs
+    warning = tiny_settings_warning(cfg, HydraConfig.get().runtime.choices.get("model"))
+    if warning:
+        log.warning(warning)
     if cfg.preflight:
         return preflight_only(cfg, Path(HydraConfig.get().runtime.output_dir))
     try:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rlhf.agents.messages import Message, ParsedReply, RequestError, extends, with_call_ids
-from rlhf.data.mix import encode_prompt
+from rlhf.data.templates import encode_prompt
 from rlhf.envs.loop import Episode, Turn, within_budget
 from rlhf.envs.templates import chat_after_reply
 

@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 
 from rlhf.data import files
 from rlhf.errors import ConfigError
+from rlhf.models.gguf import is_gguf
 from rlhf.models.loading import BUILTIN_PREFIX, looks_local
 
 TIMEOUT_S = 5.0  # one HEAD request; an unreachable host fails at once (DNS), a black-holed one within this
@@ -49,8 +50,9 @@ class Source:
 
 
 def is_hub_model_name(value: str | None) -> bool:
-    """Whether a model key's value is a hub name (set, not `builtin:`, not a local path)."""
-    return bool(value) and not value.startswith(BUILTIN_PREFIX) and not looks_local(value)
+    """Whether a model key's value is a hub name (set, not `builtin:`, not a local path, not a GGUF file: a hub GGUF
+    is fetched, and its failure named, by `rlhf.models.gguf`)."""
+    return bool(value) and not value.startswith(BUILTIN_PREFIX) and not looks_local(value) and not is_gguf(value)
 
 
 def is_hub_dataset_name(path: str | None) -> bool:

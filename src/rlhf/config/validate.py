@@ -12,7 +12,7 @@ import re
 
 from dataclasses import dataclass
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from rlhf import registry
 from rlhf.algorithms import build_algorithm
@@ -175,9 +175,17 @@ def _is_verifier(name: str) -> bool:
     return bool(getattr(registry.resolve("reward", name, key="reward.functions"), "is_verifier", False))
 
 
+def check_required_keys(cfg: DictConfig) -> None:
+    """ConfigError naming every key a preset leaves for the user to set (`???`), e.g. model=custom's model.name_or_path."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    _require(not missing, f"{', '.join(missing)} must be set (the chosen presets leave {'them' if len(missing) > 1 else 'it'} to you): "
+             f"add {' '.join(f'{key}=...' for key in missing)} to the command line")
+
+
 def validate(cfg: DictConfig) -> DerivedSizes:
     """Every check that needs no model: choices, ranges, batch arithmetic. Returns the derived sizes."""
     check_unknown_keys(cfg)  # first: a `+typo=...` key would otherwise be silently ignored
+    check_required_keys(cfg)
     algo, gen, train = cfg.algorithm, cfg.generator, cfg.train
     _require(
         re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(cfg.cluster.device)) is not None,

@@ -28,7 +28,7 @@ from rlhf.data.cache import cache_folder, read_cache, write_cache
 from rlhf.data.config import DatasetConfig, DataSourceConfig
 from rlhf.data.files import LOCAL_FORMATS, FileRows, RowSpan, folder_files, looks_local, missing_path_error, read_files
 from rlhf.data.prompts import PromptExample, PromptSplits
-from rlhf.data.templates import CHAT_ROLES, TEMPLATE_ROLES, render_prompt, renders_role, resolve_template
+from rlhf.data.templates import CHAT_ROLES, TEMPLATE_ROLES, encode_prompt, render_prompt, renders_role, resolve_template
 from rlhf.errors import ConfigError, require
 from rlhf.registry import register
 
@@ -279,12 +279,6 @@ def row_ground_truth(row: dict[str, Any], cfg) -> Any:
     if answer is None:
         raise BadRow(key, f"no {cfg.ground_truth_format} answer in it")
     return answer
-
-
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    """Token ids of a rendered prompt; the tokenizer adds its special tokens (BOS) unless the text already has them."""
-    bos = tokenizer.bos_token
-    return tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"]
 
 
 def to_examples(

@@ -14,7 +14,8 @@ from typing import Optional
 
 from rlhf.data.answers import with_suffix
 from rlhf.data.config import DatasetConfig
-from rlhf.data.mix import SourceReport, encode_prompt, log_report
+from rlhf.data.mix import SourceReport, log_report
+from rlhf.data.templates import encode_prompt
 from rlhf.data.prompts import PromptExample, PromptSplits
 from rlhf.data.templates import render_prompt, resolve_template
 from rlhf.errors import ConfigError

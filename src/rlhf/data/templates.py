@@ -109,3 +109,9 @@ def render_prompt(tokenizer, messages: list[dict[str, str]], template: str, name
         return tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=False)
     except (TemplateError, TypeError) as err:  # a syntax error, an undefined name, a wrong operation on a value
         raise _template_error(name or template, where or "a conversation", err) from None
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """Token ids of a rendered prompt; the tokenizer adds its special tokens (BOS) unless the text already has them."""
+    bos = tokenizer.bos_token
+    return tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"]

@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from rlhf.data.mix import encode_prompt
+from rlhf.data.templates import encode_prompt
 from rlhf.data.prompts import PromptExample
 from rlhf.envs.base import EnvError, EnvMaker, as_episode_error, check_reset, check_step, in_daemon_thread
 from rlhf.envs.templates import render

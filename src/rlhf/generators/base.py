@@ -27,7 +27,7 @@ from rlhf.trajectory import Trajectories
 class GeneratorConfig(PartConfig):
     """The sampling keys every backend shares, so switching backends is one override."""
 
-    max_new_tokens: int = 8  # response length limit; responses that hit it without a stop token are non-stop
+    max_new_tokens: int = 256  # response length limit; responses that hit it without a stop token are non-stop
     temperature: float = 1.0  # sampling temperature (also used by the trainer's logprobs)
     top_p: float = 1.0  # nucleus sampling mass
     stop_token: str = "eos"  # `eos` for the tokenizer's EOS, or a literal token that ends a response

@@ -1,7 +1,7 @@
 """Loading tokenizers and causal LMs through the normal `from_pretrained` path.
 
-``name_or_path`` is a hub name, a local folder, or ``builtin:<name>`` for a model shipped in
-``rlhf/assets`` (the tiny model of the default task, reproducible with ``python -m rlhf.warmstart``).
+``name_or_path`` is a hub name, a local folder, ``builtin:<name>`` for a model shipped in ``rlhf/assets`` (the tiny
+model of the default task, reproducible with ``python -m rlhf.warmstart``), or a GGUF file (``rlhf.models.gguf``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from rlhf.errors import ConfigError
+from rlhf.models import gguf
 from rlhf.models.dtypes import DTYPES
 
 log = logging.getLogger(__name__)
@@ -24,12 +25,19 @@ BUILTIN_PREFIX = "builtin:"
 
 
 def looks_local(name_or_path: str) -> bool:
-    """Whether a model reference is meant as a local folder rather than a hub name."""
-    return name_or_path.startswith(("/", "./", "../", "~")) or Path(name_or_path).expanduser().exists()
+    """Whether a model reference is meant as a local folder or file (or a file an installed package ships) rather than
+    a hub name."""
+    local = ("/", "./", "../", "~", gguf.PACKAGE_PREFIX)
+    return name_or_path.startswith(local) or Path(name_or_path).expanduser().exists()
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """A `from_pretrained` argument: builtin names become their folder inside the installed package."""
+    """A `from_pretrained` argument: builtin names become their folder inside the installed package, a GGUF file its
+    converted folder (`rlhf.models.gguf`), a `package:` reference the path inside its package."""
+    if gguf.is_gguf(name_or_path):
+        return gguf.resolve(name_or_path)
+    if name_or_path.startswith(gguf.PACKAGE_PREFIX):
+        return str(gguf.package_file(name_or_path))
     if not name_or_path.startswith(BUILTIN_PREFIX):
         return name_or_path
     name = name_or_path[len(BUILTIN_PREFIX) :]

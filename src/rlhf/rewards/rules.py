@@ -59,6 +59,13 @@ def arith_correct(prompts, responses, ground_truths, **_) -> list[float]:
     return [float(_same_integer(r, g)) for r, g in zip(responses, ground_truths)]
 
 
+@register("reward", "last_integer_correct")
+@verifier
+def last_integer_correct(prompts, responses, ground_truths, **_) -> list[float]:
+    """1.0 when the response's last integer is the answer (a chat model's "25 + 60 = 85" answers 85), else 0.0."""
+    return [float(bool(found := _INTEGER.findall(r)) and _same_integer(found[-1], g)) for r, g in zip(responses, ground_truths)]
+
+
 @register("reward", "integer_format")
 def integer_format(prompts, responses, ground_truths, **_) -> list[float]:
     """1.0 when the response is a bare integer (the task's answer format), else 0.0."""

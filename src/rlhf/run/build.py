@@ -30,6 +30,7 @@ from rlhf.envs.loop import EpisodeRunner
 from rlhf.generators.base import SamplingParams
 from rlhf.envs.templates import check as check_template
 from rlhf.generators.hf import stop_token_id
+from rlhf.models.gguf import ModelSourceError
 from rlhf.models.lora import AdaptersOff, check_not_adapter
 from rlhf.models.loading import (
     check_model_kind, check_model_tokenizer, check_vocab_match, check_weight_files, load_tokenizer, looks_local, pick_device, resolve_model_path,
@@ -138,7 +139,7 @@ def check_model_sources(cfg) -> None:
             continue
         try:
             path = resolve_model_path(value)
-        except FileNotFoundError as err:
+        except (FileNotFoundError, ModelSourceError) as err:
             raise ConfigError(f"{key}: {err}") from None
         if looks_local(path) and key != "model.tokenizer":
             check_not_adapter(key, value, path)
