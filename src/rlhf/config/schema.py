@@ -264,5 +264,5 @@ class RewardTrainConfig:
     preferences: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)  # chosen/rejected pairs
     train: RewardTrainLoopConfig = field(default_factory=RewardTrainLoopConfig)  # optimisation
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # device
-    save_dir: Optional[str] = None  # where the reward model folder goes; null = <run folder>/reward_model
+    save_dir: Optional[str] = None  # where the reward model goes (missing, empty, or an earlier one); null = <run folder>/reward_model
     tensorboard: bool = True  # write TensorBoard events to <run folder>/tensorboard

@@ -22,6 +22,7 @@ class ArithDatasetConfig(DatasetConfig):
     max_prompt_length: int = 16  # tokens; `a+b=` with BOS is at most 6 (a longer prompt is an error)
 
 ALPHABET = "0123456789+="
+MAX_OPERAND = 49  # the largest operand the task (and its warm start) supports: 49+49= and its answer fit the tiny model
 
 
 def arith_problems(max_operand: int) -> list[tuple[str, str]]:
@@ -32,8 +33,8 @@ def arith_problems(max_operand: int) -> list[tuple[str, str]]:
 @register("dataset", "arith")
 def arith_dataset(cfg, tokenizer, seed: int = 1) -> PromptSplits:
     """All addition problems as prompts; ``cfg.eval_size`` of them (seeded) held out for evaluation."""
-    if not 0 <= cfg.max_operand <= 49:
-        raise ValueError(f"dataset.max_operand={cfg.max_operand} must be within 0..49")
+    if not 0 <= cfg.max_operand <= MAX_OPERAND:
+        raise ValueError(f"dataset.max_operand={cfg.max_operand} must be within 0..{MAX_OPERAND}")
     examples = []
     for prompt, answer in arith_problems(cfg.max_operand):
         ids = tuple(tokenizer(prompt)["input_ids"])
