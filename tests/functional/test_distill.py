@@ -1,4 +1,4 @@
-"""On-policy distillation's signal on hand values: -(log p_behaviour - log p_teacher) per action token, zero outside
+"""On-policy distillation's signal on hand values: -(log p_student - log p_teacher) per action token, zero outside
 the mask (observations, padding); the reverse KL estimate is its negative mean over the mask."""
 
 import pytest

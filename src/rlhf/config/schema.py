@@ -44,7 +44,7 @@ class AlgorithmConfig:
     filter_groups: bool = False  # dynamic sampling (DAPO): drop groups whose scores all tie, draw more prompts to fill the step
     max_resample_rounds: int = 3  # filter_groups: extra prompt draws per step before training on the groups kept so far
     filter_on: str = "score"  # filter_groups: what must differ within a kept group: score, accuracy (the verifiers' verdict), or auto (accuracy when reward.functions has a verifier, else score)
-    distill_coef: float = 0.0  # on-policy distillation: weight of the teacher's per-token signal -(logp_behaviour - logp_teacher) added to every advantage (needs teacher.name_or_path); algorithm/advantage=opd uses the signal alone
+    distill_coef: float = 0.0  # on-policy distillation: weight of the teacher's per-token signal -(logp_student - logp_teacher), the student's pre-update logprobs, added to every advantage (needs teacher.name_or_path); algorithm/advantage=opd uses the signal alone
 
 
 @dataclass
