@@ -96,7 +96,7 @@ class TeacherConfig:
     name_or_path: Optional[str] = None  # the frozen teacher of on-policy distillation (hub name, folder, builtin:<name>); null = none. Same tokenizer as the policy; model.dtype and revision rules as the reference's
     url: Optional[str] = None  # a remote teacher: an OpenAI-compatible completions endpoint returning prompt_logprobs (vLLM's `vllm serve`), e.g. http://host:8000/v1; null = load name_or_path here
     model: Optional[str] = None  # the model name sent to teacher.url; null = teacher.name_or_path
-    timeout_s: float = 120.0  # teacher.url: seconds one request may take
+    timeout_s: float = 120.0  # teacher.url: seconds one request may take as a whole (connecting, sending, the whole answer)
     max_concurrency: int = 8  # teacher.url: requests in flight at once (one per row)
 
 
