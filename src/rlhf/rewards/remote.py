@@ -24,6 +24,7 @@ import time
 
 from rlhf.errors import require
 from rlhf.registry import register
+from rlhf.rewards.combine import as_score, shown
 from rlhf.web import is_http_url, post_json
 
 _EXAMPLE = "{name: remote, args: {url: 'http://127.0.0.1:8000/score'}}"  # quoted in the missing-url error
@@ -70,8 +71,9 @@ def _read_scores(reply: bytes, rows: int, url: str) -> list[float]:
         count = len(scores) if isinstance(scores, list) else type(scores).__name__
         raise RemoteRewardError(f"reward function remote: {url} returned {count} scores for {rows} rows")
     for i, score in enumerate(scores):
-        if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
-            message = f"reward function remote: {url} returned score {score!r} for row {i}, not a number"
+        number = None if isinstance(score, bool) or not isinstance(score, (int, float)) else as_score(score)
+        if number is None or not math.isfinite(number):  # JSON's 1e400 reads as inf, and 10**400 as an int
+            message = f"reward function remote: {url} returned score {shown(score)} for row {i}, not a finite number"
             raise RemoteRewardError(message)
     return [float(score) for score in scores]
 
