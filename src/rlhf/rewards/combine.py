@@ -125,13 +125,14 @@ class RewardSet:
                 check(f"reward.functions[{i}].args", **args)
             self.functions.append((fn_cfg.name, weight, args, fn))
 
-    def check_truths(self, truths: list) -> None:
-        """Each function that reads ground truths a way of its own (``fn.check_truths(truths, **args)``, e.g.
-        `math_verify`'s parser) checks the dataset's before any model loads; ConfigError naming the row."""
+    def check_truths(self, truths: list, origins: list[str]) -> None:
+        """Each function that reads ground truths a way of its own (``fn.check_truths(truths, origins, **args)``, e.g.
+        `math_verify`'s parser) checks the dataset's before any model loads; ConfigError naming where the row is
+        (``origins``: each truth's, "p.jsonl line 101")."""
         for name, _, args, fn in self.functions:
             check = getattr(fn, "check_truths", None)
             if check is not None:
-                check(truths, **args)
+                check(truths, origins, **args)
 
     @property
     def verifiers(self) -> list[str]:
