@@ -203,8 +203,13 @@ def check_args(args: argparse.Namespace, output_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output-dir", type=Path, default=None, help="where to save (default: the committed asset)")
+    parser = argparse.ArgumentParser(
+        prog="python -m rlhf.warmstart", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--output-dir", type=Path, default=None,
+        help="where to save: a folder that is missing, empty or an earlier warm start (default: the committed asset)",
+    )
     parser.add_argument("--steps", type=int, default=1500, help="optimiser steps")
     parser.add_argument("--batch-size", type=int, default=128, help="demonstrations per step")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (linear decay to 0)")
