@@ -20,6 +20,7 @@ import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 from urllib.parse import urlparse
 
 import torch
@@ -69,6 +70,7 @@ class Output:
     owner: str = ""  # the writer that replaces or prunes it (`rlhf.disk`'s names); "": the run only adds files to it
     fix: str = ""  # what to do when it holds another's files; "": choose another `key`
     whole: bool = False  # replaced whole by each save (an exported model), so no other output may lie inside it
+    ours: Callable[[Path], bool] | None = None  # an entry its writer made before it marked its folders (a checkpoint)
 
 
 def check_outputs(outputs: list[Output]) -> None:
@@ -78,8 +80,7 @@ def check_outputs(outputs: list[Output]) -> None:
     for output in outputs:
         check_writable(output.key, output.probe, output.path)
         if output.owner:
-            ours = is_checkpoint_entry if output.owner == TRAIN_CHECKPOINTS else None
-            check_own_output(output.path, output.key, output.owner, output.fix, ours)
+            check_own_output(output.path, output.key, output.owner, output.fix, output.ours)
         if output.needed:
             check_space(output)
 
@@ -181,7 +182,7 @@ def train_outputs(cfg, out: Path, root: Path, checkpoint_size: int | None) -> li
     """The folders `rlhf.train` writes: the run folder (its logs), `checkpoint.dir`, and `<run folder>/final_model`."""
     outputs = [
         Output("hydra.run.dir", out, out, "the run's logs and evaluation completions", log_bytes(cfg)),
-        Output("checkpoint.dir", root, root, "a checkpoint", checkpoint_size, TRAIN_CHECKPOINTS),
+        Output("checkpoint.dir", root, root, "a checkpoint", checkpoint_size, TRAIN_CHECKPOINTS, ours=is_checkpoint_entry),
     ]
     if cfg.checkpoint.save_final_model:
         export = checkpoint_size and checkpoint_size // STATE_COPIES  # the policy's weights (with a critic: over)
