@@ -15,6 +15,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from rlhf.disk import OWNER_FILE
 from rlhf.run import checkpoint
 from rlhf.run.checkpoint import STATE_FILE, STATE_KEYS, complete_checkpoints, resume_path
 from rlhf.config.schema import CriticConfig, RewardConfig
@@ -197,10 +198,11 @@ def test_resume_given_incomplete_folder_is_a_config_error(tmp_path, which):
 
 
 def test_save_writes_a_complete_folder_and_no_leftovers(tmp_path):
-    """After a save only `step_<8 digits>` exists, with trainer_state.json, the policy and rng.pt inside."""
+    """After a save only `step_<8 digits>` exists (and the root's owner mark), with trainer_state.json, the policy and
+    rng.pt inside."""
     final = checkpoint.save(stub_components(StubPolicy(7)), tmp_path, 12, {"run_id": "abc"}, keep_last=0)
     assert final == tmp_path / "step_00000012"
-    assert [p.name for p in tmp_path.iterdir()] == ["step_00000012"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [OWNER_FILE, "step_00000012"]
     assert sorted(p.name for p in final.iterdir()) == ["policy", "rng.pt", STATE_FILE]
     state = json.loads((final / STATE_FILE).read_text())
     assert state["step"] == 12 and state["run"] == {"run_id": "abc"}
@@ -259,7 +261,7 @@ def test_saving_twice_at_the_same_step_replaces_the_folder(tmp_path):
     assert not (second / "extra.txt").exists()
     assert (second / "policy" / "value.txt").read_text() == "2"
     assert json.loads((second / STATE_FILE).read_text())["run"] == {"n": 2}
-    assert [p.name for p in tmp_path.iterdir()] == ["step_00000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [OWNER_FILE, "step_00000004"]
 
 
 def test_keep_last_prunes_the_oldest(tmp_path):

@@ -1,4 +1,10 @@
-"""Durable writes and disk-space messages, shared by checkpoints, exports and the preflight checks."""
+"""Durable writes, disk-space messages and output ownership, shared by checkpoints, exports and the preflight checks.
+
+Ownership: every folder a command writes whole (an exported model, a reward model, a warm start, a checkpoint root)
+gets an `OWNER_FILE` naming the command and the key that chose it. Before any training, `check_own_output` lets a
+command write only where nothing is, into an empty folder, or over its own earlier output under the same key: a
+user's folder of files, or a file, is never deleted to make room.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,17 @@ import resource
 import shutil
 from pathlib import Path
 
-from rlhf.errors import FULL_DISK_ERRNOS, FileSizeLimitError, NoSpaceError
+from typing import Callable
+
+from rlhf.errors import FULL_DISK_ERRNOS, ConfigError, FileSizeLimitError, NoSpaceError
+
+OWNER_FILE = ".rlhf-owner"  # in each folder a command writes whole: "<command> <key>", the one writer that may replace it
+OWN_PREFIX = ".rlhf"  # this project's own bookkeeping in a folder (the owner file, `.rlhf.lock`, write tests)
+TRAIN_EXPORT = "rlhf.train checkpoint.save_final_model"  # <run folder>/final_model
+TRAIN_ADAPTER = "rlhf.train policy.lora.rank"  # <run folder>/final_adapter, beside final_model under LoRA
+TRAIN_CHECKPOINTS = "rlhf.train checkpoint.dir"  # the checkpoint root, whose step_* folders the run prunes
+REWARD_MODEL = "rlhf.train_reward save_dir"  # the trained reward model
+WARM_START = "rlhf.warmstart --output-dir"  # a warm-start model (the committed assets carry it too)
 
 
 def fsync_dir(path: Path) -> None:
@@ -93,3 +109,39 @@ def out_of_space(err: BaseException, folder: Path, needed: int | None) -> bool:
     if isinstance(err, OSError):
         return err.errno in FULL_DISK_ERRNOS
     return isinstance(err, Exception) and bool(needed) and free_bytes(folder) < needed
+
+
+def claim(folder: Path, owner: str) -> None:
+    """Mark ``folder`` as ``owner``'s output (one of the names above), the only writer that may replace it later."""
+    (Path(folder) / OWNER_FILE).write_text(owner + "\n", encoding="utf-8")
+
+
+def owner_of(folder: Path) -> str | None:
+    """The writer ``folder``'s `OWNER_FILE` names, or None when it has none."""
+    try:
+        return (Path(folder) / OWNER_FILE).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def check_own_output(path: Path, key: str, owner: str, fix: str = "", ours: Callable[[Path], bool] | None = None) -> None:
+    """ConfigError unless ``path`` (chosen by ``key``) is missing, an empty folder, or ``owner``'s earlier output;
+    ``fix``: what to do instead (default: choose another ``key``); ``ours``: an entry ``owner`` wrote before it marked
+    its folders (an older run's checkpoints), which does not count as someone else's."""
+    path, fix = Path(path), fix or f"choose another {key}"
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise ConfigError(f"{key}={path} is a file, which this command did not write and would replace with a folder; {fix}")
+    found = owner_of(path)
+    if found == owner:
+        return
+    if found is not None:
+        raise ConfigError(f"{key}={path} holds the output of `{found}`, which `{owner}` must not replace; {fix}")
+    others = sorted(p.name for p in path.iterdir() if not p.name.startswith(OWN_PREFIX) and not (ours and ours(p)))
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise ConfigError(
+            f"{key}={path} is a folder holding files this command did not write ({shown}), which writing there would "
+            f"delete; {fix}, or empty that folder"
+        )

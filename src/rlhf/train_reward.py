@@ -11,6 +11,7 @@ Hugging Face folder that `reward=model reward.path=<folder>` loads for PPO or on
 from __future__ import annotations
 
 import logging
+import os
 import random
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from rlhf import exits, registry
 from rlhf.checks import hub
+from rlhf.disk import REWARD_MODEL
 from rlhf.run import preflight
 from rlhf.config import ConfigError, register_schema
 from rlhf.config.compose import check_command_line
@@ -125,14 +127,15 @@ def train(cfg: DictConfig, out: Path) -> dict[str, float]:
     if writer is not None:
         writer.close()
     save_dir = reward_model_dir(cfg, out)
-    save_hf_folder(save_dir, model, tokenizer)
+    save_hf_folder(save_dir, model, tokenizer, owner=REWARD_MODEL)
     log.info("eval accuracy %.3f; reward model saved to %s (use: reward=model reward.path=%s)", metrics["eval/accuracy"], save_dir, save_dir)
     return metrics
 
 
 def reward_model_dir(cfg: DictConfig, out: Path) -> Path:
-    """Where the trained reward model goes: `save_dir`, or `<run folder>/reward_model`."""
-    return Path(cfg.save_dir) if cfg.save_dir else out / "reward_model"
+    """Where the trained reward model goes: `save_dir` (made absolute: `save_dir=.` names the folder itself), or
+    `<run folder>/reward_model`."""
+    return Path(os.path.abspath(os.path.expanduser(cfg.save_dir))) if cfg.save_dir else out / "reward_model"
 
 
 def main() -> float:

@@ -29,6 +29,7 @@ but on correct counts only: GRPO on the counting task levels off near 0.85 greed
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import shutil
 import tempfile
@@ -37,9 +38,11 @@ from pathlib import Path
 import torch
 
 from rlhf.config.compose import compose_config
-from rlhf.data.arith import ALPHABET, arith_problems
+from rlhf.data.arith import ALPHABET, MAX_OPERAND, arith_problems
 from rlhf.data.count import CountDatasetConfig, count_answer
-from rlhf.models.hf_folder import save_hf_folder
+from rlhf.disk import WARM_START, check_own_output
+from rlhf.errors import ConfigError
+from rlhf.models.hf_folder import atomic_folder, save_hf_folder
 from rlhf.models.tiny import build_char_tokenizer, build_tiny_llama
 from rlhf.train import train as rl_train
 
@@ -52,6 +55,7 @@ COUNT_MIX = {"correct": 0.35, "near": 0.35, "random": 0.20, "malformed": 0.10}
 CLEAN_MIX = {"correct": 1.0}  # the counting teacher's demonstrations
 MIX = {"correct": 0.30, "off_by_one": 0.40, "random": 0.20, "malformed": 0.10}
 RETRY_MIX = {"correct": 0.30, "repeat": 0.40, "random": 0.20, "malformed": 0.10}  # answers after a wrong one
+PER_PROBLEM = 64  # demonstrations drawn for each problem
 
 
 def demonstration(answer: str, rng: random.Random, max_sum: int) -> str:
@@ -141,9 +145,9 @@ def train(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )
     if count:
-        examples = build_count_examples(tokenizer, CountDatasetConfig.max_count, per_problem=64, seed=seed, mix=count_mix)
+        examples = build_count_examples(tokenizer, CountDatasetConfig.max_count, PER_PROBLEM, seed=seed, mix=count_mix)
     else:
-        examples = build_examples(tokenizer, max_operand, per_problem=64, seed=seed, retry=retry)
+        examples = build_examples(tokenizer, max_operand, PER_PROBLEM, seed=seed, retry=retry)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / steps)
     rng = random.Random(seed)
@@ -163,7 +167,7 @@ def train(
         optimizer.zero_grad()
         if step % 100 == 0 or step == steps:
             print(f"warm start step {step}/{steps}: loss {loss.item():.4f}", flush=True)
-    save_hf_folder(output_dir, model, tokenizer)
+    save_hf_folder(output_dir, model, tokenizer, owner=WARM_START)
     print(f"saved to {output_dir}")
 
 
@@ -171,14 +175,41 @@ def build_teacher(output_dir: Path, seed: int) -> None:
     """The default training run's final policy, saved to ``output_dir`` (its evaluation left out: it changes nothing)."""
     with tempfile.TemporaryDirectory() as tmp:
         rl_train(compose_config([f"seed={seed}", "eval.every=0", "logging.tensorboard=false"]), Path(tmp))
-        shutil.rmtree(output_dir, ignore_errors=True)
-        shutil.copytree(Path(tmp) / "final_model", output_dir)
+        with atomic_folder(output_dir, owner=WARM_START) as folder:  # replaces only an earlier warm start (`check_args`)
+            shutil.copytree(Path(tmp) / "final_model", folder, dirs_exist_ok=True)
     print(f"saved to {output_dir}")
 
 
+def default_output(args: argparse.Namespace) -> Path:
+    """The committed asset the flags rebuild when no --output-dir is given."""
+    if args.teacher:
+        return COUNT_TEACHER_OUTPUT if args.count else TEACHER_OUTPUT
+    return COUNT_OUTPUT if args.count else RETRY_OUTPUT if args.retry else DEFAULT_OUTPUT
+
+
+def check_args(args: argparse.Namespace, output_dir: Path) -> None:
+    """ConfigError naming the flag for a value the warm start cannot train with, or an ``output_dir`` holding files
+    it did not write; checked before any model is built."""
+    if args.steps < 1:
+        raise ConfigError(f"--steps={args.steps} must be >= 1 (an untrained model is no warm start)")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise ConfigError(f"--lr={args.lr} must be a positive number")
+    if not 0 <= args.max_operand <= MAX_OPERAND:
+        raise ConfigError(f"--max-operand={args.max_operand} must be within 0..{MAX_OPERAND}, as dataset.max_operand")
+    problems = CountDatasetConfig.max_count if args.count else (args.max_operand + 1) ** 2
+    if not 1 <= args.batch_size <= problems * PER_PROBLEM:
+        raise ConfigError(f"--batch-size={args.batch_size} must be within 1..{problems * PER_PROBLEM}, the demonstrations there are")
+    check_own_output(output_dir, "--output-dir", WARM_START)
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output-dir", type=Path, default=None, help="where to save (default: the committed asset)")
+    parser = argparse.ArgumentParser(
+        prog="python -m rlhf.warmstart", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--output-dir", type=Path, default=None,
+        help="where to save: a folder that is missing, empty or an earlier warm start (default: the committed asset)",
+    )
     parser.add_argument("--steps", type=int, default=1500, help="optimiser steps")
     parser.add_argument("--batch-size", type=int, default=128, help="demonstrations per step")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (linear decay to 0)")
@@ -191,14 +222,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--count", action="store_true", help="the counting task's model (dataset=count)")
     args = parser.parse_args(argv)
+    output_dir = args.output_dir or default_output(args)
+    try:
+        check_args(args, output_dir)
+    except ConfigError as err:
+        parser.error(str(err))  # usage and the message, exit 2
     if args.teacher and args.count:
-        train(args.output_dir or COUNT_TEACHER_OUTPUT, args.steps, args.batch_size, args.lr, args.seed, args.max_operand,
+        train(output_dir, args.steps, args.batch_size, args.lr, args.seed, args.max_operand,
               count=True, count_mix=CLEAN_MIX)
         return
     if args.teacher:
-        build_teacher(args.output_dir or TEACHER_OUTPUT, seed=1)
+        build_teacher(output_dir, seed=1)
         return
-    output_dir = args.output_dir or (COUNT_OUTPUT if args.count else RETRY_OUTPUT if args.retry else DEFAULT_OUTPUT)
     train(output_dir, args.steps, args.batch_size, args.lr, args.seed, args.max_operand, args.retry, args.count)
 
 

@@ -57,9 +57,9 @@ def test_a_failed_export_keeps_the_previous_folder_intact(policy, tokenizer, tmp
 def test_a_second_export_replaces_the_first(tmp_path):
     target = tmp_path / "out"
     for version in ("first", "second"):
-        with atomic_folder(target) as tmp:
+        with atomic_folder(target, owner="test") as tmp:
             (tmp / version).write_text(version)
-    assert [p.name for p in tmp_path.iterdir()] == ["out"] and [p.name for p in target.iterdir()] == ["second"]
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and sorted(p.name for p in target.iterdir()) == [".rlhf-owner", "second"]
 
 
 def test_a_folder_moved_aside_by_a_killed_save_is_put_back(tmp_path):
@@ -69,6 +69,6 @@ def test_a_folder_moved_aside_by_a_killed_save_is_put_back(tmp_path):
     (aside / "config.json").write_text("{}")
     (tmp_path / ".tmp-out-12345").mkdir()  # the killed save's half-written folder
     with pytest.raises(RuntimeError):
-        with atomic_folder(tmp_path / "out"):
+        with atomic_folder(tmp_path / "out", owner="test"):
             raise RuntimeError("this save fails too")
     assert [p.name for p in tmp_path.iterdir()] == ["out"] and (tmp_path / "out" / "config.json").is_file()

@@ -116,7 +116,7 @@ def test_a_full_disk_during_an_hf_export_names_it(tmp_path):
             return model.parameters()
 
     with pytest.raises(NoSpaceError, match=rf"^No space left on {tmp_path / 'out'}: the export needs about 0.3 MB"):
-        save_hf_folder(tmp_path / "out", FullDisk(), tokenizer)
+        save_hf_folder(tmp_path / "out", FullDisk(), tokenizer, owner="test")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -133,7 +133,7 @@ def test_a_file_past_the_file_size_limit_in_an_hf_export_names_the_limit(tmp_pat
 
     monkeypatch.setattr(disk, "file_size_limit", lambda: 200 * 1024)
     with pytest.raises(FileSizeLimitError, match=r"^A file of the export in .*out passes this process's file size limit \(ulimit -f: 0.2 MB\); raise it"):
-        save_hf_folder(tmp_path / "out", Limited(), tokenizer)
+        save_hf_folder(tmp_path / "out", Limited(), tokenizer, owner="test")
 
 
 def test_a_full_disk_under_a_file_size_limit_is_named_as_a_full_disk(tmp_path, monkeypatch):

@@ -27,6 +27,7 @@ BAD_SCORES = {  # id: (value the user function returns for row 1, text the error
     "nan": (math.nan, "nan (float): not finite"),
     "inf": (-math.inf, "-inf (float): not finite"),
     "overflow": (1e38, "1e+38 (float): too large"),
+    "int_past_float": (10**400, "1" + "0" * 56 + "... (int): too large"),  # float() of it raised an unnamed OverflowError
 }
 
 

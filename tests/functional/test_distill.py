@@ -1,4 +1,4 @@
-"""On-policy distillation's signal on hand values: -(log p_behaviour - log p_teacher) per action token, zero outside
+"""On-policy distillation's signal on hand values: -(log p_student - log p_teacher) per action token, zero outside
 the mask (observations, padding); the reverse KL estimate is its negative mean over the mask."""
 
 import pytest
@@ -7,13 +7,13 @@ import torch
 from rlhf.functional import reverse_kl, teacher_signal
 
 
-def test_the_signal_is_the_teacher_minus_the_behaviour_logprob_inside_the_mask():
+def test_the_signal_is_the_teacher_minus_the_student_logprob_inside_the_mask():
     teacher = torch.tensor([[-0.5, -2.0, -1.0], [-0.1, -9.0, -9.0]])
-    behaviour = torch.tensor([[-1.5, -0.5, -3.0], [-0.4, 5.0, 5.0]])
+    student = torch.tensor([[-1.5, -0.5, -3.0], [-0.4, 5.0, 5.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])  # row 0's third token an observation, row 1 padded
-    signal = teacher_signal(teacher, behaviour, mask)
+    signal = teacher_signal(teacher, student, mask)
     torch.testing.assert_close(signal, torch.tensor([[1.0, -1.5, 0.0], [0.3, 0.0, 0.0]]))
-    assert reverse_kl(teacher, behaviour, mask).item() == pytest.approx((-1.0 + 1.5 - 0.3) / 3)
+    assert reverse_kl(teacher, student, mask).item() == pytest.approx((-1.0 + 1.5 - 0.3) / 3)
 
 
 def test_a_student_equal_to_its_teacher_gets_no_signal_exactly():

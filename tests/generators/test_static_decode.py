@@ -314,7 +314,7 @@ def test_default_buckets_are_the_powers_of_two_below_the_batch_size_and_itself_w
     assert buckets(HfGeneratorConfig(name="hf", batch_size=600), graphs=True)[-3:] == (256, 512, 600)
     assert buckets(HfGeneratorConfig(name="hf", batch_size=1), graphs=True) == (1,)
     assert buckets(HfGeneratorConfig(name="hf"), graphs=False) is None and bucket_for(37, None) == 37
-    assert buckets(HfGeneratorConfig(name="hf", buckets=[8, 2]), graphs=False) == (2, 8)
+    assert buckets(HfGeneratorConfig(name="hf", batch_size=8, buckets=[8, 2]), graphs=False) == (2, 8)
 
 
 def test_fill_holes_moves_only_the_rows_past_the_going_count():
@@ -398,7 +398,7 @@ def test_a_windowed_model_decodes_statically_only_while_its_rows_fit_the_window(
     [
         (["generator.decode=fast"], r"generator.decode=fast must be one of auto, eager, static"),
         (["generator.decode=static", "generator.batch_size=600", "generator.buckets=[1,2,512]"],
-         r"generator.buckets=\[1, 2, 512\] do not cover generator.batch_size=600: add a bucket of at least 600"),
+         r"generator.buckets=\[1, 2, 512\] do not cover generator.batch_size=600 \(the static decode runs here\): add a bucket of at least 600"),
         (["generator.buckets=[]"], r"generator.buckets=\[\] must list batch sizes >= 1"),
         (["generator.check_every=0"], r"generator.check_every=0 must be >= 1"),
         (["generator.decode=eager", "generator.graphs=true"], r"generator.graphs=true records the static decode's steps"),
@@ -408,6 +408,22 @@ def test_a_windowed_model_decodes_statically_only_while_its_rows_fit_the_window(
 def test_bad_static_decode_keys_are_refused_before_any_model_loads(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(compose_config(overrides))
+
+
+@pytest.mark.parametrize("overrides", [
+    ["generator.decode=static"], ["generator.compile=true"], ["cluster.device=cuda"],
+], ids=["static", "auto_compiled", "auto_on_cuda"])
+def test_buckets_are_refused_where_the_static_decode_reads_them(overrides):
+    """The same `generator.buckets=[3,1]` is refused wherever the static decode runs (and reads it)..."""
+    with pytest.raises(ConfigError, match=r"generator.buckets=\[3, 1\] do not cover generator.batch_size=512 \(the static decode runs here\)"):
+        validate(compose_config(["generator.buckets=[3,1]", *overrides]))
+
+
+@pytest.mark.parametrize("overrides", [["generator.decode=eager"], []], ids=["eager", "auto_on_cpu"])
+def test_buckets_are_accepted_where_the_eager_loop_ignores_them(overrides):
+    """...and accepted wherever the eager loop decodes, which never reads it (before, `decode=auto` on a CPU refused
+    it, though it decodes eagerly)."""
+    validate(compose_config(["generator.buckets=[3,1]", "cluster.device=cpu", *overrides]))
 
 
 

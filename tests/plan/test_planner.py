@@ -193,3 +193,25 @@ def test_the_plan_follows_the_trainer_precision_the_fused_output_layer_and_compi
     budgets = [policy("policy.compile=true", f"policy.activation_memory_budget={b}")["activations"]
                for b in (0.1, 0.3, 0.4, 0.5, 1.0)]
     assert budgets == [int(fused["activations"] * share) for share in (0.48, 0.48, 0.495, 0.51, COMPILED_ACTIVATIONS)]
+
+
+def test_a_micro_batch_above_the_mini_batch_is_planned_as_the_mini_batch(capsys):
+    """`python -m rlhf.plan train.micro_batch_size=1000000`: the run trains and scores in micro batches of at most a
+    step's 128 samples, so the plan does too (before, it planned a million-row scoring forward, then crashed on the
+    advice's train.micro_batch_size=122, a value the user never gave)."""
+    from rlhf.plan.__main__ import main
+
+    assert main(["train.micro_batch_size=1000000"]) == 0
+    assert "verdict: fits" in capsys.readouterr().out
+
+
+def test_the_micro_batch_advice_halves_the_micro_batch_the_run_uses(small_model):
+    """Advice from the mini batch the run trains on (128 samples), never a size the run would refuse."""
+    base = [f"model.name_or_path={small_model}", "generator.max_new_tokens=64", "dataset.max_prompt_length=32"]
+    full, half = (make_plan(compose_config([*base, f"train.micro_batch_size={n}"])) for n in (128, 64))
+    assert half.needed(half.worst) < full.needed(full.worst)
+    capacity_gib = (half.needed(half.worst) + full.needed(full.worst)) / 2 / 0.9 / 2**30
+    cfg = compose_config([*base, "train.micro_batch_size=1000000", f"cluster.device_memory_gb={capacity_gib}"])
+    lines = advise(cfg, make_plan(cfg))
+    sizes = [int(line.split("train.micro_batch_size=")[1].split(":")[0]) for line in lines if "micro_batch_size" in line]
+    assert sizes and sizes[0] == 64 and all(128 % size == 0 for size in sizes), lines

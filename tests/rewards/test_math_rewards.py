@@ -135,15 +135,16 @@ def test_boxed_format_wants_exactly_one_non_empty_box():
 
 
 def test_unreadable_ground_truths_are_refused_before_any_model_loads(tmp_path, monkeypatch):
-    """A dataset row whose truth math-verify cannot read stops the run at start, naming the row (before: at the step
-    that first drew it); plain numbers are taken as read without asking math-verify."""
+    """A dataset row whose truth math-verify cannot read stops the run at start, naming its file and line (before: at
+    the step that first drew it; then as "row 18", its place among the shuffled prompts); plain numbers are taken as
+    read without asking math-verify."""
     from rlhf.config import compose_config
     from rlhf.rewards.math import check_truths
     from rlhf.train import train
 
-    check_truths(["42", "-3.5", "1,000", "\\frac{1}{2}"])  # readable
-    with pytest.raises(ConfigError, match=r"the ground truth of row 2 \(''\) holds no answer math-verify can read"):
-        check_truths(["1", "2", "", "3", ""])
+    check_truths(["42", "-3.5", "1,000", "\\frac{1}{2}"], ["a"] * 4)  # readable
+    with pytest.raises(ConfigError, match=r"the ground truth at t.jsonl line 3 \(''\) holds no answer math-verify can read"):
+        check_truths(["1", "2", "", "3", ""], [f"t.jsonl line {n}" for n in range(1, 6)])
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(f'{{"prompt": "{a}+{a}=", "answer": "{2 * a if a != 5 else ""}"}}\n' for a in range(12)))
     loaded = []
@@ -152,6 +153,6 @@ def test_unreadable_ground_truths_are_refused_before_any_model_loads(tmp_path, m
         "dataset=jsonl", f"dataset.path={rows}", "dataset.ground_truth_key=answer", "dataset.max_prompt_length=16",
         "dataset.chat_template='{{ messages[0].content }}'", "reward.functions=[{name: math_verify}]",
     ])
-    with pytest.raises(ConfigError, match=r"reward function math_verify: the ground truth of row \d+ \(''\)"):
+    with pytest.raises(ConfigError, match=r"reward function math_verify: the ground truth at \S*rows.jsonl line 6 \(''\)"):
         train(cfg, tmp_path / "run")
     assert not loaded

@@ -105,6 +105,7 @@ def test_unreachable_url_fails_after_retries_with_the_url_in_the_message():
         ('{"scores": [1, "high"]}', "score 'high' for row 1"),
         ('{"scores": [1, NaN]}', "score nan for row 1"),
         ('{"scores": [true, 1]}', "score True for row 0"),
+        ('{"scores": [1, 1' + "0" * 400 + ']}', r"score 10{56}\.\.\. for row 1, not a finite number"),  # was an unnamed OverflowError
     ],
 )
 def test_malformed_replies_fail_at_once_saying_what_is_wrong(server, raw, problem):

@@ -163,7 +163,7 @@ class DistillConfig(PartConfig):
 
 @register_advantage("opd", config=DistillConfig, needs_teacher=True)
 def opd(inputs: AdvantageInputs, cfg: DistillConfig):
-    """On-policy distillation: the advantage of each sampled token is the teacher's signal, -(log p_behaviour -
+    """On-policy distillation: the advantage of each sampled token is the teacher's signal, -(log p_student -
     log p_teacher) (`rlhf.functional.distill`), discounted over the following tokens by `gamma`; the reward is not used."""
     if inputs.teacher_signal is None:
         raise ValueError("algorithm.advantage=opd needs the teacher's logprobs; set teacher.name_or_path")

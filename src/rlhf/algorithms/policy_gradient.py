@@ -72,11 +72,11 @@ class PolicyGradient:
     @property
     def batch_reads_old_logprobs(self) -> bool:
         """Whether `build_batch` needs the pre-update logprobs (a KL penalty in the reward, a rollout correction that
-        takes the tokens it rejects out of the loss mask, which the denominators read), so they cannot come from the
+        takes the tokens it rejects out of the loss mask, which the denominators read, a teacher's signal), so they cannot come from the
         training forward afterwards (`Learner.old_logprobs_from_training`). Any other correction weighs each token in
         the loss itself, from the training forward's logprobs detached, when the batch has no old ones."""
         drops = self.correction is not None and getattr(self.correction.config, "drop_rejected", False)
-        return (self.cfg.kl_in_reward and self.needs_reference) or drops
+        return (self.cfg.kl_in_reward and self.needs_reference) or drops or self.needs_teacher
 
     def build_batch(self, batch: Trajectories) -> tuple[Trajectories, dict[str, float]]:
         """Advantages (and returns) for a scored batch with ref logprobs (and values) and, unless the training
@@ -110,17 +110,19 @@ class PolicyGradient:
         return replace(batch, advantages=advantages, returns=returns, extras=extras, loss_mask=mask), metrics
 
     def teacher_signal(self, batch: Trajectories) -> tuple[torch.Tensor | None, dict[str, float]]:
-        """The teacher's per-token signal against the generator's logprobs (`rlhf.functional.distill`) and the
-        `distill/*` metrics, when the batch carries the teacher's logprobs (``extras['teacher_logp']``); else (None, {})."""
+        """The teacher's per-token signal against the student's pre-update logprobs (`rlhf.functional.distill`) and
+        the `distill/*` metrics, when the batch carries the teacher's logprobs (``extras['teacher_logp']``); else
+        (None, {}). The student's are the trainer's, computed as the teacher's are, not the generator's (off by float
+        rounding): a teacher that is the student gives 0 exactly, and no update."""
         teacher_logp = batch.extras.get("teacher_logp")
         if teacher_logp is None:
             return None, {}
         mask = batch.loss_mask
         metrics = {
-            "distill/reverse_kl": reverse_kl(teacher_logp, batch.gen_logp, mask).item(),
+            "distill/reverse_kl": reverse_kl(teacher_logp, batch.old_logp, mask).item(),
             "distill/teacher_logprob": masked_mean(teacher_logp, mask).item(),
         }
-        return teacher_signal(teacher_logp, batch.gen_logp, mask), metrics
+        return teacher_signal(teacher_logp, batch.old_logp, mask), metrics
 
     def rollout_kl(self, batch: Trajectories) -> torch.Tensor | None:
         """KL of the pre-update policy to the reference per action token (0 elsewhere); None without a reference or

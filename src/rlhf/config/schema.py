@@ -44,7 +44,7 @@ class AlgorithmConfig:
     filter_groups: bool = False  # dynamic sampling (DAPO): drop groups whose scores all tie, draw more prompts to fill the step
     max_resample_rounds: int = 3  # filter_groups: extra prompt draws per step before training on the groups kept so far
     filter_on: str = "score"  # filter_groups: what must differ within a kept group: score, accuracy (the verifiers' verdict), or auto (accuracy when reward.functions has a verifier, else score)
-    distill_coef: float = 0.0  # on-policy distillation: weight of the teacher's per-token signal -(logp_behaviour - logp_teacher) added to every advantage (needs teacher.name_or_path); algorithm/advantage=opd uses the signal alone
+    distill_coef: float = 0.0  # on-policy distillation: weight of the teacher's per-token signal -(logp_student - logp_teacher), the student's pre-update logprobs, added to every advantage (needs teacher.name_or_path); algorithm/advantage=opd uses the signal alone
 
 
 @dataclass
@@ -96,7 +96,7 @@ class TeacherConfig:
     name_or_path: Optional[str] = None  # the frozen teacher of on-policy distillation (hub name, folder, builtin:<name>); null = none. Same tokenizer as the policy; model.dtype and revision rules as the reference's
     url: Optional[str] = None  # a remote teacher: an OpenAI-compatible completions endpoint returning prompt_logprobs (vLLM's `vllm serve`), e.g. http://host:8000/v1; null = load name_or_path here
     model: Optional[str] = None  # the model name sent to teacher.url; null = teacher.name_or_path
-    timeout_s: float = 120.0  # teacher.url: seconds one request may take
+    timeout_s: float = 120.0  # teacher.url: seconds one request may take as a whole (connecting, sending, the whole answer)
     max_concurrency: int = 8  # teacher.url: requests in flight at once (one per row)
 
 
@@ -264,5 +264,5 @@ class RewardTrainConfig:
     preferences: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)  # chosen/rejected pairs
     train: RewardTrainLoopConfig = field(default_factory=RewardTrainLoopConfig)  # optimisation
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # device
-    save_dir: Optional[str] = None  # where the reward model folder goes; null = <run folder>/reward_model
+    save_dir: Optional[str] = None  # where the reward model goes (missing, empty, or an earlier one); null = <run folder>/reward_model
     tensorboard: bool = True  # write TensorBoard events to <run folder>/tensorboard

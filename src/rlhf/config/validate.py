@@ -33,6 +33,7 @@ from rlhf.seeding import check_seed
 from rlhf.tracking.checks import check_logging
 from rlhf.training.optim import check_lr
 from rlhf.checks.weight_sync import MODES as WEIGHT_SYNC_MODES
+from rlhf.web import is_http_url
 
 RAY_MIN_OBJECT_STORE = 75 * 1024 * 1024  # bytes: Ray refuses a smaller object store (ray_constants)
 
@@ -224,6 +225,11 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         not teacher.url or teacher.name_or_path,
         f"teacher.url={teacher.url} needs teacher.name_or_path too: the teacher's tokenizer is checked against the "
         f"policy's (and it names the model sent to the endpoint unless teacher.model does)",
+    )
+    _require(
+        not teacher.url or is_http_url(teacher.url),
+        f"teacher.url={teacher.url!r} is not an http(s) URL with a host; give the server's address with its scheme, "
+        f"e.g. teacher.url=http://127.0.0.1:8000/v1",
     )
     _require(
         not teacher.url or gen.temperature == 1.0,

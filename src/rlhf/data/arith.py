@@ -41,6 +41,7 @@ class ArithDatasetConfig(DatasetConfig):
                 ) from None
 
 ALPHABET = "0123456789+="
+MAX_OPERAND = 49  # the largest operand the tiny model's warm start (python -m rlhf.warmstart) trains on: its data grows as its square
 
 
 def arith_problems(max_operand: int, min_operand: int = 0, question: str | None = None) -> list[tuple[str, str]]:

@@ -21,9 +21,9 @@ def cache_folder(cfg) -> Path:
 
 
 def dump_splits(splits: PromptSplits) -> dict:
-    """The JSON form of ``splits``: [text, token ids, ground truth] rows per split, and the report."""
+    """The JSON form of ``splits``: [text, token ids, ground truth, origin] rows per split, and the report."""
     def rows(examples):
-        return [[e.text, list(e.token_ids), e.ground_truth] for e in examples]
+        return [[e.text, list(e.token_ids), e.ground_truth, e.origin] for e in examples]
 
     return {"train": rows(splits.train), "eval": rows(splits.eval), "report": splits.report}
 
@@ -34,10 +34,10 @@ def _examples(rows: Any) -> list[PromptExample]:
         raise ValueError(f"a split is a {type(rows).__name__}, not a list")
     examples = []
     for row in rows:
-        if not (isinstance(row, list) and len(row) == 3 and isinstance(row[0], str) and isinstance(row[1], list)
-                and all(isinstance(i, int) for i in row[1])):
-            raise ValueError("a row is not [text, token ids, ground truth]")
-        examples.append(PromptExample(row[0], tuple(row[1]), row[2]))
+        if not (isinstance(row, list) and len(row) == 4 and isinstance(row[0], str) and isinstance(row[1], list)
+                and all(isinstance(i, int) for i in row[1]) and (row[3] is None or isinstance(row[3], str))):
+            raise ValueError("a row is not [text, token ids, ground truth, origin]")
+        examples.append(PromptExample(row[0], tuple(row[1]), row[2], row[3]))
     return examples
 
 

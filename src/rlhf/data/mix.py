@@ -34,7 +34,7 @@ from rlhf.registry import register
 
 log = logging.getLogger("rlhf")
 
-CACHE_VERSION = 4  # raise it when what a row becomes changes, so caches written before are not reused
+CACHE_VERSION = 5  # raise it when what a row becomes changes, so caches written before are not reused (5: origins)
 
 
 
@@ -318,7 +318,7 @@ def to_examples(
         if len(ids) > cfg.max_prompt_length:
             report.too_long += 1
             continue
-        examples.append(PromptExample(text=text, token_ids=tuple(ids), ground_truth=ground_truth))
+        examples.append(PromptExample(text=text, token_ids=tuple(ids), ground_truth=ground_truth, origin=read.where(index)))
     report.kept = len(examples)
     return examples, report
 

@@ -22,6 +22,13 @@ class PromptExample:
     text: str
     token_ids: tuple[int, ...]
     ground_truth: Any = None
+    origin: str | None = field(default=None, compare=False)  # where its row is, for messages ("p.jsonl line 101")
+
+
+def origin(example: PromptExample, index: int) -> str:
+    """Where ``example``, the ``index``-th (from 0) of the train then eval prompts, came from, for messages: its file
+    and line when the dataset recorded them, else its place among the prompts."""
+    return example.origin or f"prompt {index + 1} of the dataset's train then eval prompts"
 
 
 @dataclass(frozen=True)

@@ -74,10 +74,6 @@ class HfGeneratorConfig(GeneratorConfig):
         require(self.buckets is None or (len(self.buckets) > 0 and all(b >= 1 for b in self.buckets)),
                 f"{at}.buckets={self.buckets and list(self.buckets)} must list batch sizes >= 1 (or be null)")
         require(self.check_every is None or self.check_every >= 1, f"{at}.check_every={self.check_every} must be >= 1 (or null)")
-        if self.buckets is not None and (self.decode != "eager" or self.graphs):
-            require(max(self.buckets) >= self.batch_size,
-                    f"{at}.buckets={list(self.buckets)} do not cover {at}.batch_size={self.batch_size}: add a bucket of at "
-                    f"least {self.batch_size}, lower {at}.batch_size, or decode eagerly ({at}.decode=eager)")
         require(not (self.graphs and self.decode == "eager"),
                 f"{at}.graphs=true records the static decode's steps: set {at}.decode=static (or auto), or {at}.graphs=null")
 
@@ -99,8 +95,14 @@ def buckets(config: HfGeneratorConfig, graphs: bool) -> tuple[int, ...] | None:
     """The batch sizes the static decode's steps run at: `generator.buckets`; null: with CUDA graphs the powers of 2
     below `generator.batch_size` and the batch size itself (each bucket records a graph), else None: every batch size
     runs as it is (one compiled step serves them all, so no row is padded and every look that finds a row stopped
-    moves the rest to a smaller batch)."""
+    moves the rest to a smaller batch). Buckets that do not hold `generator.batch_size` are refused here, where they
+    are read (`check_run` reads them where the run's static decode will), never for the eager loop, which ignores them
+    (`decode=auto` on a CPU without `generator.compile`)."""
     if config.buckets is not None:
+        require(max(config.buckets) >= config.batch_size,
+                f"generator.buckets={list(config.buckets)} do not cover generator.batch_size={config.batch_size} (the "
+                f"static decode runs here): add a bucket of at least {config.batch_size}, lower generator.batch_size, "
+                f"or decode eagerly (generator.decode=eager)")
         return tuple(sorted(config.buckets))
     if not graphs:
         return None
@@ -139,13 +141,18 @@ class HFGenerator:
 
     @staticmethod
     def check_run(config: HfGeneratorConfig, cfg, ranks: dict[str, int]) -> None:
-        """Its fit with the run: CUDA graphs need the generator on a GPU."""
+        """Its fit with the run: CUDA graphs need the generator on a GPU; the static decode, where it runs, needs
+        buckets that hold a decode batch (`buckets`)."""
+        on_cpu = runs_on_cpu(cfg)
         require(
-            not (config.graphs and runs_on_cpu(cfg)),
+            not (config.graphs and on_cpu),
             f"generator.graphs=true records CUDA graphs, but this run's generator is on the CPU (cluster.device="
             f"{cfg.cluster.device}, cluster.device_type={cfg.cluster.get('device_type')}): set generator.graphs=null, "
             "or run on a GPU",
         )
+        static, graphs, _ = static_decode_on(config, torch.device("cpu" if on_cpu else "cuda"))
+        if static:
+            buckets(config, graphs)
 
     @staticmethod
     def memory_advice(config: HfGeneratorConfig, shares_devices: bool, rows: int) -> list[list[str]]:

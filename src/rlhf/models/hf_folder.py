@@ -2,7 +2,8 @@
 
 The folder is assembled in a hidden sibling and renamed into place, so a save that fails half-way (full disk,
 an exception in the serializer, a kill) never leaves a folder with `config.json` but no weights; an existing
-folder is replaced only once the new one is complete. A full disk is named as such (NoSpaceError).
+folder is replaced only once the new one is complete. A full disk is named as such (NoSpaceError). Each folder is
+marked with its writer (`rlhf.disk.claim`), so a later save checks it replaces only its own output.
 """
 
 from __future__ import annotations
@@ -13,16 +14,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from rlhf.disk import fsync_dir, fsync_tree, lack_of_room  # the checkpoints' own flushes and messages
+from rlhf.disk import claim, fsync_dir, fsync_tree, lack_of_room  # the checkpoints' own flushes and messages
 from rlhf.models.dtypes import tensor_bytes
 
 
-def save_hf_folder(path: Path, model, tokenizer, **save_kwargs) -> None:
-    """``model.save_pretrained`` and ``tokenizer.save_pretrained`` into ``path``, all or nothing.
+def save_hf_folder(path: Path, model, tokenizer, *, owner: str, **save_kwargs) -> None:
+    """``model.save_pretrained`` and ``tokenizer.save_pretrained`` into ``path``, all or nothing, marked as ``owner``'s.
 
     A full disk raises NoSpaceError: 'No space left on <path>: the export needs about N MB, M MB free'."""
     try:
-        with atomic_folder(Path(path)) as tmp:
+        with atomic_folder(Path(path), owner=owner) as tmp:
             model.save_pretrained(tmp, **save_kwargs)
             tokenizer.save_pretrained(tmp)
     except Exception as err:
@@ -39,8 +40,10 @@ def weights_bytes(model, state_dict: dict | None = None) -> int:
 
 
 @contextmanager
-def atomic_folder(path: Path) -> Iterator[Path]:
-    """Yield an empty temporary sibling of ``path`` to write into; it becomes ``path`` only if the block succeeds."""
+def atomic_folder(path: Path, *, owner: str) -> Iterator[Path]:
+    """Yield an empty temporary sibling of ``path`` to write into; it becomes ``path``, marked as ``owner``'s
+    (`rlhf.disk.claim`), only if the block succeeds."""
+    path = Path(os.path.abspath(path))  # "." or "a/..": a folder with a name, whose parent holds the sibling
     path.parent.mkdir(parents=True, exist_ok=True)
     _recover_replaced(path)
     for stale in path.parent.glob(f".tmp-{path.name}-*"):  # left by a save that was killed
@@ -49,6 +52,7 @@ def atomic_folder(path: Path) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
+        claim(tmp, owner)
         fsync_tree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

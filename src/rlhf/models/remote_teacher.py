@@ -4,19 +4,26 @@ Each row's real tokens (prompt, sampled actions, observations) are sent as a tok
 ``prompt_logprobs: 0`` and ``max_tokens: 1``; the answer's ``choices[0].prompt_logprobs[k]`` holds the teacher's
 logprob of token k given the tokens before it, keyed by that token's id. The action tokens' logprobs are read out in
 the layout of the local teacher (`rlhf.models.reference.FrozenReference.rollout_logprobs`). The server's prompt
-logprobs are its raw ones (temperature 1). Anything missing or non-finite stops the step with an error naming the
-endpoint and the row: a silent zero would corrupt every token's signal.
+logprobs are its raw ones (temperature 1). Anything missing, non-finite, or not a log probability (above 0, or below
+`LOGPROB_FLOOR`) stops the step with an error naming the endpoint and the row: a silent zero, or a +50, would corrupt
+every token's signal, and a -1e30 would make every optimiser step non-finite. `teacher.timeout_s` bounds each request
+as a whole (`rlhf.web.post_json`), so a server that trickles its answer, or never gives one, ends the step too.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
+import json
 import math
 
-import httpx
 import torch
 
 from rlhf.trajectory import Trajectories
+from rlhf.web import post_json
+
+LOGPROB_TOLERANCE = 1e-4  # a logprob this far above 0 is a server's float rounding of 0, read as 0
+LOGPROB_FLOOR = -1e4  # below this no float32 softmax goes: the answer is not a logprob
 
 
 class RemoteTeacherError(RuntimeError):
@@ -30,7 +37,6 @@ class RemoteTeacher:
         self.url = cfg.url.rstrip("/") + "/completions"
         self.model = cfg.model or cfg.name_or_path
         self.timeout, self.concurrency = cfg.timeout_s, cfg.max_concurrency
-        self.http = httpx.Client(timeout=self.timeout)
 
     def rollout_logprobs(self, batch: Trajectories, chunk=None) -> torch.Tensor:
         """The teacher's logprob of every action token (0 elsewhere). Shape: (B, T). ``chunk`` is unused."""
@@ -54,25 +60,40 @@ class RemoteTeacher:
             token = ids[k]
             entry = found[k] if k < len(found) else None
             logprob = entry.get(str(token), {}).get("logprob") if isinstance(entry, dict) else None
-            if not isinstance(logprob, (int, float)) or not math.isfinite(logprob):
+            if isinstance(logprob, bool) or not isinstance(logprob, (int, float)) or not math.isfinite(logprob):
                 raise RemoteTeacherError(
                     f"teacher.url={self.url}: row {row}, token {k} (id {token}): the answer has no finite prompt "
                     f"logprob for it (got {entry!r:.120}); the endpoint must return prompt_logprobs for every token"
                 )
-            values[col] = float(logprob)
+            values[col] = self._checked(float(logprob), row, k, token)
         return values
+
+    def _checked(self, logprob: float, row: int, k: int, token: int) -> float:
+        """``logprob`` when it is a log probability (a rounding above 0 read as 0); RemoteTeacherError otherwise."""
+        if LOGPROB_FLOOR <= logprob <= LOGPROB_TOLERANCE:
+            return min(logprob, 0.0)
+        raise RemoteTeacherError(
+            f"teacher.url={self.url}: row {row}, token {k} (id {token}): logprob {logprob:g} is not a log probability "
+            f"(it must lie in [{LOGPROB_FLOOR:g}, 0]); point teacher.url at a server that returns the raw prompt "
+            f"logprobs of teacher.model (vLLM's OpenAI server does)"
+        )
 
     def _prompt_logprobs(self, row: int, ids: list[int]) -> list:
         body = {"model": self.model, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0}
         try:
-            answer = self.http.post(self.url, json=body)
-        except httpx.HTTPError as err:
+            status, answer = post_json(self.url, json.dumps(body).encode(), self.timeout, "teacher.timeout_s")
+        except TimeoutError:
+            raise RemoteTeacherError(
+                f"teacher.url={self.url} did not answer row {row} within teacher.timeout_s={self.timeout:g} s; check "
+                f"that the teacher's server is not stuck, or raise teacher.timeout_s"
+            ) from None
+        except (OSError, http.client.HTTPException) as err:
             raise RemoteTeacherError(f"teacher.url={self.url} is unreachable ({type(err).__name__}: {err}); start the "
                                      f"teacher's server or fix teacher.url") from None
-        if answer.status_code != 200:
-            raise RemoteTeacherError(f"teacher.url={self.url} answered HTTP {answer.status_code} for row {row}: {answer.text[:200]}")
+        if status != 200:
+            raise RemoteTeacherError(f"teacher.url={self.url} answered HTTP {status} for row {row}: {answer[:200]!r}")
         try:
-            found = answer.json()["choices"][0]["prompt_logprobs"]
+            found = json.loads(answer)["choices"][0]["prompt_logprobs"]
         except (ValueError, KeyError, IndexError, TypeError):
             found = None
         if not isinstance(found, list) or len(found) < len(ids):

@@ -13,6 +13,7 @@ import dataclasses
 
 from omegaconf import OmegaConf
 
+from rlhf.errors import ConfigError
 from rlhf.generators.base import sleep_overrides
 from rlhf.micro_batches import halvings
 from rlhf.parts import GROUPS, choose, default_node
@@ -54,7 +55,8 @@ def candidates(cfg, plan: Plan) -> list[list[list[str]]]:
     shrink = backend.trait("memory_advice")
     if shrink is not None:
         found.append(shrink(backend.config, generator_shares, plan_rows(plan)))
-    found.append([[f"train.micro_batch_size={size}"] for size in halvings(cfg.train.micro_batch_size)])
+    # from the micro batch the plan used (a train.micro_batch_size above the mini batch is the mini batch)
+    found.append([[f"train.micro_batch_size={size}"] for size in halvings(plan.workload.micro_rows)])
     if cfg.model.dtype == "float32" and plan.kind == "cuda":
         found.append([["model.dtype=bfloat16"]])
     if cfg.cluster.backend == "ray":
@@ -94,21 +96,33 @@ def advise(cfg, plan: Plan) -> list[str]:
     lines = []
     for family in families:
         for overrides in family:
-            after = make_plan(with_overrides(cfg, overrides))
-            if after.fits:
+            after = plan_with(cfg, overrides)
+            if after is not None and after.fits:
                 lines.append(f"{' '.join(overrides)}: {describe(plan, before, after)}")
     if lines:
         return lines
     chosen: dict[str, str] = {}
     best = plan
     for family in families:
-        trials = [(make_plan(with_overrides(cfg, as_list(combine(chosen, o)))), o) for o in family]
+        trials = [(plan_with(cfg, as_list(combine(chosen, o))), o) for o in family]
+        trials = [(after, o) for after, o in trials if after is not None]
+        if not trials:
+            continue
         after, overrides = min(trials, key=lambda trial: trial[0].needed(trial[0].worst))
         if after.needed(after.worst) < best.needed(best.worst):
             chosen, best = combine(chosen, overrides), after
         if best.fits:
             return [f"together, {' '.join(as_list(chosen))}: {describe(plan, before, best)}"]
     return []
+
+
+def plan_with(cfg, overrides: list[str]) -> Plan | None:
+    """The plan of ``cfg`` with ``overrides``; None when the run's checks refuse that config (a micro batch that does
+    not divide the mini batch): a change the run would refuse is no advice."""
+    try:
+        return make_plan(with_overrides(cfg, overrides))
+    except ConfigError:
+        return None
 
 
 def declares(config, key: str) -> bool:

@@ -54,7 +54,7 @@ class Workload:
     """The sizes of one step that decide memory (derived from the config, never written back)."""
 
     micro_rows: int  # sequences per training forward/backward on one rank
-    score_rows: int  # sequences per no-grad scoring forward (train.micro_batch_size)
+    score_rows: int  # sequences per no-grad scoring forward (train.micro_batch_size, at most a step's samples)
     generate_rows: int  # sequences one generate call holds (hf: generator.batch_size, capped by the step's samples)
     seq_len: int  # prompt + response tokens of the longest row
     window: int  # positions whose logits the loss needs (the response, plus one)
@@ -95,7 +95,8 @@ def workload(cfg, sizes, ranks: dict[str, int], device_kind: str, rows_per_unit:
     mini_units = max(1, sizes.mini_batch_size // ranks.get("policy", 1))
     micro_units = min(mini_units, max(1, cfg.train.micro_batch_size // rows_per_unit))
     return Workload(
-        micro_rows=micro_units * rows_per_unit, score_rows=cfg.train.micro_batch_size, generate_rows=generate_rows,
+        micro_rows=micro_units * rows_per_unit, score_rows=min(cfg.train.micro_batch_size, sizes.samples_per_step),
+        generate_rows=generate_rows,
         seq_len=seq_len, window=min(window, seq_len), dtype=cfg.model.dtype, device_kind=device_kind,
         sleeps_generator=schedule_trait(cfg.schedule, "sleeps_generator"),
         offload_while_generating=offloads_while_generating(cfg),

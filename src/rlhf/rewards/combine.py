@@ -21,13 +21,31 @@ MAX_ABS_SCORE = 1e6
 
 
 def as_score(value) -> float | None:
-    """``value`` as a float when it is a real number (bool, int, float, a numpy or 0-d torch number), else None."""
+    """``value`` as a float when it is a real number (bool, int, float, a numpy or 0-d torch number), else None; a
+    number past float's range (an int such as 10**400) as an infinity of its sign."""
     if value is None or isinstance(value, (str, bytes)):
         return None
     try:
         return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
     except (TypeError, ValueError):
         return None
+
+
+def score_problem(value, number: float | None) -> str | None:
+    """Why a returned score ``value`` (``number``: `as_score`'s reading) cannot be trained on, or None."""
+    if number is None:
+        return "not a number"
+    if math.isnan(number) or (math.isinf(number) and not isinstance(value, int)):  # an int is finite, if huge
+        return "not finite"
+    return "too large" if abs(number) > MAX_ABS_SCORE else None
+
+
+def shown(value, width: int = 60) -> str:
+    """``repr(value)``, cut to ``width`` characters for a message (10**400 has 401 digits)."""
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def checked_scores(source: str, scores, rows: int) -> torch.Tensor:
@@ -50,10 +68,10 @@ def checked_scores(source: str, scores, rows: int) -> torch.Tensor:
     if len(values) != rows:
         raise ValueError(f"{source} returned {len(values)} scores for {rows} responses")
     for row, (value, number) in enumerate(zip(scores, values)):
-        if number is None or not math.isfinite(number) or abs(number) > MAX_ABS_SCORE:
-            what = "not a number" if number is None else "not finite" if not math.isfinite(number) else "too large"
+        what = score_problem(value, number)
+        if what is not None:
             raise RewardValueError(
-                f"{source} scored row {row} {value!r} ({type(value).__name__}): {what}; every score must be a finite "
+                f"{source} scored row {row} {shown(value)} ({type(value).__name__}): {what}; every score must be a finite "
                 f"number with |score| <= {MAX_ABS_SCORE:g}, so the step stopped before training on it. Fix the "
                 f"scoring (return a float per response, e.g. 0.0 where there is nothing to score)"
             )
@@ -107,13 +125,14 @@ class RewardSet:
                 check(f"reward.functions[{i}].args", **args)
             self.functions.append((fn_cfg.name, weight, args, fn))
 
-    def check_truths(self, truths: list) -> None:
-        """Each function that reads ground truths a way of its own (``fn.check_truths(truths, **args)``, e.g.
-        `math_verify`'s parser) checks the dataset's before any model loads; ConfigError naming the row."""
+    def check_truths(self, truths: list, origins: list[str]) -> None:
+        """Each function that reads ground truths a way of its own (``fn.check_truths(truths, origins, **args)``, e.g.
+        `math_verify`'s parser) checks the dataset's before any model loads; ConfigError naming where the row is
+        (``origins``: each truth's, "p.jsonl line 101")."""
         for name, _, args, fn in self.functions:
             check = getattr(fn, "check_truths", None)
             if check is not None:
-                check(truths, **args)
+                check(truths, origins, **args)
 
     @property
     def verifiers(self) -> list[str]:

@@ -124,10 +124,10 @@ def _check_args(ground_truths: list, timeout_s) -> None:
     )
 
 
-def check_truths(truths: list, timeout_s: int = 5, **_) -> None:
-    """Before any model loads: every distinct ground truth (rows in dataset order, train split then eval) is one
-    math-verify reads within ``timeout_s``, else ConfigError naming the first row that is not and how many are not
-    (before, the run stopped at the step that first drew it)."""
+def check_truths(truths: list, origins: list[str], timeout_s: int = 5, **_) -> None:
+    """Before any model loads: every distinct ground truth (``origins``: where each one's row is, "p.jsonl line 101")
+    is one math-verify reads within ``timeout_s``, else ConfigError naming where the first that is not is, and how
+    many are not (before, the run stopped at the step that first drew it)."""
     _check_args(truths, timeout_s)
     bad: dict[str, int] = {}  # unreadable truth -> its first row
     seen: set[str] = set()
@@ -142,7 +142,7 @@ def check_truths(truths: list, timeout_s: int = 5, **_) -> None:
     if bad:  # (about 2.5 ms a distinct non-numeric truth on a 2-core CPU: seconds for MATH's 7,500)
         truth, row = next(iter(bad.items()))
         raise ConfigError(
-            f"reward function math_verify: the ground truth of row {row} ({truth!r}) holds no answer math-verify can "
+            f"reward function math_verify: the ground truth at {origins[row]} ({truth!r}) holds no answer math-verify can "
             f"read within args.timeout_s={timeout_s} s ({len(bad)} distinct such truths in all); fix those rows of the "
             f"dataset's ground-truth column (dataset.ground_truth_key), e.g. '42' or '1/2', or drop them"
         )

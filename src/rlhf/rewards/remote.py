@@ -21,12 +21,11 @@ import http.client
 import json
 import math
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 
 from rlhf.errors import require
 from rlhf.registry import register
+from rlhf.rewards.combine import as_score, shown
+from rlhf.web import is_http_url, post_json
 
 _EXAMPLE = "{name: remote, args: {url: 'http://127.0.0.1:8000/score'}}"  # quoted in the missing-url error
 _RETRIED_HTTP_CODES = frozenset({429, 500, 502, 503, 504})  # busy or restarting: worth another try
@@ -36,38 +35,24 @@ class RemoteRewardError(RuntimeError):
     """The scoring service could not be reached, or answered something other than one score per row."""
 
 
-def _post(url: str, body: bytes, timeout_s: float) -> bytes:
-    """The body of the reply to one JSON POST of ``body``; raises on a transport failure or an HTTP error, and
-    TimeoutError when the whole reply has not come within ``timeout_s`` (the socket's own timeout bounds each read
-    only: a service that drips a byte at a time would otherwise hold the run forever)."""
-    headers = {"Content-Type": "application/json"}
-    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
-    deadline = time.monotonic() + timeout_s
-    with urllib.request.urlopen(request, timeout=timeout_s) as reply:
-        chunks = []
-        while chunk := reply.read1(65536):
-            chunks.append(chunk)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the reply took longer than args.timeout_s={timeout_s:g} s")
-        return b"".join(chunks)
-
-
 def _post_with_retries(url: str, body: bytes, timeout_s: float, max_retries: int, backoff_s: float) -> bytes:
-    """`_post`, retried ``max_retries`` times on transient failures with exponential backoff."""
+    """The reply's body to one POST of ``body`` (`rlhf.web.post_json`: ``timeout_s`` bounds the whole exchange),
+    retried ``max_retries`` times on transient failures with exponential backoff."""
     failure: Exception | None = None
     for attempt in range(max_retries + 1):
         if attempt:
             time.sleep(backoff_s * 2 ** (attempt - 1))
         try:
-            return _post(url, body, timeout_s)
-        except urllib.error.HTTPError as err:
-            if err.code not in _RETRIED_HTTP_CODES:
-                detail = err.read()[:300].decode("utf-8", "replace")
-                message = f"reward function remote: {url} answered HTTP {err.code}: {detail!r}"
-                raise RemoteRewardError(message) from err
-            failure = err
+            status, reply = post_json(url, body, timeout_s, "args.timeout_s")
         except (OSError, http.client.HTTPException) as err:  # refused, unreachable, timed out, dropped
             failure = err
+            continue
+        if 200 <= status < 300:
+            return reply
+        if status not in _RETRIED_HTTP_CODES:
+            detail = reply[:300].decode("utf-8", "replace")
+            raise RemoteRewardError(f"reward function remote: {url} answered HTTP {status}: {detail!r}")
+        failure = RemoteRewardError(f"HTTP {status}: {reply[:100].decode('utf-8', 'replace')!r}")
     raise RemoteRewardError(
         f"reward function remote: POST {url} failed {max_retries + 1} times; last failure: {failure!r}. "
         "Check that the scoring service is up at that address, or raise args.timeout_s / args.max_retries"
@@ -86,8 +71,9 @@ def _read_scores(reply: bytes, rows: int, url: str) -> list[float]:
         count = len(scores) if isinstance(scores, list) else type(scores).__name__
         raise RemoteRewardError(f"reward function remote: {url} returned {count} scores for {rows} rows")
     for i, score in enumerate(scores):
-        if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
-            message = f"reward function remote: {url} returned score {score!r} for row {i}, not a number"
+        number = None if isinstance(score, bool) or not isinstance(score, (int, float)) else as_score(score)
+        if number is None or not math.isfinite(number):  # JSON's 1e400 reads as inf, and 10**400 as an int
+            message = f"reward function remote: {url} returned score {shown(score)} for row {i}, not a finite number"
             raise RemoteRewardError(message)
     return [float(score) for score in scores]
 
@@ -110,9 +96,8 @@ def check_remote_args(at: str, url: str = "", timeout_s: float = 30.0, max_retri
     """ConfigError for args `remote` cannot use (``at``: where they sit, for the message): an http(s) URL with a host,
     a positive timeout, retries and backoff not negative. Runs when the reward set is built, before any model loads."""
     require(bool(url), f"reward function remote needs {at}.url, e.g. reward.functions=[{_EXAMPLE}]")
-    parsed = urllib.parse.urlparse(str(url))
     require(
-        parsed.scheme in ("http", "https") and bool(parsed.netloc),
+        is_http_url(url),
         f"reward function remote: {at}.url={url!r} is not an http(s) URL with a host; give one such as "
         f"http://127.0.0.1:8000/score",
     )

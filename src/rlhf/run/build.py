@@ -21,7 +21,7 @@ from rlhf.errors import ConfigError
 from rlhf.parts import choose, typed_node
 from rlhf.config.validate import DerivedSizes
 from rlhf.data.context import check_episode_budget, check_prompt_budget, model_context
-from rlhf.data.prompts import PromptExample, PromptStream
+from rlhf.data.prompts import PromptExample, PromptStream, origin
 from rlhf.distributed.cluster import start
 from rlhf.distributed.layout import reference_is_base, used_roles
 from rlhf.models.remote_teacher import RemoteTeacher
@@ -209,7 +209,8 @@ def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
             f"carry none; set dataset.ground_truth_key=<column> or choose other reward.functions"
         )
     if runner is None or runner.maker.uses_dataset:
-        rewards.check_truths([ex.ground_truth for ex in splits.train + splits.eval])
+        examples = splits.train + splits.eval
+        rewards.check_truths([ex.ground_truth for ex in examples], [origin(ex, i) for i, ex in enumerate(examples)])
     check_output_rows(cfg, tokenizer)
     check_trained_layers(cfg, algorithm.needs_critic)
     context = model_context(model)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import yaml
 
-from rlhf.disk import free_bytes, fsync_dir, fsync_tree, lack_of_room, megabytes, tree_bytes
+from rlhf.disk import TRAIN_CHECKPOINTS, claim, free_bytes, fsync_dir, fsync_tree, lack_of_room, megabytes, owner_of, tree_bytes
 from rlhf.errors import ConfigError, NoSpaceError
 from rlhf.models.loading import safetensors_problem
 
@@ -40,6 +40,12 @@ RESERVE = 1.5  # room kept free for one more checkpoint and the final model (abo
 
 def checkpoint_root(cfg, run_dir: Path) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+
+
+def is_checkpoint_entry(path: Path) -> bool:
+    """Whether ``path``, in a checkpoint root, is what `save` writes there: a step folder or a temporary one (a root
+    saved before roots were marked holds only these, `rlhf.disk.check_own_output`)."""
+    return bool(_STEP_DIR.match(path.name)) or path.name.startswith(".tmp-")
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -242,6 +248,8 @@ def save(c, root: Path, step: int, run_state: dict[str, Any], keep_last: int, st
     schedule). A full disk raises NoSpaceError naming the folder and the room a checkpoint needs; the partial copy
     is removed."""
     root.mkdir(parents=True, exist_ok=True)
+    if owner_of(root) != TRAIN_CHECKPOINTS:  # checked before the run: empty, or this command's own
+        claim(root, TRAIN_CHECKPOINTS)
     final = root / f"step_{step:08d}"
     for stale in root.glob(".tmp-*"):  # left by a save that crashed (one trainer writes here at a time)
         shutil.rmtree(stale, ignore_errors=True)

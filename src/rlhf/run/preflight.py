@@ -1,7 +1,8 @@
 """Checks made before any model loads, so a run fails in seconds rather than after hours of training.
 
 Every folder the run will write (run folder, `checkpoint.dir`, the exported model, `train_reward`'s `save_dir`)
-must be writable and have room for what it receives: a checkpoint is estimated from the models' parameter counts
+must be writable, hold nothing the run did not write if the run replaces or prunes it (`rlhf.disk.check_own_output`),
+and have room for what it receives: a checkpoint is estimated from the models' parameter counts
 (read from their configs on the meta device, no weights) times the weights and AdamW's two moments, the run
 folder's logs from the steps, the evaluations and the longest row. Too little
 room warns; far too little refuses. A resumed run compares its config with the one its checkpoint recorded: the
@@ -19,6 +20,7 @@ import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 from urllib.parse import urlparse
 
 import torch
@@ -26,9 +28,9 @@ import yaml
 from omegaconf import OmegaConf
 
 from rlhf.algorithms import build_algorithm
-from rlhf.disk import free_bytes, megabytes
+from rlhf.disk import REWARD_MODEL, TRAIN_ADAPTER, TRAIN_CHECKPOINTS, TRAIN_EXPORT, check_own_output, free_bytes, megabytes
 from rlhf.distributed.layout import role_ranks
-from rlhf.run.checkpoint import CONFIG_FILE, STATE_FILE
+from rlhf.run.checkpoint import CONFIG_FILE, STATE_FILE, is_checkpoint_entry
 from rlhf.config.validate import longest_row
 from rlhf.errors import ConfigError
 from rlhf.models import lora
@@ -65,14 +67,35 @@ class Output:
     probe: Path  # where writing is tried: the folder, or the parent an atomic export is assembled in
     what: str = ""  # what it receives, for messages ("a checkpoint")
     needed: int | None = None  # bytes it must hold; None when unknown or small
+    owner: str = ""  # the writer that replaces or prunes it (`rlhf.disk`'s names); "": the run only adds files to it
+    fix: str = ""  # what to do when it holds another's files; "": choose another `key`
+    whole: bool = False  # replaced whole by each save (an exported model), so no other output may lie inside it
+    ours: Callable[[Path], bool] | None = None  # an entry its writer made before it marked its folders (a checkpoint)
 
 
 def check_outputs(outputs: list[Output]) -> None:
-    """Each output's folder is writable and has room for what it receives (ConfigError otherwise)."""
+    """Each output's folder is writable, holds only its writer's files, lies in no folder replaced whole, and has room
+    for what it receives (ConfigError otherwise)."""
+    check_apart(outputs)
     for output in outputs:
         check_writable(output.key, output.probe, output.path)
+        if output.owner:
+            check_own_output(output.path, output.key, output.owner, output.fix, output.ours)
         if output.needed:
             check_space(output)
+
+
+def check_apart(outputs: list[Output]) -> None:
+    """ConfigError when an output lies in (or is) a folder another output replaces whole: that save would delete it."""
+    for whole in (o for o in outputs if o.whole):
+        for other in outputs:
+            inside = Path(os.path.abspath(other.path)).is_relative_to(os.path.abspath(whole.path))
+            if other is not whole and inside:
+                undo = whole.fix or f"choose another {whole.key}"
+                raise ConfigError(
+                    f"{other.key}={other.path} lies in {whole.key}={whole.path}, a folder replaced whole when saved, "
+                    f"which would delete it; choose another {other.key}, or {undo}"
+                )
 
 
 def check_writable(key: str, folder: Path, shown: Path | None = None) -> None:
@@ -159,11 +182,16 @@ def train_outputs(cfg, out: Path, root: Path, checkpoint_size: int | None) -> li
     """The folders `rlhf.train` writes: the run folder (its logs), `checkpoint.dir`, and `<run folder>/final_model`."""
     outputs = [
         Output("hydra.run.dir", out, out, "the run's logs and evaluation completions", log_bytes(cfg)),
-        Output("checkpoint.dir", root, root, "a checkpoint", checkpoint_size),
+        Output("checkpoint.dir", root, root, "a checkpoint", checkpoint_size, TRAIN_CHECKPOINTS, ours=is_checkpoint_entry),
     ]
     if cfg.checkpoint.save_final_model:
         export = checkpoint_size and checkpoint_size // STATE_COPIES  # the policy's weights (with a critic: over)
-        outputs.append(Output("checkpoint.save_final_model", out / "final_model", out, "the exported model", export))
+        fix = "choose another hydra.run.dir, or set checkpoint.save_final_model=false"
+        outputs.append(
+            Output("checkpoint.save_final_model", out / "final_model", out, "the exported model", export, TRAIN_EXPORT, fix, True)
+        )
+        if cfg.policy.lora.rank is not None:
+            outputs.append(Output("policy.lora.rank", out / "final_adapter", out, owner=TRAIN_ADAPTER, fix=fix, whole=True))
     return outputs
 
 
@@ -171,7 +199,7 @@ def reward_outputs(cfg, out: Path, save_dir: Path) -> list[Output]:
     """The folders `rlhf.train_reward` writes: the run folder and `save_dir` (float32 weights)."""
     params = parameter_count(cfg.model.name_or_path, cfg.model.revision, cfg.model.trust_remote_code)
     needed = params * dtype_bytes("float32") if params is not None else None
-    reward_model = Output("save_dir", save_dir, save_dir.parent, "the reward model", needed)
+    reward_model = Output("save_dir", save_dir, save_dir.parent, "the reward model", needed, REWARD_MODEL, whole=True)
     return [Output("hydra.run.dir", out, out), reward_model]
 
 

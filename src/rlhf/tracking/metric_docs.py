@@ -72,7 +72,7 @@ METRICS: dict[str, tuple[str, str]] = {  # name -> (meaning, when logged)
     "train/kl_sample_train_v1": ("sampler-trainer KL, v1 estimator: mean(gen - train)", "when the trainer rescores the rollout"),
     "train/kl_sample_train_v2": ("sampler-trainer KL, v2 estimator: mean((gen - train)^2) / 2", "when the trainer rescores the rollout"),
     # multi-turn environments
-    "distill/reverse_kl": ("the sampled per-token reverse KL to the teacher, log p_behaviour - log p_teacher, averaged over action tokens", "a teacher (algorithm/advantage=opd or algorithm.distill_coef)"),
+    "distill/reverse_kl": ("the sampled per-token reverse KL to the teacher, log p_student (the pre-update policy's) - log p_teacher, averaged over action tokens", "a teacher (algorithm/advantage=opd or algorithm.distill_coef)"),
     "distill/teacher_logprob": ("the teacher's mean logprob of the sampled action tokens", "a teacher (algorithm/advantage=opd or algorithm.distill_coef)"),
     "env/num_episodes": ("episodes played this step", "env set"),
     "env/success_rate": ("share of episodes that succeeded", "env set"),

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from rlhf.disk import TRAIN_ADAPTER, TRAIN_EXPORT
 from rlhf.models.hf_folder import save_hf_folder
 from rlhf.models import lora, packing
 from rlhf.models.dtypes import DTYPES
@@ -105,11 +106,14 @@ class TorchPolicy(TrainableModel):
         if self.strategy.rank != 0:
             return
         if self.lora is None:
-            save_hf_folder(path, self.model, tokenizer, state_dict=weights, safe_serialization=True)
+            save_hf_folder(path, self.model, tokenizer, owner=TRAIN_EXPORT, state_dict=weights, safe_serialization=True)
             return
         merged = lora.merged_weights(weights, lora.scaling(self.lora), adapted_only=False)
-        save_hf_folder(path, self.model.get_base_model(), tokenizer, state_dict=merged, safe_serialization=True)
-        save_hf_folder(path.parent / "final_adapter", self.model, tokenizer, state_dict=weights, safe_serialization=True)
+        save_hf_folder(path, self.model.get_base_model(), tokenizer, owner=TRAIN_EXPORT, state_dict=merged, safe_serialization=True)
+        save_hf_folder(
+            path.parent / "final_adapter", self.model, tokenizer, owner=TRAIN_ADAPTER, state_dict=weights,
+            safe_serialization=True,
+        )
 
     def state_dict(self, adapted_only: bool = False) -> dict[str, torch.Tensor] | None:
         """The weights the generator loads (rank 0; None on other ranks), under the base model's names.
