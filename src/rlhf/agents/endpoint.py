@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import Future
 from importlib import resources
+import ipaddress
 import logging
 import queue
 import secrets
@@ -42,6 +43,7 @@ from rlhf.envs.loop import Episode, sampled
 from rlhf.data.templates import BUILTIN_TEMPLATES
 from rlhf.errors import ConfigError, require
 from rlhf.registry import register
+from rlhf.rewards.combine import MAX_ABS_SCORE, within_bound
 
 log = logging.getLogger("rlhf")
 
@@ -92,7 +94,12 @@ class ClientConfig:
     api_key: str  # the session's key (the endpoint also finds the session by it on the plain /v1 routes)
     model: str  # the model name to ask for (`env.model_name`)
     session_id: str  # the session's id (in its URLs)
-    reward_url: str  # POST {"reward": x, "finished": bool} here to add to the episode's reward
+    reward_url: str  # POST {"reward": x, "finished": bool} here, with `headers`, to add to the episode's reward
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The session's key as an HTTP header: every session URL (a reward post too) answers 401 without it."""
+        return {"Authorization": f"Bearer {self.api_key}"}
 
     def environ(self) -> dict[str, str]:
         """Environment variables for a program that reads OpenAI's."""
@@ -110,6 +117,7 @@ class OpenAIAgentConfig(EnvConfig):
     chains: str = "last"  # rows per episode: last (the chain the session ended on) or all (needs an estimator without groups)
     batch_wait_s: float = 0.02  # how long a request waits for others to share its generate call
     max_n: int = 8  # the largest `n` one request may ask for
+    max_request_bytes: int = 1_048_576  # a request body larger than this is refused (413) before it is parsed
 
     def check(self, at: str) -> None:
         super().check(at)
@@ -117,6 +125,7 @@ class OpenAIAgentConfig(EnvConfig):
         require(0 <= self.port <= 65535, f"{at}.port={self.port} must be in 0..65535 (0 = a free port)")
         require(self.batch_wait_s >= 0, f"{at}.batch_wait_s={self.batch_wait_s} must be >= 0")
         require(self.max_n >= 1, f"{at}.max_n={self.max_n} must be >= 1")
+        require(self.max_request_bytes >= 1024, f"{at}.max_request_bytes={self.max_request_bytes} must be >= 1024")
         chat_template_source(self.chat_template)  # a missing file or a misspelt name, before any model loads
 
 
@@ -167,7 +176,8 @@ class AgentRunner:
         self.jobs: queue.Queue[Job] = queue.Queue()
         self.sessions: dict[str, Session] = {}
         self.keys: dict[str, Session] = {}
-        self.closed: set[str] = set()  # ids and keys of sessions of earlier batches
+        self.closed: dict[str, str] = {}  # the id of each session of earlier batches -> its key
+        self.closed_keys: set[str] = set()  # their keys
         self.sampling = None  # the sampling of the batch being played
         self.version: int | None = None  # the policy version the generator holds (set by the Collector)
         self.counts: dict[str, float] = {}
@@ -179,6 +189,13 @@ class AgentRunner:
 
         self.server = Server(make_app(self), cfg.host, cfg.port)
         log.info("agent endpoint listening on %s (env.path=%s)", self.server.url, cfg.path)
+        if not _loopback(cfg.host):
+            log.warning(
+                "env.host=%s: the agent endpoint listens beyond this machine, on port %d: whoever reaches it can list "
+                "the model, and whoever holds a session's key (sent in clear over HTTP) can sample the policy, shape "
+                "that episode's rows and post its reward; keep env.host=127.0.0.1 unless agents run elsewhere, and "
+                "then firewall the port", cfg.host, self.server.port,
+            )
         for name in ("httpx", "httpx2"):  # the agents' HTTP clients log every request at INFO: keep the run's log readable
             logging.getLogger(name).setLevel(max(logging.getLogger(name).getEffectiveLevel(), logging.WARNING))
 
@@ -188,17 +205,25 @@ class AgentRunner:
 
     # -- what the HTTP routes call (the server's thread) -----------------------------------------------------
     def session_for(self, session_id: str | None, authorization: str | None) -> Session:
-        """The live session named by the URL, or by the bearer key; RequestError 401, 404 or 410 otherwise."""
-        if session_id is None:
-            key = (authorization or "").removeprefix("Bearer ").strip()
-            if not key:
-                raise RequestError("no session: use the session's base URL, or its key as the API key", 401)
-        name = session_id if session_id is not None else key
+        """The live session named by the URL (its key the bearer token) or by the bearer key alone; RequestError 401
+        (no key, or not this session's: nothing is touched), 404 or 410 otherwise."""
+        key = (authorization or "").removeprefix("Bearer ").strip()
+        if session_id is None and not key:
+            raise RequestError("no session: use the session's base URL, or its key as the API key", 401)
         with self.lock:
-            session = self.sessions.get(session_id) if session_id is not None else self.keys.get(key)
+            if session_id is None:
+                session, owner = self.keys.get(key), key if key in self.closed_keys else None
+                if session is None and owner is None:
+                    raise RequestError("no session has this API key: send a session's client.api_key", 401)
+            else:
+                session = self.sessions.get(session_id)
+                owner = session.key if session is not None else self.closed.get(session_id)
+                if owner is not None and not secrets.compare_digest(key.encode(), owner.encode()):
+                    raise RequestError(f"the API key is not session {session_id}'s: send its client.api_key as "
+                                       f"Authorization: Bearer <key>", 401)
             if session is None or session.settled:
                 self._count("env/late_requests")
-                if session is not None or name in self.closed:
+                if session is not None or owner is not None:
                     raise RequestError("this session has ended (its episode is over, lost or timed out)", 410)
                 raise RequestError("no such session", 404)
             return session
@@ -240,16 +265,21 @@ class AgentRunner:
         return plan.waiting, limits
 
     def post_reward(self, session: Session, body: dict) -> None:
+        """Add a posted reward to ``session``'s (400, nothing added, for one past the bound or a sum that would be)."""
         check_reward_fields(body)
         reward, finished = body.get("reward", 0.0), body.get("finished", False)
-        if finite_reward(reward) is None:
-            raise RequestError(f"reward={reward!r} must be a finite number", field_name="reward")
+        if (number := finite_reward(reward)) is None or not within_bound(number):
+            raise RequestError(f"reward={reward!r} must be a finite number with |reward| <= {MAX_ABS_SCORE:g}", field_name="reward")
         if not isinstance(finished, bool):
             raise RequestError(f"finished={finished!r} must be true or false", field_name="finished")
         with self.lock:
             if session.settled:
                 raise RequestError("this session has ended", 410)
-            session.reward = (session.reward or 0.0) + float(reward)
+            total = (session.reward or 0.0) + number
+            if not within_bound(total):
+                raise RequestError(f"reward={reward!r} would bring the episode's rewards to {total:g}; their sum must stay "
+                                   f"within |sum| <= {MAX_ABS_SCORE:g}", field_name="reward")
+            session.reward = total
             session.active = time.monotonic()
             session.finished = finished
 
@@ -347,10 +377,14 @@ class AgentRunner:
             session.error = f"run raised {type(err).__name__}: {err}"
             return
         if value is not None:
-            if (reward := finite_reward(value)) is None:
-                session.error = f"run returned {value!r}; return a finite number (the reward) or None after posting one"
+            reward = finite_reward(value)
+            total = None if reward is None else (session.reward or 0.0) + reward
+            if total is None or not within_bound(total):
+                session.error = (f"run returned {value!r}{'' if session.reward is None else f' (posted: {session.reward:g})'}; "
+                                 f"return a finite number (the reward; with any posted, |sum| <= {MAX_ABS_SCORE:g}) or "
+                                 f"None after posting one")
                 return
-            session.reward = (session.reward or 0.0) + reward
+            session.reward = total
         if session.reward is None:
             session.error = "no reward: return a number from run() or POST one to client.reward_url"
             return
@@ -417,7 +451,8 @@ class AgentRunner:
             for s in sessions:
                 self.sessions.pop(s.id, None)
                 self.keys.pop(s.key, None)
-                self.closed.update((s.id, s.key))
+                self.closed[s.id] = s.key
+                self.closed_keys.add(s.key)
                 if not started[s.id].done():
                     started[s.id].cancel()
                 for key, value in s.counts.items():
@@ -425,6 +460,14 @@ class AgentRunner:
             while not self.jobs.empty():  # requests of agents that did not wait for their reply
                 job = self.jobs.get_nowait()
                 job.session.fail_request(job.plan, RequestError("this session has ended", 410))
+
+
+def _loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback interface alone."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
 
 
 def _waiting(session: Session) -> bool:

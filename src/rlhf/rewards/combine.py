@@ -20,6 +20,11 @@ from rlhf.trajectory import Trajectories
 MAX_ABS_SCORE = 1e6
 
 
+def within_bound(number: float) -> bool:
+    """Whether ``number`` is a score training may take: finite, with |number| <= MAX_ABS_SCORE."""
+    return math.isfinite(number) and abs(number) <= MAX_ABS_SCORE
+
+
 def as_score(value) -> float | None:
     """``value`` as a float when it is a real number (bool, int, float, a numpy or 0-d torch number), else None."""
     if value is None or isinstance(value, (str, bytes)):
@@ -50,7 +55,7 @@ def checked_scores(source: str, scores, rows: int) -> torch.Tensor:
     if len(values) != rows:
         raise ValueError(f"{source} returned {len(values)} scores for {rows} responses")
     for row, (value, number) in enumerate(zip(scores, values)):
-        if number is None or not math.isfinite(number) or abs(number) > MAX_ABS_SCORE:
+        if number is None or not within_bound(number):
             what = "not a number" if number is None else "not finite" if not math.isfinite(number) else "too large"
             raise RewardValueError(
                 f"{source} scored row {row} {value!r} ({type(value).__name__}): {what}; every score must be a finite "
