@@ -309,7 +309,7 @@ class AgentRunner:
         `env.max_concurrency` running); StopRequested at a stop signal."""
         while True:
             if stop_requested.is_set():
-                raise StopRequested("a stop signal arrived while agents played the step's episodes; they were abandoned")
+                raise StopRequested("a stop signal arrived while agents played; their episodes were abandoned")
             live = self._settle(sessions, started)
             running = sum(s.id in started for s in live)
             for s in [s for s in live if s.id not in started][: max(self.cfg.max_concurrency - running, 0)]:
