@@ -90,6 +90,27 @@ def test_an_episode_past_env_episode_timeout_s_is_lost_though_its_agent_keeps_bu
     assert runner.last_metrics["env/timed_out_episodes"] == 1
 
 
+def test_an_agent_that_ignores_its_cancellation_frees_its_place_when_its_episode_is_lost(runner, generator, tokenizer):
+    """Before: a running agent held its place under env.max_concurrency until its coroutine ended, so one that
+    swallowed its cancellation kept the agents queued behind it from ever starting (here for up to 120 s)."""
+
+    async def agent(task, client):
+        await ask(client, task)
+        end = time.monotonic() + 120
+        while task.label == 3 and time.monotonic() < end:
+            try:
+                await asyncio.sleep(1)
+            except asyncio.CancelledError:
+                pass  # refuses to stop
+        return 1.0
+
+    begun = time.monotonic()
+    with configured(runner, max_concurrency=1, episode_timeout_s=3.0):
+        episodes = play(runner, generator, tokenizer, agent, group_size=1, problems=((1, 2), (3, 4), (5, 6)))
+    assert time.monotonic() - begun < 100
+    assert [ep.task.ground_truth for ep in episodes if ep.failed] == [3]
+
+
 def test_a_stop_signal_abandons_the_agents_phase_at_once(runner, generator, tokenizer):
     """Before: SIGTERM was acknowledged and the step waited on its agents regardless (`stop_requested` is what the
     run's SIGTERM handler sets)."""

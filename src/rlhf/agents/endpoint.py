@@ -311,14 +311,19 @@ class AgentRunner:
             if stop_requested.is_set():
                 raise StopRequested("a stop signal arrived while agents played; their episodes were abandoned")
             live = self._settle(sessions, started)
-            running = sum(s.id in started for s in live)
-            for s in [s for s in live if s.id not in started][: max(self.cfg.max_concurrency - running, 0)]:
-                started[s.id] = self._start(s)
+            self._start_more(live, started)
             if not live and self.jobs.empty():
                 return
             jobs = self._gather([s for s in live if s.id in started])
             if jobs:
                 self._generate(generator, jobs)
+
+    def _start_more(self, live: list[Session], started: dict[str, Future]) -> None:
+        """Start the agents of live sessions not started yet, while fewer than `env.max_concurrency` run (a settled
+        session frees its place at once, whether or not its agent has returned)."""
+        waiting = [s for s in live if s.id not in started]
+        for s in waiting[: max(self.cfg.max_concurrency - (len(live) - len(waiting)), 0)]:
+            started[s.id] = self._start(s)
 
     def _settle(self, sessions: list[Session], started: dict[str, Future]) -> list[Session]:
         """Settle the sessions whose agent returned, raised or ran past a deadline (`overdue`; a blocked agents' loop
