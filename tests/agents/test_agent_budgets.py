@@ -11,6 +11,7 @@ import time
 import pytest
 
 from rlhf.errors import ConfigError, StopRequested
+from rlhf.agents.agent_api import load_agent
 from rlhf.agents.endpoint import OpenAIAgentConfig
 from rlhf.run.state import stop_requested
 
@@ -43,6 +44,27 @@ def test_an_async_agent_that_blocks_its_event_loop_loses_its_episode_and_the_res
     assert list(failed) == [3] and "event loop was blocked" in failed[3] and "time.sleep" in failed[3]
     assert runner.last_metrics["env/timed_out_episodes"] == 1
     assert not any(ep.failed for ep in play(runner, generator, tokenizer, agent, group_size=1, problems=((2, 2),)))
+
+
+def test_the_example_agent_plays_on_after_another_agent_blocked_the_loop(runner, generator, tokenizer):
+    """The shipped example keeps one connection pool per event loop (before: one for the process, bound to the loop
+    it was first used on, which another agent then blocked)."""
+    example = load_agent("builtin:agents/arith_retry.py")
+    release = threading.Event()
+
+    async def blocking(task, client):
+        release.wait(timeout=120)
+        return 1.0
+
+    try:
+        assert not any(ep.failed for ep in play(runner, generator, tokenizer, example, group_size=1))
+        with configured(runner, step_timeout_s=5.0):
+            assert all(ep.failed for ep in play(runner, generator, tokenizer, blocking, group_size=1, problems=((1, 2),)))
+        with configured(runner, step_timeout_s=30.0):
+            episodes = play(runner, generator, tokenizer, example, group_size=1)
+    finally:
+        release.set()
+    assert not any(ep.failed for ep in episodes), [ep.error for ep in episodes]
 
 
 def test_an_agent_that_asks_until_it_gets_an_answer_is_ended_by_env_max_requests(runner, generator, tokenizer):
