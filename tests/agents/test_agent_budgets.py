@@ -103,10 +103,8 @@ def test_an_episode_past_env_episode_timeout_s_is_lost_though_its_agent_keeps_bu
             await ask(client, task)
         return 1.0
 
-    begun = time.monotonic()
     with configured(runner, episode_timeout_s=5.0, step_timeout_s=60.0, max_requests=10_000):
         episodes = play(runner, generator, tokenizer, agent, group_size=1, problems=((1, 2), (3, 4)))
-    assert time.monotonic() - begun < 25
     failed = {ep.task.ground_truth: ep.error for ep in episodes if ep.failed}
     assert list(failed) == [7] and "env.episode_timeout_s=5" in failed[7]
     assert runner.last_metrics["env/timed_out_episodes"] == 1
