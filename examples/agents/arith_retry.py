@@ -5,18 +5,22 @@ env.path=examples/agents/arith_retry.py``): the run starts an OpenAI-compatible 
 episode. Nothing here knows about the trainer; point ``base_url`` at any OpenAI-compatible server and it runs as is.
 """
 
+import asyncio
+
 import httpx
 import openai
 
 FIRST_TRY, RETRY = 1.0, 0.5  # a right answer's reward on the first try and on the retry
-_http: httpx.AsyncClient | None = None  # one connection pool for every episode: a new OpenAI client costs ~25 ms (SSL setup)
+# one connection pool for every episode (a new OpenAI client costs ~25 ms: SSL setup), per event loop: a pool is bound
+# to the loop it was first used on, and the run starts a fresh loop if an agent ever blocks one
+_http: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
 
 
 def shared_http() -> httpx.AsyncClient:
-    global _http
-    if _http is None:
-        _http = httpx.AsyncClient(timeout=120)
-    return _http
+    loop = asyncio.get_running_loop()
+    if loop not in _http:
+        _http[loop] = httpx.AsyncClient(timeout=120)
+    return _http[loop]
 
 
 async def run(task, client) -> float:

@@ -46,6 +46,11 @@ class StopNow(SystemExit):
     """A second stop signal: the run ends at once, nothing more saved (not a user's sys.exit: never reported as one)."""
 
 
+class StopRequested(Exception):
+    """A stop signal (SIGTERM/SIGINT) arrived while the step waited on user code that need not end soon (agents): the
+    step is abandoned, the last complete step saved, and the run ends as interrupted (exit 5)."""
+
+
 class UserExit(RuntimeError):
     """User code inside the run (a reward function, an environment, an agent) called ``sys.exit`` or raised
     ``SystemExit``: the run reports it as that code's error (exit 6, the last complete step saved) instead of

@@ -16,7 +16,7 @@ import json
 import logging
 import os
 import sys
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 
 import hydra
@@ -30,6 +30,7 @@ from rlhf import exits, plan, registry
 from rlhf.checks import hub, parity
 from rlhf.run.build import build_components
 from rlhf.config import ConfigError, register_schema, validate
+from rlhf.errors import StopRequested
 from rlhf.config.compose import check_command_line
 from rlhf.config.moved import check_overrides
 from rlhf.config.tiny import tiny_settings_warning
@@ -104,7 +105,8 @@ def run_schedule(cfg, out: Path, sizes, schedule, components, root: Path, resume
         state = RunState.from_dict(checkpoint.load(components, resume_from, cfg.checkpoint.allow_config_change), cfg.train.max_skipped_steps_in_row)
         resumed(components.generator, state.step)
         components.generator.update_weights(components.policy.state_dict())  # the generator's first push
-    parity.gate(components, cfg)  # before the first step: the generator samples what the trainer scores
+    with suppress(StopRequested):  # agents that play the probe are abandoned at a stop signal, answered below
+        parity.gate(components, cfg)  # before the first step: the generator samples what the trainer scores
     if stop.requested:
         log.warning("%s received before the first step: stopped, nothing new to save; run again (resume=auto) to "
                     "start", stop.requested)

@@ -195,7 +195,7 @@ def check_args(args: argparse.Namespace, output_dir: Path) -> None:
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise ConfigError(f"--lr={args.lr} must be a positive number")
     if not 0 <= args.max_operand <= MAX_OPERAND:
-        raise ConfigError(f"--max-operand={args.max_operand} must be within 0..{MAX_OPERAND}, as dataset.max_operand")
+        raise ConfigError(f"--max-operand={args.max_operand} must be within 0..{MAX_OPERAND}")
     problems = CountDatasetConfig.max_count if args.count else (args.max_operand + 1) ** 2
     if not 1 <= args.batch_size <= problems * PER_PROBLEM:
         raise ConfigError(f"--batch-size={args.batch_size} must be within 1..{problems * PER_PROBLEM}, the demonstrations there are")

@@ -20,50 +20,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlhf.agents.endpoint import PLAIN_TEMPLATE, AgentRunner, OpenAIAgentConfig, OpenAIAgentMaker
-from rlhf.data.prompts import PromptExample
 from rlhf.envs.loop import drop_failed
 from rlhf.envs.rows import episode_rows
 from rlhf.errors import ConfigError
-from rlhf.generators.base import SamplingParams
 
-SAMPLING = SamplingParams(max_new_tokens=4)
-
-
-def client_of(client, **options):
-    return openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key, max_retries=0, **options)
-
-
-def task(tokenizer, a: int, b: int) -> PromptExample:
-    text = f"{a}+{b}="
-    return PromptExample(text=text, token_ids=tuple(tokenizer(text)["input_ids"]), ground_truth=a + b)
-
-
-@pytest.fixture(scope="module")
-def generator(tiny_model_dir, tokenizer):
-    from omegaconf import OmegaConf
-
-    from rlhf.config.schema import ModelConfig
-    from rlhf.generators.hf import HFGenerator, HfGeneratorConfig
-
-    torch.manual_seed(0)
-    return HFGenerator(HfGeneratorConfig(name="hf"), OmegaConf.structured(ModelConfig(name_or_path=tiny_model_dir)), tokenizer, torch.device("cpu"))
-
-
-@pytest.fixture(scope="module")
-def runner(tokenizer):
-    cfg = OpenAIAgentConfig(name="openai_agent", chat_template="plain", max_tokens=40, max_turns=3, num_parallel=8,
-                            step_timeout_s=60.0, batch_wait_s=5.0)
-    runner = AgentRunner(SimpleNamespace(run=None), cfg, tokenizer, tokenizer.eos_token_id)
-    yield runner
-    runner.close()
-
-
-def play(runner, generator, tokenizer, agent, group_size=2, cfg=None, problems=((1, 2), (3, 4))):
-    runner.maker = SimpleNamespace(run=agent)
-    if cfg is not None:
-        runner.cfg = cfg
-    tasks = [task(tokenizer, a, b) for a, b in problems]
-    return runner.run(generator, tasks, list(range(len(tasks))), group_size, SAMPLING)
+from endpoint_play import client_of, play
 
 
 async def ask_twice(task, client):
@@ -107,8 +68,8 @@ def test_a_retried_request_gets_the_recorded_reply_and_no_orphan_row(runner, gen
     async def retries(task, client):
         body = {"model": client.model, "messages": [{"role": "user", "content": task.prompt}]}
         async with httpx.AsyncClient() as http:
-            first, second = await asyncio.gather(*(http.post(f"{client.base_url}/chat/completions", json=body) for _ in range(2)))
-            third = await http.post(f"{client.base_url}/chat/completions", json=body)
+            first, second = await asyncio.gather(*(http.post(f"{client.base_url}/chat/completions", json=body, headers=client.headers) for _ in range(2)))
+            third = await http.post(f"{client.base_url}/chat/completions", json=body, headers=client.headers)
         answers = [r.json()["choices"][0]["message"]["content"] for r in (first, second, third)]
         assert answers[0] == answers[1] == answers[2]
         return 1.0
@@ -181,7 +142,7 @@ def test_bad_requests_are_answered_with_the_field_named_and_the_episode_goes_on(
             unknown = await http.post(client.base_url.split("/sessions/")[0] + "/sessions/nope/v1/chat/completions", json={"messages": asked})
             errors["unknown"] = (unknown.status_code, unknown.text)
             for name, body in (("rewrad", {"rewrad": 1.0}), ("empty reward", {})):  # before: a reward of 0, silently
-                posted = await http.post(client.reward_url, json=body)
+                posted = await http.post(client.reward_url, json=body, headers=client.headers)
                 errors[name] = (posted.status_code, posted.text)
         reply = await llm.chat.completions.create(model=client.model, messages=asked)
         return float(reply.choices[0].message.content == "3")
@@ -204,7 +165,7 @@ def test_agent_faults_lose_their_own_episode_counted_and_late_calls_get_410(runn
     async def agent(task, client):
         llm = client_of(client, timeout=30)
         reply = await llm.chat.completions.create(model=client.model, messages=[{"role": "user", "content": task.prompt}])
-        late["url"] = client.base_url
+        late["client"] = client
         if task.label == 3:
             raise KeyError("the agent broke")
         if task.label == 7:
@@ -213,11 +174,12 @@ def test_agent_faults_lose_their_own_episode_counted_and_late_calls_get_410(runn
             return None  # posts no reward
         if task.label == 13:
             async with httpx.AsyncClient() as http:
-                await http.post(client.reward_url, json={"reward": 0.25, "finished": True})
+                await http.post(client.reward_url, json={"reward": 0.25, "finished": True}, headers=client.headers)
             return None
         return float(reply.choices[0].message.content == str(task.label))
 
-    cfg = OpenAIAgentConfig(**{**vars(runner.cfg), "step_timeout_s": 2.0})
+    # only the hanging agent goes quiet this long, even on a loaded machine (the others wait for replies or return)
+    cfg = OpenAIAgentConfig(**{**vars(runner.cfg), "step_timeout_s": 10.0})
     saved = runner.cfg
     try:
         episodes = play(runner, generator, tokenizer, agent, group_size=1, cfg=cfg, problems=((1, 2), (3, 4), (5, 6), (6, 7), (4, 5)))
@@ -231,7 +193,8 @@ def test_agent_faults_lose_their_own_episode_counted_and_late_calls_get_410(runn
     assert next(ep for ep in kept if ep.task.ground_truth == 13).episode_return == 0.25
     m = runner.last_metrics
     assert (m["env/raised_episodes"], m["env/timed_out_episodes"], m["env/no_reward_episodes"]) == (1, 1, 1)
-    after = httpx.post(late["url"] + "/chat/completions", json={"messages": [{"role": "user", "content": "1"}]}, timeout=30)
+    after = httpx.post(late["client"].base_url + "/chat/completions", json={"messages": [{"role": "user", "content": "1"}]},
+                       headers=late["client"].headers, timeout=30)
     assert after.status_code == 410 and "ended" in after.json()["error"]["message"]
 
 

@@ -5,25 +5,27 @@ The agent is a user file (`env.path`) defining
     async def run(task, client) -> reward
 
 (plain ``def`` runs in a worker thread). ``task`` is an `AgentTask` (the dataset row's prompt and label, the reset
-seed); ``client`` a `ClientConfig`: the session's own ``base_url`` and ``api_key`` for the OpenAI SDK
-(``openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key)``), and ``client.environ()`` for an agent
-that runs a program reading ``OPENAI_BASE_URL``/``OPENAI_API_KEY``. The episode's reward is the number ``run``
-returns plus every reward posted to ``client.reward_url``; ``run`` may return None when it posted one.
+seed); ``client`` a `ClientConfig` (`rlhf.agents.agent_api`): the session's own ``base_url`` and ``api_key`` for the
+OpenAI SDK (``openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key)``), and ``client.environ()`` for
+an agent that runs a program reading ``OPENAI_BASE_URL``/``OPENAI_API_KEY``. The episode's reward is the number
+``run`` returns plus every reward posted to ``client.reward_url`` (with ``client.headers``); ``run`` may return None
+when it posted one.
 
 `AgentRunner` has the agent loop's interface (`run(generator, tasks, seeds, group_size, sampling) -> episodes`), so
 the Collector plays agent episodes as it plays environment episodes, in every schedule. One call opens a session
 per episode, starts the agents (at most `env.max_concurrency` at once), and serves their requests from the caller's
 thread: requests waiting together are batched into one generate call (up to `env.num_parallel` rows; the first
 waits at most `env.batch_wait_s` for the others). An episode is lost, not the run, when its agent raises, gives no
-reward, or makes no request for `env.step_timeout_s` while not waiting for a reply; later calls to its session get
-410. Rows: the session's last chain (`env.chains=last`), or every chain (`all`, with an estimator without groups).
+reward, makes no request for `env.step_timeout_s` while not waiting for a reply, blocks the agents' event loop that
+long, runs past `env.episode_timeout_s` or makes more than `env.max_requests` requests (`rlhf.agents.running`); later
+calls to its session get 410. A stop signal abandons the batch at once (`StopRequested`). Rows: the session's last
+chain (`env.chains=last`), or every chain (`all`, with an estimator without groups).
 """
 
 from __future__ import annotations
 
-import asyncio
 from concurrent.futures import Future
-from importlib import resources
+import ipaddress
 import logging
 import queue
 import secrets
@@ -31,17 +33,21 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
+from rlhf.agents.agent_api import AgentTask, ClientConfig, load_agent
 from rlhf.agents.fields import Limits, check_reward_fields, read_limits, read_tools
 from rlhf.agents.messages import Message, RequestError, parse_messages, tool_parser
+from rlhf.agents.running import AgentLoop, blocked_error, error_kind, no_reply_error, overdue
 from rlhf.agents.sessions import Budget, Choice, Plan, Renderer, Reply, Session
-from rlhf.envs.agent_func import call_user, check_function, load_module
+from rlhf.envs.agent_func import call_user
 from rlhf.envs.base import EnvConfig, finite_reward
 from rlhf.envs.loop import Episode, sampled
 from rlhf.data.templates import BUILTIN_TEMPLATES
-from rlhf.errors import ConfigError, require
+from rlhf.errors import ConfigError, StopRequested, require
 from rlhf.registry import register
+from rlhf.rewards.combine import MAX_ABS_SCORE, within_bound
+from rlhf.run.state import stop_requested
 
 log = logging.getLogger("rlhf")
 
@@ -51,8 +57,6 @@ PLAIN_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
     "{% endfor %}"
 )
-_EXAMPLE = "async def run(task, client): ... return reward"
-BUILTIN = "builtin:"  # `env.path=builtin:agents/arith_retry.py`: a file of the examples shipped with the package
 
 
 def chat_template_source(value: str | None) -> str | None:
@@ -75,30 +79,6 @@ def chat_template_source(value: str | None) -> str | None:
     raise ConfigError(f"env.chat_template={value!r} is not a template; {choices}")
 
 
-@dataclass(frozen=True)
-class AgentTask:
-    """What an agent is asked to do in one episode."""
-
-    prompt: str  # the dataset row's prompt text
-    label: Any  # its ground truth
-    seed: int  # the episode's reset seed (shared by the episodes of one group)
-
-
-@dataclass(frozen=True)
-class ClientConfig:
-    """How an agent reaches its session."""
-
-    base_url: str  # the session's OpenAI base URL: http://127.0.0.1:<port>/sessions/<id>/v1
-    api_key: str  # the session's key (the endpoint also finds the session by it on the plain /v1 routes)
-    model: str  # the model name to ask for (`env.model_name`)
-    session_id: str  # the session's id (in its URLs)
-    reward_url: str  # POST {"reward": x, "finished": bool} here to add to the episode's reward
-
-    def environ(self) -> dict[str, str]:
-        """Environment variables for a program that reads OpenAI's."""
-        return {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key, "OPENAI_MODEL": self.model}
-
-
 @dataclass
 class OpenAIAgentConfig(EnvConfig):
     path: Optional[str] = None  # the Python file defining `async def run(task, client) -> reward` (required); builtin:<file> = one of examples/
@@ -110,6 +90,9 @@ class OpenAIAgentConfig(EnvConfig):
     chains: str = "last"  # rows per episode: last (the chain the session ended on) or all (needs an estimator without groups)
     batch_wait_s: float = 0.02  # how long a request waits for others to share its generate call
     max_n: int = 8  # the largest `n` one request may ask for
+    max_request_bytes: int = 1_048_576  # a request body larger than this is refused (413) before it is parsed
+    episode_timeout_s: float = 600.0  # an episode whose agent is still running this long after it started is lost (env/timed_out_episodes)
+    max_requests: int = 128  # requests one episode may make (replies, retries, reward posts); the next loses it (env/over_budget_episodes)
 
     def check(self, at: str) -> None:
         super().check(at)
@@ -117,21 +100,10 @@ class OpenAIAgentConfig(EnvConfig):
         require(0 <= self.port <= 65535, f"{at}.port={self.port} must be in 0..65535 (0 = a free port)")
         require(self.batch_wait_s >= 0, f"{at}.batch_wait_s={self.batch_wait_s} must be >= 0")
         require(self.max_n >= 1, f"{at}.max_n={self.max_n} must be >= 1")
+        require(self.max_request_bytes >= 1024, f"{at}.max_request_bytes={self.max_request_bytes} must be >= 1024")
+        require(self.episode_timeout_s > 0, f"{at}.episode_timeout_s={self.episode_timeout_s} must be > 0")
+        require(self.max_requests >= 1, f"{at}.max_requests={self.max_requests} must be >= 1")
         chat_template_source(self.chat_template)  # a missing file or a misspelt name, before any model loads
-
-
-def load_agent(path: str | None):
-    """The ``run`` function of the agent file ``path``, checked, or ConfigError naming `env.path` and the fix."""
-    if not path:
-        raise ConfigError(f"env.name=openai_agent needs env.path=<a Python file defining `{_EXAMPLE}`>")
-    file = Path(str(resources.files("rlhf.examples"))) / path[len(BUILTIN) :] if path.startswith(BUILTIN) else Path(path).expanduser()
-    if not file.is_file():
-        raise ConfigError(f"env.path={path!r} is not a file; give the Python file that defines `{_EXAMPLE}`")
-    run = getattr(load_module(file, path), "run", None)
-    if run is None:
-        raise ConfigError(f"env.path={path!r} defines no `run`; add `{_EXAMPLE}`")
-    check_function(run, "run", ("task", "client"), path)
-    return run
 
 
 @dataclass
@@ -149,7 +121,6 @@ class AgentRunner:
 
     def __init__(self, maker, cfg, tokenizer, stop_id: int) -> None:
         self.maker, self.cfg, self.tokenizer = maker, cfg, tokenizer
-        self._limit = asyncio.Semaphore(cfg.max_concurrency)  # agents running at once; binds to the agents' loop at first use
         template = chat_template_source(cfg.chat_template)
         if template is None and not getattr(tokenizer, "chat_template", None):
             raise ConfigError(
@@ -167,40 +138,61 @@ class AgentRunner:
         self.jobs: queue.Queue[Job] = queue.Queue()
         self.sessions: dict[str, Session] = {}
         self.keys: dict[str, Session] = {}
-        self.closed: set[str] = set()  # ids and keys of sessions of earlier batches
+        self.closed: dict[str, str] = {}  # the id of each session of earlier batches -> its key
+        self.closed_keys: set[str] = set()  # their keys
         self.sampling = None  # the sampling of the batch being played
         self.version: int | None = None  # the policy version the generator holds (set by the Collector)
         self.counts: dict[str, float] = {}
         self.last_metrics: dict[str, float] = {}
-        self._agents = asyncio.new_event_loop()  # the agents' coroutines run here, in a daemon thread of its own
-        threading.Thread(target=self._agents.run_forever, daemon=True, name="rlhf-agents").start()
+        self.agents = AgentLoop()  # where the agents' coroutines run (replaced when an agent blocks it)
         self._running = threading.Lock()
         from rlhf.agents.server import Server, make_app  # FastAPI and uvicorn load only when an endpoint serves
 
         self.server = Server(make_app(self), cfg.host, cfg.port)
         log.info("agent endpoint listening on %s (env.path=%s)", self.server.url, cfg.path)
+        if not _loopback(cfg.host):
+            log.warning(
+                "env.host=%s: the agent endpoint listens beyond this machine, on port %d: whoever reaches it can list "
+                "the model, and whoever holds a session's key (sent in clear over HTTP) can sample the policy, shape "
+                "that episode's rows and post its reward; keep env.host=127.0.0.1 unless agents run elsewhere, and "
+                "then firewall the port", cfg.host, self.server.port,
+            )
         for name in ("httpx", "httpx2"):  # the agents' HTTP clients log every request at INFO: keep the run's log readable
             logging.getLogger(name).setLevel(max(logging.getLogger(name).getEffectiveLevel(), logging.WARNING))
 
     def close(self) -> None:
         self.server.close()
-        self._agents.call_soon_threadsafe(self._agents.stop)
+        self.agents.close()
 
     # -- what the HTTP routes call (the server's thread) -----------------------------------------------------
     def session_for(self, session_id: str | None, authorization: str | None) -> Session:
-        """The live session named by the URL, or by the bearer key; RequestError 401, 404 or 410 otherwise."""
-        if session_id is None:
-            key = (authorization or "").removeprefix("Bearer ").strip()
-            if not key:
-                raise RequestError("no session: use the session's base URL, or its key as the API key", 401)
-        name = session_id if session_id is not None else key
+        """The live session named by the URL (its key the bearer token) or by the bearer key alone; RequestError 401
+        (no key, or not this session's: nothing is touched), 404 or 410 otherwise."""
+        key = (authorization or "").removeprefix("Bearer ").strip()
+        if session_id is None and not key:
+            raise RequestError("no session: use the session's base URL, or its key as the API key", 401)
         with self.lock:
-            session = self.sessions.get(session_id) if session_id is not None else self.keys.get(key)
+            if session_id is None:
+                session, owner = self.keys.get(key), key if key in self.closed_keys else None
+                if session is None and owner is None:
+                    raise RequestError("no session has this API key: send a session's client.api_key", 401)
+            else:
+                session = self.sessions.get(session_id)
+                owner = session.key if session is not None else self.closed.get(session_id)
+                if owner is not None and not secrets.compare_digest(key.encode(), owner.encode()):
+                    raise RequestError(f"the API key is not session {session_id}'s: send its client.api_key as "
+                                       f"Authorization: Bearer <key>", 401)
             if session is None or session.settled:
                 self._count("env/late_requests")
-                if session is not None or name in self.closed:
+                if session is not None or owner is not None:
                     raise RequestError("this session has ended (its episode is over, lost or timed out)", 410)
                 raise RequestError("no such session", 404)
+            session.requests += 1
+            if session.requests > self.cfg.max_requests:
+                session.error = (f"over budget: the agent made more than env.max_requests={self.cfg.max_requests} "
+                                 f"requests (replies, retries and reward posts) in its episode; end run() sooner, or raise "
+                                 f"env.max_requests")
+                raise RequestError(f"this session has ended: {session.error}", 410)
             return session
 
     def submit(self, session: Session, route: str, body: dict) -> tuple[Reply | Future, Limits]:
@@ -240,16 +232,21 @@ class AgentRunner:
         return plan.waiting, limits
 
     def post_reward(self, session: Session, body: dict) -> None:
+        """Add a posted reward to ``session``'s (400, nothing added, for one past the bound or a sum that would be)."""
         check_reward_fields(body)
         reward, finished = body.get("reward", 0.0), body.get("finished", False)
-        if finite_reward(reward) is None:
-            raise RequestError(f"reward={reward!r} must be a finite number", field_name="reward")
+        if (number := finite_reward(reward)) is None or not within_bound(number):
+            raise RequestError(f"reward={reward!r} must be a finite number with |reward| <= {MAX_ABS_SCORE:g}", field_name="reward")
         if not isinstance(finished, bool):
             raise RequestError(f"finished={finished!r} must be true or false", field_name="finished")
         with self.lock:
             if session.settled:
                 raise RequestError("this session has ended", 410)
-            session.reward = (session.reward or 0.0) + float(reward)
+            total = (session.reward or 0.0) + number
+            if not within_bound(total):
+                raise RequestError(f"reward={reward!r} would bring the episode's rewards to {total:g}; their sum must stay "
+                                   f"within |sum| <= {MAX_ABS_SCORE:g}", field_name="reward")
+            session.reward = total
             session.active = time.monotonic()
             session.finished = finished
 
@@ -258,10 +255,11 @@ class AgentRunner:
 
     # -- one batch of episodes (the caller's thread) ---------------------------------------------------------
     def run(self, generator, tasks, seeds: list[int], group_size: int, sampling) -> list[Episode]:
-        """Play ``group_size`` episodes of each task; episodes of a task are contiguous (one group)."""
+        """Play ``group_size`` episodes of each task; episodes of a task are contiguous (one group). A stop signal
+        (SIGTERM/SIGINT) abandons the batch at once: `StopRequested`."""
         with self._running:
             sessions = self._open(tasks, seeds, group_size, sampling)
-            started = {s.id: self._start(s) for s in sessions}
+            started: dict[str, Future] = {}
             try:
                 self._serve(generator, sessions, started)
             finally:
@@ -269,9 +267,9 @@ class AgentRunner:
             episodes = []
             for s in sessions:
                 if s.error is None and not any(c.num_replies for c in s.chains):
-                    s.error = _no_reply_error(s, self.cfg.max_tokens)
+                    s.error = no_reply_error(s, self.cfg.max_tokens)
                 if s.error is not None:
-                    self._count(_error_kind(s.error))
+                    self._count(error_kind(s.error))
                     episodes.append(Episode(s.group, s.seed, s.task, [], "failed", s.error))
                 else:
                     episodes.extend(s.episodes(self.cfg.chains, self.render))
@@ -287,56 +285,70 @@ class AgentRunner:
         with self.lock:
             self.sampling, self.counts = sampling, {}
             for s in sessions:
-                s.active = None  # set when its agent starts
                 self.sessions[s.id], self.keys[s.key] = s, s
         return sessions
 
-    def _start(self, session: Session):
-        """Start the agent of ``session`` on the agents' loop (at most `env.max_concurrency` at once)."""
+    def _start(self, session: Session) -> Future:
+        """Start the agent of ``session`` on the agents' loop; its deadlines run from now."""
         base = f"{self.server.url}/sessions/{session.id}/"
         client = ClientConfig(base + "v1", session.key, self.model_name, session.id, base + "reward")
         task = AgentTask(session.task.text, session.task.ground_truth, session.seed)
 
         async def agent():
-            async with self._limit:
-                with self.lock:
-                    session.active = time.monotonic()
-                try:
-                    return await call_user(self.maker.run, task, client)
-                except (SystemExit, KeyboardInterrupt) as err:  # would stop the agents' loop, and every agent with it
-                    raise RuntimeError(f"{type(err).__name__}({err}) inside run()") from None
+            try:
+                return await call_user(self.maker.run, task, client)
+            except (SystemExit, KeyboardInterrupt) as err:  # would stop the agents' loop, and every agent with it
+                raise RuntimeError(f"{type(err).__name__}({err}) inside run()") from None
 
-        return asyncio.run_coroutine_threadsafe(agent(), self._agents)
+        with self.lock:
+            session.started = session.active = time.monotonic()
+        return self.agents.submit(agent())
 
-    def _serve(self, generator, sessions: list[Session], started: dict) -> None:
-        """Answer requests until every session has settled."""
+    def _serve(self, generator, sessions: list[Session], started: dict[str, Future]) -> None:
+        """Answer requests until every session has settled, starting agents as others settle (at most
+        `env.max_concurrency` running); StopRequested at a stop signal."""
         while True:
+            if stop_requested.is_set():
+                raise StopRequested("a stop signal arrived while agents played; their episodes were abandoned")
             live = self._settle(sessions, started)
+            self._start_more(live, started)
             if not live and self.jobs.empty():
                 return
-            jobs = self._gather(live)
+            jobs = self._gather([s for s in live if s.id in started])
             if jobs:
                 self._generate(generator, jobs)
 
-    def _settle(self, sessions: list[Session], started: dict) -> list[Session]:
-        """Settle the sessions whose agent returned, raised or idled past `env.step_timeout_s`; the live ones."""
-        now, live = time.monotonic(), []
+    def _start_more(self, live: list[Session], started: dict[str, Future]) -> None:
+        """Start the agents of live sessions not started yet, while fewer than `env.max_concurrency` run (a settled
+        session frees its place at once, whether or not its agent has returned)."""
+        waiting = [s for s in live if s.id not in started]
+        for s in waiting[: max(self.cfg.max_concurrency - (len(live) - len(waiting)), 0)]:
+            started[s.id] = self._start(s)
+
+    def _settle(self, sessions: list[Session], started: dict[str, Future]) -> list[Session]:
+        """Settle the sessions whose agent returned, raised or ran past a deadline (`overdue`; a blocked agents' loop
+        loses every episode on it and is replaced); the live ones, started or not."""
+        now, stalled = time.monotonic(), self.agents.stalled_s()
+        blocked = stalled > self.cfg.step_timeout_s
+        live = []
         with self.lock:
             for s in sessions:
+                future = started.get(s.id)
                 if s.settled:
                     continue
-                future = started[s.id]
-                if future.done():
+                if future is None:  # not started yet
+                    live.append(s)
+                elif future.done():
                     self._finish(s, future)
-                elif s.active is not None and not _waiting(s) and now - s.active > self.cfg.step_timeout_s:
-                    s.error = (
-                        f"timed out: no request, reply or reward for env.step_timeout_s={self.cfg.step_timeout_s:g} s (an "
-                        f"async run() that blocks the event loop, time.sleep instead of await asyncio.sleep, stalls "
-                        f"every agent)"
-                    )
+                elif error := blocked_error(stalled) if blocked else overdue(
+                        s, now, _waiting(s), self.cfg.step_timeout_s, self.cfg.episode_timeout_s):
+                    s.error = error
                     future.cancel()
                 else:
                     live.append(s)
+        if blocked:
+            self.agents.close()
+            self.agents = AgentLoop()
         return live
 
     def _finish(self, session: Session, future) -> None:
@@ -347,10 +359,14 @@ class AgentRunner:
             session.error = f"run raised {type(err).__name__}: {err}"
             return
         if value is not None:
-            if (reward := finite_reward(value)) is None:
-                session.error = f"run returned {value!r}; return a finite number (the reward) or None after posting one"
+            reward = finite_reward(value)
+            total = None if reward is None else (session.reward or 0.0) + reward
+            if total is None or not within_bound(total):
+                session.error = (f"run returned {value!r}{'' if session.reward is None else f' (posted: {session.reward:g})'}; "
+                                 f"return a finite number (the reward; with any posted, |sum| <= {MAX_ABS_SCORE:g}) or "
+                                 f"None after posting one")
                 return
-            session.reward = (session.reward or 0.0) + reward
+            session.reward = total
         if session.reward is None:
             session.error = "no reward: return a number from run() or POST one to client.reward_url"
             return
@@ -417,8 +433,9 @@ class AgentRunner:
             for s in sessions:
                 self.sessions.pop(s.id, None)
                 self.keys.pop(s.key, None)
-                self.closed.update((s.id, s.key))
-                if not started[s.id].done():
+                self.closed[s.id] = s.key
+                self.closed_keys.add(s.key)
+                if s.id in started and not started[s.id].done():
                     started[s.id].cancel()
                 for key, value in s.counts.items():
                     self._count(key, value)
@@ -427,28 +444,17 @@ class AgentRunner:
                 job.session.fail_request(job.plan, RequestError("this session has ended", 410))
 
 
+def _loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback interface alone."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
+
+
 def _waiting(session: Session) -> bool:
     """Whether the session has a request being answered."""
     return any(chain.pending for chain in session.chains)
-
-
-def _no_reply_error(session: Session, max_tokens: int) -> str:
-    """Why ``session`` has no reply to train on: its requests did not fit `env.max_tokens`, or it made none."""
-    if session.unfit is None:
-        return "the agent asked the endpoint for nothing: no reply to train on"
-    return (
-        f"no room for a reply: the agent's request rendered to {session.unfit} tokens, which fills env.max_tokens="
-        f"{max_tokens} (tokens per episode, prompt included), so it was answered with an empty reply (finish_reason "
-        f"length); raise env.max_tokens above {session.unfit} plus the reply tokens wanted"
-    )
-
-
-def _error_kind(error: str) -> str:
-    if error.startswith("timed out"):
-        return "env/timed_out_episodes"
-    if error.startswith("no reward") or error.startswith("run returned"):
-        return "env/no_reward_episodes"
-    return "env/raised_episodes"
 
 
 @register("env", "openai_agent")

@@ -12,8 +12,10 @@ is the ``Authorization: Bearer`` token):
   ``finished: true`` ends the episode.
 
 Every answer carries ``policy_version`` (also as the header ``x-policy-version``). Errors follow OpenAI's shape
-(``{"error": {"message", "type", "param"}}``) with 400 (a bad field, named), 401 (no session key), 404 (an unknown
-session or model) or 410 (a session that has ended), none of which the OpenAI SDK retries.
+(``{"error": {"message", "type", "param"}}``) with 400 (a bad field, named; a body nested too deep), 401 (no key, or
+not the session's: under ``/sessions/<id>`` the bearer token must be that session's key), 404 (an unknown session or
+model), 410 (a session that has ended) or 413 (a body over `env.max_request_bytes`), none of which the OpenAI SDK
+retries.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from rlhf.agents.sessions import Choice, Reply
 from rlhf.errors import ConfigError
 
 log = logging.getLogger("rlhf")
+
+MAX_JSON_DEPTH = 64  # arrays and objects nested deeper in a request body are refused (a chat request with tools: about 10)
 
 
 def error_response(err: RequestError) -> JSONResponse:
@@ -127,7 +131,7 @@ def make_app(hub) -> FastAPI:
 
     async def answer(request: Request, session_id: str | None, route: str):
         try:
-            body = await _json(request)
+            body = await _json(request, hub.cfg.max_request_bytes)
             session = hub.session_for(session_id, request.headers.get("authorization"))
             pending, limits = hub.submit(session, route, body)
             reply = await asyncio.wrap_future(pending) if not isinstance(pending, Reply) else pending
@@ -168,8 +172,8 @@ def make_app(hub) -> FastAPI:
     @app.post("/sessions/{session_id}/reward")
     async def reward(session_id: str, request: Request):
         try:
-            body = await _json(request)
-            hub.post_reward(hub.session_for(session_id, None), body)
+            body = await _json(request, hub.cfg.max_request_bytes)
+            hub.post_reward(hub.session_for(session_id, request.headers.get("authorization")), body)
         except ClientDisconnect:
             return _gone(request)
         except RequestError as err:
@@ -186,14 +190,42 @@ def _gone(request: Request) -> Response:
     return Response(status_code=499)
 
 
-async def _json(request: Request) -> dict:
+async def _json(request: Request, max_bytes: int) -> dict:
+    """The request's JSON object, or RequestError: 413 for a body over ``max_bytes`` (`env.max_request_bytes`; the
+    rest is read and dropped, so the client gets the answer), 400 for one that is not JSON, not an object, or nests
+    deeper than `MAX_JSON_DEPTH`."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= max_bytes:
+            chunks.append(chunk)
+    if size > max_bytes:
+        raise RequestError(f"the request body is {size} bytes, over env.max_request_bytes={max_bytes}; send less (cut "
+                           f"long tool outputs), or raise env.max_request_bytes", 413)
+    too_deep = RequestError(f"the request body nests arrays and objects deeper than {MAX_JSON_DEPTH}")
     try:
-        body = json.loads(await request.body() or b"null")
+        body = json.loads(b"".join(chunks) or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise RequestError(f"the request body is not JSON: {err}") from None
+    except RecursionError:  # Python's parser gives up near 1000 levels
+        raise too_deep from None
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    if _depth(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise too_deep
     return body
+
+
+def _depth(value: Any, limit: int) -> int:
+    """How deep ``value`` nests lists and dicts (a scalar: 0), counted up to ``limit + 1``, without recursion."""
+    level, depth = [value], 0
+    while depth <= limit:
+        level = [x for x in level if isinstance(x, (list, dict))]
+        if not level:
+            return depth
+        depth += 1
+        level = [v for x in level for v in (x.values() if isinstance(x, dict) else x)]
+    return depth
 
 
 def _version(reply: Reply) -> dict[str, str]:

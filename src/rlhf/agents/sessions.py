@@ -166,7 +166,9 @@ class Session:
         self.finished = False  # the agent said so (a reward posted with finished=true) or its `run` returned
         self.error: str | None = None  # why the episode is lost
         self.unfit: int | None = None  # the longest request (tokens) answered with nothing before any reply: env.max_tokens
+        self.started: float | None = None  # when its agent started (monotonic seconds); None before
         self.active: float | None = None  # when the agent last acted (monotonic seconds); None before it starts
+        self.requests = 0  # requests it made (`env.max_requests`)
         self.counts = dict.fromkeys(SESSION_COUNTS, 0)  # what happened to its requests (`env/*` metrics)
 
     @property

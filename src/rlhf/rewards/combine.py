@@ -20,6 +20,11 @@ from rlhf.trajectory import Trajectories
 MAX_ABS_SCORE = 1e6
 
 
+def within_bound(number: float) -> bool:
+    """Whether ``number`` is a score training may take: finite, with |number| <= MAX_ABS_SCORE."""
+    return math.isfinite(number) and abs(number) <= MAX_ABS_SCORE
+
+
 def as_score(value) -> float | None:
     """``value`` as a float when it is a real number (bool, int, float, a numpy or 0-d torch number), else None; a
     number past float's range (an int such as 10**400) as an infinity of its sign."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -70,6 +71,9 @@ class RunState:
         )
 
 
+stop_requested = threading.Event()  # set by `StopSignals` at the first stop signal: waits on agents give up at once
+
+
 class StopSignals:
     """Within the block, SIGTERM and SIGINT ask the schedule to stop at the next safe point instead of killing it.
 
@@ -96,12 +100,14 @@ class StopSignals:
             log.error("a second SIGTERM: stopping now, without finishing the step or saving a checkpoint")
             raise StopNow(128 + signal.SIGTERM)
         self.requested, self._first_at = signal.Signals(signum).name, time.monotonic()
+        stop_requested.set()
         log.warning("%s: finishing the current step, then saving a checkpoint (before the first step: stopping once "
                     "the models have loaded, nothing to save); send it again to stop at once, without one", self.requested)
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def __enter__(self) -> "StopSignals":
+        stop_requested.clear()
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
@@ -114,5 +120,6 @@ class StopSignals:
                 signal.signal(sig, self._handle)
 
     def __exit__(self, *exc) -> None:
+        stop_requested.clear()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from rlhf.errors import user_exits_named
+from rlhf.errors import StopRequested, user_exits_named
 from rlhf.run import checkpoint
 from rlhf.data.prompts import epochs_done
 from rlhf.distributed.remote import WorkerError
@@ -60,7 +60,8 @@ def run_steps(
     stream's and the reward statistics' states, and the global RNGs', as of the end of ``step`` ({"prompts",
     "rewards", "rng"}), for checkpoints and the epoch count; and ``guard``, a lock that evaluation holds so its
     seeded sampling never interleaves with theirs.
-    Stops early, after saving a checkpoint, when ``stop.requested`` is set (SIGTERM/SIGINT).
+    Stops early, after saving a checkpoint, when ``stop.requested`` is set (SIGTERM/SIGINT). Agents the step waits on
+    then are abandoned at once (`StopRequested`): the last complete step is saved instead of the one they played.
 
     A step that raises ends the run, but first the last complete step is saved (`save_on_failure`) when the trained
     models are known to be as it left them: the error came before step k's update began (generation, scoring: a
@@ -72,8 +73,13 @@ def run_steps(
     train = cfg.train
     guard = guard if guard is not None else nullcontext()
     if state.step == 0:
-        with guard, user_exits_named():  # the first evaluation runs the user's reward functions before any step
-            state.first_eval = run_eval(c, cfg, tracker, 0)
+        try:
+            with guard, user_exits_named():  # the first evaluation runs the user's reward functions before any step
+                state.first_eval = run_eval(c, cfg, tracker, 0)
+        except StopRequested as stopped:  # agents abandoned at a stop signal: nothing to save yet
+            log.warning("%s before the first step: stopped, nothing to save; continue with resume=auto", stopped)
+            state.preempted = True
+            return state
     for step in range(state.step + 1, train.num_steps + 1):
         before = StepStart.record(c)
         updates = c.learner.updates  # an update begun in this step may have changed the models
@@ -83,10 +89,14 @@ def run_steps(
         except Exception as err:  # a sys.exit in user code arrives as a UserExit; a second stop signal passes
             if c.learner.updates != updates:
                 log.error("step %d failed during its update: the models are mid-update, so nothing more is saved", step)
-            else:
-                before.rewind(c)
-                streams = stream_states(step - 1) if stream_states is not None else before.streams
-                save_on_failure(c, cfg, tracker.checkpoint_root, state, step - 1, streams, err)
+                raise
+            before.rewind(c)
+            streams = stream_states(step - 1) if stream_states is not None else before.streams
+            if isinstance(err, StopRequested):  # agents abandoned at a stop signal, before the update
+                save_interrupted(c, cfg, tracker.checkpoint_root, state, step - 1, streams, err)
+                state.preempted = True
+                break
+            save_on_failure(c, cfg, tracker.checkpoint_root, state, step - 1, streams, err)
             raise
         state.step = step
         states = stream_states(step) if stream_states is not None else None
@@ -94,6 +104,8 @@ def run_steps(
             with user_exits_named():
                 record_step(c, cfg, sizes, tracker, state, metrics, scored, states, guard)
                 checkpoint.check_room(tracker.checkpoint_root, step)  # a disk filling up stops the run while it can save
+        except StopRequested:  # the evaluation's agents were abandoned; the step is complete and saved below
+            pass
         except Exception as err:
             save_on_failure(c, cfg, tracker.checkpoint_root, state, step, states, err)
             raise
@@ -158,6 +170,16 @@ class StepStart:
             c.algorithm.load_state_dict(self.algorithm)
         checkpoint.set_rng_states(self.rng)
         c.shuffle.set_state(self.rng["shuffle"])
+
+
+def save_interrupted(c, cfg, root, state: RunState, step: int, streams: dict | None, stopped: StopRequested) -> None:
+    """A stop signal abandoned the step after ``step``: save step ``step`` (unless saved already, or none is done)."""
+    if step == 0:
+        log.warning("%s in the first step: stopped, nothing to save; continue with resume=auto", stopped)
+        return
+    saved = [p for p in checkpoint.complete_checkpoints(root) if p.name == f"step_{step:08d}"]
+    path = saved[0] if saved else checkpoint.save(c, root, step, state.to_dict(), cfg.checkpoint.keep_last, streams)
+    log.warning("%s: stopped with the last complete step %d saved in %s; continue with resume=auto", stopped, step, path)
 
 
 def save_on_failure(c, cfg, root, state: RunState, step: int, streams: dict | None, err: Exception) -> None:

@@ -96,7 +96,8 @@ METRICS: dict[str, tuple[str, str]] = {  # name -> (meaning, when logged)
     "env/rejected_requests": ("requests refused with a 4xx naming the bad field", "env=openai_agent"),
     "env/late_requests": ("requests to a session that had ended or never existed (410 or 404)", "env=openai_agent"),
     "env/raised_episodes": ("episodes lost because the agent's run raised", "env=openai_agent"),
-    "env/timed_out_episodes": ("episodes lost because the agent went quiet past env.step_timeout_s", "env=openai_agent"),
+    "env/timed_out_episodes": ("episodes lost because the agent went quiet past env.step_timeout_s, blocked the agents' event loop that long, or ran past env.episode_timeout_s", "env=openai_agent"),
+    "env/over_budget_episodes": ("episodes lost because the agent made more than env.max_requests requests", "env=openai_agent"),
     "env/no_reward_episodes": ("episodes lost because the agent gave no (or no finite) reward", "env=openai_agent"),
     # evaluation
     "eval/<mode>_scores": ("mean score on the evaluation prompts (mode: greedy or sampled)", "every eval.every steps and at the end"),
