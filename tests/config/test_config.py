@@ -414,3 +414,9 @@ def test_keys_under_env_without_an_environment_are_refused():
     """`+env.max_turns=3` with env=none (the default) composed and was read by nothing."""
     with pytest.raises(ConfigError, match=r"^env.step_timeout_s is set but no environment is chosen .* choose one with env=<name>"):
         validate(compose_config(["+env.step_timeout_s=5"]))
+
+
+def test_model_custom_asks_for_the_model_before_anything_loads():
+    cfg = compose_config(["model=custom"])
+    with pytest.raises(ConfigError, match=r"^model.name_or_path must be set .* add model.name_or_path=\.\.\. to the command line"):
+        validate(cfg)

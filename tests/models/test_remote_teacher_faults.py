@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from omegaconf import OmegaConf
+from slow_replies import drip_forever
 
 from rlhf.config import ConfigError, compose_config, validate
 from rlhf.config.schema import TeacherConfig
@@ -29,19 +30,14 @@ class Teacher(BaseHTTPRequestHandler):
             server.stop.wait()
             return
         body = json.dumps({"choices": [{"prompt_logprobs": [None] + [{str(t): {"logprob": server.logprob}} for t in ids[1:]]}]}).encode()
+        if server.drip:
+            drip_forever(self, body, server.stop)
+            return
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body) * (1000 if server.drip else 1)))
+        self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        if not server.drip:
-            self.wfile.write(body)
-            return
-        while not server.stop.wait(0.2):  # well inside any per-read timeout, forever
-            try:
-                self.wfile.write(b" ")
-                self.wfile.flush()
-            except OSError:
-                return
+        self.wfile.write(body)
 
     def log_message(self, *args) -> None:
         pass

@@ -8,6 +8,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from slow_replies import drip_forever
 
 from rlhf.errors import ConfigError
 from rlhf.rewards.remote import RemoteRewardError, remote
@@ -129,17 +130,7 @@ class Dripper(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers["Content-Length"]))
-        body = json.dumps({"scores": [1.0, 3.0]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body) * 1000))
-        self.end_headers()
-        while not self.server.stop.wait(0.2):  # one byte every 0.2 s, forever (until the test ends)
-            try:
-                self.wfile.write(b" ")
-                self.wfile.flush()
-            except OSError:
-                return
+        drip_forever(self, json.dumps({"scores": [1.0, 3.0]}).encode(), self.server.stop)
 
     def log_message(self, *args) -> None:
         pass

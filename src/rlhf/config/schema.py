@@ -15,7 +15,7 @@ from omegaconf import MISSING
 
 @dataclass
 class ModelConfig:
-    name_or_path: str = MISSING  # hub name, local folder, or `builtin:<name>` for a model shipped in rlhf/assets
+    name_or_path: str = MISSING  # hub name, local folder, `builtin:<name>` for a model shipped in rlhf/assets, or a GGUF file (a path, package:<module>/<file>.gguf, or <org>/<repo>/<file>.gguf), converted once
     tokenizer: Optional[str] = None  # tokenizer hub name or folder; null = same as name_or_path
     revision: Optional[str] = None  # hub revision (branch, tag or commit); null = default branch
     dtype: str = "float32"  # weights and compute dtype: float32, bfloat16 or float16

@@ -1,0 +1,20 @@
+"""What the tests' misbehaving HTTP servers share: a reply that promises a long body and drips it forever."""
+
+from __future__ import annotations
+
+import threading
+
+
+def drip_forever(handler, body: bytes, stop: threading.Event) -> None:
+    """Send a 200 whose Content-Length promises 1000 times ``body``, then one byte every 0.2 s (well inside any
+    per-read timeout) until ``stop`` is set or the client goes away."""
+    handler.send_response(200)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(body) * 1000))
+    handler.end_headers()
+    while not stop.wait(0.2):
+        try:
+            handler.wfile.write(b" ")
+            handler.wfile.flush()
+        except OSError:
+            return
