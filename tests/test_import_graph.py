@@ -14,8 +14,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # optional heavy engines, plus `datasets`: it takes 1.5 s to import and only `dataset=mix` runs need it, while
 # every CLI process and Ray worker imports the package (the test suite launches about 60 of them); `gem` (GEM's
 # environments) is optional and takes 2 s to import, needed by `env.name=gem` runs only; `reasoning_gym` likewise (1.5 s,
-# dataset/reward=reasoning_gym only); `math_verify` and `wandb` are extras that only their own reward / logging.wandb need
-OPTIONAL_ENGINES = {"vllm", "deepspeed", "ray", "peft", "datasets", "gem", "reasoning_gym", "math_verify", "wandb"}
+# dataset/reward=reasoning_gym only); `math_verify`, `wandb` and `gguf` are extras that only their own reward / logging.wandb / a .gguf model need
+OPTIONAL_ENGINES = {"vllm", "deepspeed", "ray", "peft", "datasets", "gem", "reasoning_gym", "math_verify", "wandb", "gguf"}
 # the package's own modules that wrap such a stack: the agent endpoint's HTTP side (FastAPI and uvicorn, 0.28 s of every
 # process's import, and absent from the GPU image bench/GPU.md is measured on) loads when an endpoint serves
 OPTIONAL_MODULES = {"rlhf.agents.server"}

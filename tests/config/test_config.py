@@ -54,6 +54,7 @@ def test_every_group_option_composes_and_validates(group):
     """Every option of every group composes with the defaults and validates."""
     needs = {  # options with a required value
         ("reward", "model"): ["reward.path=builtin:tiny_arith"],
+        ("model", "custom"): ["model.name_or_path=Qwen/Qwen2.5-0.5B-Instruct"],  # it leaves the model to the user
         ("dataset", "jsonl"): ["dataset.path=prompts.jsonl"],
         ("dataset", "parquet"): ["dataset.path=prompts.parquet"],
         ("reward", "reasoning_gym"): ["dataset=reasoning_gym"],  # it scores that dataset's generated problems

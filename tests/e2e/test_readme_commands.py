@@ -21,7 +21,7 @@ SHORT = ["train.num_steps=1", "eval.every=0", "eval.max_prompts=2", "eval.num_sa
 def block_commands(heading: str) -> list[tuple[str, str]]:
     """(command, comment) of each line running `python -m rlhf.*` in the README's first bash block after
     ``## <heading>``."""
-    block = re.search(rf"## {re.escape(heading)}\n+```bash\n(.*?)```", README.read_text(), re.S).group(1)
+    block = re.search(rf"## {re.escape(heading)}\n[^#]*?```bash\n(.*?)```", README.read_text(), re.S).group(1)
     found = []
     for line in block.splitlines():
         command, _, comment = line.partition("  # ")

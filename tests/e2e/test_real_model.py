@@ -47,5 +47,5 @@ def test_two_steps_with_the_hf_generator_export_a_plain_hugging_face_model(tmp_p
 def test_two_steps_with_vllm(tmp_path):
     if not os.environ.get("RLHF_REQUIRE_VLLM"):
         pytest.importorskip("vllm", reason="vLLM is not installed (see the README); CI sets RLHF_REQUIRE_VLLM=1")
-    steps = train(tmp_path, "generator=vllm", "generator.kv_cache_memory_bytes=268435456", "checkpoint.save_final_model=false")
+    steps = train(tmp_path, "generator=vllm", "generator.kv_cache_memory_bytes=268435456", "generator.max_model_len=128", "checkpoint.save_final_model=false")
     assert_two_real_steps(steps, gap=1e-2)

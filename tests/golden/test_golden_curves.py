@@ -39,7 +39,9 @@ STEPS = 20
 # algorithms whose numerics changed on purpose after `curves_before_replumbing.json`, and why
 MOVED = {
     "dapo": "as the paper: a truncated response gets the overlong shaping only, no non-stop penalty, and dynamic "
-    "sampling keeps groups whose verifier verdicts differ (algorithm.filter_on=auto), not their scores",
+    "sampling keeps groups whose verifier verdicts differ (algorithm.filter_on=auto), not their scores; re-recorded "
+    "when conf/config.yaml began composing the algorithm after the reward (the reward preset had been setting "
+    "non_stop_penalty back to true over dapo's false)",
     "grpo": "a group whose samples all scored the same gets advantage exactly 0; before, a float32 mean an ulp off "
     "(scores such as 0.1) made it up to ~0.1, same-signed, which Adam turned into full-size steps",
 }

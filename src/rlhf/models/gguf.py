@@ -21,6 +21,10 @@ import os
 import shutil
 from pathlib import Path
 
+from huggingface_hub import hf_hub_download
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
 log = logging.getLogger(__name__)
 
 SUFFIX = ".gguf"
@@ -67,8 +71,6 @@ def package_file(reference: str) -> Path:
 
 def hub_file(reference: str) -> Path:
     """`<org>/<repo>/<file>.gguf` downloaded (or found in the cache) from the Hugging Face hub."""
-    from huggingface_hub import hf_hub_download
-
     org, repo, filename = reference.split("/", 2)
     try:
         return Path(hf_hub_download(f"{org}/{repo}", filename))
@@ -111,7 +113,6 @@ def check_readable(file: Path) -> None:
         from gguf import GGUFReader
     except ImportError:
         raise ModelSourceError(f"{file} is a GGUF file, and reading one needs the `gguf` package: pip install gguf") from None
-    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
     try:
         reader = GGUFReader(str(file))
@@ -175,8 +176,6 @@ def _finished(folder: Path, key: str) -> bool:
 def _convert(file: Path, key: str, folder: Path) -> None:
     """Dequantise ``file`` with transformers and save model and tokenizer to ``folder`` (written aside, then renamed,
     so a crash mid-way leaves no folder that looks finished)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     check_readable(file)
     log.info("converting GGUF %s into %s (once; later runs reuse it)", file, folder)
     scratch = folder.with_name(f".{folder.name}.{os.getpid()}.partial")
