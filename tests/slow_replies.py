@@ -18,3 +18,23 @@ def drip_forever(handler, body: bytes, stop: threading.Event) -> None:
             handler.wfile.flush()
         except OSError:
             return
+
+
+def error_within(call, error: type[BaseException], stop: threading.Event, wait_s: float = 120.0) -> BaseException | None:
+    """Run ``call`` in a thread and wait for it (generously: a hang fails the caller's assertion, never the suite's
+    clock); then set ``stop`` (the server's drip ends). The ``error`` it raised, or None; AssertionError if it never
+    ended."""
+    caught: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except error as err:
+            caught.append(err)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(timeout=wait_s)
+    stop.set()
+    assert not worker.is_alive(), "the request never ended"
+    return caught[0] if caught else None

@@ -20,11 +20,24 @@ def context_length(model_config) -> int | None:
     return None
 
 
-def model_context(model_cfg) -> int | None:
-    """`model.name_or_path`'s context length, read from its config.json alone (no weights load)."""
-    path = resolve_model_path(model_cfg.name_or_path)
-    config = AutoConfig.from_pretrained(path, revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code)
+def model_context(model_cfg, name_or_path: str | None = None) -> int | None:
+    """The context length of `model.name_or_path` (or of ``name_or_path``, another model of the run, e.g. the teacher),
+    read from its config.json alone (no weights load)."""
+    path = resolve_model_path(name_or_path or model_cfg.name_or_path)
+    config = AutoConfig.from_pretrained(path, revision=None if name_or_path else model_cfg.revision,
+                                        trust_remote_code=model_cfg.trust_remote_code)
     return context_length(config)
+
+
+def check_teacher_context(longest: int, context: int | None, teacher_name: str, longest_from: str) -> None:
+    """ConfigError unless the teacher, which scores every row whole, has room for the longest row (``longest`` tokens,
+    bounded by the keys ``longest_from`` names)."""
+    if context is not None and longest > context:
+        raise ConfigError(
+            f"teacher.name_or_path={teacher_name} has a {context}-token context, shorter than the longest row this run "
+            f"can produce ({longest} tokens: {longest_from}), which the teacher scores whole; give a teacher with a "
+            f"longer context, or lower {longest_from.split(' + ')[-1]}"
+        )
 
 
 def check_prompt_budget(max_prompt_length: int, max_new_tokens: int, context: int | None, model_name: str) -> None:

@@ -20,7 +20,7 @@ from rlhf.algorithms import build_algorithm
 from rlhf.errors import ConfigError
 from rlhf.parts import choose, typed_node
 from rlhf.config.validate import DerivedSizes
-from rlhf.data.context import check_episode_budget, check_prompt_budget, model_context
+from rlhf.data.context import check_episode_budget, check_prompt_budget, check_teacher_context, model_context
 from rlhf.data.prompts import PromptExample, PromptStream, origin
 from rlhf.distributed.cluster import start
 from rlhf.distributed.layout import reference_is_base, used_roles
@@ -218,6 +218,10 @@ def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
         check_prompt_budget(cfg.dataset.max_prompt_length, cfg.generator.max_new_tokens, context, model.name_or_path)
     if runner is not None:  # so must a whole episode
         check_episode_budget(cfg.env.max_tokens, context, model.name_or_path)
+    if cfg.teacher.name_or_path:  # and the teacher must have room for every row it scores
+        longest, keys = ((cfg.env.max_tokens, "env.max_tokens") if runner is not None else
+                         (cfg.dataset.max_prompt_length + cfg.generator.max_new_tokens, "dataset.max_prompt_length + generator.max_new_tokens"))
+        check_teacher_context(longest, model_context(model, cfg.teacher.name_or_path), cfg.teacher.name_or_path, keys)
     if runner is not None and runner.maker.uses_dataset and (full := check_prompt_room(splits.train, cfg.env.max_tokens)):
         log.warning("%d of %d training prompts fill env.max_tokens=%d: their episodes will fail; raise env.max_tokens",
                     full, len(splits.train), cfg.env.max_tokens)
