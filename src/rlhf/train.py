@@ -186,7 +186,8 @@ def run(cfg: DictConfig) -> float | None:
         log.error("a worker failed: %s", err)
         return sweep.end_job(exits.WORKER_FAILED, f"a worker failed: {err}")
     except Exception as err:  # user code (reward function, environment) or a bug: a paragraph, not a traceback
-        code = exits.report_run_error(err, "fix it, then continue with resume=auto")
+        out = Path(HydraConfig.get().runtime.output_dir)
+        code = exits.report_run_error(err, checkpoint.resume_hint(checkpoint.checkpoint_root(cfg, out)))
         return sweep.end_job(code, f"{type(err).__name__}: {err}")
     if state.preempted:  # saved and resumable, but not finished: a scheduler must not take it for done
         saved = ", checkpoint saved" if state.step else " (before the first step: nothing to save)"

@@ -115,6 +115,20 @@ def test_the_cli_exits_6_naming_the_reward_function_and_saves_the_last_complete_
     assert "saved the last complete step 1" in console
     assert (run_dir / "checkpoints" / "step_00000001" / "trainer_state.json").is_file()
     assert "Traceback (most recent call last)" in (run_dir / "train.log").read_text()
+    assert "fix it, then continue with resume=auto" in console
+
+
+def test_a_failure_before_any_checkpoint_does_not_advise_resume(tmp_path):
+    """Nothing was saved (the first step failed): resume=auto would start from step 0, so the advice is to start
+    again, not to resume."""
+    from rlhf.run.checkpoint import resume_hint
+
+    assert resume_hint(tmp_path / "checkpoints") == (
+        "fix it, then start the run again: no checkpoint was saved, so resume=auto would start from step 0")
+    (tmp_path / "checkpoints" / "step_00000003").mkdir(parents=True)
+    assert "start the run again" in resume_hint(tmp_path / "checkpoints")  # an unfinished save is no checkpoint
+    (tmp_path / "checkpoints" / "step_00000003" / "trainer_state.json").write_text("{}")
+    assert resume_hint(tmp_path / "checkpoints") == "fix it, then continue with resume=auto"
 
 
 @pytest.mark.parametrize("override", ["train.bogus=1", "train.lr=fast", "algorithm=nope", "experiment=nope"])

@@ -56,6 +56,14 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
 
 
+def resume_hint(root: Path) -> str:
+    """What to do after a run failed: continue from the newest checkpoint under ``root``, or start again when none was
+    saved (resume=auto would then start from step 0)."""
+    if complete_checkpoints(root):
+        return "fix it, then continue with resume=auto"
+    return "fix it, then start the run again: no checkpoint was saved, so resume=auto would start from step 0"
+
+
 def resume_path(cfg, root: Path) -> Path | None:
     """The checkpoint `resume` asks for: None (fresh), the newest under ``root`` (auto), or a given folder.
 
