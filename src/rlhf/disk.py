@@ -145,3 +145,18 @@ def check_own_output(path: Path, key: str, owner: str, fix: str = "", ours: Call
             f"{key}={path} is a folder holding files this command did not write ({shown}), which writing there would "
             f"delete; {fix}, or empty that folder"
         )
+
+
+def check_writable_folder(path: Path, key: str) -> None:
+    """ConfigError naming ``key`` when folder ``path`` cannot be made or written (a read-only disk, a file where a
+    folder should be): said before Hydra tries to make it and fails with a traceback. Makes the folder."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".rlhf-write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(
+            f"{key}={path}: the folder cannot be {'written' if path.is_dir() else 'made'} ({err.strerror or err}); "
+            f"choose a writable folder with {key}=..."
+        ) from None

@@ -27,6 +27,7 @@ from transformers.utils import logging as transformers_logging
 
 from rlhf.run import checkpoint, preflight, rehearsal, sweep
 from rlhf import exits, plan, registry
+from rlhf.disk import check_writable_folder
 from rlhf.checks import hub, parity
 from rlhf.run.build import build_components
 from rlhf.config import ConfigError, register_schema, validate
@@ -148,9 +149,10 @@ def main() -> float | None:
         check_overrides(sys.argv[1:])
         check_command_line(sys.argv[1:])
         sweep.check_sweep_values(sys.argv[1:])
-        for override in sys.argv[1:]:  # a folder another run holds: refused before Hydra writes into it
+        for override in sys.argv[1:]:  # a folder another run holds, or none can write: refused before Hydra makes it
             if override.startswith("hydra.run.dir=") and "${" not in override:
                 check_free(Path(override.partition("=")[2]).expanduser(), "run folder (hydra.run.dir)")
+                check_writable_folder(Path(override.partition("=")[2]).expanduser(), "hydra.run.dir")
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         raise SystemExit(exits.CONFIG_ERROR) from None

@@ -138,3 +138,12 @@ def test_a_composition_error_exits_2_like_every_config_error(override):
     done = subprocess.run([sys.executable, "-m", "rlhf.train", override], capture_output=True, text=True, timeout=300)
     assert done.returncode == exits.CONFIG_ERROR, done.stderr[-2000:]
     assert done.stderr.strip(), "the message that names the key"
+
+
+def test_a_run_folder_that_cannot_be_made_is_a_config_error_not_hydras_traceback(tmp_path):
+    (tmp_path / "a_file").write_text("not a folder")  # root writes anywhere; a file in the path stops anyone
+    proc = subprocess.run([sys.executable, "-m", "rlhf.train", f"hydra.run.dir={tmp_path / 'a_file' / 'run'}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == exits.CONFIG_ERROR, proc.stderr[-2000:]
+    assert f"hydra.run.dir={tmp_path / 'a_file' / 'run'}: the folder cannot be made (Not a directory)" in proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
