@@ -88,8 +88,11 @@ def test_the_your_model_block_plans_and_trains_the_real_model_with_the_files_it_
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "time/step" in r]
     assert [r["step"] for r in steps] == [1, 2]
-    assert all(r["val/sequence_lengths"] > 1 for r in steps)  # the model answered, in its chat template
+    assert all(r["val/sequence_lengths"] > 1 and r["val/generator_logprob_diff"] < 1e-4 for r in steps)
+    assert all(r["policy/grad_norm"] > 0 for r in steps)  # real updates
     assert 0 < records[0]["eval/greedy_sequence_lengths"] <= 32
+    config = (tmp_path / "run" / "final_model" / "config.json").read_text()  # a plain Hugging Face model, not GGUF's
+    assert "quantization_config" not in config and '"vocab_size": 49152' in config
 
 
 def test_a_tiny_preset_with_another_model_warns_naming_the_values_it_keeps():
