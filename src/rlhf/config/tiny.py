@@ -3,18 +3,25 @@ told which values it inherited from that preset, and how to start from the defau
 
 from __future__ import annotations
 
+from importlib import resources
+
 from omegaconf import OmegaConf
 
 from rlhf.models.loading import BUILTIN_PREFIX
 
-TINY_PRESETS = ("tiny_arith", "tiny_count", "tiny_arith_retry")  # model presets that include conf/task/tiny.yaml
 INHERITED = ("generator.max_new_tokens", "train.lr", "train.prompts_per_step", "train.micro_batch_size", "eval.max_prompts")
+
+
+def has_task_settings(model_choice: str | None) -> bool:
+    """Whether the model preset brings task settings of its own: conf/task/<choice>.yaml, which conf/config.yaml's
+    `optional task: ${model}` applies (the tiny models')."""
+    return bool(model_choice) and (resources.files("rlhf.conf") / "task" / f"{model_choice}.yaml").is_file()
 
 
 def tiny_settings_warning(cfg, model_choice: str | None) -> str | None:
     """The warning for a run whose `model.name_or_path` is not a built-in model while ``model_choice`` (the `model=`
     group choice) is a tiny model's preset, whose tiny-task values the run would train with; None otherwise."""
-    if model_choice not in TINY_PRESETS or OmegaConf.is_missing(cfg.model, "name_or_path"):
+    if not has_task_settings(model_choice) or OmegaConf.is_missing(cfg.model, "name_or_path"):
         return None
     name = cfg.model.name_or_path
     if name.startswith(BUILTIN_PREFIX):
