@@ -60,6 +60,26 @@ def test_another_sessions_key_or_a_garbage_one_is_a_401_that_touches_nothing(run
     assert len(victim.turns) == 1 and "9+9=" not in victim.turns[0].observation  # not extended either
 
 
+def test_listing_the_models_under_a_session_url_takes_that_sessions_key_only(runner, generator, tokenizer):
+    """Before: GET /sessions/<id>/v1/models answered 200 to any key or none; the chat route already checked."""
+    statuses = {}
+
+    async def agent(task, client):
+        async with httpx.AsyncClient(timeout=60) as http:
+            for name, headers in (("own key", client.headers), ("garbage key", {"Authorization": "Bearer sk-0"}), ("no key", {})):
+                statuses[name] = (await http.get(client.base_url + "/models", headers=headers)).status_code
+            unknown = client.base_url.replace(client.base_url.split("/sessions/")[1].split("/")[0], "no-such-session")
+            statuses["unknown session"] = (await http.get(unknown + "/models", headers=client.headers)).status_code
+            statuses["plain route"] = (await http.get(client.base_url.split("/sessions/")[0] + "/v1/models")).status_code
+        await client_of(client).chat.completions.create(model=client.model, messages=[{"role": "user", "content": task.prompt}])
+        return 1.0
+
+    with configured(runner, max_requests=1):  # a listing is no request of the episode: the one chat request still fits
+        episodes = play(runner, generator, tokenizer, agent, group_size=1, problems=((1, 2),))
+    assert statuses == {"own key": 200, "garbage key": 401, "no key": 401, "unknown session": 404, "plain route": 200}
+    assert not episodes[0].failed and episodes[0].episode_return == 1.0
+
+
 def test_a_body_past_env_max_request_bytes_is_a_413_and_a_deep_one_a_400_without_a_traceback(runner):
     """Before: a 10 MB message was parsed, rendered and tokenised under the sessions' lock (26-61 s), and a deeply
     nested body was a 500 with uvicorn's 64-line traceback on the console."""

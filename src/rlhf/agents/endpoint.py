@@ -172,16 +172,7 @@ class AgentRunner:
         if session_id is None and not key:
             raise RequestError("no session: use the session's base URL, or its key as the API key", 401)
         with self.lock:
-            if session_id is None:
-                session, owner = self.keys.get(key), key if key in self.closed_keys else None
-                if session is None and owner is None:
-                    raise RequestError("no session has this API key: send a session's client.api_key", 401)
-            else:
-                session = self.sessions.get(session_id)
-                owner = session.key if session is not None else self.closed.get(session_id)
-                if owner is not None and not secrets.compare_digest(key.encode(), owner.encode()):
-                    raise RequestError(f"the API key is not session {session_id}'s: send its client.api_key as "
-                                       f"Authorization: Bearer <key>", 401)
+            session, owner = self._owner(session_id, key)
             if session is None or session.settled:
                 self._count("env/late_requests")
                 if session is not None or owner is not None:
@@ -194,6 +185,29 @@ class AgentRunner:
                                  f"env.max_requests")
                 raise RequestError(f"this session has ended: {session.error}", 410)
             return session
+
+    def check_key(self, session_id: str, authorization: str | None) -> None:
+        """RequestError 401 unless ``authorization`` holds session ``session_id``'s key (404: no such session); for
+        the routes under a session's URL that read nothing of it (GET /v1/models): nothing is counted."""
+        with self.lock:
+            session, owner = self._owner(session_id, (authorization or "").removeprefix("Bearer ").strip())
+        if session is None and owner is None:
+            raise RequestError("no such session", 404)
+
+    def _owner(self, session_id: str | None, key: str) -> tuple[Session | None, str | None]:
+        """The session named by ``session_id`` (None: the one whose key is ``key``) and the key that owns it (either
+        None for an unknown one); RequestError 401 when ``key`` is not that key. Called under the lock."""
+        if session_id is None:
+            session, owner = self.keys.get(key), key if key in self.closed_keys else None
+            if session is None and owner is None:
+                raise RequestError("no session has this API key: send a session's client.api_key", 401)
+            return session, owner
+        session = self.sessions.get(session_id)
+        owner = session.key if session is not None else self.closed.get(session_id)
+        if owner is not None and not secrets.compare_digest(key.encode(), owner.encode()):
+            raise RequestError(f"the API key is not session {session_id}'s: send its client.api_key as "
+                               f"Authorization: Bearer <key>", 401)
+        return session, owner
 
     def submit(self, session: Session, route: str, body: dict) -> tuple[Reply | Future, Limits]:
         """Plan an answer to one request: a recorded `Reply` (a retry, or a chain out of budget) or a future one, and

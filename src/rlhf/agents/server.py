@@ -7,7 +7,7 @@ is the ``Authorization: Bearer`` token):
   values only), max_tokens, n, stop, stream (server-sent events, with stream_options.include_usage), logprobs (the
   sampled tokens'); other fields as `rlhf.agents.fields` sorts them (ignored, or refused unless neutral);
 - ``POST /v1/completions``: a text prompt, and logprobs=0 for the sampled tokens' logprobs;
-- ``GET /v1/models``: the one model served (`env.model_name`);
+- ``GET /v1/models``: the one model served (`env.model_name`; under a session's URL, for that session's key only);
 - ``POST /sessions/<id>/reward``: ``{"reward": x, "finished": false}`` adds ``x`` to the episode's reward;
   ``finished: true`` ends the episode.
 
@@ -166,8 +166,15 @@ def make_app(hub) -> FastAPI:
     def models() -> JSONResponse:
         return JSONResponse({"object": "list", "data": [{"id": hub.model_name, "object": "model", "created": 0, "owned_by": "rlhf"}]})
 
+    def session_models(session_id: str, request: Request) -> JSONResponse:
+        try:
+            hub.check_key(session_id, request.headers.get("authorization"))
+        except RequestError as err:
+            return error_response(err)
+        return models()
+
     app.get("/v1/models")(models)
-    app.get("/sessions/{session_id}/v1/models")(models)
+    app.get("/sessions/{session_id}/v1/models")(session_models)
 
     @app.post("/sessions/{session_id}/reward")
     async def reward(session_id: str, request: Request):
