@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from types import SimpleNamespace
 
@@ -100,6 +101,68 @@ def test_a_body_past_env_max_request_bytes_is_a_413_and_a_deep_one_a_400_without
     for answer in (nested, parsed_but_deep):
         assert answer.status_code == 400 and "deeper than 64" in answer.json()["error"]["message"]
     assert not [r for r in seen if r.levelno >= logging.ERROR], [r.getMessage() for r in seen]
+
+
+class OwnedLock:
+    """The sessions' lock, knowing which thread holds it."""
+
+    def __init__(self, lock) -> None:
+        self.lock, self.owner = lock, None
+
+    def __enter__(self):
+        self.lock.acquire()
+        self.owner = threading.get_ident()
+
+    def __exit__(self, *exc) -> None:
+        self.owner = None
+        self.lock.release()
+
+    def held_here(self) -> bool:
+        return self.owner == threading.get_ident()
+
+
+class WatchedTokenizer:
+    """The run's tokenizer, noting for each rendering or tokenising call whether the sessions' lock was held."""
+
+    def __init__(self, tokenizer, lock: OwnedLock) -> None:
+        self._tokenizer, self._lock, self.calls = tokenizer, lock, []
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append(("tokenize", self._lock.held_here()))
+        return self._tokenizer(*args, **kwargs)
+
+    def apply_chat_template(self, *args, **kwargs):
+        self.calls.append(("apply_chat_template", self._lock.held_here()))
+        return self._tokenizer.apply_chat_template(*args, **kwargs)
+
+
+def test_a_request_is_rendered_and_tokenised_outside_the_sessions_lock(runner, generator, tokenizer):
+    """Before: a request's messages were rendered and tokenised under the one lock every session shares, so a big
+    body (up to `env.max_request_bytes`) stalled every other agent's requests and the serving thread for seconds."""
+    lock = OwnedLock(runner.lock)
+    watched = WatchedTokenizer(runner.render.tokenizer, lock)
+
+    async def agent(task, client):
+        llm = client_of(client)
+        first = [{"role": "user", "content": task.prompt}]
+        reply = await llm.chat.completions.create(model=client.model, messages=first)  # a first request
+        later = first + [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "and?"}]
+        await llm.chat.completions.create(model=client.model, messages=later)  # extends the chain
+        await llm.completions.create(model=client.model, prompt=task.prompt)  # a text prompt
+        return 1.0
+
+    saved = runner.lock, runner.render.tokenizer
+    runner.lock, runner.render.tokenizer = lock, watched
+    try:
+        episodes = play(runner, generator, tokenizer, agent, group_size=2, problems=((1, 2),))
+    finally:
+        runner.lock, runner.render.tokenizer = saved
+    assert all(not ep.failed for ep in episodes)
+    assert {name for name, _ in watched.calls} == {"tokenize", "apply_chat_template"}
+    assert not [name for name, held in watched.calls if held], watched.calls
 
 
 def _nested(depth: int):

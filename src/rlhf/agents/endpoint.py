@@ -39,7 +39,7 @@ from rlhf.agents.agent_api import AgentTask, ClientConfig, load_agent
 from rlhf.agents.fields import Limits, check_reward_fields, read_limits, read_tools
 from rlhf.agents.messages import Message, RequestError, parse_messages, tool_parser
 from rlhf.agents.running import AgentLoop, blocked_error, error_kind, no_reply_error, overdue
-from rlhf.agents.sessions import Budget, Choice, Plan, Renderer, Reply, Session
+from rlhf.agents.sessions import Budget, Choice, Plan, Prerendered, Renderer, Reply, Session, Unrendered
 from rlhf.envs.agent_func import call_user
 from rlhf.envs.base import EnvConfig, finite_reward
 from rlhf.envs.loop import Episode, sampled
@@ -226,13 +226,22 @@ class AgentRunner:
                 if not isinstance(prompt, str) or not prompt:
                     raise RequestError("prompt must be a non-empty string (token-id prompts are not served)", field_name="prompt")
                 look_for_calls = False
-            with self.lock:
-                if session.settled:
-                    raise RequestError("this session has ended (its episode is over, lost or timed out)", 410)
-                session.active = time.monotonic()
-                plan = session.plan_chat(messages, tools, self.render) if route == "chat" else session.plan_text(prompt, self.render)
-                if plan.context is not None:  # queued under the lock: a session seen waiting has its job queued
-                    self.jobs.put(Job(session, plan, limits, look_for_calls))
+            rendered = Prerendered(self.render)
+            while True:  # plan under the lock; render what planning asks for outside it (a big request stalls no one)
+                with self.lock:
+                    if session.settled:
+                        raise RequestError("this session has ended (its episode is over, lost or timed out)", 410)
+                    session.active = time.monotonic()
+                    try:
+                        plan = (session.plan_chat(messages, tools, rendered) if route == "chat"
+                                else session.plan_text(prompt, rendered))
+                    except Unrendered as need:
+                        call = need.call
+                    else:
+                        if plan.context is not None:  # queued under the lock: a session seen waiting has its job queued
+                            self.jobs.put(Job(session, plan, limits, look_for_calls))
+                        break
+                rendered.add(call)
         except RequestError:
             self._count("env/rejected_requests")
             raise

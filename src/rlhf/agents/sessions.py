@@ -15,7 +15,8 @@ A request is matched against the session's chains, newest first (`Session.plan_c
   chain): a new chain copies the longest matching history up to the end of a sampled reply, and the rest of the
   request is rendered after it (assistant messages the endpoint did not sample are observations, masked out).
 
-Sessions are not thread-safe: the endpoint calls them under one lock.
+Sessions are not thread-safe: the endpoint calls them under one lock, and plans with a `Prerendered` renderer so that
+the tokenising of a request happens outside it.
 """
 
 from __future__ import annotations
@@ -66,12 +67,55 @@ class Renderer:
     def tokens(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
+    def prompt(self, text: str) -> list[int]:
+        """A completions prompt's tokens, as a text prompt opens a row."""
+        return encode_prompt(self.tokenizer, text)
+
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def token_text(self, token_id: int) -> str:
         """One token's text, special tokens shown (``<eos>``), as a logprob entry names it."""
         return self.tokenizer.decode([token_id])
+
+
+class Unrendered(Exception):
+    """Planning needs tokens not rendered yet: ``call`` (a `Renderer` method's name and arguments)."""
+
+    def __init__(self, call: tuple[str, tuple]) -> None:
+        super().__init__(call[0])
+        self.call = call
+
+
+class Prerendered:
+    """A `Renderer` that answers only what was rendered beforehand (`add`) and raises `Unrendered` for anything else.
+    Planning with it under the sessions' lock costs no tokenising: the caller renders the call named outside the lock
+    and plans again (planning touches nothing before it renders)."""
+
+    def __init__(self, render: Renderer) -> None:
+        self.render, self.done = render, []  # [(call, token ids)]
+
+    def add(self, call: tuple[str, tuple]) -> None:
+        name, args = call
+        self.done.append((call, getattr(self.render, name)(*args)))
+
+    def _ask(self, name: str, *args) -> list[int]:
+        for call, ids in self.done:
+            if call == (name, args):
+                return ids
+        raise Unrendered((name, args))
+
+    def first(self, messages: list[Message], tools: list | None) -> list[int]:
+        return self._ask("first", messages, tools)
+
+    def after_reply(self, messages: list[Message], tools: list | None, stopped: bool = True) -> list[int]:
+        return self._ask("after_reply", messages, tools, stopped)
+
+    def tokens(self, text: str) -> list[int]:
+        return self._ask("tokens", text)
+
+    def prompt(self, text: str) -> list[int]:
+        return self._ask("prompt", text)
 
 
 @dataclass
@@ -220,7 +264,7 @@ class Session:
             if chain.length in chain.boundaries and chain.turns and not chain.pending and prompt.startswith(chain.text):
                 ids = render.tokens(prompt[chain.length :])
                 return self._grow(chain, k, ids, lambda c: setattr(c, "text", prompt))
-        ids = encode_prompt(render.tokenizer, prompt)
+        ids = render.prompt(prompt)
         return self._grow(Chain("text", ""), k, ids, lambda c: setattr(c, "text", prompt), fork=True)
 
     def _again(self, chain: Chain, key: int) -> Plan | None:
