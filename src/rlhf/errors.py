@@ -1,6 +1,7 @@
 """The error every user-facing config problem raises (kept apart so any module can raise it without cycles)."""
 
 import errno
+import threading
 from contextlib import contextmanager
 
 FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # an OSError with one of these: the disk (or the user's quota) is full
@@ -49,6 +50,9 @@ class StopNow(SystemExit):
 class StopRequested(Exception):
     """A stop signal (SIGTERM/SIGINT) arrived while the step waited on user code that need not end soon (agents): the
     step is abandoned, the last complete step saved, and the run ends as interrupted (exit 5)."""
+
+
+stop_requested = threading.Event()  # set by `StopSignals` at the first stop signal: waits on agents give up at once
 
 
 class UserExit(RuntimeError):

@@ -44,10 +44,9 @@ from rlhf.envs.agent_func import call_user
 from rlhf.envs.base import EnvConfig, finite_reward
 from rlhf.envs.loop import Episode, sampled
 from rlhf.data.templates import BUILTIN_TEMPLATES
-from rlhf.errors import ConfigError, StopRequested, require
+from rlhf.errors import ConfigError, StopRequested, require, stop_requested
 from rlhf.registry import register
 from rlhf.rewards.combine import MAX_ABS_SCORE, within_bound
-from rlhf.run.state import stop_requested
 
 log = logging.getLogger("rlhf")
 

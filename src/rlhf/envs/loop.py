@@ -6,7 +6,8 @@ observation, rendered by `env.template`, is tokenised on its own and appended. H
 the trainer sees exactly the tokens the generator sampled.
 
 An environment that raises (sys.exit included), answers malformed, or hangs past `env.step_timeout_s` loses its
-episode (logged once per distinct error), never the run.
+episode (logged once per distinct error), never the run. A stop signal abandons the calls being waited on at once
+(`StopRequested`): the run saves its last complete step and ends as interrupted.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from rlhf.data.templates import encode_prompt
 from rlhf.data.prompts import PromptExample
 from rlhf.envs.base import EnvError, EnvMaker, as_episode_error, check_reset, check_step, in_daemon_thread
 from rlhf.envs.templates import render
+from rlhf.errors import StopRequested, stop_requested
 from rlhf.generators.base import SamplingParams
 from rlhf.trajectory import Trajectories
 
 log = logging.getLogger("rlhf")
+STOP_POLL_S = 0.1  # how often a wait on environment calls looks for a stop signal
 
 
 @dataclass
@@ -128,11 +131,21 @@ class EpisodeRunner:
         return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(), self._env_loop))
 
     def _call_all(self, name: str, calls: list[tuple[Callable, tuple]]) -> list[Any]:
-        """``fn(*args)`` for every call, at most `env.max_concurrency` at once; an exception is returned, not raised."""
+        """``fn(*args)`` for every call, at most `env.max_concurrency` at once; an exception is returned, not raised.
+        A stop signal (SIGTERM/SIGINT) abandons the calls within `STOP_POLL_S`: `StopRequested`."""
 
         async def gather():
             limit = asyncio.Semaphore(self.cfg.max_concurrency)
-            return await asyncio.gather(*(self._call(name, fn, args, limit) for fn, args in calls), return_exceptions=True)
+            answers = asyncio.gather(*(self._call(name, fn, args, limit) for fn, args in calls), return_exceptions=True)
+            while not answers.done():
+                if stop_requested.is_set():
+                    answers.cancel()
+                    answers.add_done_callback(lambda done: done.cancelled() or done.exception())  # nothing left unread
+                    await asyncio.wait({answers}, timeout=1.0)  # let the calls take their cancellation
+                    raise StopRequested(f"a stop signal arrived while the environments' {name}() calls ran; their "
+                                        f"episodes were abandoned")
+                await asyncio.wait({answers}, timeout=STOP_POLL_S)
+            return answers.result()
 
         return self._loop.run_until_complete(gather()) if calls else []
 

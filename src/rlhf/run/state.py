@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import logging
 import signal
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 
-from rlhf.errors import StopNow
+from rlhf.errors import StopNow, stop_requested
 
 log = logging.getLogger("rlhf")
 
@@ -71,7 +70,6 @@ class RunState:
         )
 
 
-stop_requested = threading.Event()  # set by `StopSignals` at the first stop signal: waits on agents give up at once
 
 
 class StopSignals:
