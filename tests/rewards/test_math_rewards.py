@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from importlib.util import find_spec
 
@@ -51,7 +52,7 @@ def test_no_answer_scores_zero_and_is_counted():
     responses = ["I do not know", "", "\\boxed{3}", "\\boxed{}"]
     result = math_verify(prompts=[""] * 4, responses=responses, ground_truths=["3"] * 4)
     assert list(result) == [0.0, 0.0, 1.0, 0.0]
-    assert result.metrics == {"no_answer_rate": pytest.approx(0.75)}
+    assert result.metrics == {"no_answer_rate": pytest.approx(0.75), "timeouts": 0.0}
 
 
 @needs_math_verify
@@ -102,9 +103,26 @@ def test_a_slow_comparison_is_paid_once_per_distinct_answer(monkeypatch):
     calls = []
     counting = lambda gold, answer, **kw: calls.append(str(answer)) or verify(gold, answer, **kw)  # noqa: E731
     monkeypatch.setattr(math_module, "_math_verify_api", lambda: (parse, counting, targets))
-    scores, answered = math_module.score_answers([TOWER] * 6 + ["\\boxed{5}", "\\boxed{5}"], ["5"] * 8, timeout_s=1)
-    assert scores == [0.0] * 6 + [1.0, 1.0] and all(answered)
+    scores, answered, timeouts = math_module.score_answers([TOWER] * 6 + ["\\boxed{5}", "\\boxed{5}"], ["5"] * 8, timeout_s=1)
+    assert scores == [0.0] * 6 + [1.0, 1.0] and all(answered) and timeouts == 1
     assert len(calls) == 2, calls
+
+
+SLOW_TRUTH = "9^{9^{9}}"  # reads at once, but SymPy compares any answer with it for ever: each comparison times out
+
+
+@needs_math_verify
+def test_a_ground_truth_slow_to_compare_is_bounded_counted_and_said_once_naming_the_key(caplog):
+    """Before: each comparison printed math-verify's bare "Timeout during comparison" warning, and nothing counted
+    them or named the key that bounds them."""
+    caplog.set_level(logging.DEBUG)
+    responses = ["\\boxed{3}", "\\boxed{5}", "\\boxed{5}", "\\boxed{7}"]
+    result = math_verify(prompts=[""] * 4, responses=responses, ground_truths=[SLOW_TRUTH] * 4, timeout_s=1)
+    assert list(result) == [0.0] * 4
+    assert result.metrics["timeouts"] == 3.0  # one per distinct answer
+    assert not [r for r in caplog.records if r.name.startswith("math_verify")], caplog.text
+    said = [r.getMessage() for r in caplog.records if "args.timeout_s=1 s" in r.getMessage()]
+    assert len(said) == 1 and "3 parses or comparisons" in said[0], caplog.text
 
 
 @needs_math_verify

@@ -4,18 +4,22 @@
 answer (its ``\\boxed{...}`` first, else its last number or ``answer is ...`` expression) and compares it with
 the ground truth ("42", "\\frac{1}{2}", "0.5", "$\\sqrt{2}$") through SymPy: 1/2, \\frac{1}{2} and 0.5 agree.
 
-Time bound: math-verify stops each parse and each comparison after ``timeout_s`` seconds with
+Time bound: math-verify stops each parse and each comparison after ``timeout_s`` seconds (`args.timeout_s`) with
 ``signal.alarm``, which works only in a process's main thread. Off the main thread (the async schedule scores
 in its producer thread) the batch is scored in a one-worker child process, whose main thread applies the same
 bound. The worker is spawned (safe beside CUDA and other threads) on first use, which takes a second or a few
 (it re-imports the entry module, e.g. `rlhf.train` and torch), and serves every later batch. On the main
-thread the alarm replaces any other SIGALRM timer (pytest-timeout's signal method, for one).
+thread the alarm replaces any other SIGALRM timer (pytest-timeout's signal method, for one). A parse or comparison
+stopped there scores 0; they are counted (`reward/math_verify_timeouts`) and said in one line per batch, instead of
+math-verify's own warning for each.
 """
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import re
+from contextlib import contextmanager
 import threading
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -25,9 +29,10 @@ from rlhf.errors import ConfigError, require
 from rlhf.registry import register
 from rlhf.rewards.rules import Scores, verifier
 
+log = logging.getLogger("rlhf")
 _WORKER: ProcessPoolExecutor | None = None  # scores batches handed over from threads other than the main one
 _WORKER_LOCK = threading.Lock()  # two producer threads must not start two workers
-Graded = tuple[list[float], list[bool]]  # (1.0/0.0 per response, whether each response had an answer to read)
+Graded = tuple[list[float], list[bool], int]  # (1.0/0.0 per response, whether each had an answer to read, timeouts)
 PLAIN_NUMBER = re.compile(r"[-+]?\d[\d,]*(\.\d+)?")  # a truth math-verify reads without asking it
 
 
@@ -69,23 +74,47 @@ def _parse_truth(truth: str, timeout_s: int) -> list:
 
 
 def score_answers(responses: list[str], truths: list[str], timeout_s: int) -> Graded:
-    """Per response: 1.0 when its final answer equals its truth, else 0.0; and whether it had an answer.
+    """Per response: 1.0 when its final answer equals its truth, else 0.0; whether it had an answer; and how many
+    parses and comparisons ran past ``timeout_s`` (each scored 0).
 
     One parse per distinct truth, and one comparison per distinct (truth, extracted answer): a group's samples often
     give the same answer, and a comparison that runs into the timeout (a huge truth, a pathological answer) costs
     the timeout once, not once per sample."""
     parse, verify, targets = _math_verify_api()
-    golds = {truth: _parse_truth(truth, timeout_s) for truth in set(truths)}
-    compared: dict[tuple, bool] = {}
-    scores, answered = [], []
-    for response, truth in zip(responses, truths):
-        answer = parse(response, extraction_config=targets, parsing_timeout=timeout_s)  # [] if none; no raise
-        answered.append(bool(answer))
-        key = (truth, tuple(str(part) for part in answer))
-        if answer and key not in compared:
-            compared[key] = bool(verify(golds[truth], answer, timeout_seconds=timeout_s))
-        scores.append(float(bool(answer) and compared[key]))
-    return scores, answered
+    with _timeouts_counted() as timeouts:
+        golds = {truth: _parse_truth(truth, timeout_s) for truth in set(truths)}
+        compared: dict[tuple, bool] = {}
+        scores, answered = [], []
+        for response, truth in zip(responses, truths):
+            answer = parse(response, extraction_config=targets, parsing_timeout=timeout_s)  # [] if none; no raise
+            answered.append(bool(answer))
+            key = (truth, tuple(str(part) for part in answer))
+            if answer and key not in compared:
+                compared[key] = bool(verify(golds[truth], answer, timeout_seconds=timeout_s))
+            scores.append(float(bool(answer) and compared[key]))
+    return scores, answered, len(timeouts)
+
+
+@contextmanager
+def _timeouts_counted():
+    """Inside the block, math-verify's "Timeout during parsing/comparison" warnings are kept in the list yielded
+    instead of printed (the caller says them once, naming `args.timeout_s`)."""
+    caught: list[logging.LogRecord] = []
+
+    def keep(record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith("Timeout during"):
+            caught.append(record)
+            return False
+        return True
+
+    loggers = [logging.getLogger(name) for name in ("math_verify.grader", "math_verify.parser")]
+    for logger in loggers:
+        logger.addFilter(keep)
+    try:
+        yield caught
+    finally:
+        for logger in loggers:
+            logger.removeFilter(keep)
 
 
 def _worker() -> ProcessPoolExecutor:
@@ -155,11 +184,18 @@ def math_verify(prompts, responses, ground_truths, timeout_s: int = 5, **_) -> S
     _check_args(ground_truths, timeout_s)
     truths = [str(truth).strip() for truth in ground_truths]
     if threading.current_thread() is threading.main_thread():
-        scores, answered = score_answers(list(responses), truths, timeout_s)
+        scores, answered, timeouts = score_answers(list(responses), truths, timeout_s)
     else:
-        scores, answered = _score_in_worker(list(responses), truths, timeout_s)
+        scores, answered, timeouts = _score_in_worker(list(responses), truths, timeout_s)
+    if timeouts:
+        log.warning(
+            "reward function math_verify: %d parses or comparisons of this batch ran past args.timeout_s=%d s and "
+            "scored 0 (a ground truth or answer SymPy is slow to compare, e.g. a huge power); lower args.timeout_s "
+            "to bound the time they take, or rewrite those ground truths (reward/math_verify_timeouts counts them)",
+            timeouts, timeout_s,
+        )
     no_answer_rate = answered.count(False) / max(len(answered), 1)
-    return Scores(scores, metrics={"no_answer_rate": no_answer_rate})
+    return Scores(scores, metrics={"no_answer_rate": no_answer_rate, "timeouts": float(timeouts)})
 
 
 math_verify.check_truths = check_truths
