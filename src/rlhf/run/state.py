@@ -70,8 +70,6 @@ class RunState:
         )
 
 
-
-
 class StopSignals:
     """Within the block, SIGTERM and SIGINT ask the schedule to stop at the next safe point instead of killing it.
 
