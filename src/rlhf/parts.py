@@ -88,8 +88,9 @@ def config_class(obj: Any, at: str, name: str) -> type | None:
     return cls
 
 
-def choose(kind: str, node: Any, at: str) -> Part:
-    """The part the node at ``at`` names, with its node typed by the part's config class and checked."""
+def choose(kind: str, node: Any, at: str, base: type | None = None) -> Part:
+    """The part the node at ``at`` names, with its node typed by the part's config class and checked. ``base``: the
+    class every part of the kind extends (an environment's `EnvConfig`), typing a part that declares none."""
     group = at.replace(".", "/")
     if not isinstance(node, (DictConfig, dict)):
         raise ConfigError(
@@ -100,9 +101,13 @@ def choose(kind: str, node: Any, at: str) -> Part:
     if name is None or name == MISSING:
         raise ConfigError(f"{at} has no `name`; choose one with {group}=<name> ({', '.join(registry.names(kind))})")
     obj = registry.resolve(kind, name, key=f"{at}.name")
-    cls = config_class(obj, at, name)
+    cls = config_class(obj, at, name) or base
     if cls is None:
         return Part(obj, node, at)
+    if base is not None and not issubclass(cls, base):
+        raise ConfigError(f"{at}.name={name}: its config class {cls.__name__} does not extend {base.__module__}."
+                          f"{base.__name__}, whose keys every {kind} is read with; declare it as "
+                          f"`class {cls.__name__}({base.__name__})`")
     values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
     known = [f.name for f in dataclasses.fields(cls)]
     for key in values:

@@ -215,3 +215,26 @@ def test_the_micro_batch_advice_halves_the_micro_batch_the_run_uses(small_model)
     lines = advise(cfg, make_plan(cfg))
     sizes = [int(line.split("train.micro_batch_size=")[1].split(":")[0]) for line in lines if "micro_batch_size" in line]
     assert sizes and sizes[0] == 64 and all(128 % size == 0 for size in sizes), lines
+
+
+def sized_items(plan) -> list[tuple]:
+    """(role, what, bytes) of every item but the runtime's (this process's, measured)."""
+    return [(i.role, i.what, i.bytes) for g in plan.groups for i in g.items if i.role != "runtime"]
+
+
+def test_an_environment_named_by_import_path_is_planned_as_a_registered_one(tmp_path, monkeypatch):
+    """Its node holds `name` and the keys given with `+`; the plan reads the node typed by its class (the shared keys'
+    defaults filled), as for env=arith_retry. Before, the plan was skipped with a warning (`env.max_tokens` not in struct)."""
+    (tmp_path / "plan_envs.py").write_text(
+        "from dataclasses import dataclass\nfrom rlhf.envs.base import EnvConfig\n\n\n"
+        "@dataclass\nclass OwnConfig(EnvConfig):\n    level: int = 1  # a key of its own\n\n\n"
+        "class Own:\n    config = OwnConfig\n    uses_dataset = False\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    own = make_plan(compose_config(["env.name=plan_envs.Own", "+env.max_tokens=48", "+env.num_parallel=3"]))
+    registered = make_plan(compose_config(["env=arith_retry", "env.max_tokens=48", "env.num_parallel=3"]))
+    assert (own.workload.seq_len, own.workload.window) == (48, 48)
+    assert own.workload == registered.workload
+    assert sized_items(own) == sized_items(registered)
+    defaults = make_plan(compose_config(["env.name=plan_envs.Own"])).workload  # EnvConfig's defaults
+    assert defaults.seq_len == 256

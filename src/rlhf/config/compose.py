@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlhf.config.moved import check_overrides, moved_to
 from rlhf.config.schema import RewardTrainConfig, RunConfig
 from rlhf.config.unknown_keys import declared_keys, describe_unknown
+from rlhf import registry
 from rlhf.errors import ConfigError
 from rlhf.parts import GROUPS, PATHS, choose, declared_by_every, store_nodes
 
@@ -139,6 +140,11 @@ def raise_if_not_the_parts(overrides: list[str], err: Exception, config_name: st
     group = PATHS[path]
     if not any(o.partition("=")[0] == f"{path}.name" for o in overrides):
         return  # the chosen part declares the key, but its node (a YAML file of yours) does not hold it: Hydra's `+` advice
+    if part.name not in registry.names(GROUPS[group]):  # a part of your own, by import path: its node is the one renamed
+        raise ConfigError(
+            f"{key}: {path}.name={part.name} names a part of your own, whose node holds only the keys written; add this "
+            f"one with +{key}={values[0]} (its config class types it, and fills the keys left out with their defaults)"
+        )
     raise ConfigError(  # the part declares the key, but its node came from another part's choice: renamed, not chosen
         f"{key}: {path} holds the keys of the part its group chose, and {path}.name={part.name} renames that node "
         f"without bringing {part.name}'s keys; choose the part with {group}={part.name} (then {key}={values[0]})"

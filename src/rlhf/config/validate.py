@@ -25,6 +25,7 @@ from rlhf.config.ownership import check_ownership
 from rlhf.config.schema import AlgorithmConfig, RewardConfig
 from rlhf.config.unknown_keys import check_unknown_keys
 from rlhf.data.reasoning_gym import check_reasoning_gym
+from rlhf.envs.base import env_config
 from rlhf.distributed.layout import validate_cluster
 from rlhf.functional.losses import LOSS_AGGREGATIONS
 from rlhf.models.dtypes import DTYPES, cpu_computes_bf16
@@ -148,8 +149,9 @@ def check_self_checks(checks) -> None:
 def longest_row(cfg: DictConfig) -> int:
     """The most tokens one trajectory can hold: an episode's `env.max_tokens`, else the longest prompt plus the
     response budget."""
-    if cfg.env.name is not None:
-        return int(cfg.env.max_tokens)
+    env = env_config(cfg)
+    if env is not None:
+        return env.max_tokens
     return int(cfg.dataset.max_prompt_length) + int(cfg.generator.max_new_tokens)
 
 
@@ -196,8 +198,7 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     choose("generator", gen, "generator")  # the backend's node typed and checked first: the checks below read it
     choose("schedule", cfg.schedule, "schedule")
     choose("dataset", cfg.dataset, "dataset")
-    if cfg.env.name is not None:
-        choose("env", cfg.env, "env")
+    env_config(cfg)  # the environment's node typed and checked
     algorithm = build_algorithm(algo, gen.max_new_tokens)
     min_samples = algorithm.min_samples_per_prompt
     _require(

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Protocol
 from rlhf.data.prompts import PromptExample, PromptSplits
 from rlhf.envs.templates import TEMPLATES
 from rlhf.errors import ConfigError, require
-from rlhf.parts import PartConfig
+from rlhf.parts import PartConfig, choose
 
 REDUCTIONS = ("sum", "last")  # `env.reward_reduce`: a trajectory's score from its turn rewards
 
@@ -56,6 +56,13 @@ class EnvConfig(PartConfig):
         require(0 < self.max_failed_share <= 1, f"{at}.max_failed_share={self.max_failed_share} must be in (0, 1]")
         require(self.reward_reduce in REDUCTIONS, f"{at}.reward_reduce={self.reward_reduce!r}; choose one of {', '.join(REDUCTIONS)}")
         require(self.template in TEMPLATES, f"{at}.template={self.template!r}; choose one of {', '.join(TEMPLATES)}")
+
+
+def env_config(cfg) -> EnvConfig | None:
+    """The run's `env` node typed by its environment's config class, every key it leaves out at its default (an
+    environment named by import path starts from the `env=none` node, which holds only `name`; one that declares no
+    class is typed by `EnvConfig`); None for env=none. Read the environment's keys here, not from the node as written."""
+    return None if cfg.env.name is None else choose("env", cfg.env, "env", base=EnvConfig).config
 
 
 class Environment(Protocol):

@@ -19,6 +19,7 @@ from rlhf.models import lora
 from rlhf.plan import memory
 from rlhf.plan.architecture import ModelSource, activations, lora_parameter_counts, parameter_count, read_config, text_config
 from rlhf.plan.memory import FLOAT32, GENERATE, SCORE, TRAIN, Item, Sharding
+from rlhf.envs.base import env_config
 from rlhf.parts import Part, choose
 from rlhf.registry import schedule_trait
 
@@ -82,9 +83,10 @@ class Workload:
 
 def workload(cfg, sizes, ranks: dict[str, int], device_kind: str, rows_per_unit: int) -> Workload:
     """The `Workload` of a composed config with its derived sizes and ranks per role."""
-    if cfg.env.name:
-        seq_len, window = cfg.env.max_tokens, cfg.env.max_tokens
-        generate_rows = cfg.env.num_parallel
+    env = env_config(cfg)
+    if env is not None:
+        seq_len, window = env.max_tokens, env.max_tokens
+        generate_rows = env.num_parallel
     else:
         seq_len, window = cfg.dataset.max_prompt_length + cfg.generator.max_new_tokens, cfg.generator.max_new_tokens + 1
         generate_rows = sizes.samples_per_step

@@ -25,7 +25,7 @@ from rlhf.data.prompts import PromptExample, PromptStream, origin
 from rlhf.distributed.cluster import start
 from rlhf.distributed.layout import reference_is_base, used_roles
 from rlhf.models.remote_teacher import RemoteTeacher
-from rlhf.envs.base import check_prompt_room, seed_tasks
+from rlhf.envs.base import EnvConfig, check_prompt_room, env_config, seed_tasks
 from rlhf.envs.loop import EpisodeRunner
 from rlhf.generators.base import SamplingParams
 from rlhf.envs.templates import check as check_template
@@ -186,10 +186,11 @@ def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
                 check_vocab_match(tokenizer, load_tokenizer(path), f"policy `{model.name_or_path}`", f"`{path}`")
             except ValueError as err:
                 raise ConfigError(f"{key}: {err}") from None
-    runner = build_env(env_factory, cfg, tokenizer, rewards) if env_factory is not None else None
+    env = env_config(cfg)
+    runner = build_env(env_factory, env, cfg, tokenizer, rewards) if env_factory is not None else None
     try:
         if runner is not None and not runner.maker.uses_dataset:
-            splits = seed_tasks(getattr(runner.maker, "env_id", cfg.env.name), cfg.env.eval_size)  # reset seeds replace the dataset
+            splits = seed_tasks(getattr(runner.maker, "env_id", env.name), env.eval_size)  # reset seeds replace the dataset
         else:
             dataset = typed_node("dataset", cfg.dataset, "dataset")  # typed by the builder's class, defaults filled
             splits = factories["dataset"](cfg=dataset, tokenizer=tokenizer, seed=cfg.seed)
@@ -217,14 +218,14 @@ def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
     if runner is None or runner.maker.uses_dataset:  # a prompt plus its response must fit the model's context
         check_prompt_budget(cfg.dataset.max_prompt_length, cfg.generator.max_new_tokens, context, model.name_or_path)
     if runner is not None:  # so must a whole episode
-        check_episode_budget(cfg.env.max_tokens, context, model.name_or_path)
+        check_episode_budget(env.max_tokens, context, model.name_or_path)
     if cfg.teacher.name_or_path:  # and the teacher must have room for every row it scores
-        longest, keys = ((cfg.env.max_tokens, "env.max_tokens") if runner is not None else
+        longest, keys = ((env.max_tokens, "env.max_tokens") if runner is not None else
                          (cfg.dataset.max_prompt_length + cfg.generator.max_new_tokens, "dataset.max_prompt_length + generator.max_new_tokens"))
         check_teacher_context(longest, model_context(model, cfg.teacher.name_or_path), cfg.teacher.name_or_path, keys)
-    if runner is not None and runner.maker.uses_dataset and (full := check_prompt_room(splits.train, cfg.env.max_tokens)):
+    if runner is not None and runner.maker.uses_dataset and (full := check_prompt_room(splits.train, env.max_tokens)):
         log.warning("%d of %d training prompts fill env.max_tokens=%d: their episodes will fail; raise env.max_tokens",
-                    full, len(splits.train), cfg.env.max_tokens)
+                    full, len(splits.train), env.max_tokens)
     # 3. models
     if cfg.cluster.backend == "ray":
         models, backend = build_remote_models(cfg, sizes, algorithm, tokenizer)
@@ -299,9 +300,9 @@ def build_model(role: str, cfg, device: torch.device, total_optimizer_steps: int
     raise ValueError(f"unknown role {role!r}")
 
 
-def build_env(factory, cfg, tokenizer, rewards: RewardSet) -> EpisodeRunner:
-    """The environment maker and its agent loop; the maker checks its own keys (ids, files) before any model loads."""
-    env = choose("env", cfg.env, "env").config  # typed by the environment's config class
+def build_env(factory, env: EnvConfig, cfg, tokenizer, rewards: RewardSet) -> EpisodeRunner:
+    """The environment maker and its agent loop (``env``: the typed `env` node, `env_config`); the maker checks its own
+    keys (ids, files) before any model loads."""
     maker = factory(cfg=env, tokenizer=tokenizer, rewards=rewards)
     stop_id = stop_token_id(tokenizer, cfg.generator.stop_token)
     check_template(env.template, tokenizer, tokenizer.convert_ids_to_tokens(stop_id))
