@@ -7,7 +7,8 @@ registered part under its group (`algorithm/policy_loss/gspo`), so ``algorithm/p
 node and ``algorithm.policy_loss.clip_eps_high=0.28`` sets one of its keys. A part of your own, named by import path,
 declares its class the same way (``fn.config = MyConfig``) and gets its node from a YAML file of yours
 (`<your conf dir>/algorithm/policy_loss/mine.yaml` holding ``name: mypkg.losses.mine`` and its keys, found through
-``hydra.searchpath``).
+``hydra.searchpath``), or from the node it renames (``env.name=mypkg.MyEnv`` under `env=none`, which holds only
+``name``): its keys are then added with ``+`` (``+env.my_key=3``), and those left out read as its class's defaults.
 
 `choose` reads a node before any model loads: it resolves the part, types the node by the part's class (an unknown
 key, a wrong type or a missing value is a ConfigError naming `<node>.<key>` and the part) and runs the class's

@@ -3,11 +3,15 @@ composes (a renamed or moved key fails here), every relative link resolves, ever
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from run_records import records
 
 from rlhf.config import compose_config
 from rlhf.run.sweep import check_sweep_values, first_job
@@ -83,6 +87,23 @@ def test_every_documented_command_composes(where, command, tmp_path, monkeypatch
         check_sweep_values(["--multirun", *overrides])  # every swept value composes
         overrides = first_job(overrides)  # then the first job's values
     compose_config(overrides, config_name=CONFIGS[module])
+
+
+@pytest.mark.slow
+def test_the_environment_of_your_own_trains_as_written(tmp_path):
+    """docs/extending.md's environment named by import path: its block written where the reader would put it, its
+    command run as written (from that folder, PYTHONPATH=.) on the tiny model, cut to two steps."""
+    ((where, command),) = [(w, c) for w, c in COMMANDS if w.startswith("docs/extending.md") and "env.name=" in c]
+    page, line = where.split(":")
+    own_files(ROOT / page, int(line), tmp_path)
+    module, *args = words(command)
+    short = ["train.num_steps=2", "eval.every=0", "logging.tensorboard=false", f"hydra.run.dir={tmp_path / 'run'}"]
+    done = subprocess.run([sys.executable, "-m", module, *args, *short], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": "."})
+    assert done.returncode == 0, f"{command}\n{(done.stdout + done.stderr)[-3000:]}"
+    assert "memory plan skipped" not in done.stdout + done.stderr
+    steps = records(tmp_path / "run")
+    assert all(steps[s]["env/num_episodes"] > 0 and 0 <= steps[s]["env/episode_return"] <= 1 for s in (1, 2))
 
 
 def links() -> list[tuple[str, str, Path]]:
