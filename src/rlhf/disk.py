@@ -26,6 +26,18 @@ TRAIN_CHECKPOINTS = "rlhf.train checkpoint.dir"  # the checkpoint root, whose st
 REWARD_MODEL = "rlhf.train_reward save_dir"  # the trained reward model
 WARM_START = "rlhf.warmstart --output-dir"  # a warm-start model (the committed assets carry it too)
 
+PACKAGE_PREFIX = "package:"  # package:<importable module>/<path of a file inside it>: a file an installed package ships
+LOCAL_PREFIXES = ("/", "./", "../", "~", PACKAGE_PREFIX)  # how a local reference starts; a hub name never does
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")  # the row files `dataset.path` reads; a hub name never ends so
+
+
+def looks_local(name_or_path: str) -> bool:
+    """Whether a model's or dataset's reference means a local file or folder (or a file an installed package ships)
+    rather than a hub name (`Qwen/Qwen2.5-0.5B`, `openai/gsm8k`): it starts like a path, names a row file, or exists
+    here. A missing local one is then named as missing, never looked up on the hub."""
+    return (name_or_path.startswith(LOCAL_PREFIXES) or Path(name_or_path).suffix in DATA_SUFFIXES
+            or Path(name_or_path).expanduser().exists())
+
 
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)

@@ -24,10 +24,10 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import validate_repo_id
 from omegaconf import OmegaConf
 
-from rlhf.data import files
 from rlhf.errors import ConfigError
 from rlhf.models.gguf import is_gguf
-from rlhf.models.loading import BUILTIN_PREFIX, looks_local
+from rlhf.disk import looks_local
+from rlhf.models.loading import BUILTIN_PREFIX
 
 TIMEOUT_S = 5.0  # one HEAD request; an unreachable host fails at once (DNS), a black-holed one within this
 MODEL_KEYS = ("model.name_or_path", "model.tokenizer", "reference.name_or_path", "critic.name_or_path", "reward.path")
@@ -57,7 +57,7 @@ def is_hub_model_name(value: str | None) -> bool:
 
 def is_hub_dataset_name(path: str | None) -> bool:
     """Whether a dataset source's `path` is a hub name (as `rlhf.data.mix.read_source` decides: not local)."""
-    return bool(path) and not files.looks_local(path) and not Path(path).expanduser().exists()
+    return bool(path) and not looks_local(path)
 
 
 def model_sources(cfg) -> list[Source]:

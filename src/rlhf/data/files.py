@@ -18,7 +18,6 @@ from typing import Any
 from rlhf.errors import ConfigError
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-LOCAL_PREFIXES = ("/", "./", "../", "~")
 SPLIT_WORDS = ("train", "training", "test", "testing", "eval", "validation", "valid", "val", "dev")  # as in file names
 
 
@@ -53,11 +52,6 @@ class FileRows:
         self.spans += [RowSpan(s.name, s.start + len(self.rows), s.lines) for s in part.spans]
         self.rows += part.rows
         self.skipped += part.skipped
-
-
-def looks_local(path: str) -> bool:
-    """Whether a dataset path is meant as a local file or folder rather than a hub name like `openai/gsm8k`."""
-    return path.startswith(LOCAL_PREFIXES) or Path(path).suffix in LOCAL_FORMATS
 
 
 def missing_path_error(key: str, path: str) -> ConfigError:

@@ -26,9 +26,10 @@ from omegaconf import OmegaConf
 from rlhf.data.answers import GROUND_TRUTH_FORMATS, with_suffix
 from rlhf.data.cache import cache_folder, read_cache, write_cache
 from rlhf.data.config import DatasetConfig, DataSourceConfig
-from rlhf.data.files import LOCAL_FORMATS, FileRows, RowSpan, folder_files, looks_local, missing_path_error, read_files
+from rlhf.data.files import LOCAL_FORMATS, FileRows, RowSpan, folder_files, missing_path_error, read_files
 from rlhf.data.prompts import PromptExample, PromptSplits
 from rlhf.data.templates import CHAT_ROLES, TEMPLATE_ROLES, encode_prompt, render_prompt, renders_role, resolve_template
+from rlhf.disk import looks_local
 from rlhf.errors import ConfigError, require
 from rlhf.registry import register
 

@@ -25,10 +25,11 @@ from huggingface_hub import hf_hub_download
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
+from rlhf.disk import PACKAGE_PREFIX
+
 log = logging.getLogger(__name__)
 
 SUFFIX = ".gguf"
-PACKAGE_PREFIX = "package:"  # package:<importable module>/<path of a file inside it>
 MARKER = "rlhf_gguf.json"  # written last into a finished conversion: its source file and hash
 FORMAT = 1  # bump when the conversion's output changes, so older cached folders are not reused
 # The pip command that brings a package known to ship a model, for the message when it is missing.

@@ -15,6 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from rlhf.disk import looks_local
 from rlhf.errors import ConfigError
 from rlhf.models import gguf
 from rlhf.models.dtypes import DTYPES
@@ -22,13 +23,6 @@ from rlhf.models.dtypes import DTYPES
 log = logging.getLogger(__name__)
 
 BUILTIN_PREFIX = "builtin:"
-
-
-def looks_local(name_or_path: str) -> bool:
-    """Whether a model reference is meant as a local folder or file (or a file an installed package ships) rather than
-    a hub name."""
-    local = ("/", "./", "../", "~", gguf.PACKAGE_PREFIX)
-    return name_or_path.startswith(local) or Path(name_or_path).expanduser().exists()
 
 
 def resolve_model_path(name_or_path: str) -> str:

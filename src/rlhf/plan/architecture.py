@@ -22,7 +22,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 from rlhf.errors import ConfigError
 from rlhf.functional import entropy_from_logits, fused_logprobs, logprobs_from_logits
 from rlhf.models.logprobs import fuses, output_layer
-from rlhf.models.loading import looks_local, resolve_model_path
+from rlhf.disk import looks_local
+from rlhf.models.loading import resolve_model_path
 from rlhf.models.lora import adapted_layers, check_not_adapter
 from rlhf.models.value import token_scores
 

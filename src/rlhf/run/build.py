@@ -25,6 +25,7 @@ from rlhf.data.prompts import PromptExample, PromptStream, origin
 from rlhf.distributed.cluster import start
 from rlhf.distributed.layout import reference_is_base, used_roles
 from rlhf.models.remote_teacher import RemoteTeacher
+from rlhf.disk import looks_local
 from rlhf.envs.base import EnvConfig, check_prompt_room, env_config, seed_tasks
 from rlhf.envs.loop import EpisodeRunner
 from rlhf.generators.base import SamplingParams
@@ -33,7 +34,7 @@ from rlhf.generators.hf import stop_token_id
 from rlhf.models.gguf import ModelSourceError
 from rlhf.models.lora import AdaptersOff, check_not_adapter
 from rlhf.models.loading import (
-    check_model_kind, check_model_tokenizer, check_vocab_match, check_weight_files, load_tokenizer, looks_local, pick_device, resolve_model_path,
+    check_model_kind, check_model_tokenizer, check_vocab_match, check_weight_files, load_tokenizer, pick_device, resolve_model_path,
 )
 from rlhf.checks.layers import check_trained_layers
 from rlhf.checks.parity import GapWatch
