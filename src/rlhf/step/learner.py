@@ -26,7 +26,7 @@ from rlhf.collectives import all_ranks_true
 from rlhf.functional import masked_mean, masked_sum
 from rlhf.functional.kl import logprob_gap
 from rlhf.micro_batches import Budget, in_row_order, padded_tokens, place, plan
-from rlhf.step.scored import Scored
+from rlhf.step.scored import Scored, group_rows, groups_with_signal
 from rlhf.trajectory import Forward, Trajectories
 
 
@@ -98,7 +98,7 @@ class Learner:
             "val/sequence_lengths": batch.action_lengths.mean().item(),
             "val/num_stop_token_ids": batch.stopped.sum().item(),
             "val/stop_rate": batch.stopped.float().mean().item(),
-        }
+        } | zero_std_share(scored.batch.scores, scored.batch.group_id)
         if self.algorithm.needs_old_logprobs and not self.old_logprobs_from_training():
             old_logp, entropy = self.policy.rollout_logprobs(batch, self.budget, with_entropy=True)
             batch = replace(batch, old_logp=old_logp)
@@ -299,3 +299,12 @@ def sample_train_gap(gen_logp: torch.Tensor, train_logp: torch.Tensor, mask: tor
         "train/kl_sample_train_v1": masked_mean(diff, mask).item(),
         "train/kl_sample_train_v2": 0.5 * masked_mean(diff.square(), mask).item(),
     }
+
+
+def zero_std_share(scores: torch.Tensor, group_id: torch.Tensor) -> dict[str, float]:
+    """`objective/frac_reward_zero_std`: the share of the step's groups whose samples all scored the same, so that a
+    group-relative advantage gives them no signal ({} when no group holds more than one sample). Shapes: (B,)."""
+    groups = group_rows(group_id)
+    if all(len(rows) == 1 for rows in groups):
+        return {}
+    return {"objective/frac_reward_zero_std": (len(groups) - len(groups_with_signal(scores, groups))) / len(groups)}

@@ -22,6 +22,7 @@ METRICS: dict[str, tuple[str, str]] = {  # name -> (meaning, when logged)
     "objective/kl_coef": ("the KL coefficient in use (moves with algorithm/kl_ctl=adaptive)", "a reference, policy-gradient algorithms"),
     "objective/entropy": ("policy entropy: per-sequence sum over action tokens, mean over the batch", EVERY_STEP),
     "objective/verifiable_correct_rate": ("share of samples a verifier (rule or math reward) scored correct", "a verifiable reward"),
+    "objective/frac_reward_zero_std": ("share of the step's groups whose samples all scored the same: no group-relative signal", "more than one sample per prompt"),
     "objective/greedy_baseline_scores": ("mean score of the greedy response per prompt (ReMax's baseline)", "algorithm=remax"),
     "objective/loss": ("the pairwise loss (DPO / IPO) of the step", "algorithm=online_dpo"),
     "objective/scores_margin": ("mean score of the chosen minus the rejected sample", "algorithm=online_dpo"),
