@@ -101,18 +101,18 @@ def chat_prompts(tokenizer, sums: int = 8, samples: int = 8) -> list[list[int]]:
     return [row for row in ids for _ in range(samples)]
 
 
-def vllm_generator(folder: str, rows: int):
-    """The project's vLLM generator on CPU (eager, a small KV cache) for up to ``rows`` rows."""
+def vllm_generator(folder: str):
+    """The project's vLLM generator on CPU (eager, a small KV cache, prefix caching on as in runs)."""
     from omegaconf import OmegaConf
 
     from rlhf.config.schema import ModelConfig
-    from rlhf.generators.vllm import VllmGenerator, VllmGeneratorConfig
+    from rlhf.generators.vllm import VLLMGenerator, VllmGeneratorConfig
     from rlhf.models.loading import load_tokenizer
 
     config = OmegaConf.structured(VllmGeneratorConfig(
-        name="vllm", batch_size=rows, kv_cache_memory_bytes=256 * 2**20, max_model_len=128, enforce_eager=True))
+        name="vllm", kv_cache_memory_bytes=512 * 2**20, max_model_len=128, enforce_eager=True))
     model_cfg = OmegaConf.structured(ModelConfig(name_or_path=folder, dtype="float32"))
-    return VllmGenerator(config, model_cfg, load_tokenizer(folder), torch.device("cpu"))
+    return VLLMGenerator(config, model_cfg, load_tokenizer(folder), torch.device("cpu"))
 
 
 def generation(folder: str, paths: list[str], repeats: int) -> None:
@@ -121,7 +121,7 @@ def generation(folder: str, paths: list[str], repeats: int) -> None:
     from rlhf.models.loading import load_tokenizer
 
     prompts = chat_prompts(load_tokenizer(folder))
-    made = {name: (vllm_generator(folder, len(prompts)) if name == "vllm" else
+    made = {name: (vllm_generator(folder) if name == "vllm" else
                    path_generator(folder, torch.device("cpu"), name, len(prompts), "float32")) for name in paths}
     torch.manual_seed(0)
     seconds, tokens = measure(made, prompts, SamplingParams(24, temperature=1.0), repeats, torch.device("cpu"))
