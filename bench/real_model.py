@@ -63,8 +63,8 @@ RUNS = {
 
 
 def evals(records: list[dict]) -> list[dict]:
-    """The evaluation records (step, greedy and sampled correct rates)."""
-    return [r for r in records if "eval/greedy_correct_rate" in r]
+    """The evaluation records (step, greedy and sampled correct rates; an environment's scores and success rate)."""
+    return [r for r in records if "eval/greedy_scores" in r]
 
 
 def wrong_sums(folder: Path, step: int) -> list[str]:
@@ -140,7 +140,7 @@ def brief(args) -> None:
                 print(f"{name:>11}: failed: {str(failed)[-800:]}", flush=True)
                 continue
             first, last = evals(records)[0], evals(records)[-1]
-            key = "eval/greedy_correct_rate" if "eval/greedy_correct_rate" in last else "eval/greedy_scores"  # GEM: scores
+            key = next(k for k in ("eval/greedy_correct_rate", "eval/greedy_success_rate", "eval/greedy_scores") if k in last)
             steps = [r for r in records if "time/step" in r and r["step"] > 1]
             step_s = statistics.median(r["time/step"] for r in steps) if steps else float("nan")
             print(f"{name:>11}: {key} {first[key]:.3f} -> {last[key]:.3f}; {step_s:.1f} s a step; {wall:.0f} s "
