@@ -157,8 +157,9 @@ def main() -> None:
         for name in args.dtypes:
             records, planned, peak = train_run(name, args.steps, Path(tmp))
             median = {k: statistics.median(r[k] for r in records) for k in ("time/generation", "time/training", "time/step")}
-            flops = statistics.median(step_flops(config, r) for r in records)
-            rate = statistics.median(step_flops(config, r) / r["time/training"] for r in records)
+            per_step = [step_flops(config, r) for r in records]
+            flops = statistics.median(per_step)
+            rate = statistics.median(f / r["time/training"] for f, r in zip(per_step, records))
             print(f"{name:>9} {median['time/generation']:>10.1f}s {median['time/training']:>8.1f}s {median['time/step']:>5.1f}s "
                   f"{flops / 1e12:>12.2f} {rate / 1e9:>8.0f} {rate / peaks[name]:>5.2f} {planned / 2**30:>7.1f}G "
                   f"{peak / 2**30:>8.1f}G {planned / peak:>10.2f}", flush=True)
