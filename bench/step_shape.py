@@ -62,8 +62,8 @@ def main(overrides: list[str]) -> None:
     c = build_components(cfg, validate(cfg))
     state = RunState()
     try:
-        train_step(c, state)  # warm-up: lazy imports and first-call set-up are not the step
-        entered, crossings = trace(lambda: train_step(c, state))
+        train_step(c.collector, c.learner, state.guard)  # warm-up: lazy imports and first-call set-up are not the step
+        entered, crossings = trace(lambda: train_step(c.collector, c.learner, state.guard))
     finally:
         c.close()
     print(f"files entered by one sync step: {len(entered)}")

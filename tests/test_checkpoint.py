@@ -28,6 +28,8 @@ from rlhf.training.critic import TorchCritic
 from rlhf.training.policy import TorchPolicy
 from rlhf.rewards.combine import RewardSet
 from rlhf.rewards.model import RunningMoments
+from rlhf.step.collector import Collector
+from rlhf.step.learner import Learner
 
 CPU = torch.device("cpu")
 
@@ -91,6 +93,14 @@ def stub_components(policy=None, critic=None) -> SimpleNamespace:
         rewards=RewardSet(OmegaConf.structured(RewardConfig())),
         shuffle=torch.Generator().manual_seed(0),
     )
+
+
+def parts(c) -> tuple[Collector, Learner]:
+    """A real Collector and Learner around a flat stub's pieces (what `checkpoint.save` and `load` take); they share
+    the stub's objects, so what the test changes in one it sees in the other."""
+    collector = Collector(None, None, c.rewards, c.prompts, None, prompts_per_step=1, samples_per_prompt=1)
+    budget = SimpleNamespace(micro_batch_size=1, max_tokens_per_micro_batch=None)
+    return collector, Learner(c.policy, None, c.critic, c.algorithm, budget, CPU, c.shuffle)
 
 
 def resume_cfg(resume):
@@ -200,7 +210,7 @@ def test_resume_given_incomplete_folder_is_a_config_error(tmp_path, which):
 def test_save_writes_a_complete_folder_and_no_leftovers(tmp_path):
     """After a save only `step_<8 digits>` exists (and the root's owner mark), with trainer_state.json, the policy and
     rng.pt inside."""
-    final = checkpoint.save(stub_components(StubPolicy(7)), tmp_path, 12, {"run_id": "abc"}, keep_last=0)
+    final = checkpoint.save(*parts(stub_components(StubPolicy(7))), tmp_path, 12, {"run_id": "abc"}, keep_last=0)
     assert final == tmp_path / "step_00000012"
     assert sorted(p.name for p in tmp_path.iterdir()) == [OWNER_FILE, "step_00000012"]
     assert sorted(p.name for p in final.iterdir()) == ["policy", "rng.pt", STATE_FILE]
@@ -220,21 +230,21 @@ def test_save_in_progress_is_invisible(tmp_path):
         seen["state_files"] = list(tmp_path.rglob(STATE_FILE))
         seen["complete"] = complete_checkpoints(tmp_path)
 
-    checkpoint.save(stub_components(StubPolicy(during_save=during_save)), tmp_path, 3, {}, keep_last=0)
+    checkpoint.save(*parts(stub_components(StubPolicy(during_save=during_save))), tmp_path, 3, {}, keep_last=0)
     assert seen["tmp_name"].startswith(".tmp-step_00000003")
     assert seen["final_exists"] is False and seen["state_files"] == [] and seen["complete"] == []
 
 
 def test_crash_during_save_leaves_previous_checkpoint_as_the_newest(tmp_path):
     """A save that fails half-way leaves no complete step folder; resume=auto still finds the previous one."""
-    previous = checkpoint.save(stub_components(), tmp_path, 1, {}, keep_last=0)
+    previous = checkpoint.save(*parts(stub_components()), tmp_path, 1, {}, keep_last=0)
 
     def crash(path: Path) -> None:
         """Die in the middle of writing the checkpoint."""
         raise RuntimeError("killed")
 
     with pytest.raises(RuntimeError, match="killed"):
-        checkpoint.save(stub_components(StubPolicy(during_save=crash)), tmp_path, 2, {}, keep_last=0)
+        checkpoint.save(*parts(stub_components(StubPolicy(during_save=crash))), tmp_path, 2, {}, keep_last=0)
     assert not (tmp_path / "step_00000002").exists()
     assert complete_checkpoints(tmp_path) == [previous]
     assert resume_path(resume_cfg("auto"), tmp_path) == previous
@@ -246,7 +256,7 @@ def test_save_replaces_a_stale_temporary_folder_of_the_same_step(tmp_path):
     (stale / "policy").mkdir(parents=True)
     (stale / "policy" / "stale.txt").write_text("old")
     (stale / "junk.bin").write_bytes(b"x")
-    final = checkpoint.save(stub_components(StubPolicy(5)), tmp_path, 5, {}, keep_last=0)
+    final = checkpoint.save(*parts(stub_components(StubPolicy(5))), tmp_path, 5, {}, keep_last=0)
     assert not stale.exists()
     assert not (final / "junk.bin").exists() and not (final / "policy" / "stale.txt").exists()
     assert (final / "policy" / "value.txt").read_text() == "5"
@@ -254,9 +264,9 @@ def test_save_replaces_a_stale_temporary_folder_of_the_same_step(tmp_path):
 
 def test_saving_twice_at_the_same_step_replaces_the_folder(tmp_path):
     """A second save of the same step replaces the first one's contents entirely."""
-    first = checkpoint.save(stub_components(StubPolicy(1)), tmp_path, 4, {"n": 1}, keep_last=0)
+    first = checkpoint.save(*parts(stub_components(StubPolicy(1))), tmp_path, 4, {"n": 1}, keep_last=0)
     (first / "extra.txt").write_text("from the first save")
-    second = checkpoint.save(stub_components(StubPolicy(2)), tmp_path, 4, {"n": 2}, keep_last=0)
+    second = checkpoint.save(*parts(stub_components(StubPolicy(2))), tmp_path, 4, {"n": 2}, keep_last=0)
     assert second == first
     assert not (second / "extra.txt").exists()
     assert (second / "policy" / "value.txt").read_text() == "2"
@@ -267,9 +277,9 @@ def test_saving_twice_at_the_same_step_replaces_the_folder(tmp_path):
 def test_keep_last_prunes_the_oldest(tmp_path):
     """keep_last=2 keeps the two highest steps (numerically: 10 beats 9); keep_last=0 keeps all."""
     for step in (8, 9, 10):
-        checkpoint.save(stub_components(), tmp_path, step, {}, keep_last=2)
+        checkpoint.save(*parts(stub_components()), tmp_path, step, {}, keep_last=2)
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000009", "step_00000010"]
-    checkpoint.save(stub_components(), tmp_path, 11, {}, keep_last=0)
+    checkpoint.save(*parts(stub_components()), tmp_path, 11, {}, keep_last=0)
     assert len(complete_checkpoints(tmp_path)) == 3
 
 
@@ -279,7 +289,7 @@ def test_keep_last_leaves_partial_and_temporary_folders_alone(tmp_path):
     other = tmp_path / "notes.txt"
     other.write_text("mine")
     for step in (2, 3):
-        checkpoint.save(stub_components(), tmp_path, step, {}, keep_last=1)
+        checkpoint.save(*parts(stub_components()), tmp_path, step, {}, keep_last=1)
     assert partial.exists() and other.exists()
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000003"]
 
@@ -287,8 +297,8 @@ def test_keep_last_leaves_partial_and_temporary_folders_alone(tmp_path):
 
 def test_save_never_prunes_the_checkpoint_it_just_wrote(tmp_path):
     """Saving a lower step than an existing one (after resuming from an older folder) keeps the new checkpoint."""
-    checkpoint.save(stub_components(), tmp_path, 10, {}, keep_last=1)
-    final = checkpoint.save(stub_components(), tmp_path, 5, {}, keep_last=1)
+    checkpoint.save(*parts(stub_components()), tmp_path, 10, {}, keep_last=1)
+    final = checkpoint.save(*parts(stub_components()), tmp_path, 5, {}, keep_last=1)
     assert final.is_dir() and (final / STATE_FILE).is_file()
     assert checkpoint.complete_checkpoints(tmp_path) == [final], "the abandoned later checkpoint is removed"
 
@@ -297,16 +307,16 @@ def test_save_never_prunes_the_checkpoint_it_just_wrote(tmp_path):
 
 def test_load_without_critic_state_when_the_run_has_a_critic_is_a_config_error(tmp_path):
     """Resuming a critic run from a checkpoint saved without a critic fails clearly."""
-    saved = checkpoint.save(stub_components(), tmp_path, 1, {}, keep_last=0)
+    saved = checkpoint.save(*parts(stub_components()), tmp_path, 1, {}, keep_last=0)
     with pytest.raises(ConfigError, match="no critic state"):
-        checkpoint.load(stub_components(critic=StubPolicy()), saved)
+        checkpoint.load(*parts(stub_components(critic=StubPolicy())), saved)
 
 
 def test_load_restores_the_stub_state_and_returns_step_and_run_state(tmp_path):
     """`load` returns {'step': ..., **run_state} and restores the policy's state."""
-    saved = checkpoint.save(stub_components(StubPolicy(42)), tmp_path, 6, {"run_id": "r1", "skipped_total": 2}, keep_last=0)
+    saved = checkpoint.save(*parts(stub_components(StubPolicy(42))), tmp_path, 6, {"run_id": "r1", "skipped_total": 2}, keep_last=0)
     c = stub_components(StubPolicy(0))
-    assert checkpoint.load(c, saved) == {"step": 6, "run_id": "r1", "skipped_total": 2}
+    assert checkpoint.load(*parts(c), saved) == {"step": 6, "run_id": "r1", "skipped_total": 2}
     assert c.policy.value == 42
 
 
@@ -401,7 +411,7 @@ def test_save_load_round_trip_restores_everything(components, rollout, tmp_path)
     """Mutating every component after a save and then loading brings back weights, optimiser moments,
     scheduler position, prompt position, KL coefficient, reward moments and every RNG stream."""
     c = components
-    saved = checkpoint.save(c, tmp_path, 7, {"run_id": "xyz", "first_eval": {"eval/a": 0.5}}, keep_last=0)
+    saved = checkpoint.save(*parts(c), tmp_path, 7, {"run_id": "xyz", "first_eval": {"eval/a": 0.5}}, keep_last=0)
     expected = {
         "policy": snapshot(c.policy),
         "critic": snapshot(c.critic),
@@ -425,7 +435,7 @@ def test_save_load_round_trip_restores_everything(components, rollout, tmp_path)
     assert c.prompts.state_dict() != expected["prompts"]
     assert c.policy.scheduler.last_epoch != expected["policy"]["last_epoch"]
 
-    run = checkpoint.load(c, saved)
+    run = checkpoint.load(*parts(c), saved)
 
     assert run == {"step": 7, "run_id": "xyz", "first_eval": {"eval/a": 0.5}}
     assert_same_snapshot(snapshot(c.policy), expected["policy"])
@@ -439,11 +449,11 @@ def test_save_load_round_trip_restores_everything(components, rollout, tmp_path)
 def test_loaded_policy_keeps_training_like_the_uninterrupted_one(components, rollout, tmp_path):
     """A step after load gives exactly the weights the uninterrupted run reaches with the same step."""
     c = components
-    saved = checkpoint.save(c, tmp_path, 1, {}, keep_last=0)
+    saved = checkpoint.save(*parts(c), tmp_path, 1, {}, keep_last=0)
     train_step(c.policy, lambda p: policy_loss(p, rollout))
     uninterrupted = {k: v.clone() for k, v in c.policy.state_dict().items()}
     train_step(c.policy, lambda p: policy_loss(p, rollout))  # diverge further
-    checkpoint.load(c, saved)
+    checkpoint.load(*parts(c), saved)
     train_step(c.policy, lambda p: policy_loss(p, rollout))
     for key, value in uninterrupted.items():
         assert torch.equal(c.policy.state_dict()[key], value), key
@@ -463,7 +473,7 @@ def test_reward_set_without_model_saves_empty_state_and_ignores_moments_on_load(
 def test_weights_are_safetensors_and_torch_files_load_with_weights_only(components, tmp_path, monkeypatch):
     """Model weights are safetensors (no pickles); every torch.load during `load` passes weights_only=True."""
     c = components
-    saved = checkpoint.save(c, tmp_path, 2, {}, keep_last=0)
+    saved = checkpoint.save(*parts(c), tmp_path, 2, {}, keep_last=0)
     for role in ("policy", "critic"):
         model_files = sorted(p.name for p in (saved / role / "model").iterdir())
         assert any(name.endswith(".safetensors") for name in model_files), model_files
@@ -481,7 +491,7 @@ def test_weights_are_safetensors_and_torch_files_load_with_weights_only(componen
     safetensors_reads = []
     real_load_file = optim_module.load_file
     monkeypatch.setattr(optim_module, "load_file", lambda *a, **k: safetensors_reads.append(a[0]) or real_load_file(*a, **k))
-    checkpoint.load(c, saved)
+    checkpoint.load(*parts(c), saved)
     assert sorted(calls) == [("optim.pt", True), ("optim.pt", True), ("rng.pt", True)]
     assert len(safetensors_reads) == 2  # one shard each for the policy and the critic
 

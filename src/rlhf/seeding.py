@@ -7,6 +7,8 @@ import random
 import numpy as np
 import torch
 
+from typing import Any
+
 from rlhf.errors import require
 
 MAX_SEED = 2**32 - 2**16  # NumPy takes seeds in [0, 2**32); ranks and workers add small offsets to the run's seed
@@ -22,3 +24,22 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def rng_states() -> dict[str, Any]:
+    """Every global RNG's state: {"torch", "cuda", "python", "numpy"} (`set_rng_states` puts them back)."""
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+
+
+def set_rng_states(rng: dict[str, Any]) -> None:
+    """Put back the global RNGs as `rng_states` recorded them."""
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"]:
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])

@@ -40,6 +40,7 @@ from rlhf.distributed.layout import check_launcher
 from rlhf.distributed.remote import WorkerError
 from rlhf.run.lock import check_free, folder_lock
 from rlhf.run.state import NonFiniteError, NonFiniteGuard, RunState, StopSignals
+from rlhf.schedules.loop import Loop
 from rlhf.seeding import seed_everything
 from rlhf.tracking.progress import wants_bar
 from rlhf.tracking.tracker import Tracker
@@ -103,9 +104,9 @@ def run_schedule(cfg, out: Path, sizes, schedule, components, root: Path, resume
     requested (``stop``) before the first step returns it at once, preempted."""
     state = RunState(guard=NonFiniteGuard(cfg.train.max_skipped_steps_in_row))
     if resume_from is not None:
-        state = RunState.from_dict(checkpoint.load(components, resume_from, cfg.checkpoint.allow_config_change), cfg.train.max_skipped_steps_in_row)
-        resumed(components.generator, state.step)
-        components.generator.update_weights(components.policy.state_dict())  # the generator's first push
+        state = RunState.from_dict(checkpoint.load(components.collector, components.learner, resume_from, cfg.checkpoint.allow_config_change), cfg.train.max_skipped_steps_in_row)
+        resumed(components.collector.generator, state.step)
+        components.collector.generator.update_weights(components.learner.policy.state_dict())  # the generator's first push
     with suppress(StopRequested):  # agents that play the probe are abandoned at a stop signal, answered below
         parity.gate(components, cfg)  # before the first step: the generator samples what the trainer scores
     if stop.requested:
@@ -122,12 +123,12 @@ def run_schedule(cfg, out: Path, sizes, schedule, components, root: Path, resume
         (out / "dataset_report.json").write_text(json.dumps(components.data_report, indent=2) + "\n")
     log.info("run id %s, starting at step %d", state.run_id, state.step)
     with tracker:  # the tracker closes (a W&B run marked failed) on errors too
-        state = schedule(components, cfg, sizes, tracker, state, stop)
+        state = schedule(components.collector, components.learner, Loop(cfg, sizes, tracker, components.eval_examples, state, stop))
     state.elapsed = tracker.elapsed()
     if state.preempted:
         return state
     if cfg.checkpoint.save_final_model:
-        components.policy.export(out / "final_model", components.tokenizer)
+        components.learner.policy.export(out / "final_model", components.tokenizer)
         log.info("final policy saved as a Hugging Face folder: %s", out / "final_model")
         if cfg.policy.lora.rank is not None:
             log.info("LoRA adapters saved as a PEFT folder (PeftModel.from_pretrained(base, path)): %s", out / "final_adapter")

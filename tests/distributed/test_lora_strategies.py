@@ -45,25 +45,25 @@ def lora_step():
     sizes = validate(cfg)
     seed_everything(cfg.seed)  # as the training workers do before they build: the same random LoRA A matrices
     c = build_components(cfg, sizes)
-    assert isinstance(c.reference, AdaptersOff)  # no second model: the policy with its adapters off
-    examples = c.prompts.next_batch(cfg.train.prompts_per_step)
+    assert isinstance(c.learner.reference, AdaptersOff)  # no second model: the policy with its adapters off
+    examples = c.collector.prompts.next_batch(cfg.train.prompts_per_step)
     scored = c.collector.collect(examples)
     batch, _ = c.learner.prepare(scored)
     assert batch.ref_logp is not None
-    initial = weights_of(c.policy)
-    denominator = c.algorithm.denominator(batch)
-    finite, metrics, _ = accumulate_mini(c.policy, batch, c.algorithm.policy_loss, denominator, as_budget(8))
+    initial = weights_of(c.learner.policy)
+    denominator = c.learner.algorithm.denominator(batch)
+    finite, metrics, _ = accumulate_mini(c.learner.policy, batch, c.learner.algorithm.policy_loss, denominator, as_budget(8))
     assert finite
-    norm = c.policy.optimizer_step()
-    after_one = weights_of(c.policy)
-    base_logp = c.policy.base_logprobs(batch, 8)
+    norm = c.learner.policy.optimizer_step()
+    after_one = weights_of(c.learner.policy)
+    base_logp = c.learner.policy.base_logprobs(batch, 8)
     # the base model did not move: its logprobs are still the batch's reference logprobs
     torch.testing.assert_close(base_logp, batch.ref_logp, rtol=0, atol=1e-6)
-    assert accumulate_mini(c.policy, batch, c.algorithm.policy_loss, denominator, as_budget(8))[0]
-    c.policy.optimizer_step()
+    assert accumulate_mini(c.learner.policy, batch, c.learner.algorithm.policy_loss, denominator, as_budget(8))[0]
+    c.learner.policy.optimizer_step()
     return {
-        "batch": batch, "algorithm": c.algorithm, "denominator": denominator, "metrics": metrics, "norm": norm,
-        "initial": initial, "after_one": after_one, "after_two": weights_of(c.policy), "base_logp": base_logp,
+        "batch": batch, "algorithm": c.learner.algorithm, "denominator": denominator, "metrics": metrics, "norm": norm,
+        "initial": initial, "after_one": after_one, "after_two": weights_of(c.learner.policy), "base_logp": base_logp,
     }
 
 
@@ -156,18 +156,18 @@ def test_a_lora_critic_takes_the_same_value_step_under_ddp(started, tmp_path):
     sizes = validate(cfg)
     seed_everything(cfg.seed)
     c = build_components(cfg, sizes)
-    examples = c.prompts.next_batch(cfg.train.prompts_per_step)
+    examples = c.collector.prompts.next_batch(cfg.train.prompts_per_step)
     scored = c.collector.collect(examples)
     batch, _ = c.learner.prepare(scored)
-    denominator = c.algorithm.denominator(batch)
-    finite, metrics, _ = accumulate_mini(c.critic, batch, c.algorithm.value_loss, denominator, as_budget(8))
+    denominator = c.learner.algorithm.denominator(batch)
+    finite, metrics, _ = accumulate_mini(c.learner.critic, batch, c.learner.algorithm.value_loss, denominator, as_budget(8))
     assert finite
-    norm = c.critic.optimizer_step()
-    local = {k: v.detach().clone() for k, v in c.critic.full_state_dict().items()}
+    norm = c.learner.critic.optimizer_step()
+    local = {k: v.detach().clone() for k, v in c.learner.critic.full_state_dict().items()}
 
     remote_cfg = compose(*ppo, "critic/strategy=ddp", "cluster.roles.critic.devices_per_node=2")
     critic = started.trainer(remote_cfg, 2, role="critic")
-    finite, remote_metrics, _ = accumulate_mini(critic, batch, c.algorithm.value_loss, denominator, as_budget(8))
+    finite, remote_metrics, _ = accumulate_mini(critic, batch, c.learner.algorithm.value_loss, denominator, as_budget(8))
     assert finite
     assert remote_metrics["loss/value_avg"] == pytest.approx(metrics["loss/value_avg"], abs=1e-6)
     assert critic.optimizer_step() == pytest.approx(norm, rel=1e-4)

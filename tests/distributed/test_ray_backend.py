@@ -108,15 +108,15 @@ def test_generator_samples_from_the_pushed_weights_not_stale_ones(ray_cluster):
     try:
         prompts = [list(ex.token_ids) for ex in c.eval_examples[:16]]
         greedy = replace(c.collector.sampling, greedy=True)
-        before = c.generator.generate(prompts, greedy)
+        before = c.collector.generator.generate(prompts, greedy)
         state = RunState()
         for _ in range(3):
-            metrics, _ = train_step(c, state)
+            metrics, _ = train_step(c.collector, c.learner, state.guard)
         assert metrics["val/generator_logprob_diff"] < 1e-4  # sampled by the weights the trainer scored with
         assert c.learner.policy_packs and metrics["perf/padding_fraction"] == 0.0  # the remote policy said it packs
-        after = c.generator.generate(prompts, greedy)
+        after = c.collector.generator.generate(prompts, greedy)
         local = HFGenerator(cfg.generator, cfg.model, load_tokenizer(cfg.model.name_or_path), torch.device("cpu"))
-        local.update_weights(ray.get(c.policy.state_dict()))
+        local.update_weights(ray.get(c.learner.policy.state_dict()))
         expected = local.generate(prompts, greedy)
         assert torch.equal(after.window_ids, expected.window_ids)
         assert not torch.equal(after.window_ids, before.window_ids)
@@ -135,10 +135,10 @@ def test_streamed_rows_go_on_on_the_engine_that_holds_them(ray_cluster):
         prompts = [list(ex.token_ids) for ex in c.eval_examples[:6]]
         greedy = replace(c.collector.sampling, greedy=True, max_new_tokens=6)
         rows = [Row(tuple(p)) for p in prompts]
-        advance(c.generator, rows[:4], greedy, chunk=1, version=0)
-        advance(c.generator, rows[2:], greedy, chunk=2, version=0)  # rows 0 and 1 leave, 4 and 5 join
+        advance(c.collector.generator, rows[:4], greedy, chunk=1, version=0)
+        advance(c.collector.generator, rows[2:], greedy, chunk=2, version=0)  # rows 0 and 1 leave, 4 and 5 join
         while not all(row.done(6) for row in rows):
-            advance(c.generator, rows, greedy, chunk=1, version=0)
+            advance(c.collector.generator, rows, greedy, chunk=1, version=0)
         local = HFGenerator(cfg.generator, cfg.model, load_tokenizer(cfg.model.name_or_path), torch.device("cpu"))
         alone = local.generate(prompts, greedy)
         for i, row in enumerate(rows):
@@ -160,7 +160,7 @@ def test_episodes_play_on_ray_with_two_generator_ranks_on_the_trainers_weights(r
     try:
         state = RunState()
         for _ in range(2):
-            metrics, scored = train_step(c, state)
+            metrics, scored = train_step(c.collector, c.learner, state.guard)
             assert metrics["env/num_episodes"] == 32 and metrics["env/failed_episodes"] == 0
             assert metrics["val/generator_logprob_diff"] < 1e-4
             if env is OPENAI_AGENT:
@@ -178,7 +178,7 @@ def test_a_distillation_teacher_runs_as_its_own_ray_role(ray_cluster):
     cfg, c = sync_components("experiment=opd_arith_tiny", "cluster.roles.teacher.devices_per_node=2")
     try:
         assert c.backend.groups["teacher"] and len(c.backend.groups["teacher"].actors) == 2
-        metrics, scored = train_step(c, RunState())
+        metrics, scored = train_step(c.collector, c.learner, RunState().guard)
         assert metrics["distill/reverse_kl"] > 0 and metrics["distill/teacher_logprob"] < 0
         local = FrozenReference(cfg.teacher, cfg.model, torch.device("cpu"), cfg.generator.temperature)
         batch = scored.batch
@@ -194,10 +194,10 @@ def test_a_stale_push_to_ray_generators_stops_the_run(ray_cluster, monkeypatch):
     cfg, c = sync_components("cluster.roles.generator.devices_per_node=2")
     try:
         state = RunState()
-        train_step(c, state)
-        assert len(c.generator.weight_fingerprints()) == 2  # verified on both ranks after step 1
+        train_step(c.collector, c.learner, state.guard)
+        assert len(c.collector.generator.weight_fingerprints()) == 2  # verified on both ranks after step 1
         with pytest.raises(WeightSyncError, match=r"push after step 2: the generator \(engine worker 0 of 2\) holds a different"):
-            train_step(c, state)
+            train_step(c.collector, c.learner, state.guard)
     finally:
         c.close()
 
@@ -208,13 +208,13 @@ def test_checkpoint_round_trip_through_the_workers(ray_cluster, tmp_path, strate
     cfg, c = sync_components(f"policy/strategy={strategy}")
     try:
         state = RunState()
-        train_step(c, state)
-        saved = ray.get(c.policy.state_dict())
-        path = checkpoint.save(c, tmp_path, 1, state.to_dict(), keep_last=0)
+        train_step(c.collector, c.learner, state.guard)
+        saved = ray.get(c.learner.policy.state_dict())
+        path = checkpoint.save(c.collector, c.learner, tmp_path, 1, state.to_dict(), keep_last=0)
         assert (path / "policy" / "model" / "model.safetensors").is_file()
-        train_step(c, state)
-        assert max_weight_diff(ray.get(c.policy.state_dict()), saved) > 1e-4  # training moved on
-        checkpoint.load(c, path)
-        assert max_weight_diff(ray.get(c.policy.state_dict()), saved) == 0.0
+        train_step(c.collector, c.learner, state.guard)
+        assert max_weight_diff(ray.get(c.learner.policy.state_dict()), saved) > 1e-4  # training moved on
+        checkpoint.load(c.collector, c.learner, path)
+        assert max_weight_diff(ray.get(c.learner.policy.state_dict()), saved) == 0.0
     finally:
         c.close()

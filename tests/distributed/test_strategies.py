@@ -39,15 +39,15 @@ def reference_step():
     cfg = compose("cluster=local", "train.lr=1e-2", "train.adam_eps=1e-4", "algorithm.beta=0.05", "algorithm.kl_in_reward=false")
     sizes = validate(cfg)
     c = build_components(cfg, sizes)
-    examples = c.prompts.next_batch(cfg.train.prompts_per_step)
+    examples = c.collector.prompts.next_batch(cfg.train.prompts_per_step)
     scored = c.collector.collect(examples)
     batch, _ = c.learner.prepare(scored)
-    denominator = c.algorithm.denominator(batch)
-    finite, metrics, _ = accumulate_mini(c.policy, batch, c.algorithm.policy_loss, denominator, as_budget(8))
+    denominator = c.learner.algorithm.denominator(batch)
+    finite, metrics, _ = accumulate_mini(c.learner.policy, batch, c.learner.algorithm.policy_loss, denominator, as_budget(8))
     assert finite
-    norm = c.policy.optimizer_step()
-    weights = {k: v.detach().clone() for k, v in c.policy.state_dict().items()}
-    return batch, c.algorithm, denominator, metrics, norm, weights
+    norm = c.learner.policy.optimizer_step()
+    weights = {k: v.detach().clone() for k, v in c.learner.policy.state_dict().items()}
+    return batch, c.learner.algorithm, denominator, metrics, norm, weights
 
 
 @pytest.mark.slow

@@ -106,6 +106,22 @@ def test_the_environment_of_your_own_trains_as_written(tmp_path):
     assert all(steps[s]["env/num_episodes"] > 0 and 0 <= steps[s]["env/episode_return"] <= 1 for s in (1, 2))
 
 
+@pytest.mark.slow
+def test_the_schedule_of_your_own_trains_as_written(tmp_path):
+    """docs/extending.md's schedule named by import path, with a key of its own: its command run as written on the
+    tiny model; the generator gets new weights only every `push_every` steps (a push logs its size)."""
+    ((where, command),) = [(w, c) for w, c in COMMANDS if w.startswith("docs/extending.md") and "schedule.name=" in c]
+    page, line = where.split(":")
+    own_files(ROOT / page, int(line), tmp_path)
+    module, *args = words(command)
+    short = ["eval.every=0", "logging.tensorboard=false", f"hydra.run.dir={tmp_path / 'run'}"]
+    done = subprocess.run([sys.executable, "-m", module, *args, *short], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": "."})
+    assert done.returncode == 0, f"{command}\n{(done.stdout + done.stderr)[-3000:]}"
+    steps = records(tmp_path / "run")
+    assert [s for s in (1, 2, 3, 4) if "perf/weight_sync_mb" in steps[s]] == [2, 4]
+
+
 def links() -> list[tuple[str, str, Path]]:
     """(where, target, resolved path) of every relative Markdown link (no scheme, no pure anchor)."""
     found = []

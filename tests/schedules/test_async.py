@@ -199,7 +199,7 @@ def test_evaluation_is_not_disturbed_by_the_producer(tmp_path, monkeypatch):
     (evaluation slowed so that it does): its metrics equal a standalone evaluation of the same step's checkpoint."""
     from rlhf.run.build import build_components
     from rlhf.config import validate
-    from rlhf.schedules.loop import run_eval
+    from rlhf.schedules.loop import Loop, run_eval
     from rlhf.tracking.tracker import Tracker
 
     slow_down(monkeypatch, Collector, "evaluate", 0.3)
@@ -211,11 +211,11 @@ def test_evaluation_is_not_disturbed_by_the_producer(tmp_path, monkeypatch):
 
     cfg = compose_config(overrides)
     c = build_components(cfg, validate(cfg))
-    checkpoint.load(c, tmp_path / "run" / "checkpoints" / "step_00000002")
-    c.generator.update_weights(c.policy.state_dict())
+    checkpoint.load(c.collector, c.learner, tmp_path / "run" / "checkpoints" / "step_00000002")
+    c.collector.generator.update_weights(c.learner.policy.state_dict())
     tracker = Tracker(tmp_path / "standalone", tensorboard=False)
     try:
-        standalone = run_eval(c, cfg, tracker, 2)
+        standalone = run_eval(c.collector, c.learner, Loop(cfg, None, tracker, c.eval_examples, None, None), 2)
     finally:
         tracker.close()
     assert in_run == standalone
@@ -322,9 +322,9 @@ class RecordingProducer:
 
 @pytest.mark.parametrize(("raised", "wait"), [(None, 60.0), (RuntimeError("a step failed"), 60.0), (StopNow(143), 0.0)])
 def test_a_producer_is_waited_for_unless_a_second_stop_signal_ends_the_run(raised, wait):
-    """`producing` (the async and stream schedules): the collector samples through a versioned generator inside the
-    block and gets its own back after; the producer's thread is waited for on the way out, except after a second
-    stop signal (`StopNow`), which must end the process at once."""
+    """`producing` (the async and stream schedules): the producer's collector samples through a versioned generator
+    inside the block while the run's collector keeps its own (it is passed, never swapped); the producer's thread is
+    waited for on the way out, except after a second stop signal (`StopNow`), which must end the process at once."""
     from rlhf.schedules.asynchronous import producing
 
     from rlhf.config import validate
@@ -337,9 +337,9 @@ def test_a_producer_is_waited_for_unless_a_second_stop_signal_ends_the_run(raise
     made = []
     try:
         with pytest.raises(type(raised)) if raised is not None else nullcontext():
-            with producing(collector, 3, lambda generator: made.append(RecordingProducer(generator)) or made[-1]) as producer:
-                assert isinstance(collector.generator, VersionedGenerator) and collector.generator.version == 3
-                assert producer.generator is collector.generator and collector.generator.inner is own
+            with producing(collector, 3, lambda versioned: made.append(RecordingProducer(versioned.generator)) or made[-1]) as producer:
+                assert isinstance(producer.generator, VersionedGenerator) and producer.generator.version == 3
+                assert producer.generator.inner is own and collector.generator is own
                 if raised is not None:
                     raise raised
         assert made[0].waits == [wait]

@@ -367,10 +367,10 @@ def test_episodes_go_on_under_new_weights_from_their_next_turn(tmp_path, monkeyp
         if n:
             answered[n].set()
 
-    def push_after_the_next_answers(c, version):
+    def push_after_the_next_answers(collector, learner, version):
         if version < 5:
             answered[version + 1].wait(timeout=60)
-        return push(c, version=version)
+        return push(collector, learner, version=version)
 
     monkeypatch.setattr(EpisodeRunner, "run", counted)
     monkeypatch.setattr(EpisodeRunner, "_act", retry_after_the_push)

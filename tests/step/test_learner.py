@@ -32,11 +32,11 @@ def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def test_an_update_on_a_collected_batch_moves_the_policy_and_counts_itself(parts):
     scored = parts.collector.collect()
-    before = weights(parts.policy.model)
+    before = weights(parts.learner.policy.model)
     assert parts.learner.updates == 0
     metrics = parts.learner.update(scored, NonFiniteGuard(3))
     assert parts.learner.updates == 1
-    assert any(not torch.equal(before[k], v) for k, v in weights(parts.policy.model).items())
+    assert any(not torch.equal(before[k], v) for k, v in weights(parts.learner.policy.model).items())
     assert metrics["time/logprobs"] > 0 and metrics["time/training"] > 0
     assert metrics["objective/scores"] == pytest.approx(scored.scores.mean().item())
     assert math.isfinite(metrics["policy/grad_norm"]) and "loss/policy_avg" in metrics
@@ -47,7 +47,7 @@ def test_an_update_that_fails_midway_still_counts_as_begun(parts, monkeypatch):
     """The run's failure handling reads `updates`: an update that raised may have stepped the optimiser, so the
     step must not be saved as the previous one."""
     scored = parts.collector.collect()
-    monkeypatch.setattr(parts.algorithm, "policy_loss", lambda micro, out, denominator: (out.logp.sum() * float("nan"), {}))
+    monkeypatch.setattr(parts.learner.algorithm, "policy_loss", lambda micro, out, denominator: (out.logp.sum() * float("nan"), {}))
     with pytest.raises(NonFiniteError):
         parts.learner.update(scored, NonFiniteGuard(1))
     assert parts.learner.updates == 1
@@ -56,7 +56,7 @@ def test_an_update_that_fails_midway_still_counts_as_begun(parts, monkeypatch):
 def test_the_weights_to_push_are_the_policys_own(parts):
     parts.learner.update(parts.collector.collect(), NonFiniteGuard(3))
     pushed = parts.learner.weights()
-    held = parts.policy.model.state_dict()
+    held = parts.learner.policy.model.state_dict()
     assert pushed.keys() == held.keys() and all(torch.equal(pushed[k], held[k]) for k in held)
     metrics = parts.collector.load_weights(pushed)
     assert metrics["perf/weight_sync_mb"] > 0

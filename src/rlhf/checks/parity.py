@@ -53,15 +53,15 @@ def probe(c, cfg) -> dict[str, float]:
 
     The prompts are the first evaluation prompts (else the first training prompts: the prompt stream is not drawn
     from), and every torch RNG is put back afterwards, so the run samples what it would have without the probe."""
-    examples = (c.eval_examples or c.prompts.examples)[: cfg.checks.parity_prompts]
+    examples = (c.eval_examples or c.collector.prompts.examples)[: cfg.checks.parity_prompts]
     sampling = short_sampling(cfg.generator)
     devices = [c.device.index or 0] if c.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
-        if c.env is None:  # plain prompts need no scoring
-            batch = c.generator.generate([list(ex.token_ids) for ex in examples], sampling).to(c.device)
+        if c.collector.env is None:  # plain prompts need no scoring
+            batch = c.collector.generator.generate([list(ex.token_ids) for ex in examples], sampling).to(c.device)
         else:  # an environment's episodes are played (and scored) to build the rows
             batch = c.collector.play(examples, 1, sampling, training=False).batch.to(c.device)
-        train_logp, _ = c.policy.rollout_logprobs(batch, cfg.train.micro_batch_size)
+        train_logp, _ = c.learner.policy.rollout_logprobs(batch, cfg.train.micro_batch_size)
     return logprob_gap(batch.gen_logp, train_logp, batch.loss_mask)
 
 

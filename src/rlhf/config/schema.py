@@ -65,6 +65,8 @@ class RewardConfig:
     penalty_reward_value: float = -10.0  # the score given to a non-stop response
     overlong_buffer_len: Optional[int] = None  # overlong shaping (DAPO): reward falls over the budget's last this many tokens; null = off
     overlong_penalty_factor: float = 1.0  # overlong shaping: the reward lost by a response of generator.max_new_tokens tokens
+    unscored_retries: int = 1  # a row a function could not score (Unscored: a sandbox or judge failure) is asked again this many times, those rows only
+    max_unscored_share: float = 0.25  # past this share of a training batch's rows left unscored, the run stops (the last step saved), naming the function
 
 
 @dataclass

@@ -13,6 +13,7 @@ import torch
 from rlhf import registry
 from rlhf.errors import ConfigError, RewardValueError
 from rlhf.functional import overlong_penalty
+from rlhf.rewards.failure import is_unscored
 from rlhf.trajectory import Trajectories
 
 # A score beyond this size is a bug, not a signal: squared in a variance it nears float32's overflow (3.4e38) long
@@ -83,6 +84,17 @@ def checked_scores(source: str, scores, rows: int) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32)
 
 
+def checked_list(source: str, values, rows: int) -> list:
+    """A retry's returned ``values`` as a list of ``rows`` entries (scores or `Unscored`), or the error
+    `checked_scores` gives for a value that is neither one list nor the right length."""
+    if inspect.iscoroutine(values) or not isinstance(values, (list, tuple)):
+        checked_scores(source, values, rows)  # raises for anything but a list of numbers
+        return list(values)
+    if len(values) != rows:
+        raise ValueError(f"{source} returned {len(values)} scores for {rows} responses")
+    return list(values)
+
+
 def function_label(name: str, fn) -> str:
     """How an error names a reward function: its config name and where it is defined."""
     where = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
@@ -118,6 +130,7 @@ class RewardSet:
         if cfg.overlong_buffer_len is not None and max_new_tokens is None:
             raise ValueError("reward.overlong_buffer_len is set: RewardSet needs the response budget, max_new_tokens")
         self.model = None  # a RewardModelScorer, attached once models may load
+        self.last_unscored: dict[str, tuple[int, str]] = {}  # the last batch's unscored rows: function -> (count, first reason)
         self.functions = []
         for i, fn_cfg in enumerate(cfg.functions):
             fn = registry.resolve("reward", fn_cfg.name, key=f"reward.functions[{i}].name")
@@ -167,16 +180,43 @@ class RewardSet:
     def score(
         self, prompts: list[str], responses: list[str], ground_truths: list, batch: Trajectories, training: bool = True
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """(scores (B,), metrics): `score_rows` without the per-row verdict."""
-        scores, metrics, _ = self.score_rows(prompts, responses, ground_truths, batch, training)
+        """(scores (B,), metrics): `score_rows` without the per-row verdict (a row no function could score: 0)."""
+        scores, metrics, _, _ = self.score_rows(prompts, responses, ground_truths, batch, training)
         return scores, metrics
+
+    def call(self, name: str, fn, args: dict, prompts: list[str], responses: list[str], ground_truths: list):
+        """One function's scores of every row (B,), the rows it could not score (B,) bool, its returned list (for
+        its metrics) and the first reason it gave for an unscored row. A row returned `Unscored` is asked again,
+        alone with the others so returned, up to `reward.unscored_retries` more times (only those rows)."""
+        returned = fn(prompts=prompts, responses=responses, ground_truths=ground_truths, **args)
+        label = function_label(name, fn)
+        if inspect.iscoroutine(returned) or not isinstance(returned, (list, tuple)):
+            return checked_scores(label, returned, len(responses)), torch.zeros(len(responses), dtype=torch.bool), returned, None
+        values = list(returned)
+        if len(values) != len(responses):
+            raise ValueError(f"{label} returned {len(values)} scores for {len(responses)} responses")
+        for _ in range(self.cfg.unscored_retries):
+            again = [row for row, value in enumerate(values) if is_unscored(value)]
+            if not again:
+                break
+            retried = fn(prompts=[prompts[r] for r in again], responses=[responses[r] for r in again],
+                         ground_truths=[ground_truths[r] for r in again], **args)
+            for row, value in zip(again, checked_list(label, retried, len(again))):
+                values[row] = value
+        unscored = torch.tensor([is_unscored(value) for value in values], dtype=torch.bool)
+        reason = next((value.reason for value in values if is_unscored(value)), None)
+        scores = checked_scores(label, [0.0 if is_unscored(value) else value for value in values], len(values))
+        return scores, unscored, returned, reason
 
     def score_rows(
         self, prompts: list[str], responses: list[str], ground_truths: list, batch: Trajectories, training: bool = True
-    ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor | None]:
-        """(scores (B,), metrics, correct (B,) bool or None): weighted sum of every function and the model, plus the
-        overlong shaping, then the non-stop penalty (which replaces the whole score of a response that never stopped);
-        ``correct``: every verifier passed and the response stopped (None without a verifier).
+    ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor | None, torch.Tensor]:
+        """(scores (B,), metrics, correct (B,) bool or None, unscored (B,) bool): weighted sum of every function and
+        the model, plus the overlong shaping, then the non-stop penalty (which replaces the whole score of a response
+        that never stopped); ``correct``: every verifier passed and the response stopped (None without a verifier);
+        ``unscored``: a function could not score the row (`rlhf.rewards.failure.Unscored`, after its retries): its
+        score is 0 here and means nothing, the Collector drops the row (`reward/unscored_share`, and
+        `reward/<name>_unscored` per function; ``last_unscored`` keeps each function's count and first reason).
 
         ``training=False`` (evaluation) leaves the reward model's running statistics alone; the reward is the same.
         """
@@ -185,11 +225,16 @@ class RewardSet:
         verified = torch.ones(len(responses), dtype=torch.bool)
         has_verifier = False
         metrics: dict[str, float] = {}
+        unscored = torch.zeros(len(responses), dtype=torch.bool)
+        self.last_unscored = {}
         for name, weight, args, fn in self.functions:
-            scores = fn(prompts=prompts, responses=responses, ground_truths=ground_truths, **args)
-            values = checked_scores(function_label(name, fn), scores, len(responses))
+            values, missed, scores, reason = self.call(name, fn, args, prompts, responses, ground_truths)
             total += weight * values
-            metrics[f"reward/{name}"] = values.mean().item()
+            unscored |= missed
+            metrics[f"reward/{name}"] = values[~missed].mean().item() if not missed.all() else 0.0
+            if reason is not None:
+                self.last_unscored[name] = (int(missed.sum()), reason)
+                metrics[f"reward/{name}_unscored"] = float(missed.sum())
             # a function returning `rules.Scores` reports more: reward/<name>_<metric>
             extra = getattr(scores, "metrics", {})
             metrics |= {f"reward/{name}_{key}": float(value) for key, value in extra.items()}
@@ -209,8 +254,9 @@ class RewardSet:
             total = torch.where(stopped, total, torch.full_like(total, self.cfg.penalty_reward_value))
         correct = verified & stopped if has_verifier else None  # a truncated response is never correct, whatever its text
         if correct is not None:
-            metrics["objective/verifiable_correct_rate"] = correct.float().mean().item()
-        return total, metrics, correct
+            metrics["objective/verifiable_correct_rate"] = correct[~unscored].float().mean().item() if not unscored.all() else 0.0
+        metrics["reward/unscored_share"] = unscored.float().mean().item()
+        return torch.where(unscored, torch.zeros_like(total), total), metrics, correct, unscored
 
     def overlong_shaping(self, batch: Trajectories) -> torch.Tensor:
         """(B,) reward added for each response's length (`rlhf.functional.overlong_penalty`), on the CPU."""

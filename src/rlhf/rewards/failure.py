@@ -25,3 +25,8 @@ class Unscored:
 def is_unscored(value) -> bool:
     """Whether ``value`` (one entry of a reward function's returned list) marks an unscored row."""
     return isinstance(value, Unscored)
+
+
+class RewardUnavailable(RuntimeError):
+    """Past `reward.max_unscored_share` of a training batch's rows could not be scored: the service behind a reward
+    (a sandbox, a judge) is failing, and training on what is left would train on a biased sample of the batch."""

@@ -61,49 +61,13 @@ class Components:
     data_report: dict | None = None  # what dataset loading kept and dropped, per source
     backend: Any | None = None  # the Ray backend's actors and placement groups (cluster.backend=ray)
 
-    @property
-    def generator(self):
-        return self.collector.generator
-
-    @property
-    def prompts(self) -> PromptStream:
-        return self.collector.prompts
-
-    @property
-    def rewards(self) -> RewardSet:
-        return self.collector.rewards
-
-    @property
-    def env(self) -> EpisodeRunner | None:
-        return self.collector.env
-
-    @property
-    def policy(self):
-        return self.learner.policy
-
-    @property
-    def reference(self):
-        return self.learner.reference
-
-    @property
-    def critic(self):
-        return self.learner.critic
-
-    @property
-    def algorithm(self):
-        return self.learner.algorithm
-
-    @property
-    def shuffle(self) -> torch.Generator:
-        return self.learner.shuffle
-
     def close(self) -> None:
         """Release remote workers and placement groups (a no-op for the local backend), stop an environment's
         endpoint (env=openai_agent) and shut down a local generator engine that asks to be (vLLM)."""
-        close_env = getattr(self.env, "close", None)
+        close_env = getattr(self.collector.env, "close", None)
         if callable(close_env):
             close_env()
-        close_generator = getattr(self.generator, "close", None) if self.backend is None else None
+        close_generator = getattr(self.collector.generator, "close", None) if self.backend is None else None
         if callable(close_generator):
             close_generator()
         if self.backend is not None:

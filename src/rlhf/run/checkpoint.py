@@ -27,6 +27,7 @@ import yaml
 from rlhf.disk import TRAIN_CHECKPOINTS, claim, free_bytes, fsync_dir, fsync_tree, lack_of_room, megabytes, owner_of, tree_bytes
 from rlhf.errors import ConfigError, NoSpaceError
 from rlhf.models.loading import safetensors_problem
+from rlhf.seeding import rng_states
 
 log = logging.getLogger("rlhf")
 
@@ -175,25 +176,6 @@ def _torch_file_problem(file: Path) -> str | None:
         return f"{file} is truncated or not a torch file ({err})"
 
 
-def rng_states() -> dict[str, Any]:
-    """Every global RNG's state: {"torch", "cuda", "python", "numpy"} (`set_rng_states` puts them back)."""
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-    }
-
-
-def set_rng_states(rng: dict[str, Any]) -> None:
-    """Put back the global RNGs as `rng_states` recorded them."""
-    torch.set_rng_state(rng["torch"])
-    if rng["cuda"]:
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-
-
 def _json_rng(rng: dict[str, Any]) -> dict[str, Any]:
     """Python's and NumPy's states of `rng_states` ``rng`` as JSON values."""
     (version, internal, gauss), np_state = rng["python"], rng["numpy"]
@@ -248,12 +230,15 @@ def check_room(root: Path, step: int, saved: bool = False) -> None:
         )
 
 
-def save(c, root: Path, step: int, run_state: dict[str, Any], keep_last: int, stream_states: dict | None = None) -> Path:
-    """Write the full state of step ``step`` atomically, then prune to the newest ``keep_last``.
+def save(
+    collector, learner, root: Path, step: int, run_state: dict[str, Any], keep_last: int, stream_states: dict | None = None,
+) -> Path:
+    """Write the full state of step ``step`` atomically (the `Learner`'s models and state, the `Collector`'s state,
+    the RNGs), then prune to the newest ``keep_last``.
 
-    ``stream_states``: {"prompts", "rewards"} states, and optionally "rng" (`rng_states`), to record instead of the
-    live ones, when the schedule has drawn, sampled and scored prompts it has not trained on yet (the async
-    schedule). A full disk raises NoSpaceError naming the folder and the room a checkpoint needs; the partial copy
+    ``stream_states``: the Collector's state ({"prompts", "rewards"}) and optionally "rng" (`collecting_state`), to
+    record instead of the live ones, when the schedule has drawn, sampled and scored prompts it has not trained on
+    yet (the async and stream schedules). A full disk raises NoSpaceError naming the folder and the room a checkpoint needs; the partial copy
     is removed."""
     root.mkdir(parents=True, exist_ok=True)
     if owner_of(root) != TRAIN_CHECKPOINTS:  # checked before the run: empty, or this command's own
@@ -264,7 +249,7 @@ def save(c, root: Path, step: int, run_state: dict[str, Any], keep_last: int, st
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     try:
         tmp.mkdir()
-        _write_state(c, tmp, step, run_state, stream_states)
+        _write_state(collector, learner, tmp, step, run_state, stream_states)
         fsync_tree(tmp)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)  # a partial copy would only hold on to the space it took
@@ -278,13 +263,13 @@ def save(c, root: Path, step: int, run_state: dict[str, Any], keep_last: int, st
     return final
 
 
-def _write_state(c, tmp: Path, step: int, run_state: dict[str, Any], stream_states: dict | None) -> None:
+def _write_state(collector, learner, tmp: Path, step: int, run_state: dict[str, Any], stream_states: dict | None) -> None:
     """Every file of step ``step``'s checkpoint into the folder ``tmp``; `trainer_state.json` last."""
-    c.policy.save_checkpoint(tmp / "policy")
-    if c.critic is not None:
-        c.critic.save_checkpoint(tmp / "critic")
-    rng = (stream_states or {}).get("rng") or rng_states()
-    torch_rngs = {"torch_rng": rng["torch"], "cuda_rng": rng["cuda"], "shuffle_rng": c.shuffle.get_state()}
+    learner.save_models(tmp)
+    trained = learner.state_dict()
+    collected = stream_states or collector.state_dict()
+    rng = collected.get("rng") or rng_states()
+    torch_rngs = {"torch_rng": rng["torch"], "cuda_rng": rng["cuda"], "shuffle_rng": trained["shuffle"]}
     torch.save(torch_rngs, tmp / "rng.pt")
     record = _RECORDS.get(tmp.parent.resolve())
     if record is not None:
@@ -292,9 +277,9 @@ def _write_state(c, tmp: Path, step: int, run_state: dict[str, Any], stream_stat
     state = {
         "step": step,
         "run": run_state,
-        "prompts": stream_states["prompts"] if stream_states else c.prompts.state_dict(),
-        "algorithm": c.algorithm.state_dict() if hasattr(c.algorithm, "state_dict") else {},
-        "rewards": stream_states["rewards"] if stream_states else c.rewards.state_dict(),
+        "prompts": collected["prompts"],
+        "algorithm": trained["algorithm"],
+        "rewards": collected["rewards"],
         "rng": _json_rng(rng),
         "files": {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()},
     }
@@ -325,12 +310,12 @@ def _prune(root: Path, step: int, keep_last: int) -> None:
             _remove(old)
 
 
-def load_prompt_stream(prompts, saved: dict, path: Path, new_prompts: bool) -> None:
-    """Put the prompt stream where checkpoint ``path`` left it (``saved``), when it draws from the same prompts in
-    the same order (size and seed); otherwise ConfigError, or with ``new_prompts`` a warning and a fresh stream."""
+def prompt_stream_fits(prompts, saved: dict, path: Path, new_prompts: bool) -> bool:
+    """Whether the prompt stream can go on where checkpoint ``path`` left it (``saved``): it draws from the same
+    prompts in the same order (size and seed). Otherwise ConfigError, or with ``new_prompts`` a warning and False
+    (a fresh stream)."""
     if prompts.draws_as(saved):
-        prompts.load_state_dict(saved)
-        return
+        return True
     now = prompts.state_dict()
     differs = f"the checkpoint's prompt stream had {saved['size']} prompts and seed {saved['seed']}, this run's has {now['size']} and seed {now['seed']}"
     if not new_prompts:
@@ -339,6 +324,7 @@ def load_prompt_stream(prompts, saved: dict, path: Path, new_prompts: bool) -> N
             f"restore the data, or set checkpoint.allow_config_change=true to start the prompt stream over"
         )
     log.warning("resume: %s; checkpoint.allow_config_change=true: the prompt stream starts over", differs)
+    return False
 
 
 def _remove(checkpoint: Path) -> None:
@@ -353,24 +339,21 @@ def _remove(checkpoint: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def load(c, path: Path, new_prompts: bool = False) -> dict[str, Any]:
-    """Restore every component and RNG from ``path``; returns the run state saved with it. ``new_prompts``
-    (`checkpoint.allow_config_change`): a prompt stream unlike the checkpoint's starts over instead of refusing."""
+def load(collector, learner, path: Path, new_prompts: bool = False) -> dict[str, Any]:
+    """Restore the `Learner`'s models and state, the `Collector`'s state and every RNG from ``path``; returns the run
+    state saved with it. ``new_prompts`` (`checkpoint.allow_config_change`): a prompt stream unlike the
+    checkpoint's starts over instead of refusing."""
     state = json.loads((path / STATE_FILE).read_text())
-    c.policy.load_checkpoint(path / "policy")
-    if c.critic is not None:
-        if not (path / "critic").is_dir():
-            raise ConfigError(f"resume: {path} has no critic state, but this run trains a critic")
-        c.critic.load_checkpoint(path / "critic")
-    load_prompt_stream(c.prompts, state["prompts"], path, new_prompts)
-    if hasattr(c.algorithm, "load_state_dict"):
-        c.algorithm.load_state_dict(state.get("algorithm", state.get("estimator")))  # older checkpoints: "estimator"
-    c.rewards.load_state_dict(state["rewards"])
+    learner.load_models(path)
+    collected = {"rewards": state["rewards"]}
+    if prompt_stream_fits(collector.prompts, state["prompts"], path, new_prompts):
+        collected["prompts"] = state["prompts"]
+    collector.load_state_dict(collected)
     rng = torch.load(path / "rng.pt", weights_only=True)
+    learner.load_state_dict({"algorithm": state.get("algorithm", state.get("estimator")), "shuffle": rng["shuffle_rng"]})  # older checkpoints: "estimator"
     torch.set_rng_state(rng["torch_rng"])
     if rng["cuda_rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda_rng"])
-    c.shuffle.set_state(rng["shuffle_rng"])
     _set_rng_state(state["rng"])
     log.info("resumed from %s (step %d)", path, state["step"])
     return {"step": state["step"], **state["run"]}

@@ -134,7 +134,7 @@ class Rehearsal:
 
     def collect(self) -> str:
         """The run's `Collector.collect` on a few prompts, with the probe's short sampling."""
-        examples = self.c.prompts.next_batch(REHEARSAL_PROMPTS)
+        examples = self.c.collector.prompts.next_batch(REHEARSAL_PROMPTS)
         self.scored = self.c.collector.collect(examples, sampling=self.sampling)
         return f"{len(self.scored.batch)} responses, mean score {self.scored.scores.mean().item():.3g}"
 
@@ -147,9 +147,9 @@ class Rehearsal:
         return f"{len(self.scored.batch)} rows, policy grad norm {metrics['policy/grad_norm']:.3g}"
 
     def sleep_and_wake(self) -> str:
-        self.c.generator.sleep()
-        freed = self.c.generator.freed_bytes
-        self.c.collector.load_weights(self.c.policy.state_dict())  # every weight: asleep it holds none (schedule=hybrid's wake)
+        self.c.collector.generator.sleep()
+        freed = self.c.collector.generator.freed_bytes
+        self.c.collector.load_weights(self.c.learner.policy.state_dict())  # every weight: asleep it holds none (schedule=hybrid's wake)
         return f"{freed / 2**20:.0f} MiB freed asleep"
 
     def push(self) -> str:
@@ -167,9 +167,9 @@ class Rehearsal:
         """Save into a temporary folder beside the run's checkpoints (the disk they will use), reload, compare."""
         before = local_weights(self.c)
         with tempfile.TemporaryDirectory(prefix=".preflight-", dir=existing_parent(self.root)) as folder:
-            path = checkpoint.save(self.c, Path(folder), 1, RunState(step=1).to_dict(), 1)
+            path = checkpoint.save(self.c.collector, self.c.learner, Path(folder), 1, RunState(step=1).to_dict(), 1)
             size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-            checkpoint.load(self.c, path)
+            checkpoint.load(self.c.collector, self.c.learner, path)
         after = local_weights(self.c)
         if before is not None and (name := first_difference(before, after)) is not None:
             raise RuntimeError(f"the reloaded checkpoint's `{name}` differs from the saved policy's")
@@ -177,7 +177,7 @@ class Rehearsal:
 
     def export(self) -> str:
         with tempfile.TemporaryDirectory(prefix=".preflight-", dir=existing_parent(self.out)) as folder:
-            self.c.policy.export(Path(folder) / "final_model", self.c.tokenizer)
+            self.c.learner.policy.export(Path(folder) / "final_model", self.c.tokenizer)
         return "Hugging Face folder written"
 
     def close(self) -> None:
@@ -188,7 +188,7 @@ class Rehearsal:
 def local_weights(c) -> dict[str, float] | None:
     """The fingerprint of the policy's weights when they are in this process; None on the Ray backend (gathering
     them to the driver would cost a copy of the model)."""
-    return fingerprint(c.policy.state_dict()) if c.backend is None else None
+    return fingerprint(c.learner.policy.state_dict()) if c.backend is None else None
 
 
 def existing_parent(path: Path) -> Path:

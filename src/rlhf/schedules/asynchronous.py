@@ -22,14 +22,15 @@ from dataclasses import dataclass, replace
 import torch
 
 from rlhf.checks.weight_sync import VerifiedGenerator
-from rlhf.run import checkpoint
 from rlhf.errors import require
 from rlhf.generators.base import SamplingParams
 from rlhf.parts import PartConfig
 from rlhf.registry import register
 from rlhf.errors import StopNow
 from rlhf.run.state import RunState
-from rlhf.schedules.loop import one_step, push_to_generator, run_steps, timed
+from rlhf.schedules.loop import Loop, one_step, push_to_generator, run_steps, timed
+from rlhf.step.collector import Collector, collecting_state
+from rlhf.step.learner import Learner
 from rlhf.step.scored import Scored
 from rlhf.trajectory import Trajectories
 
@@ -123,8 +124,8 @@ class RolloutProducer:
     checkpoint can rewind past batches drawn, sampled and scored ahead of training.
     """
 
-    def __init__(self, collector, generator: VersionedGenerator, first: int, last: int, max_staleness: int) -> None:
-        self.collector, self.generator = collector, generator
+    def __init__(self, collector: Collector, first: int, last: int, max_staleness: int) -> None:
+        self.collector, self.generator = collector, collector.generator  # a Collector sampling through a VersionedGenerator
         self.first, self.last = first, last
         self.max_staleness = max_staleness
         self.ready: queue.Queue[Produced] = queue.Queue()
@@ -169,8 +170,7 @@ class RolloutProducer:
 
     def _states(self) -> dict:
         # the RNGs too: the producer samples from the global generators while the trainer may be saving them
-        prompts, rewards = self.collector.prompts.state_dict(), self.collector.rewards.state_dict()
-        return {"prompts": prompts, "rewards": rewards, "rng": checkpoint.rng_states()}
+        return collecting_state(self.collector)
 
     def take(self, index: int) -> Produced:
         """The batch for training step ``index``; re-raises the producer's error if it failed.
@@ -221,25 +221,21 @@ def stop_thread(stopping: threading.Event, thread: threading.Thread, timeout: fl
 
 
 @contextmanager
-def producing(collector, version: int, make_producer):
-    """The run's collector samples through a `VersionedGenerator` (holding policy ``version``) and a producer,
-    ``make_producer(generator)``, fills batches ahead of training inside the block. Afterwards the producer is stopped:
-    waited for up to a minute, or not at all when a second stop signal ends the run (`StopNow`), and the collector gets
-    its own generator back."""
-    generator = VersionedGenerator(collector.generator, version=version)
-    collector.generator = generator
+def producing(collector: Collector, version: int, make_producer):
+    """A producer, ``make_producer(versioned)``, fills batches ahead of training inside the block, through
+    ``versioned``: ``collector`` sampling with its generator behind a `VersionedGenerator` (holding policy
+    ``version``); the run's Collector keeps its own generator. Afterwards the producer is stopped: waited for up to a
+    minute, or not at all when a second stop signal ends the run (`StopNow`)."""
+    versioned = collector.using(VersionedGenerator(collector.generator, version=version))
     wait = 60.0
+    producer = make_producer(versioned)
     try:
-        producer = make_producer(generator)
-        try:
-            yield producer
-        except StopNow:
-            wait = 0.0  # stopping now
-            raise
-        finally:
-            producer.close(timeout=wait)
+        yield producer
+    except StopNow:
+        wait = 0.0  # stopping now
+        raise
     finally:
-        collector.generator = generator.inner
+        producer.close(timeout=wait)
 
 
 def staleness_metrics(versions: torch.Tensor, trainer_version: int, bound: int) -> dict[str, float]:
@@ -257,11 +253,11 @@ def staleness_metrics(versions: torch.Tensor, trainer_version: int, bound: int) 
     }
 
 
-def async_step(c, cfg, state: RunState, producer: RolloutProducer, step: int) -> tuple[dict[str, float], Scored]:
+def async_step(learner: Learner, loop: Loop, producer: RolloutProducer, step: int) -> tuple[dict[str, float], Scored]:
     """Train on the batch the producer made for ``step``, then push the weights as version ``step``."""
     return one_step(
-        lambda times: take(producer, step, cfg.schedule.max_staleness, times), c.learner, state.guard,
-        lambda: push_to_generator(c, version=step),
+        lambda times: take(producer, step, loop.schedule.max_staleness, times), learner, loop.state.guard,
+        lambda: push_to_generator(producer.collector, learner, version=step),
     )
 
 
@@ -277,15 +273,15 @@ def take(producer: RolloutProducer, step: int, max_staleness: int, times: dict[s
 
 
 @register("schedule", "async")
-def run(c, cfg, sizes, tracker, state: RunState, stop) -> RunState:
-    """Train from ``state.step`` to `train.num_steps` with generation one batch (or up to max_staleness) ahead."""
-    if cfg.cluster.backend == "local":
+def run(collector: Collector, learner: Learner, loop: Loop) -> RunState:
+    """Train from ``loop.state.step`` to `train.num_steps` with generation one batch (or up to max_staleness) ahead."""
+    if loop.cfg.cluster.backend == "local":
         log.warning("schedule=async on the local backend: generation and training share this process and its devices, "
                     "so they overlap little; cluster=ray_local (or ray) gives the generator its own devices")
-    last, bound = cfg.train.num_steps, cfg.schedule.max_staleness
-    with producing(c.collector, state.step, lambda gen: RolloutProducer(c.collector, gen, state.step + 1, last, bound)) as producer:
+    first, last, bound = loop.state.step + 1, loop.cfg.train.num_steps, loop.schedule.max_staleness
+    with producing(collector, loop.state.step, lambda versioned: RolloutProducer(versioned, first, last, bound)) as producer:
         return run_steps(
-            c, cfg, sizes, tracker, state, stop, lambda step: async_step(c, cfg, state, producer, step),
+            producer.collector, learner, loop, lambda step: async_step(learner, loop, producer, step),
             stream_states=producer.states_after, guard=producer.generator.lock,
         )
 

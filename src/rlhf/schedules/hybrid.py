@@ -14,7 +14,9 @@ from rlhf.errors import ConfigError
 from rlhf.parts import PartConfig
 from rlhf.registry import register
 from rlhf.run.state import RunState
-from rlhf.schedules.loop import collect_next, one_step, run_steps, timed
+from rlhf.schedules.loop import Loop, collect_next, one_step, run_steps, timed
+from rlhf.step.collector import Collector
+from rlhf.step.learner import Learner
 
 MIB = float(1 << 20)
 
@@ -28,57 +30,58 @@ class HybridConfig(PartConfig):
 
 
 @contextmanager
-def generator_asleep(c, offload: bool, metrics: dict[str, float], times: dict[str, float]):
+def generator_asleep(collector: Collector, learner: Learner, offload: bool, metrics: dict[str, float], times: dict[str, float]):
     """The update's surroundings: the generator asleep (what it freed in ``metrics``), the optimiser state on the
     device (``offload``: back on the CPU afterwards), the allocator's cached blocks released for the waking
     generator."""
     with timed(times, "generator_sleep"):
-        c.collector.generator.sleep()
-    metrics["memory/generator_freed_mb"] = c.collector.generator.freed_bytes / MIB
+        collector.generator.sleep()
+    metrics["memory/generator_freed_mb"] = collector.generator.freed_bytes / MIB
     if offload:
         with timed(times, "optimizer_reload"):
-            for _, model in c.learner.trained:
+            for _, model in learner.trained:
                 model.reload_optimizer()
     yield
     with timed(times, "optimizer_offload"):
-        for _, model in c.learner.trained:
+        for _, model in learner.trained:
             if offload:
                 model.offload_optimizer()
             model.release_cached_memory()  # cached blocks of activations (and offloaded state), for the waking generator
 
 
-def wake(c) -> dict[str, float]:
+def wake(collector: Collector, learner: Learner) -> dict[str, float]:
     """Wake the generator with the policy's whole new weights (asleep, it holds none), through the Collector, which
     counts the push (the policy version an agent endpoint reports) and its size (`perf/weight_sync_mb`)."""
-    return c.collector.load_weights(c.learner.policy.state_dict())
+    return collector.load_weights(learner.policy.state_dict())
 
 
-def hybrid_step(c, cfg, state: RunState):
+def hybrid_step(collector: Collector, learner: Learner, loop: Loop):
     """Generate (optimiser state offloaded if asked), sleep the generator, train, wake it with the new weights."""
-    offload = cfg.schedule.offload_optimizer
+    offload = loop.schedule.offload_optimizer
     return one_step(
-        lambda times: collect_next(c, times), c.learner, state.guard, lambda: wake(c),
-        around_update=lambda metrics, times: generator_asleep(c, offload, metrics, times),
+        lambda times: collect_next(collector, times), learner, loop.state.guard, lambda: wake(collector, learner),
+        around_update=lambda metrics, times: generator_asleep(collector, learner, offload, metrics, times),
     )
 
 
 @register("schedule", "hybrid")
-def run(c, cfg, sizes, tracker, state: RunState, stop) -> RunState:
-    """Train from ``state.step`` to `train.num_steps`, generator and trainer taking turns on the same devices."""
-    if not callable(getattr(c.collector.generator, "sleep", None)):
+def run(collector: Collector, learner: Learner, loop: Loop) -> RunState:
+    """Train from ``loop.state.step`` to `train.num_steps`, generator and trainer taking turns on the same devices."""
+    offload = loop.schedule.offload_optimizer
+    if not callable(getattr(collector.generator, "sleep", None)):
         raise ConfigError(
-            f"schedule=hybrid needs a generator that can sleep; generator.name={cfg.generator.name} has no sleep() "
+            f"schedule=hybrid needs a generator that can sleep; generator.name={loop.cfg.generator.name} has no sleep() "
             f"(see rlhf.generators.base.SleepingGenerator), use schedule=sync"
         )
-    if cfg.schedule.offload_optimizer:
-        for _, model in c.learner.trained:
+    if offload:
+        for _, model in learner.trained:
             model.offload_optimizer()  # a resumed run's state starts on the device
             model.release_cached_memory()
     try:
-        return run_steps(c, cfg, sizes, tracker, state, stop, lambda step: hybrid_step(c, cfg, state))
+        return run_steps(collector, learner, loop, lambda step: hybrid_step(collector, learner, loop))
     finally:
-        if cfg.schedule.offload_optimizer:
-            for _, model in c.learner.trained:
+        if offload:
+            for _, model in learner.trained:
                 model.reload_optimizer()  # checkpoints and exports expect the state where training keeps it
 
 

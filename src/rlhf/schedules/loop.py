@@ -1,8 +1,9 @@
 """The loop every schedule shares: run a step, log, sample texts, evaluate and checkpoint on schedule, stop on a signal.
 
 `one_step` is the RL step, written once: the Collector's batch, the Learner's update, the weights pushed. A schedule
-supplies only ``step_fn(step) -> (metrics, scored)``, built on `one_step` with its own collect, push and what wraps
-the update; what happens between steps is the same for all.
+sees a `Collector`, a `Learner` and the `Loop` (the run's settings, tracker, state and stop signals), and supplies
+only ``step_fn(step) -> (metrics, scored)``, built on `one_step` with its own collect, push and what wraps the
+update; what happens between steps is the same for all.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import logging
 import time
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -19,7 +20,11 @@ from rlhf.errors import StopRequested, user_exits_named
 from rlhf.run import checkpoint
 from rlhf.data.prompts import epochs_done
 from rlhf.distributed.remote import WorkerError
+from rlhf.data.prompts import PromptExample
 from rlhf.run.state import RunState
+from rlhf.seeding import rng_states, set_rng_states
+from rlhf.step.collector import Collector
+from rlhf.step.learner import Learner
 from rlhf.step.scored import Scored, group_rows
 
 log = logging.getLogger("rlhf")
@@ -33,12 +38,32 @@ def timed(times: dict[str, float], name: str):
     times[f"time/{name}"] = times.get(f"time/{name}", 0.0) + time.perf_counter() - start
 
 
-def run_eval(c, cfg, tracker, step: int) -> dict[str, float]:
+@dataclass
+class Loop:
+    """What happens between steps, the same for every schedule: the run's settings (`train`, `eval`, `logging`,
+    `checkpoint`, `seed`; the schedule's own keys are `cfg.schedule`), its derived sizes, where it logs and saves,
+    the held-out prompts it evaluates on, its state (``state``, updated step by step) and the stop signals."""
+
+    cfg: Any  # the run's config (DictConfig)
+    sizes: Any  # DerivedSizes: samples per step, eval_every, ...
+    tracker: Any  # Tracker: metrics, sample texts, the checkpoint folder
+    eval_examples: list[PromptExample]
+    state: RunState
+    stop: Any  # StopSignals: `.requested` names the signal once one arrived
+
+    @property
+    def schedule(self):
+        """The schedule's own config node (`schedule.*`)."""
+        return self.cfg.schedule
+
+
+def run_eval(collector: Collector, learner: Learner, loop: Loop, step: int) -> dict[str, float]:
     """Evaluate on a private RNG stream (seeded by seed and step), so evaluating never changes training."""
-    devices = list(range(torch.cuda.device_count())) if c.device.type == "cuda" else []
+    cfg, tracker = loop.cfg, loop.tracker
+    devices = list(range(torch.cuda.device_count())) if learner.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(cfg.seed * 1_000_003 + step)
-        metrics, results = c.collector.evaluate(c.eval_examples, cfg.eval)
+        metrics, results = collector.evaluate(loop.eval_examples, cfg.eval)
     if metrics:
         tracker.log(step, metrics)
         log.info("eval @ step %d: %s", step, ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
@@ -51,69 +76,71 @@ def run_eval(c, cfg, tracker, step: int) -> dict[str, float]:
 
 
 def run_steps(
-    c, cfg, sizes, tracker, state: RunState, stop, step_fn: Callable[[int], tuple[dict, Scored]],
+    collector: Collector, learner: Learner, loop: Loop, step_fn: Callable[[int], tuple[dict, Scored]],
     stream_states: Callable[[int], dict] | None = None, guard=None,
 ) -> RunState:
-    """Train from ``state.step`` to `train.num_steps` with ``step_fn``, evaluating and checkpointing on schedule.
+    """Train from ``loop.state.step`` to `train.num_steps` with ``step_fn``, evaluating and checkpointing on schedule.
 
-    Schedules that draw, sample and score prompts ahead of training pass ``stream_states(step)``: the prompt
-    stream's and the reward statistics' states, and the global RNGs', as of the end of ``step`` ({"prompts",
-    "rewards", "rng"}), for checkpoints and the epoch count; and ``guard``, a lock that evaluation holds so its
-    seeded sampling never interleaves with theirs.
-    Stops early, after saving a checkpoint, when ``stop.requested`` is set (SIGTERM/SIGINT). Agents the step waits on
-    then are abandoned at once (`StopRequested`): the last complete step is saved instead of the one they played.
+    ``collector`` is the one the schedule collects with (evaluation samples through it too). Schedules that draw,
+    sample and score prompts ahead of training pass ``stream_states(step)``: the Collector's state and the global
+    RNGs' as of the end of ``step`` (`collecting_state`: {"prompts", "rewards", "rng"}), for checkpoints and the
+    epoch count; and ``guard``, a lock that evaluation holds so its seeded sampling never interleaves with theirs.
+    Stops early, after saving a checkpoint, when ``loop.stop.requested`` is set (SIGTERM/SIGINT). Agents the step
+    waits on then are abandoned at once (`StopRequested`): the last complete step is saved instead of the one they
+    played.
 
     A step that raises ends the run, but first the last complete step is saved (`save_on_failure`) when the trained
     models are known to be as it left them: the error came before step k's update began (generation, scoring: a
-    user reward function or environment), so step k-1 is saved with the prompt stream, reward statistics,
-    algorithm state and RNGs put back as step k found them; or it came after step k returned (logging,
-    evaluation), so step k is saved as a regular checkpoint would have. An error during the update (the optimiser
-    may have stepped for part of the batch), in a checkpoint save itself, or from a Ray worker saves nothing.
+    user reward function or environment), so step k-1 is saved with the Collector's and the Learner's states and
+    the RNGs put back as step k found them (`StepStart`); or it came after step k returned (logging, evaluation),
+    so step k is saved as a regular checkpoint would have. An error during the update (the optimiser may have
+    stepped for part of the batch), in a checkpoint save itself, or from a Ray worker saves nothing.
     """
-    train = cfg.train
+    cfg, state, stop, root = loop.cfg, loop.state, loop.stop, loop.tracker.checkpoint_root
     guard = guard if guard is not None else nullcontext()
+    save = lambda step, streams: checkpoint.save(collector, learner, root, step, state.to_dict(), cfg.checkpoint.keep_last, streams)
     if state.step == 0:
         try:
             with guard, user_exits_named():  # the first evaluation runs the user's reward functions before any step
-                state.first_eval = run_eval(c, cfg, tracker, 0)
+                state.first_eval = run_eval(collector, learner, loop, 0)
         except StopRequested as stopped:  # agents abandoned at a stop signal: nothing to save yet
             log.warning("%s before the first step: stopped, nothing to save; continue with resume=auto", stopped)
             state.preempted = True
             return state
-    for step in range(state.step + 1, train.num_steps + 1):
-        before = StepStart.record(c)
-        updates = c.learner.updates  # an update begun in this step may have changed the models
+    for step in range(state.step + 1, cfg.train.num_steps + 1):
+        before = StepStart.record(collector, learner)
+        updates = learner.updates  # an update begun in this step may have changed the models
         try:
             with user_exits_named():
                 metrics, scored = step_fn(step)
         except Exception as err:  # a sys.exit in user code arrives as a UserExit; a second stop signal passes
-            if c.learner.updates != updates:
+            if learner.updates != updates:
                 log.error("step %d failed during its update: the models are mid-update, so nothing more is saved", step)
                 raise
-            before.rewind(c)
-            streams = stream_states(step - 1) if stream_states is not None else before.streams
+            before.rewind(learner)
+            streams = stream_states(step - 1) if stream_states is not None else before.collected
             if isinstance(err, StopRequested):  # agents abandoned at a stop signal, before the update
-                save_interrupted(c, cfg, tracker.checkpoint_root, state, step - 1, streams, err)
+                save_interrupted(save, root, step - 1, streams, err)
                 state.preempted = True
                 break
-            save_on_failure(c, cfg, tracker.checkpoint_root, state, step - 1, streams, err)
+            save_on_failure(save, root, step - 1, streams, err)
             raise
         state.step = step
         states = stream_states(step) if stream_states is not None else None
         try:
             with user_exits_named():
-                record_step(c, cfg, sizes, tracker, state, metrics, scored, states, guard)
-                checkpoint.check_room(tracker.checkpoint_root, step)  # a disk filling up stops the run while it can save
+                record_step(collector, learner, loop, metrics, scored, states, guard)
+                checkpoint.check_room(root, step)  # a disk filling up stops the run while it can save
         except StopRequested:  # the evaluation's agents were abandoned; the step is complete and saved below
             pass
         except Exception as err:
-            save_on_failure(c, cfg, tracker.checkpoint_root, state, step, states, err)
+            save_on_failure(save, root, step, states, err)
             raise
         every = cfg.checkpoint.every
-        if stop.requested or (every and step % every == 0) or (every and step == train.num_steps):
-            checkpoint.save(c, tracker.checkpoint_root, step, state.to_dict(), cfg.checkpoint.keep_last, states)
-            if not stop.requested and step < train.num_steps:  # the save took its room: is there one more?
-                checkpoint.check_room(tracker.checkpoint_root, step, saved=True)
+        if stop.requested or (every and step % every == 0) or (every and step == cfg.train.num_steps):
+            save(step, states)
+            if not stop.requested and step < cfg.train.num_steps:  # the save took its room: is there one more?
+                checkpoint.check_room(root, step, saved=True)
         if stop.requested:
             log.warning("%s received: stopped after step %d with a checkpoint; continue with resume=auto", stop.requested, step)
             state.preempted = True
@@ -121,25 +148,29 @@ def run_steps(
     return state
 
 
-def record_step(c, cfg, sizes, tracker, state: RunState, metrics: dict, scored: Scored, states, guard) -> None:
-    """Log step ``state.step``'s metrics and sample texts, and evaluate when the schedule says so."""
+def record_step(
+    collector: Collector, learner: Learner, loop: Loop, metrics: dict, scored: Scored, states: dict | None, guard,
+) -> None:
+    """Log step ``loop.state.step``'s metrics and sample texts, and evaluate when the schedule says so."""
+    cfg, tracker, state = loop.cfg, loop.tracker, loop.state
     step, train = state.step, cfg.train
     metrics |= {
-        "episode": step * sizes.samples_per_step,
-        "epoch": epochs_done(states["prompts"]) if states is not None else c.prompts.epochs_done,
-        "lr": c.policy.lr,
+        "episode": step * loop.sizes.samples_per_step,
+        "epoch": epochs_done(states["prompts"]) if states is not None else collector.prompts.epochs_done,
+        "lr": learner.policy.lr,
         "train/skipped_steps": state.guard.total,
         "time/total": tracker.elapsed(),
     }
     tracker.log(step, metrics)
-    tracker.prompts(step, c.prompts.ids_of(trained_prompts(scored)))
+    tracker.prompts(step, collector.prompts.ids_of(trained_prompts(scored)))
     tracker.console(step, train.num_steps, metrics)  # the bar every step, a line every logging.log_every
     if cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
         n = cfg.logging.num_sample_texts
         tracker.samples(step, scored.prompts[:n], scored.responses[:n], scored.scores[:n].tolist())
-    if (sizes.eval_every and step % sizes.eval_every == 0) or step == train.num_steps:
+    eval_every = loop.sizes.eval_every
+    if (eval_every and step % eval_every == 0) or step == train.num_steps:
         with guard:
-            state.last_eval = run_eval(c, cfg, tracker, step)
+            state.last_eval = run_eval(collector, learner, loop, step)
 
 
 def trained_prompts(scored: Scored) -> list[str]:
@@ -149,41 +180,37 @@ def trained_prompts(scored: Scored) -> list[str]:
 
 @dataclass
 class StepStart:
-    """What a step changes before its update begins, as the previous step left it: the prompt stream and reward
-    statistics ({"prompts", "rewards"}), the algorithm's state (an adaptive KL coefficient) and every RNG."""
+    """What a step changes before its update begins, as the previous step left it: the Collector's state (the
+    prompt stream, the reward statistics), the Learner's (the algorithm's state, the mini-batch order) and every
+    global RNG."""
 
-    streams: dict
-    algorithm: dict | None
+    collected: dict
+    trained: dict
     rng: dict
 
     @classmethod
-    def record(cls, c) -> "StepStart":
-        return cls(
-            streams={"prompts": c.prompts.state_dict(), "rewards": c.rewards.state_dict()},
-            algorithm=c.algorithm.state_dict() if hasattr(c.algorithm, "state_dict") else None,
-            rng=checkpoint.rng_states() | {"shuffle": c.shuffle.get_state()},
-        )
+    def record(cls, collector: Collector, learner: Learner) -> "StepStart":
+        return cls(collected=collector.state_dict(), trained=learner.state_dict(), rng=rng_states())
 
-    def rewind(self, c) -> None:
-        """Put back the algorithm's state and the RNGs (the prompt and reward states pass to the save instead)."""
-        if self.algorithm is not None:
-            c.algorithm.load_state_dict(self.algorithm)
-        checkpoint.set_rng_states(self.rng)
-        c.shuffle.set_state(self.rng["shuffle"])
+    def rewind(self, learner: Learner) -> None:
+        """Put back the Learner's state and the RNGs (the Collector's state passes to the save instead)."""
+        learner.load_state_dict(self.trained)
+        set_rng_states(self.rng)
 
 
-def save_interrupted(c, cfg, root, state: RunState, step: int, streams: dict | None, stopped: StopRequested) -> None:
-    """A stop signal abandoned the step after ``step``: save step ``step`` (unless saved already, or none is done)."""
+def save_interrupted(save, root, step: int, streams: dict | None, stopped: StopRequested) -> None:
+    """A stop signal abandoned the step after ``step``: ``save(step, streams)`` (unless saved already, or none is
+    done)."""
     if step == 0:
         log.warning("%s in the first step: stopped, nothing to save; continue with resume=auto", stopped)
         return
     saved = [p for p in checkpoint.complete_checkpoints(root) if p.name == f"step_{step:08d}"]
-    path = saved[0] if saved else checkpoint.save(c, root, step, state.to_dict(), cfg.checkpoint.keep_last, streams)
+    path = saved[0] if saved else save(step, streams)
     log.warning("%s: stopped with the last complete step %d saved in %s; continue with resume=auto", stopped, step, path)
 
 
-def save_on_failure(c, cfg, root, state: RunState, step: int, streams: dict | None, err: Exception) -> None:
-    """After ``err`` ended the run, save step ``step`` (the models as it left them) and say where.
+def save_on_failure(save, root, step: int, streams: dict | None, err: Exception) -> None:
+    """After ``err`` ended the run, ``save(step, streams)`` (the models as step ``step`` left them) and say where.
 
     Never raises: a failed emergency save is logged and the original error goes on."""
     if isinstance(err, WorkerError):
@@ -197,7 +224,7 @@ def save_on_failure(c, cfg, root, state: RunState, step: int, streams: dict | No
         log.error("the last complete step %d is saved in %s; fix the error, then continue with resume=auto", step, saved[0])
         return
     try:
-        path = checkpoint.save(c, root, step, state.to_dict(), cfg.checkpoint.keep_last, streams)
+        path = save(step, streams)
     except Exception as save_err:
         log.error(
             "the checkpoint of the last complete step %d could not be saved either: %s: %s",
@@ -228,12 +255,12 @@ def one_step(
     return metrics | scored.metrics | times, scored
 
 
-def collect_next(c, times: dict[str, float]) -> Scored:
-    """The step's batch from the run's Collector, drawn, sampled and scored now (sync and hybrid schedules)."""
+def collect_next(collector: Collector, times: dict[str, float]) -> Scored:
+    """The step's batch from ``collector``, drawn, sampled and scored now (sync and hybrid schedules)."""
     with timed(times, "generation"):
-        return c.collector.collect()
+        return collector.collect()
 
 
-def push_to_generator(c, version: int | None = None) -> dict[str, float]:
-    """The Learner's new weights into the Collector's generator (as ``version``: the async schedule's)."""
-    return c.collector.load_weights(c.learner.weights(), version)
+def push_to_generator(collector: Collector, learner: Learner, version: int | None = None) -> dict[str, float]:
+    """The Learner's new weights into the Collector's generator (as ``version``: the async schedules')."""
+    return collector.load_weights(learner.weights(), version)

@@ -37,10 +37,11 @@ from rlhf.errors import require
 from rlhf.functional.staleness import fresh_enough, oldest_version, token_staleness, versions_per_row
 from rlhf.parts import PartConfig
 from rlhf.registry import register, resolve
-from rlhf.run import checkpoint
 from rlhf.run.state import RunState
-from rlhf.schedules.asynchronous import THREAD_NAME, VersionedGenerator, producing, staleness_metrics, stop_thread
-from rlhf.schedules.loop import one_step, push_to_generator, run_steps, timed
+from rlhf.schedules.asynchronous import THREAD_NAME, producing, staleness_metrics, stop_thread
+from rlhf.schedules.loop import Loop, one_step, push_to_generator, run_steps, timed
+from rlhf.step.collector import Collector, collecting_state
+from rlhf.step.learner import Learner
 from rlhf.step.inflight import Group, advance, group_batch
 from rlhf.step.scored import Scored, group_rows, groups_with_signal, join, take_groups
 from rlhf.trajectory import with_groups
@@ -148,17 +149,19 @@ class Finished:
     scored: Scored  # the rows as one group (group id 0), scored
 
 
-class StreamingProducer:
-    """Keeps rows decoding, starts groups within the staleness bound, scores finished groups; `take` hands the
-    trainer a step's groups in drawing order.
+class StreamingCollector:
+    """The stream schedule's collector: keeps rows decoding, starts groups within the staleness bound, scores
+    finished groups, and `collect` hands the trainer a step's groups in drawing order (with dynamic sampling, the
+    ones with a signal). It draws, samples and scores through ``collector`` (the run's `Collector` sampling with a
+    `VersionedGenerator`).
 
     ``base`` is the step the run starts from: the generator holds version ``base`` and groups are counted from it.
     One lock (``lock``) guards the groups, the prompt stream's position and the counters, so `states_after` is
     consistent while the thread draws.
     """
 
-    def __init__(self, collector, generator: VersionedGenerator, config: StreamConfig, base: int, last: int) -> None:
-        self.collector, self.generator, self.config = collector, generator, config
+    def __init__(self, collector: Collector, config: StreamConfig, base: int, last: int) -> None:
+        self.collector, self.generator, self.config = collector, collector.generator, config
         self.group_size, self.prompts_per_step = collector.samples_per_prompt, collector.prompts_per_step
         self.in_flight = rows_in_flight(config, self.prompts_per_step * self.group_size)
         self.filtering = collector.max_resample_rounds is not None
@@ -277,6 +280,7 @@ class StreamingProducer:
         """Score a finished group (outside the generator's lock: a reward model or user function may take a while)."""
         batch = group_batch(group, self.collector.pad_id)
         scored = self.collector.score([group.example] * len(group.rows), with_groups(batch, len(group.rows)))
+        scored = self.collector.drop_unscored(scored, self.collector.rewards.cfg.max_unscored_share)  # per group here
         with self.lock:
             self.ready[group.index] = Finished(group, scored)
             self.lock.notify_all()
@@ -334,13 +338,20 @@ class StreamingProducer:
         """The prompt stream's, reward statistics' and RNGs' states for a checkpoint after ``step``: the stream as
         drawn so far, with every group drawn and not trained by then to be drawn again first (`PromptStream.replay`)."""
         with self.lock:
-            prompts = self.collector.prompts
             end = self.consumed.get(step, 0)
             groups = sorted(self.last_taken + self.drawn, key=lambda g: g.index)
-            pending = prompts.ids_of([g.example.text for g in groups if g.index >= end])
-            state = prompts.state_dict()
-            state["replay"] = pending + state.get("replay", [])
-            return {"prompts": state, "rewards": self.collector.rewards.state_dict(), "rng": checkpoint.rng_states()}
+            pending = self.collector.prompts.ids_of([g.example.text for g in groups if g.index >= end])
+            state = collecting_state(self.collector)
+            state["prompts"]["replay"] = pending + state["prompts"].get("replay", [])
+            return state
+
+    def collect(self, step: int, times: dict[str, float]) -> Scored:
+        """Step ``step``'s batch (`take`, waited for in `time/wait_for_rollout`; `step_batch`) with the producer's
+        figures since the last step."""
+        with timed(times, "wait_for_rollout"):
+            finished, stats = self.take(step)
+        scored = step_batch(finished, self.collector.pad_id, step - 1, self.config)
+        return replace(scored, metrics=scored.metrics | producer_metrics(stats, self.in_flight))
 
     def close(self, timeout: float = 60.0) -> None:
         """Stop after the current chunk and join the thread."""
@@ -390,30 +401,27 @@ def producer_metrics(stats: dict[str, float], in_flight: int) -> dict[str, float
     return metrics
 
 
-def stream_step(c, cfg, state: RunState, producer: StreamingProducer, step: int) -> tuple[dict[str, float], Scored]:
+def stream_step(learner: Learner, loop: Loop, streaming: StreamingCollector, step: int) -> tuple[dict[str, float], Scored]:
     """Train on step ``step``'s groups, then publish the weights as version ``step``."""
-
-    def collect(times: dict[str, float]) -> Scored:
-        with timed(times, "wait_for_rollout"):
-            finished, stats = producer.take(step)
-        scored = step_batch(finished, c.collector.pad_id, step - 1, cfg.schedule)
-        return replace(scored, metrics=scored.metrics | producer_metrics(stats, producer.in_flight))
-
-    return one_step(collect, c.learner, state.guard, lambda: push_to_generator(c, version=step))
+    return one_step(
+        lambda times: streaming.collect(step, times), learner, loop.state.guard,
+        lambda: push_to_generator(streaming.collector, learner, version=step),
+    )
 
 
 @register("schedule", "stream")
-def run(c, cfg, sizes, tracker, state: RunState, stop) -> RunState:
-    """Train from ``state.step`` to `train.num_steps` while the generator streams rows."""
-    for warning in stream_warnings(cfg, c.algorithm.pairwise):
+def run(collector: Collector, learner: Learner, loop: Loop) -> RunState:
+    """Train from ``loop.state.step`` to `train.num_steps` while the generator streams rows."""
+    for warning in stream_warnings(loop.cfg, learner.algorithm.pairwise):
         log.warning(warning)
-    make = lambda generator: StreamingProducer(c.collector, generator, cfg.schedule, state.step, cfg.train.num_steps)
-    with producing(c.collector, state.step, make) as producer:
+    base, last = loop.state.step, loop.cfg.train.num_steps
+    make = lambda versioned: StreamingCollector(versioned, loop.schedule, base, last)
+    with producing(collector, base, make) as streaming:
         state = run_steps(
-            c, cfg, sizes, tracker, state, stop, lambda step: stream_step(c, cfg, state, producer, step),
-            stream_states=producer.states_after, guard=producer.generator.lock,
+            streaming.collector, learner, loop, lambda step: stream_step(learner, loop, streaming, step),
+            stream_states=streaming.states_after, guard=streaming.generator.lock,
         )
-    error = producer.take_error()
+    error = streaming.take_error()
     if error is not None:  # after the last step's groups (a weight load that failed its check): still a failure
         raise error
     return state

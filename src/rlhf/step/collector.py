@@ -10,6 +10,7 @@ and scoring on held-out prompts. Everything the update needs arrives in one `Sco
 from __future__ import annotations
 
 import logging
+import copy
 import time
 import zlib
 from dataclasses import replace
@@ -20,6 +21,8 @@ from rlhf.envs.loop import EpisodeRunner, drop_failed
 from rlhf.envs.rows import episode_metrics, episode_rows, transcript
 from rlhf.generators.base import SamplingParams
 from rlhf.models.dtypes import tensor_bytes
+from rlhf.rewards.failure import RewardUnavailable
+from rlhf.seeding import rng_states
 from rlhf.step.scored import Scored, group_rows, groups_with_signal, join, round_metrics, take_groups
 from rlhf.trajectory import Trajectories, with_groups
 
@@ -54,6 +57,24 @@ class Collector:
         self.filter_on = filter_on  # dynamic sampling keeps groups whose `score`s differ, or whose verdicts (`accuracy`)
         self.min_group = min_group  # the fewest episodes a group keeps when others failed (the estimator's samples per prompt)
         self.weights_version = 0  # weight pushes through `load_weights` (the async schedule's version when it gives one)
+
+    def using(self, generator) -> "Collector":
+        """This Collector sampling with ``generator`` instead (the async schedules' versioned one): the same prompt
+        stream, rewards and environment; the run's own Collector keeps its generator."""
+        other = copy.copy(self)
+        other.generator = generator
+        return other
+
+    def state_dict(self) -> dict:
+        """What collecting changes, to rewind a failed step or save a checkpoint: the prompt stream's position
+        ({"prompts"}) and the reward statistics ({"rewards"})."""
+        return {"prompts": self.prompts.state_dict(), "rewards": self.rewards.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Put back what `state_dict` recorded (a state without "prompts" leaves the stream where it is)."""
+        if "prompts" in state:
+            self.prompts.load_state_dict(state["prompts"])
+        self.rewards.load_state_dict(state["rewards"])
 
     @property
     def pad_id(self) -> int:
@@ -128,7 +149,7 @@ class Collector:
         scored = self.score(repeated, with_groups(batch, samples_per_prompt), training)
         if training and self.greedy_baseline:
             scored = self.with_greedy_baseline(examples, scored, sampling, generator)
-        return scored
+        return self.drop_unscored(scored, self.rewards.cfg.max_unscored_share if training else None)
 
     def with_greedy_baseline(self, examples: list[PromptExample], scored: Scored, sampling: SamplingParams, generator) -> Scored:
         """``scored`` with each row's baseline, the score of its prompt's greedy response (ReMax), as
@@ -178,10 +199,39 @@ class Collector:
         """Decode and score trajectories of the prompts ``repeated`` (one row each)."""
         responses = self.tokenizer.batch_decode(batch.window_ids, skip_special_tokens=True)
         prompts = [ex.text for ex in repeated]
-        scores, metrics, correct = self.rewards.score_rows(prompts, responses, [ex.ground_truth for ex in repeated], batch, training)
+        scores, metrics, correct, unscored = self.rewards.score_rows(prompts, responses, [ex.ground_truth for ex in repeated], batch, training)
         if self.filter_on == "accuracy" and correct is not None:  # dynamic sampling filters on the verdicts
             batch = replace(batch, extras=dict(batch.extras, correct=correct.float()))
+        if unscored.any():  # `drop_unscored` takes these rows out
+            batch = replace(batch, extras=dict(batch.extras, unscored=unscored))
         return Scored(replace(batch, scores=scores).to("cpu"), prompts, responses, metrics)
+
+    def drop_unscored(self, scored: Scored, limit: float | None) -> Scored:
+        """``scored`` without the rows no reward could score (`rlhf.rewards.failure`): they leave the loss and their
+        groups' statistics, as if never drawn, and a group left with fewer rows than the estimator needs (its samples
+        per prompt, at most the group's size) goes too (`reward/unscored_rows`, `reward/unscored_dropped_groups`).
+        Past ``limit`` (`reward.max_unscored_share`; None: no limit, evaluation) of the rows unscored, or none left,
+        `RewardUnavailable` names the functions and their first reasons."""
+        unscored = scored.batch.extras.get("unscored")
+        if unscored is None:
+            return scored
+        extras = {key: value for key, value in scored.batch.extras.items() if key != "unscored"}
+        scored = replace(scored, batch=replace(scored.batch, extras=extras))
+        groups = group_rows(scored.batch.group_id)
+        left = [[row for row in rows if not unscored[row]] for rows in groups]
+        kept = [rows for rows, whole in zip(left, groups) if rows and len(rows) >= min(self.min_group, len(whole))]
+        share = unscored.float().mean().item()
+        if limit is not None and (share > limit or not kept):
+            failing = "; ".join(f"reward function {name!r}: {n} rows, first reason: {reason}"
+                                for name, (n, reason) in self.rewards.last_unscored.items())
+            raise RewardUnavailable(
+                f"{int(unscored.sum())} of the batch's {len(unscored)} rows could not be scored, past "
+                f"reward.max_unscored_share={limit} ({failing}); the failure is the scorer's, not the policy's: fix "
+                f"the service (or raise reward.max_unscored_share), then continue with resume=auto"
+            )
+        metrics = scored.metrics | {"reward/unscored_rows": float(unscored.sum()),
+                                    "reward/unscored_dropped_groups": float(len(groups) - len(kept))}
+        return replace(take_groups(scored, kept), metrics=metrics)
 
     def evaluate(
         self, examples: list[PromptExample], eval_cfg, sampling: SamplingParams | None = None
@@ -202,6 +252,11 @@ class Collector:
             except EpisodesFailed as error:  # an evaluation that lost every episode is reported, not the run's end
                 log.warning("evaluation (%s) measured nothing: %s", name, error)
                 metrics[f"eval/{name}_failed_episodes"] = float(len(examples) * n)
+                continue
+            if "reward/unscored_rows" in scored.metrics:
+                metrics[f"eval/{name}_unscored"] = scored.metrics["reward/unscored_rows"]
+            if not len(scored.batch):
+                log.warning("evaluation (%s) measured nothing: no response could be scored", name)
                 continue
             metrics[f"eval/{name}_scores"] = scored.scores.mean().item()
             if "objective/verifiable_correct_rate" in scored.metrics:
@@ -232,3 +287,9 @@ def task_seed(example: PromptExample, uses_dataset: bool, run_seed: int) -> int:
     if not uses_dataset:
         return int(example.ground_truth)
     return (zlib.crc32(example.text.encode()) + 7919 * run_seed) % 2**31
+
+
+def collecting_state(collector: Collector) -> dict:
+    """The Collector's state and every global RNG's ({"prompts", "rewards", "rng"}): what a schedule that collects
+    ahead of training records before each draw, and saves for the step it trained last."""
+    return collector.state_dict() | {"rng": rng_states()}

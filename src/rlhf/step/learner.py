@@ -19,10 +19,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import fields, replace
+from pathlib import Path
 
 import torch
 
 from rlhf.collectives import all_ranks_true
+from rlhf.errors import ConfigError
 from rlhf.functional import masked_mean, masked_sum
 from rlhf.functional.kl import logprob_gap
 from rlhf.micro_batches import Budget, in_row_order, padded_tokens, place, plan
@@ -61,6 +63,30 @@ class Learner:
     def trained(self) -> list[tuple[str, object]]:
         """(name, model) of every model the run trains: the policy, and the critic when there is one."""
         return [("policy", self.policy)] + ([("critic", self.critic)] if self.critic is not None else [])
+
+    def state_dict(self) -> dict:
+        """What training changes besides the weights, to rewind a failed step or save a checkpoint: the algorithm's
+        state (an adaptive KL coefficient; {} when it keeps none) and the mini-batch order's RNG."""
+        stateful = hasattr(self.algorithm, "state_dict")
+        return {"algorithm": self.algorithm.state_dict() if stateful else {}, "shuffle": self.shuffle.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Put back what `state_dict` recorded."""
+        if hasattr(self.algorithm, "load_state_dict"):
+            self.algorithm.load_state_dict(state["algorithm"])
+        self.shuffle.set_state(state["shuffle"])
+
+    def save_models(self, folder: Path) -> None:
+        """Each trained model's checkpoint (weights, optimiser, schedule) into ``folder``/<name>."""
+        for name, model in self.trained:
+            model.save_checkpoint(folder / name)
+
+    def load_models(self, folder: Path) -> None:
+        """Each trained model as `save_models` left it in ``folder``; ConfigError when one has no state there."""
+        for name, model in self.trained:
+            if not (folder / name).is_dir():
+                raise ConfigError(f"resume: {folder} has no {name} state, but this run trains a {name}")
+            model.load_checkpoint(folder / name)
 
     def update(self, scored: Scored, guard) -> dict[str, float]:
         """One update on ``scored``: `prepare`, then `train`. ``guard`` (a `NonFiniteGuard`) counts skipped steps.
