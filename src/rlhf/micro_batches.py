@@ -34,6 +34,12 @@ class Budget:
         return cls(train_cfg.micro_batch_size, train_cfg.max_tokens_per_micro_batch)
 
 
+def micro_units(mini_units: int, micro_batch_size: int, rows_per_unit: int) -> int:
+    """Training units per micro batch: as many whole units (a sample, or a pair of rows for pairwise algorithms) as
+    `train.micro_batch_size` rows hold, at least one, never more than the mini batch's ``mini_units``."""
+    return min(mini_units, max(1, micro_batch_size // rows_per_unit))
+
+
 def as_budget(size: int | Budget) -> Budget:
     """A plain row count is a budget of rows only."""
     return size if isinstance(size, Budget) else Budget(rows=int(size))

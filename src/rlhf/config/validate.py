@@ -28,6 +28,7 @@ from rlhf.data.reasoning_gym import check_reasoning_gym
 from rlhf.envs.base import env_config
 from rlhf.distributed.layout import validate_cluster
 from rlhf.functional.losses import LOSS_AGGREGATIONS
+from rlhf.micro_batches import micro_units
 from rlhf.models.dtypes import DTYPES, cpu_computes_bf16
 from rlhf.models.lora import check_values as check_lora_values
 from rlhf.seeding import check_seed
@@ -55,8 +56,10 @@ class DerivedSizes:
     eval_every: int  # steps between evaluations (from eval.every or eval.num_evals); 0 = start and end only
     total_episodes: int  # completions generated over the whole run
     prompts_seen: int  # prompts drawn over the whole run (reused each epoch when above the dataset size)
+    longest_row: int  # the most tokens one trajectory can hold (env.max_tokens, or the longest prompt plus the response budget)
+    longest_row_keys: str  # the keys that set longest_row, for messages
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, int | str]:
         return dict(self.__dict__)
 
 
@@ -82,7 +85,7 @@ def derive_sizes(cfg: DictConfig, pairwise: bool = False) -> DerivedSizes:
         f"{train.num_mini_batches}; pick num_mini_batches from the divisors of {samples}",
     )
     mini = samples // train.num_mini_batches
-    micro = min(train.micro_batch_size, mini)  # a micro batch never exceeds its mini batch
+    micro = micro_units(mini, train.micro_batch_size, 1)  # a micro batch never exceeds its mini batch
     _require(
         mini % micro == 0,
         f"mini batch ({samples} samples per step / {train.num_mini_batches} train.num_mini_batches = {mini}) "
@@ -102,7 +105,7 @@ def _derive_pairwise_sizes(cfg: DictConfig, samples: int) -> DerivedSizes:
         f"is not divisible by train.num_mini_batches={train.num_mini_batches}",
     )
     mini = pairs // train.num_mini_batches
-    micro_pairs = min(train.micro_batch_size // 2, mini)
+    micro_pairs = micro_units(mini, train.micro_batch_size, 2)
     _require(
         train.micro_batch_size % 2 == 0 and mini % micro_pairs == 0,
         f"algorithm.advantage={cfg.algorithm.advantage.name}: train.micro_batch_size={train.micro_batch_size} counts samples (2 per pair) and "
@@ -116,7 +119,10 @@ def _sizes(cfg: DictConfig, samples: int, units: int, mini: int, accum: int) -> 
     optimizer_steps = train.num_steps * train.num_epochs * train.num_mini_batches
     num_evals = cfg.eval.num_evals
     eval_every = -(-train.num_steps // num_evals) if num_evals else cfg.eval.every
+    longest, keys = longest_row(cfg)
     return DerivedSizes(
+        longest_row=longest,
+        longest_row_keys=keys,
         eval_every=eval_every,
         samples_per_step=samples,
         train_units_per_step=units,
@@ -146,27 +152,26 @@ def check_self_checks(checks) -> None:
     )
 
 
-def longest_row(cfg: DictConfig) -> int:
-    """The most tokens one trajectory can hold: an episode's `env.max_tokens`, else the longest prompt plus the
-    response budget."""
+def longest_row(cfg: DictConfig) -> tuple[int, str]:
+    """The most tokens one trajectory can hold, and the keys that set it: an episode's `env.max_tokens`, else the
+    longest prompt plus the response budget. (Read from `DerivedSizes.longest_row` once sizes are derived.)"""
     env = env_config(cfg)
     if env is not None:
-        return env.max_tokens
-    return int(cfg.dataset.max_prompt_length) + int(cfg.generator.max_new_tokens)
+        return env.max_tokens, "env.max_tokens"
+    return int(cfg.dataset.max_prompt_length) + int(cfg.generator.max_new_tokens), "dataset.max_prompt_length + generator.max_new_tokens"
 
 
-def check_token_budget(cfg: DictConfig, pairwise: bool) -> None:
+def check_token_budget(cfg: DictConfig, sizes: DerivedSizes, pairwise: bool) -> None:
     """`train.max_tokens_per_micro_batch` holds the longest row the run can produce (pairwise: a pair of them)."""
     budget = cfg.train.max_tokens_per_micro_batch
     if budget is None:
         return
-    longest = longest_row(cfg) * (2 if pairwise else 1)
-    source = "env.max_tokens" if cfg.env.name is not None else "dataset.max_prompt_length + generator.max_new_tokens"
+    longest = sizes.longest_row * (2 if pairwise else 1)
     _require(budget >= 1, f"train.max_tokens_per_micro_batch={budget} must be >= 1, or null to cut micro batches by rows alone")
     _require(
         budget >= longest,
         f"train.max_tokens_per_micro_batch={budget} is smaller than the longest row this run can produce ({longest} "
-        f"tokens: {source}); raise it to at least {longest}, or null to cut micro batches by rows alone",
+        f"tokens: {sizes.longest_row_keys}); raise it to at least {longest}, or null to cut micro batches by rows alone",
     )
 
 
@@ -185,21 +190,18 @@ def check_required_keys(cfg: DictConfig) -> None:
              f"add {' '.join(f'{key}=...' for key in missing)} to the command line")
 
 
-def validate(cfg: DictConfig) -> DerivedSizes:
-    """Every check that needs no model: choices, ranges, batch arithmetic. Returns the derived sizes."""
-    check_unknown_keys(cfg)  # first: a `+typo=...` key would otherwise be silently ignored
-    check_required_keys(cfg)
-    algo, gen, train = cfg.algorithm, cfg.generator, cfg.train
+def check_device(cluster) -> None:
+    """`cluster.device`: auto, cpu, cuda or cuda:N."""
     _require(
-        re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(cfg.cluster.device)) is not None,
-        f"cluster.device={cfg.cluster.device!r}; choose auto (CUDA when present, else the CPU), cpu, cuda or cuda:N "
+        re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(cluster.device)) is not None,
+        f"cluster.device={cluster.device!r}; choose auto (CUDA when present, else the CPU), cpu, cuda or cuda:N "
         f"(cluster.device_type, for the Ray backend's roles, is the key that takes gpu)",
     )
-    choose("generator", gen, "generator")  # the backend's node typed and checked first: the checks below read it
-    choose("schedule", cfg.schedule, "schedule")
-    choose("dataset", cfg.dataset, "dataset")
-    env_config(cfg)  # the environment's node typed and checked
-    algorithm = build_algorithm(algo, gen.max_new_tokens)
+
+
+def check_algorithm(cfg: DictConfig, algorithm) -> None:
+    """`algorithm.*` against the built algorithm: group sizes, estimators, aggregation, dynamic sampling, a teacher."""
+    algo = cfg.algorithm
     min_samples = algorithm.min_samples_per_prompt
     _require(
         algo.num_samples_per_prompt >= min_samples,
@@ -221,7 +223,51 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         f"algorithm.loss_agg={algo.loss_agg!r}; choose one of {', '.join(LOSS_AGGREGATIONS)}",
     )
     _require(algo.beta >= 0, f"algorithm.beta={algo.beta} must be >= 0")
-    teacher = cfg.teacher
+    _require(algo.entropy_coef >= 0, f"algorithm.entropy_coef={algo.entropy_coef} must be >= 0")
+    _require(
+        algo.loss_agg_norm is None or algo.loss_agg_norm > 0, f"algorithm.loss_agg_norm={algo.loss_agg_norm} must be > 0 or null"
+    )
+    _require(
+        not algorithm.needs_teacher or cfg.teacher.name_or_path,
+        f"algorithm.advantage={algo.advantage.name} with algorithm.distill_coef={algo.distill_coef} learns from a teacher's "
+        f"logprobs; set teacher.name_or_path to the teacher model (it must share the policy's tokenizer)",
+    )
+
+
+def check_dynamic_sampling(cfg: DictConfig, algorithm) -> None:
+    """`algorithm.filter_groups` and the keys it reads: a group estimator to filter, a verifier to filter on."""
+    algo = cfg.algorithm
+    _require(
+        not algo.filter_groups or (algo.num_samples_per_prompt >= 2 and not algorithm.pairwise),
+        f"algorithm.filter_groups drops groups whose samples all scored the same, so it needs a policy-gradient "
+        f"algorithm with algorithm.num_samples_per_prompt >= 2 (got {algo.num_samples_per_prompt}, "
+        f"algorithm.policy_loss={algo.policy_loss.name}); raise num_samples_per_prompt or set filter_groups=false",
+    )
+    _require(algo.max_resample_rounds >= 0, f"algorithm.max_resample_rounds={algo.max_resample_rounds} must be >= 0")
+    _require(
+        algo.filter_on in FILTER_ON, f"algorithm.filter_on={algo.filter_on!r}; choose one of {', '.join(FILTER_ON)}",
+    )
+    _require(
+        algo.filter_on != "accuracy" or (cfg.env.name is None and any(_is_verifier(f.name) for f in cfg.reward.functions)),
+        "algorithm.filter_on=accuracy keeps groups whose verifiers disagree, and this run has no verifier scoring "
+        "single-turn responses (reward.functions, env=none); use filter_on=score, or auto (accuracy only where a "
+        "verifier is)",
+    )
+    _require(
+        algo.filter_groups or algo.filter_on == AlgorithmConfig.filter_on,
+        f"algorithm.filter_on={algo.filter_on} is read only with algorithm.filter_groups=true; set filter_groups=true "
+        f"or remove the override",
+    )
+    _require(
+        algo.filter_groups or algo.max_resample_rounds == AlgorithmConfig.max_resample_rounds,
+        f"algorithm.max_resample_rounds={algo.max_resample_rounds} is read only with algorithm.filter_groups=true; "
+        f"set filter_groups=true or remove the override",
+    )
+
+
+def check_teacher(teacher, gen) -> None:
+    """`teacher.*`: a served teacher has a tokenizer to compare, an http(s) URL and the sampling temperature its raw
+    logprobs are at."""
     _require(
         not teacher.url or teacher.name_or_path,
         f"teacher.url={teacher.url} needs teacher.name_or_path too: the teacher's tokenizer is checked against the "
@@ -239,12 +285,10 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     )
     _require(teacher.timeout_s > 0 and teacher.max_concurrency >= 1,
              f"teacher.timeout_s={teacher.timeout_s} must be > 0 and teacher.max_concurrency={teacher.max_concurrency} >= 1")
-    _require(
-        not algorithm.needs_teacher or cfg.teacher.name_or_path,
-        f"algorithm.advantage={algo.advantage.name} with algorithm.distill_coef={algo.distill_coef} learns from a teacher's "
-        f"logprobs; set teacher.name_or_path to the teacher model (it must share the policy's tokenizer)",
-    )
-    check_self_checks(cfg.checks)
+
+
+def check_trained_models(cfg: DictConfig) -> None:
+    """`policy.*` and `critic.*`: LoRA values and the strategies that take them, compile and its memory budget."""
     check_lora_values(cfg.policy.lora)
     check_lora_values(cfg.critic.lora, "critic.lora")
     _require(
@@ -274,37 +318,12 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         "policy.compile with policy.lora: torch.compile gives peft's adapters wrong gradients here (measured: the "
         "forward agrees, the adapters' gradients do not); set policy.compile=false, or policy.lora.rank=null",
     )
-    check_token_budget(cfg, algorithm.pairwise)
-    _require(algo.entropy_coef >= 0, f"algorithm.entropy_coef={algo.entropy_coef} must be >= 0")
-    _require(
-        not algo.filter_groups or (algo.num_samples_per_prompt >= 2 and not algorithm.pairwise),
-        f"algorithm.filter_groups drops groups whose samples all scored the same, so it needs a policy-gradient "
-        f"algorithm with algorithm.num_samples_per_prompt >= 2 (got {algo.num_samples_per_prompt}, "
-        f"algorithm.policy_loss={algo.policy_loss.name}); raise num_samples_per_prompt or set filter_groups=false",
-    )
-    _require(algo.max_resample_rounds >= 0, f"algorithm.max_resample_rounds={algo.max_resample_rounds} must be >= 0")
-    _require(
-        algo.filter_on in FILTER_ON, f"algorithm.filter_on={algo.filter_on!r}; choose one of {', '.join(FILTER_ON)}",
-    )
-    _require(
-        algo.filter_on != "accuracy" or (cfg.env.name is None and any(_is_verifier(f.name) for f in cfg.reward.functions)),
-        "algorithm.filter_on=accuracy keeps groups whose verifiers disagree, and this run has no verifier scoring "
-        "single-turn responses (reward.functions, env=none); use filter_on=score, or auto (accuracy only where a "
-        "verifier is)",
-    )
-    _require(
-        algo.filter_groups or algo.filter_on == AlgorithmConfig.filter_on,
-        f"algorithm.filter_on={algo.filter_on} is read only with algorithm.filter_groups=true; set filter_groups=true "
-        f"or remove the override",
-    )
-    _require(
-        algo.filter_groups or algo.max_resample_rounds == AlgorithmConfig.max_resample_rounds,
-        f"algorithm.max_resample_rounds={algo.max_resample_rounds} is read only with algorithm.filter_groups=true; "
-        f"set filter_groups=true or remove the override",
-    )
-    _require(
-        algo.loss_agg_norm is None or algo.loss_agg_norm > 0, f"algorithm.loss_agg_norm={algo.loss_agg_norm} must be > 0 or null"
-    )
+
+
+def check_optimiser(cfg: DictConfig) -> None:
+    """`train.*` (and `critic.lr`): learning rates and their schedule, Adam's settings, mixed precision, warm-up and
+    the non-finite guard."""
+    train = cfg.train
     check_lr("train.lr", train.lr)
     if cfg.critic.lr is not None:
         check_lr("critic.lr", cfg.critic.lr)
@@ -317,6 +336,20 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         f"train.adam_betas={list(train.adam_betas)} must hold two numbers in [0, 1)",
     )
     _require(train.weight_decay >= 0 and train.adam_eps > 0, f"train.weight_decay={train.weight_decay} must be >= 0 and train.adam_eps={train.adam_eps} > 0")
+    _require(
+        train.mixed_precision in MIXED_PRECISION,
+        f"train.mixed_precision={train.mixed_precision!r}; choose one of {', '.join(MIXED_PRECISION)}",
+    )
+    _require(
+        train.max_skipped_steps_in_row >= 1,
+        f"train.max_skipped_steps_in_row={train.max_skipped_steps_in_row} must be >= 1",
+    )
+    _require(train.warmup_steps >= 0, f"train.warmup_steps={train.warmup_steps} must be >= 0")
+
+
+def check_model_numbers(cfg: DictConfig) -> None:
+    """`model.dtype` and `model.logprob_chunk`: a known dtype that trains (never float16), bf16 only where this CPU
+    computes it."""
     _require(cfg.model.dtype in DTYPES, f"model.dtype={cfg.model.dtype!r}; choose one of {', '.join(DTYPES)}")
     _require(
         cfg.model.logprob_chunk is None or cfg.model.logprob_chunk >= 0,
@@ -326,7 +359,15 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         cfg.model.dtype != "float16",
         "model.dtype=float16 would train without loss scaling and turn weights into NaN; use bfloat16 (or float32)",
     )
-    cluster = cfg.cluster
+    _require(
+        cfg.model.dtype != "bfloat16" or cfg.cluster.device != "cpu" or cpu_computes_bf16(),
+        "model.dtype=bfloat16 on cluster.device=cpu: this CPU has no bf16 arithmetic (no AVX512-BF16/AMX; torch would "
+        "emulate every product); use model.dtype=float32 here, or a GPU",
+    )
+
+
+def check_cluster_resources(cluster) -> None:
+    """`cluster.*` sizes: device memory, CPUs, Ray's object store."""
     memory_gb = cluster.device_memory_gb
     _require(
         memory_gb is None or (math.isfinite(memory_gb) and memory_gb > 0),
@@ -341,15 +382,11 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         f"cluster.object_store_memory={cluster.object_store_memory} is under Ray's minimum of {RAY_MIN_OBJECT_STORE} "
         f"bytes (75 MiB); raise it, or null for Ray's default",
     )
-    _require(
-        train.mixed_precision in MIXED_PRECISION,
-        f"train.mixed_precision={train.mixed_precision!r}; choose one of {', '.join(MIXED_PRECISION)}",
-    )
-    _require(
-        cfg.model.dtype != "bfloat16" or cfg.cluster.device != "cpu" or cpu_computes_bf16(),
-        "model.dtype=bfloat16 on cluster.device=cpu: this CPU has no bf16 arithmetic (no AVX512-BF16/AMX; torch would "
-        "emulate every product); use model.dtype=float32 here, or a GPU",
-    )
+
+
+def check_reward(cfg: DictConfig) -> None:
+    """`reward.*`: something scores, each function's args, overlong shaping, unscored rows' retries and limit."""
+    gen = cfg.generator
     _require(
         len(cfg.reward.functions) >= 1 or cfg.reward.path,
         "reward.functions is empty and reward.path is null; name a reward function or a reward model folder",
@@ -378,6 +415,16 @@ def validate(cfg: DictConfig) -> DerivedSizes:
         f"reward.overlong_penalty_factor={cfg.reward.overlong_penalty_factor} is read only with overlong shaping on; "
         f"set reward.overlong_buffer_len (e.g. a quarter of generator.max_new_tokens) or remove the override",
     )
+    _require(cfg.reward.unscored_retries >= 0, f"reward.unscored_retries={cfg.reward.unscored_retries} must be >= 0")
+    _require(
+        0 <= cfg.reward.max_unscored_share <= 1,
+        f"reward.max_unscored_share={cfg.reward.max_unscored_share} is a share of a batch's rows: a number from 0 (stop "
+        f"at the first unscored row) to 1 (never stop)",
+    )
+
+
+def check_outputs(cfg: DictConfig) -> None:
+    """`eval.*`, `checkpoint.*`, `logging.*` and `seed`."""
     _require(cfg.eval.every >= 0, f"eval.every={cfg.eval.every} must be >= 0")
     _require(cfg.eval.num_evals is None or cfg.eval.num_evals >= 1, f"eval.num_evals={cfg.eval.num_evals} must be >= 1")
     _require(cfg.eval.max_prompts is None or cfg.eval.max_prompts >= 1, f"eval.max_prompts={cfg.eval.max_prompts} must be >= 1")
@@ -385,17 +432,35 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     _require(cfg.eval.num_samples >= 0, f"eval.num_samples={cfg.eval.num_samples} must be >= 0")
     _require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every} must be >= 0")
     _require(cfg.checkpoint.keep_last >= 0, f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 0")
-    _require(
-        train.max_skipped_steps_in_row >= 1,
-        f"train.max_skipped_steps_in_row={train.max_skipped_steps_in_row} must be >= 1",
-    )
     _require(cfg.logging.log_every >= 1, f"logging.log_every={cfg.logging.log_every} must be >= 1")
-    _require(train.warmup_steps >= 0, f"train.warmup_steps={train.warmup_steps} must be >= 0")
     check_seed(cfg.seed)
     check_logging(cfg.logging)
+
+
+def validate(cfg: DictConfig) -> DerivedSizes:
+    """Every check that needs no model: choices, ranges, batch arithmetic. Returns the derived sizes."""
+    check_unknown_keys(cfg)  # first: a `+typo=...` key would otherwise be silently ignored
+    check_required_keys(cfg)
+    check_device(cfg.cluster)
+    choose("generator", cfg.generator, "generator")  # the backend's node typed and checked first: the checks below read it
+    choose("schedule", cfg.schedule, "schedule")
+    choose("dataset", cfg.dataset, "dataset")
+    env_config(cfg)  # the environment's node typed and checked
+    algorithm = build_algorithm(cfg.algorithm, cfg.generator.max_new_tokens)
+    check_algorithm(cfg, algorithm)
+    check_dynamic_sampling(cfg, algorithm)
+    check_teacher(cfg.teacher, cfg.generator)
+    check_self_checks(cfg.checks)
+    check_trained_models(cfg)
+    check_optimiser(cfg)
+    check_model_numbers(cfg)
+    check_cluster_resources(cfg.cluster)
+    check_reward(cfg)
+    check_outputs(cfg)
     check_env(cfg)
     check_ownership(cfg, algorithm)
     sizes = derive_sizes(cfg, algorithm.pairwise)
+    check_token_budget(cfg, sizes, algorithm.pairwise)
     ranks = validate_cluster(cfg, algorithm, sizes.samples_per_step, sizes.mini_batch_size)
     check_generation(cfg, ranks)
     return sizes

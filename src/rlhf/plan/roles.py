@@ -15,6 +15,7 @@ from rlhf.generators.base import sleep_overrides
 from rlhf.generators.memory import GenerationWork, GeneratorShape, own_copy_memory
 from rlhf.models.dtypes import DTYPES
 from rlhf.models.logprobs import logprob_chunk
+from rlhf.micro_batches import micro_units
 from rlhf.models import lora
 from rlhf.plan import memory
 from rlhf.plan.architecture import ModelSource, activations, lora_parameter_counts, parameter_count, read_config, text_config
@@ -84,20 +85,18 @@ class Workload:
 def workload(cfg, sizes, ranks: dict[str, int], device_kind: str, rows_per_unit: int) -> Workload:
     """The `Workload` of a composed config with its derived sizes and ranks per role."""
     env = env_config(cfg)
+    seq_len = sizes.longest_row
     if env is not None:
-        seq_len, window = env.max_tokens, env.max_tokens
-        generate_rows = env.num_parallel
+        window, generate_rows = env.max_tokens, env.num_parallel
     else:
-        seq_len, window = cfg.dataset.max_prompt_length + cfg.generator.max_new_tokens, cfg.generator.max_new_tokens + 1
-        generate_rows = sizes.samples_per_step
+        window, generate_rows = cfg.generator.max_new_tokens + 1, sizes.samples_per_step
     generator = generator_part(cfg)
     rows_per_call = generator.trait("rows_per_call")
     if rows_per_call is not None:
         generate_rows = rows_per_call(generator.config, generate_rows)
     mini_units = max(1, sizes.mini_batch_size // ranks.get("policy", 1))
-    micro_units = min(mini_units, max(1, cfg.train.micro_batch_size // rows_per_unit))
     return Workload(
-        micro_rows=micro_units * rows_per_unit, score_rows=min(cfg.train.micro_batch_size, sizes.samples_per_step),
+        micro_rows=micro_units(mini_units, cfg.train.micro_batch_size, rows_per_unit) * rows_per_unit, score_rows=min(cfg.train.micro_batch_size, sizes.samples_per_step),
         generate_rows=generate_rows,
         seq_len=seq_len, window=min(window, seq_len), dtype=cfg.model.dtype, device_kind=device_kind,
         sleeps_generator=schedule_trait(cfg.schedule, "sleeps_generator"),

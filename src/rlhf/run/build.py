@@ -185,9 +185,8 @@ def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
     if runner is not None:  # so must a whole episode
         check_episode_budget(env.max_tokens, context, model.name_or_path)
     if cfg.teacher.name_or_path:  # and the teacher must have room for every row it scores
-        longest, keys = ((env.max_tokens, "env.max_tokens") if runner is not None else
-                         (cfg.dataset.max_prompt_length + cfg.generator.max_new_tokens, "dataset.max_prompt_length + generator.max_new_tokens"))
-        check_teacher_context(longest, model_context(model, cfg.teacher.name_or_path), cfg.teacher.name_or_path, keys)
+        check_teacher_context(sizes.longest_row, model_context(model, cfg.teacher.name_or_path), cfg.teacher.name_or_path,
+                              sizes.longest_row_keys)
     if runner is not None and runner.maker.uses_dataset and (full := check_prompt_room(splits.train, env.max_tokens)):
         log.warning("%d of %d training prompts fill env.max_tokens=%d: their episodes will fail; raise env.max_tokens",
                     full, len(splits.train), env.max_tokens)

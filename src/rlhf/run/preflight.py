@@ -171,7 +171,7 @@ def log_bytes(cfg) -> int:
     the sample tables every `logging.sample_every` steps, and every evaluation's completions
     (`eval.save_generations`), each completion as long as the longest row the run can produce."""
     steps, ev, logging_cfg = cfg.train.num_steps, cfg.eval, cfg.logging
-    row = ROW_OVERHEAD + TEXT_BYTES_PER_TOKEN * longest_row(cfg)
+    row = ROW_OVERHEAD + TEXT_BYTES_PER_TOKEN * longest_row(cfg)[0]
     evals = 2 + (ev.num_evals if ev.num_evals else steps // ev.every if ev.every else 0)
     per_eval = (ev.max_prompts or EVAL_PROMPTS_IF_ALL) * (ev.num_samples + int(ev.greedy)) * row if ev.save_generations else 0
     tables = (steps // logging_cfg.sample_every if logging_cfg.sample_every else 0) * logging_cfg.num_sample_texts * row

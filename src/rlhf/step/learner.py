@@ -27,7 +27,7 @@ from rlhf.collectives import all_ranks_true
 from rlhf.errors import ConfigError
 from rlhf.functional import masked_mean, masked_sum
 from rlhf.functional.kl import logprob_gap
-from rlhf.micro_batches import Budget, in_row_order, padded_tokens, place, plan
+from rlhf.micro_batches import Budget, in_row_order, micro_units, padded_tokens, place, plan
 from rlhf.step.scored import Scored, group_rows, groups_with_signal
 from rlhf.trajectory import Forward, Trajectories
 
@@ -153,8 +153,8 @@ class Learner:
         train, algorithm = self.train_cfg, self.algorithm
         units = batch.num_units
         mini_units = max(1, units // train.num_mini_batches)  # an environment batch may have lost failed groups
-        micro_units = min(mini_units, max(1, train.micro_batch_size // batch.rows_per_unit))
-        micro = Budget(micro_units * batch.rows_per_unit, train.max_tokens_per_micro_batch)
+        micro = Budget(micro_units(mini_units, train.micro_batch_size, batch.rows_per_unit) * batch.rows_per_unit,
+                       train.max_tokens_per_micro_batch)
         losses = {"policy": "policy_loss", "critic": "value_loss"}  # the algorithm's loss for each trained model
         from_training = batch.old_logp is None and algorithm.needs_old_logprobs
         sums: dict[str, float] = {}
