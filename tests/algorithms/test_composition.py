@@ -67,7 +67,7 @@ def test_a_registered_loss_is_picked_by_config_and_aggregated(scratch_registry):
     )
     assert isinstance(algo, PolicyGradient) and algo.surrogate.obj is scaled_reinforce
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
-    batch, _ = algo.build_batch(trajectories(mask, scores=torch.tensor([1.0, 3.0]), old_logp=torch.zeros(2, 2)))
+    batch, _ = algo.prepare(trajectories(mask, scores=torch.tensor([1.0, 3.0]), old_logp=torch.zeros(2, 2)))
     logp = torch.tensor([[-1.0, -2.0], [-0.5, 9.0]])
     loss, metrics = algo.policy_loss(batch, Forward(logp), algo.denominator(batch))
     assert_close(loss, torch.tensor(-2.5))
@@ -105,7 +105,7 @@ def test_gspo_policy_loss_on_grpo_advantages():
     assert algo.surrogate.obj is policy_losses.gspo
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     old_logp = torch.tensor([[-1.0, -1.0, 9.0], [-2.0, 9.0, 9.0]])
-    batch, _ = algo.build_batch(trajectories(mask, 2, scores=torch.tensor([0.0, 2.0]), old_logp=old_logp))
+    batch, _ = algo.prepare(trajectories(mask, 2, scores=torch.tensor([0.0, 2.0]), old_logp=old_logp))
     assert_close(batch.advantages, torch.tensor([[-1.0, -1.0, 0.0], [1.0, 0.0, 0.0]]))
     logp = (old_logp + torch.tensor([[0.1, -0.3, 0.0], [0.4, 0.0, 0.0]])).requires_grad_(True)
     loss, metrics = algo.policy_loss(batch, Forward(logp), algo.denominator(batch))

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from rlhf.algorithms.base import Metrics
 from rlhf.config import compose_config, validate
 from rlhf.run.build import build_components
 from rlhf.run.state import NonFiniteError, NonFiniteGuard
@@ -63,8 +64,8 @@ def test_the_weights_to_push_are_the_policys_own(parts):
 
 
 def test_rank_results_merge_shares_summed_means_averaged_forwards_stacked():
-    a = (True, {"loss/policy_avg": 0.25, "policy/clipfrac_avg": 0.1}, Forward(logp=torch.zeros(2, 3)))
-    b = (True, {"loss/policy_avg": 0.5, "policy/clipfrac_avg": 0.3}, Forward(logp=torch.ones(1, 3)))
+    a = (True, Metrics(sum={"loss/policy_avg": 0.25}, mean={"policy/clipfrac_avg": 0.1}), Forward(logp=torch.zeros(2, 3)))
+    b = (True, Metrics(sum={"loss/policy_avg": 0.5}, mean={"policy/clipfrac_avg": 0.3}), Forward(logp=torch.ones(1, 3)))
     finite, metrics, recorded = merge_shares([a, b])
     assert finite and metrics == pytest.approx({"loss/policy_avg": 0.75, "policy/clipfrac_avg": 0.2})
     assert recorded.logp.tolist() == [[0.0] * 3, [0.0] * 3, [1.0] * 3] and recorded.entropy is None

@@ -3,7 +3,7 @@
 
 Each part is chosen by a node of its own (`algorithm.advantage`, `algorithm.policy_loss`, `algorithm.rollout_correction`,
 `algorithm.kl_ctl`; see `rlhf.parts`). `build_algorithm(cfg.algorithm, max_new_tokens)` types and checks every node,
-checks the composition (pairwise vs per-token parts) and returns the algorithm object the `Learner` calls: `build_batch`, `denominator`, `policy_loss`, `value_loss`.
+checks the composition (pairwise vs per-token parts) and returns the algorithm object the `Learner` calls: its `rlhf.algorithms.base.Algorithm` methods (`prepare`, `denominator`, `micro_loss`, `late_metrics`, `end_step`).
 """
 
 from __future__ import annotations

@@ -17,13 +17,109 @@ does not declare is refused before anything loads (`rlhf.parts.choose`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from enum import Enum
+from typing import Callable, Literal, Protocol
 
 import torch
 
 from rlhf.functional import GroupSizes, masked_sum, token_level_rewards
 from rlhf.parts import PartConfig
 from rlhf.registry import register
+from rlhf.trajectory import Forward, Trajectories
+
+Reduce = Literal["mean", "sum"]
+
+
+class Metrics(dict):
+    """A micro batch's metrics, name -> value (a 0-d tensor or a number), each with how it reduces over the micro
+    batches of a mini batch and over the ranks: ``"sum"`` for a share of the mini-batch loss (the shares add up to
+    it), ``"mean"`` for the rest. Indexed as a plain dict; ``reduce[name]`` holds the declaration."""
+
+    def __init__(self, sum: dict | None = None, mean: dict | None = None) -> None:  # noqa: A002 (the reduction's name)
+        super().__init__()
+        self.reduce: dict[str, Reduce] = {}
+        for name, value in (sum or {}).items():
+            self.add(name, value, "sum")
+        for name, value in (mean or {}).items():
+            self.add(name, value, "mean")
+
+    def add(self, name: str, value, reduce: Reduce = "mean") -> None:
+        """Set metric ``name`` to ``value``, reduced by ``reduce``."""
+        if reduce not in ("mean", "sum"):
+            raise ValueError(f"metric {name!r}: reduce={reduce!r}; a metric reduces by 'mean' or 'sum'")
+        self[name], self.reduce[name] = value, reduce
+
+    @classmethod
+    def declared(cls, values: dict, reduce: dict[str, Reduce]) -> "Metrics":
+        """``values`` (name -> value), each reduced as ``reduce[name]`` says."""
+        metrics = cls()
+        for name, value in values.items():
+            metrics.add(name, value, reduce[name])
+        return metrics
+
+    def __reduce__(self):  # pickles with its declarations (the Ray backend returns a rank's metrics to the driver)
+        return (Metrics.declared, (dict(self), dict(self.reduce)))
+
+
+def reduction(metrics: dict, name: str) -> Reduce:
+    """How metric ``name`` of ``metrics`` reduces: its declaration in a `Metrics`; ``"mean"`` in a plain dict."""
+    return getattr(metrics, "reduce", {}).get(name, "mean")
+
+
+class OldLogprobs(str, Enum):
+    """Where a step's pre-update logprobs come from (`old_logprob_source`)."""
+
+    PASS = "a forward of their own before training"  # `Learner.prepare`
+    TRAINING = "the training forward's, detached (one optimiser step per batch: it runs on the pre-update weights)"
+    NONE = "none (the loss reads none; the metrics come from the training forward)"  # pairwise, reuse_training_logprobs
+
+
+def old_logprob_source(algorithm, train_cfg) -> OldLogprobs:
+    """Where ``algorithm``'s pre-update logprobs come from under `train.*`, decided once for the run.
+
+    They are taken from the training forward (detached) when `algorithm.reuse_training_logprobs` is set, the step makes
+    one optimiser step (`train.num_epochs` = `train.num_mini_batches` = 1: the training forward then runs on exactly the
+    pre-update weights) and the algorithm prepares its batch without them (``prepare_reads_old_logprobs`` false);
+    an algorithm that reads none (``needs_old_logprobs`` false) takes none; otherwise a forward of their own computes them.
+    """
+    if not algorithm.needs_old_logprobs:
+        return OldLogprobs.NONE
+    reusable = (
+        bool(algorithm.cfg.reuse_training_logprobs)
+        and not algorithm.prepare_reads_old_logprobs
+        and train_cfg.num_epochs == 1
+        and train_cfg.num_mini_batches == 1
+    )
+    return OldLogprobs.TRAINING if reusable else OldLogprobs.PASS
+
+
+class Algorithm(Protocol):
+    """What the `Learner` calls on an algorithm, and only this. A step: `prepare` the scored batch once, then for each
+    mini batch its `denominator` and `micro_loss` on each micro batch of each trained model, `late_metrics` when the
+    pre-update logprobs came from the training forward, and `end_step` once the step's metrics are known."""
+
+    pairwise: bool  # units are (chosen, rejected) pairs of rows
+    needs_old_logprobs: bool  # the loss or its metrics read the pre-update logprobs (`old_logprob_source`)
+    prepare_reads_old_logprobs: bool  # `prepare` reads them, so they cannot come from the training forward
+    needs_entropy: bool  # the policy's training forward computes the entropy with gradients
+
+    def prepare(self, batch: Trajectories) -> tuple[Trajectories, dict[str, float]]:
+        """The training batch (advantages, returns, pairs, ...) from a scored batch with its reference logprobs (and
+        values, teacher logprobs, and old logprobs unless they come from the training forward), and its metrics."""
+
+    def denominator(self, mini: Trajectories) -> torch.Tensor:
+        """What a mini batch's loss is divided by, so that its micro batches' losses add up to it."""
+
+    def micro_loss(self, model: str, micro: Trajectories, out: Forward, denominator: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
+        """(the micro batch's share of the mini-batch loss of ``model`` ("policy" or "critic"), its `Metrics`)."""
+
+    def late_metrics(self, batch: Trajectories) -> dict[str, float]:
+        """The metrics `prepare` computes from old logprobs, for a batch whose old logprobs came from the training
+        forward (`OldLogprobs.TRAINING`)."""
+
+    def end_step(self, metrics: dict[str, float], rows: int) -> None:
+        """The step is over (``metrics``: all of it, over ``rows`` rows): move what moves between steps (the adaptive
+        KL coefficient)."""
 
 
 def register_advantage(
