@@ -39,8 +39,9 @@ def test_unknown_advantage_lists_the_registered_names():
     message = str(err.value)
     assert "'nope'" in message and "algorithm.advantage" in message
     registered = registry.names("advantage")
-    assert {"grpo", "rloo", "reinforce", "gae", "rebn", "best_vs_worst"} <= set(registered)
+    assert {"grpo", "rloo", "reinforce", "gae", "rebn"} <= set(registered)
     assert f"Registered: {', '.join(registered)}" in message
+    assert "best_vs_worst" not in registered and "pair_selector: best_vs_worst" in message  # a kind of its own, same node
 
 
 # --- a new loss is one registered function ------------------------------------------------------------

@@ -3,11 +3,15 @@
 An algorithm is composed from config (`algorithm.advantage`, `algorithm.policy_loss`, plus one KL term, one
 entropy term and one loss aggregation): see `rlhf.algorithms.policy_gradient` and `rlhf.algorithms.pairwise`.
 
-- An advantage estimator is ``fn(inputs: AdvantageInputs, cfg) -> (advantages (B, T), returns (B, T) or None)``;
-  a pairwise one (``pairwise=True``) returns the (chosen (P,), rejected (P,)) row indices of preference pairs.
-- A policy loss is ``fn(logp (B, T), batch: Trajectories, cfg) -> PolicyLoss``; a pairwise one is
-  ``fn(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, beta)`` on summed sequence logprobs (P,)
-  -> (loss (P,), chosen reward (P,), rejected reward (P,)).
+- An advantage estimator (kind ``advantage``) is ``fn(inputs: AdvantageInputs, cfg) -> (advantages (B, T), returns
+  (B, T) or None)``.
+- A policy loss (kind ``policy_loss``) is ``fn(logp (B, T), batch: Trajectories, cfg) -> PolicyLoss``.
+- A pairwise algorithm (online DPO) has kinds of its own, chosen at the same nodes: a pair selector (kind
+  ``pair_selector``, at `algorithm.advantage`) is ``fn(inputs: AdvantageInputs, cfg) -> (chosen (P,), rejected (P,))``
+  row indices of preference pairs; a pairwise loss (kind ``pairwise_loss``, at `algorithm.policy_loss`) is
+  ``fn(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, cfg)`` on summed sequence logprobs (P,) ->
+  (loss (P,), chosen reward (P,), rejected reward (P,)). One of your own named by import path declares its kind
+  (``my_loss.kind = "pairwise_loss"``).
 
 ``cfg`` is the part's own config: its node (`algorithm.advantage`, `algorithm.policy_loss`) typed by the config class
 the part registers with (``config=``, a `rlhf.parts.PartConfig` dataclass beside the part), so a key the chosen part
@@ -124,7 +128,7 @@ class Algorithm(Protocol):
 
 def register_advantage(
     name: str, *, config: type = PartConfig, needs_critic: bool = False, min_samples_per_prompt: int = 1,
-    pairwise: bool = False, needs_greedy_baseline: bool = False, needs_teacher: bool = False,
+    needs_greedy_baseline: bool = False, needs_teacher: bool = False,
 ) -> Callable:
     """Decorator: register an advantage estimator under ``name`` with its config class and traits
     (``needs_greedy_baseline``: each step also generates and scores one greedy response per prompt, given as
@@ -132,22 +136,41 @@ def register_advantage(
 
     def add(fn: Callable) -> Callable:
         fn.config, fn.needs_critic = config, needs_critic
-        fn.min_samples_per_prompt, fn.pairwise = min_samples_per_prompt, pairwise
+        fn.min_samples_per_prompt = min_samples_per_prompt
         fn.needs_greedy_baseline, fn.needs_teacher = needs_greedy_baseline, needs_teacher
         return register("advantage", name)(fn)
 
     return add
 
 
-def register_policy_loss(
-    name: str, *, config: type = PartConfig, pairwise: bool = False, needs_critic: bool = False
-) -> Callable:
+def register_policy_loss(name: str, *, config: type = PartConfig, needs_critic: bool = False) -> Callable:
     """Decorator: register a policy loss under ``name`` with its config class and traits (``needs_critic``: it reads
     ``batch.values``, so the advantage estimator must train a critic)."""
 
     def add(fn: Callable) -> Callable:
-        fn.config, fn.pairwise, fn.needs_critic = config, pairwise, needs_critic
+        fn.config, fn.needs_critic = config, needs_critic
         return register("policy_loss", name)(fn)
+
+    return add
+
+
+def register_pair_selector(name: str, *, config: type = PartConfig, min_samples_per_prompt: int = 2) -> Callable:
+    """Decorator: register a pair selector under ``name`` with its config class (``min_samples_per_prompt``: at least
+    2, the two sides of a pair)."""
+
+    def add(fn: Callable) -> Callable:
+        fn.config, fn.kind, fn.min_samples_per_prompt = config, "pair_selector", max(2, min_samples_per_prompt)
+        return register("pair_selector", name)(fn)
+
+    return add
+
+
+def register_pairwise_loss(name: str, *, config: type = PartConfig) -> Callable:
+    """Decorator: register a pairwise loss under ``name`` with its config class."""
+
+    def add(fn: Callable) -> Callable:
+        fn.config, fn.kind = config, "pairwise_loss"
+        return register("pairwise_loss", name)(fn)
 
     return add
 
