@@ -1,6 +1,8 @@
 """Online DPO (PairwisePreference): best/worst pairs per prompt, tie exclusion, the pair denominator, DPO/IPO loss
 and metrics."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -8,6 +10,7 @@ from torch.testing import assert_close
 from algorithm_fixtures import algorithm_cfg, make_algorithm, trajectories
 from rlhf import registry
 from rlhf.algorithms import AdvantageInputs, PairwisePreference, advantages as advantage_parts
+from rlhf.algorithms.base import OldLogprobs, old_logprob_source
 from rlhf.config import ConfigError, compose_config, validate
 from rlhf.trajectory import Forward, Trajectories
 
@@ -226,3 +229,12 @@ def test_no_valid_pair_gives_zero_loss():
     loss, _ = algo.policy_loss(batch, Forward(LOGP), algo.denominator(batch))
     assert loss.item() == 0.0
     assert isinstance(batch, Trajectories)
+
+
+def test_where_its_old_logprobs_come_from():
+    """A pass of their own for the pre-update KL, or none with reuse_training_logprobs (the KL from the training
+    forward), whatever the number of optimiser steps."""
+    one, four = SimpleNamespace(num_epochs=1, num_mini_batches=1), SimpleNamespace(num_epochs=1, num_mini_batches=4)
+    assert old_logprob_source(make_dpo(reuse_training_logprobs=False), one) is OldLogprobs.PASS
+    assert old_logprob_source(make_dpo(reuse_training_logprobs=True), one) is OldLogprobs.NONE
+    assert old_logprob_source(make_dpo(reuse_training_logprobs=True), four) is OldLogprobs.NONE

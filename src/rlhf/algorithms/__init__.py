@@ -61,6 +61,8 @@ def check_composition(advantage: Part, loss: Part) -> None:
             f"algorithm.policy_loss={loss.name} is a policy loss on per-token advantages, but algorithm.advantage="
             f"{advantage.name} is a pair selector, making (chosen, rejected) pairs; choose a pairwise loss (algorithm/"
             f"policy_loss={' or '.join(registry.names('pairwise_loss'))}) or an advantage estimator"
+            + (f" (a pairwise loss of your own declares its kind: `{loss.name.rpartition('.')[2]}.kind = "
+               f"\"pairwise_loss\"`)" if loss.name not in registry.names("policy_loss") else "")
         )
     if loss.trait("needs_critic", False) and not advantage.trait("needs_critic", False):
         with_critic = names_with("advantage", "needs_critic")
