@@ -1,4 +1,5 @@
-"""How algorithm parts register, and what an advantage estimator is given.
+"""How algorithm parts register, what an advantage estimator is given, and what the `Learner` calls on an algorithm
+(`Algorithm`: prepare a batch, a micro batch's loss with `Metrics` that declare their reductions, end the step).
 
 An algorithm is composed from config (`algorithm.advantage`, `algorithm.policy_loss`, plus one KL term, one
 entropy term and one loss aggregation): see `rlhf.algorithms.policy_gradient` and `rlhf.algorithms.pairwise`.
@@ -83,8 +84,9 @@ def old_logprob_source(algorithm, train_cfg) -> OldLogprobs:
 
     They are taken from the training forward (detached) when `algorithm.reuse_training_logprobs` is set, the step makes
     one optimiser step (`train.num_epochs` = `train.num_mini_batches` = 1: the training forward then runs on exactly the
-    pre-update weights) and the algorithm prepares its batch without them (``prepare_reads_old_logprobs`` false);
-    an algorithm that reads none (``needs_old_logprobs`` false) takes none; otherwise a forward of their own computes them.
+    pre-update weights) and the algorithm prepares its batch without them (``prepare_reads_old_logprobs`` false); an
+    algorithm that reads none (``needs_old_logprobs`` false) takes none; otherwise a forward of their own computes
+    them.
     """
     if not algorithm.needs_old_logprobs:
         return OldLogprobs.NONE
@@ -114,7 +116,9 @@ class Algorithm(Protocol):
     def denominator(self, mini: Trajectories) -> torch.Tensor:
         """What a mini batch's loss is divided by, so that its micro batches' losses add up to it."""
 
-    def micro_loss(self, model: str, micro: Trajectories, out: Forward, denominator: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
+    def micro_loss(
+        self, model: str, micro: Trajectories, out: Forward, denominator: torch.Tensor
+    ) -> tuple[torch.Tensor, Metrics]:
         """(the micro batch's share of the mini-batch loss of ``model`` ("policy" or "critic"), its `Metrics`)."""
 
     def late_metrics(self, batch: Trajectories) -> dict[str, float]:

@@ -38,7 +38,7 @@ class PairwisePreference:
         """``pairs``, ``pair_loss``: the parts the nodes `algorithm.advantage` and `algorithm.policy_loss` choose."""
         self.cfg, self.pairs, self.pair_loss = cfg, pairs, pair_loss
         self.min_samples_per_prompt = max(2, int(pairs.trait("min_samples_per_prompt", 2)))
-        self.kl_from_training = bool(cfg.reuse_training_logprobs)  # objective/kl and objective/entropy from the training forward
+        self.kl_from_training = bool(cfg.reuse_training_logprobs)  # objective/kl and /entropy from the training forward
         self.needs_old_logprobs = not self.kl_from_training
         self.needs_entropy = self.kl_from_training
 
@@ -65,7 +65,9 @@ class PairwisePreference:
         """Valid pairs in the mini batch."""
         return (mini.extras["pair_valid"].sum() / 2).clamp(min=1)
 
-    def micro_loss(self, model: str, micro: Trajectories, out: Forward, denominator: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
+    def micro_loss(
+        self, model: str, micro: Trajectories, out: Forward, denominator: torch.Tensor
+    ) -> tuple[torch.Tensor, Metrics]:
         """The policy's `policy_loss` (a pairwise algorithm trains no critic)."""
         return self.policy_loss(micro, out, denominator)
 

@@ -163,9 +163,13 @@ class PolicyGradient:
     def aggregate(self, per_token: torch.Tensor, micro: Trajectories, denominator: torch.Tensor) -> torch.Tensor:
         return aggregate_loss(per_token, micro.loss_mask, self.cfg.loss_agg, denominator)
 
-    def micro_loss(self, model: str, micro: Trajectories, out: Forward, denominator: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
+    def micro_loss(
+        self, model: str, micro: Trajectories, out: Forward, denominator: torch.Tensor
+    ) -> tuple[torch.Tensor, Metrics]:
         """The policy's `policy_loss`, the critic's `value_loss`."""
-        return self.policy_loss(micro, out, denominator) if model == "policy" else self.value_loss(micro, out, denominator)
+        if model == "policy":
+            return self.policy_loss(micro, out, denominator)
+        return self.value_loss(micro, out, denominator)
 
     def policy_loss(self, micro: Trajectories, out: Forward, denominator: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
         """(the micro batch's share of the mini-batch policy loss, metrics); the `loss/...` metrics are shares too."""
