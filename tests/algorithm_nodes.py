@@ -22,7 +22,7 @@ def part_node(node: str, name: str | dict | None) -> dict | None:
     if name is None:
         return None
     keys = dict(name) if isinstance(name, dict) else {"name": name}
-    if keys["name"] not in registry.names(PART_KINDS[node]):
+    if keys["name"] not in registry.node_names(PART_KINDS[node]):
         return keys  # a name the build should refuse, or an import path: the node as written
     cls = config_class(registry.resolve(PART_KINDS[node], keys["name"]), f"algorithm.{node}", keys["name"]) or PartConfig
     return OmegaConf.to_container(OmegaConf.structured(cls(name=keys["name"]))) | keys

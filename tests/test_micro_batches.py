@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rlhf.algorithms import build_algorithm
+from rlhf.algorithms.base import OldLogprobs
 from rlhf.functional import entropy_from_logits, logprobs_from_logits
 from algorithm_nodes import algorithm_cfg
 from rlhf.micro_batches import Budget, as_budget, padded_tokens, plan, split_to, window_outputs
@@ -253,7 +254,7 @@ def test_token_budget_loss_and_gradients_equal_the_padded_path(policy, tokenizer
     rollout = ragged_rows(len(tokenizer))
     with torch.no_grad():
         old, _ = model.logprobs(rollout)
-    batch, _ = algo.build_batch(replace(rollout, old_logp=old + 0.05 * rollout.loss_mask))  # ratios != 1: clipping counts
+    batch, _ = algo.prepare(replace(rollout, old_logp=old + 0.05 * rollout.loss_mask))  # ratios != 1: clipping counts
     denominator = algo.denominator(batch)
     micro, forward, _ = model.train_forward(batch, False)
     loss, _ = algo.policy_loss(micro, forward, denominator)
@@ -277,7 +278,7 @@ def one_step(policy, reference, algo, batch, from_training: bool, train) -> tupl
     model = policy(micro_batch_size=train.get("micro_batch_size", 8), max_tokens_per_micro_batch=train.get("tokens"))
     learner = Learner(model, reference, None, algo, model.train_cfg, CPU, torch.Generator().manual_seed(0),
                       policy_packs=model.packs())
-    assert learner.old_logprobs_from_training() == from_training
+    assert (learner.old_logprobs is OldLogprobs.TRAINING) == from_training
     prepared, metrics = learner.prepare(Scored(batch, [""] * len(batch), [""] * len(batch), {}))
     assert (prepared.old_logp is None) == from_training
     metrics |= learner.train(prepared, NonFiniteGuard(1))
@@ -340,7 +341,7 @@ def test_old_logprobs_need_their_own_pass_where_the_batch_reads_them(train_cfg):
     one = train_cfg()
 
     def fused(algo, train=one) -> bool:
-        return Learner(None, None, None, algo, train, CPU, torch.Generator()).old_logprobs_from_training()
+        return Learner(None, None, None, algo, train, CPU, torch.Generator()).old_logprobs is OldLogprobs.TRAINING
 
     assert fused(algorithm()) and fused(algorithm(beta=0.1))
     assert not fused(algorithm(beta=0.1, kl_in_reward=True))
@@ -358,7 +359,7 @@ def test_the_training_forward_records_in_row_order(policy, tokenizer):
     rollout = ragged_rows(len(tokenizer))
     with torch.no_grad():
         old, entropy = model.logprobs(rollout, with_entropy=True)
-    batch, _ = algo.build_batch(replace(rollout, old_logp=old))
+    batch, _ = algo.prepare(replace(rollout, old_logp=old))
     _, _, recorded = accumulate(model, batch, algo.policy_loss, algo.denominator(batch), Budget(8, 24), False, True)
     assert isinstance(recorded, Forward)
     torch.testing.assert_close(recorded.logp, old, rtol=0, atol=1e-5)

@@ -154,11 +154,11 @@ class Setup:
 
     def __init__(self, policy_cfg, model_cfg, train, tokenizer, nan_calls=()) -> None:
         self.policy = TorchPolicy(policy_cfg, model_cfg, train, total_optimizer_steps=10, device=CPU)
-        self.algorithm = build_algorithm(algorithm_cfg("grpo", num_samples_per_prompt=2), max_new_tokens=8)
+        self.algorithm = build_algorithm(algorithm_cfg("grpo", num_samples_per_prompt=2, reuse_training_logprobs=False), max_new_tokens=8)  # old logprobs below
         rollout = with_groups(make_rollout(tokenizer, PAIRS), 2)
         with torch.no_grad():
             old_logp, _ = self.policy.logprobs(rollout)
-        self.batch, _ = self.algorithm.build_batch(replace(rollout, scores=SCORES, old_logp=old_logp))
+        self.batch, _ = self.algorithm.prepare(replace(rollout, scores=SCORES, old_logp=old_logp))
         assert (self.batch.advantages.abs().sum(dim=1) > 0).all()
         self.nan_calls = set(nan_calls)
         self.weights_at_call: list[dict] = []
@@ -283,12 +283,12 @@ def ppo_setup(policy_cfg, model_cfg, train_cfg, tokenizer, tiny_model_dir):
     train = train_cfg(lr=1e-2, num_mini_batches=1, micro_batch_size=4)
     policy = TorchPolicy(policy_cfg, model_cfg, train, total_optimizer_steps=10, device=CPU)
     critic = TorchCritic(OmegaConf.structured(CriticConfig()), model_cfg, tiny_model_dir, train, total_optimizer_steps=10, device=CPU)
-    algorithm = build_algorithm(algorithm_cfg("gae", num_samples_per_prompt=1), max_new_tokens=8)
+    algorithm = build_algorithm(algorithm_cfg("gae", num_samples_per_prompt=1, reuse_training_logprobs=False), max_new_tokens=8)  # old logprobs: a pass of their own, below
     rollout = with_groups(make_rollout(tokenizer, PAIRS), 1)
     with torch.no_grad():
         old_logp, _ = policy.logprobs(rollout)
         values = critic.values(rollout)
-    batch, _ = algorithm.build_batch(replace(rollout, scores=SCORES, old_logp=old_logp, values=values))
+    batch, _ = algorithm.prepare(replace(rollout, scores=SCORES, old_logp=old_logp, values=values))
     return train, policy, critic, algorithm, batch
 
 

@@ -30,7 +30,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rlhf import registry
 from rlhf.errors import ConfigError
 
-GROUPS = {  # config group (and node path, with dots) -> registry kind
+GROUPS = {  # config group (and node path, with dots) -> registry kind (with the kinds sharing its node: `registry.node_kinds`)
     "algorithm/advantage": "advantage",
     "algorithm/policy_loss": "policy_loss",
     "algorithm/rollout_correction": "rollout_correction",
@@ -100,7 +100,7 @@ def choose(kind: str, node: Any, at: str, base: type | None = None) -> Part:
         )
     name = node.get("name")
     if name is None or name == MISSING:
-        raise ConfigError(f"{at} has no `name`; choose one with {group}=<name> ({', '.join(registry.names(kind))})")
+        raise ConfigError(f"{at} has no `name`; choose one with {group}=<name> ({', '.join(registry.node_names(kind))})")
     obj = registry.resolve(kind, name, key=f"{at}.name")
     cls = config_class(obj, at, name) or base
     if cls is None:
@@ -132,7 +132,7 @@ def choose(kind: str, node: Any, at: str, base: type | None = None) -> Part:
 
 def _where_else(kind: str, at: str, key: str, known: list[str]) -> str:
     """The fix for a key the chosen part does not declare: the registered parts that do, or the closest key."""
-    readers = [n for n in registry.names(kind) if key in _declared(registry.resolve(kind, n))]
+    readers = [n for n in registry.node_names(kind) if key in _declared(registry.resolve(kind, n))]
     if readers:
         return f"it is a key of {at.replace('.', '/')}={' or '.join(readers)}; choose that part, or remove the key (from the command line; ~{at}.{key} removes one a YAML file sets)"
     close = difflib.get_close_matches(key, known, n=1)
@@ -146,7 +146,7 @@ def _declared(obj: Any) -> list[str]:
 
 def declared_by_every(kind: str, key: str) -> bool:
     """Whether every registered part of ``kind`` declares ``key`` (a shared key, e.g. `max_new_tokens`)."""
-    return all(key in _declared(registry.resolve(kind, name)) for name in registry.names(kind))
+    return all(key in _declared(registry.resolve(kind, name)) for name in registry.node_names(kind))
 
 
 def typed_node(kind: str, node: Any, at: str) -> DictConfig:
@@ -165,7 +165,7 @@ def store_nodes() -> None:
     so a defaults list or the command line can select it by name."""
     store = ConfigStore.instance()
     for group, kind in GROUPS.items():
-        for name in registry.names(kind):
+        for name in registry.node_names(kind):
             store.store(group=group, name=name, node=default_node(group, name))
 
 

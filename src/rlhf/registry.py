@@ -14,8 +14,11 @@ from rlhf.errors import ConfigError
 
 KINDS = (
     "dataset", "preference_dataset", "generator", "policy", "reference", "critic", "reward", "advantage", "policy_loss",
-    "schedule", "env", "rollout_correction", "kl_controller", "strategy",
+    "pair_selector", "pairwise_loss", "schedule", "env", "rollout_correction", "kl_controller", "strategy",
 )
+# kinds chosen at another kind's config node: `algorithm.advantage` names an advantage estimator or, for a pairwise
+# algorithm (online DPO), a pair selector; `algorithm.policy_loss` a policy loss or a pairwise loss
+SHARES_NODE = {"advantage": ("pair_selector",), "policy_loss": ("pairwise_loss",)}
 
 _REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {kind: {} for kind in KINDS}
 _BUILTINS_LOADED = False
@@ -82,20 +85,49 @@ def names(kind: str) -> list[str]:
     return sorted(_REGISTRY[kind])
 
 
+def node_kinds(kind: str) -> tuple[str, ...]:
+    """The kinds the config node of ``kind`` may choose: ``kind`` and those that share its node (`SHARES_NODE`)."""
+    return (kind, *SHARES_NODE.get(kind, ()))
+
+
+def node_names(kind: str) -> list[str]:
+    """Registered names the config node of ``kind`` may choose, sorted (`node_kinds`)."""
+    return sorted(name for each in node_kinds(kind) for name in names(each))
+
+
+def kind_of(kind: str, name: str) -> str:
+    """Which of `node_kinds(kind)` ``name`` is: the kind it is registered under, else (an import path) the kind its
+    object declares (``kind = "pairwise_loss"``), else ``kind``."""
+    _load_builtins()
+    for each in node_kinds(kind):
+        if name in _REGISTRY[each]:
+            return each
+    declared = trait(resolve(kind, name), "kind", kind)
+    if declared not in node_kinds(kind):
+        raise RegistryError(
+            f"{kind} {name!r} declares kind={declared!r}, which the node of a {kind} cannot choose; declare one of "
+            f"{', '.join(node_kinds(kind))}"
+        )
+    return declared
+
+
 def resolve(kind: str, name: str, key: str | None = None) -> Callable[..., Any]:
-    """The factory for ``name``: a registered name, else ``package.module.attribute`` imported.
+    """The factory for ``name``: a registered name (of ``kind``, or of a kind sharing its node: `node_kinds`), else
+    ``package.module.attribute`` imported.
 
     ``key`` is the config key that named it, quoted in the error so the user knows what to fix.
     """
     _load_builtins()
     where = f" (config key `{key}`)" if key else ""
-    if name in _REGISTRY[kind]:
-        return _REGISTRY[kind][name]
+    for each in node_kinds(kind):
+        if name in _REGISTRY[each]:
+            return _REGISTRY[each][name]
     module_name, _, attr = name.rpartition(".")
     if not module_name:
+        registered = "; ".join(f"{each}: {', '.join(names(each))}" for each in node_kinds(kind)[1:])
         raise RegistryError(
-            f"unknown {kind} {name!r}{where}. Registered: {', '.join(names(kind))}; "
-            f"or give an import path such as `mypkg.module.MyClass`."
+            f"unknown {' or '.join(node_kinds(kind))} {name!r}{where}. Registered: {', '.join(names(kind))}"
+            f"{'; ' + registered if registered else ''}; or give an import path such as `mypkg.module.MyClass`."
         )
     try:
         module = importlib.import_module(module_name)

@@ -46,5 +46,7 @@ REF_LOGP = torch.tensor([[-1.5, -2.25, -9.0], [-1.5, -9.0, -9.0]])
 
 
 def build_kl_example(algo, old_logp=OLD_LOGP, ref_logp=REF_LOGP, scores=SCORES, group: int = 1):
-    """`algo.build_batch` on the two-row KL example."""
-    return algo.build_batch(trajectories(KL_MASK, group, scores=scores, old_logp=old_logp, ref_logp=ref_logp))
+    """A step of ``algo`` on the two-row KL example: its `prepare` (returned), then its `end_step` on those metrics."""
+    batch, metrics = algo.prepare(trajectories(KL_MASK, group, scores=scores, old_logp=old_logp, ref_logp=ref_logp))
+    algo.end_step(metrics, len(batch))
+    return batch, metrics

@@ -1,5 +1,5 @@
 """Parts composed by config: REINFORCE++ (with and without a group baseline), ReMax, CISPO and the
-rollout corrections, each through `build_batch` / `policy_loss` on hand-computed values."""
+rollout corrections, each through `prepare` / `policy_loss` on hand-computed values."""
 
 import math
 
@@ -29,7 +29,7 @@ def test_reinforce_pp_puts_the_k1_kl_in_each_token_reward_and_whitens_the_return
     row 1 [-0.1 + 2]; returns [0.925, 0.975] and [1.9]; whitened over the three tokens."""
     algo = make_algorithm(advantage="reinforce_pp", beta=0.1, kl_estimator="k1", kl_in_reward=True)
     step = trajectories(KL_MASK, 1, scores=torch.tensor([1.0, 2.0]), old_logp=OLD_LOGP, ref_logp=REF_LOGP)
-    batch, metrics = algo.build_batch(step)
+    batch, metrics = algo.prepare(step)
     returns = torch.tensor([[0.925, 0.975, 0.0], [1.9, 0.0, 0.0]])
     assert_close(batch.advantages, masked_whiten(returns, KL_MASK))
     assert batch.advantages[0, 0] < batch.advantages[0, 1] < batch.advantages[1, 0]
@@ -40,7 +40,7 @@ def test_reinforce_pp_baseline_centres_scores_within_the_group_first():
     """One group of two, no KL: scores [3, 1] -> [1, -1] at the last tokens; returns row 0 [1, 1], row 1 [-1];
     whitened over the three tokens: mean 1/3, unbiased std sqrt(4/3)."""
     algo = make_algorithm(advantage="reinforce_pp_baseline", num_samples_per_prompt=2)
-    batch, _ = algo.build_batch(trajectories(KL_MASK, 2, scores=torch.tensor([3.0, 1.0]), old_logp=torch.zeros(2, 3)))
+    batch, _ = algo.prepare(trajectories(KL_MASK, 2, scores=torch.tensor([3.0, 1.0]), old_logp=torch.zeros(2, 3)))
     scale = math.sqrt(4 / 3 + 1e-8)
     assert_close(batch.advantages, torch.tensor([[2 / 3, 2 / 3, 0.0], [-4 / 3, 0.0, 0.0]]) / scale)
 
@@ -48,7 +48,7 @@ def test_reinforce_pp_baseline_centres_scores_within_the_group_first():
 def test_reinforce_pp_baseline_of_a_constant_group_is_zero_before_whitening():
     """A group whose scores are all 0.7 gives returns exactly 0 everywhere, so whitened advantages are 0."""
     algo = make_algorithm(advantage="reinforce_pp_baseline", num_samples_per_prompt=2)
-    batch, _ = algo.build_batch(trajectories(KL_MASK, 2, scores=torch.tensor([0.7, 0.7]), old_logp=torch.zeros(2, 3)))
+    batch, _ = algo.prepare(trajectories(KL_MASK, 2, scores=torch.tensor([0.7, 0.7]), old_logp=torch.zeros(2, 3)))
     assert torch.equal(batch.advantages, torch.zeros(2, 3))
 
 
@@ -58,21 +58,21 @@ def test_remax_subtracts_the_greedy_baseline_given_with_the_batch():
     assert algo.needs_greedy_baseline
     step = trajectories(KL_MASK, 2, scores=torch.tensor([1.0, 0.0]), old_logp=torch.zeros(2, 3))
     step.extras["baseline_scores"] = torch.tensor([0.25, 0.25])
-    batch, _ = algo.build_batch(step)
+    batch, _ = algo.prepare(step)
     assert_close(batch.advantages, torch.tensor([[0.75, 0.75, 0.0], [-0.25, 0.0, 0.0]]))
 
 
 def test_remax_without_a_baseline_says_what_is_missing():
     algo = make_algorithm(advantage="remax", num_samples_per_prompt=2)
     with pytest.raises(ValueError, match="greedy-response score"):
-        algo.build_batch(trajectories(KL_MASK, 2, scores=torch.tensor([1.0, 0.0]), old_logp=torch.zeros(2, 3)))
+        algo.prepare(trajectories(KL_MASK, 2, scores=torch.tensor([1.0, 0.0]), old_logp=torch.zeros(2, 3)))
 
 
 def test_cispo_loss_through_the_algorithm_reports_clipped_tokens_and_keeps_their_gradient():
     """GRPO advantages +-0.7071 (one group [1, 0]); the new policy's ratio is 2 on every token. CISPO with
     eps_high 0.28 clips the weight to 1.28 yet every token has gradient -1.28 * A / 3 (token mean over 3)."""
     algo = make_algorithm(policy_loss="cispo", clip_eps_high=0.28, num_samples_per_prompt=2, beta=0.0)
-    batch, _ = algo.build_batch(trajectories(KL_MASK, 2, scores=torch.tensor([1.0, 0.0]), old_logp=torch.zeros(2, 3)))
+    batch, _ = algo.prepare(trajectories(KL_MASK, 2, scores=torch.tensor([1.0, 0.0]), old_logp=torch.zeros(2, 3)))
     logp = torch.full((2, 3), math.log(2.0), requires_grad=True)
     loss, metrics = algo.policy_loss(batch, Forward(logp), algo.denominator(batch))
     loss.backward()
@@ -93,7 +93,7 @@ def test_rollout_corrections_weight_the_loss_and_report_what_they_did(correction
     old_logp = torch.zeros(2, 3)
     gen_logp = -torch.log(torch.tensor([[1.0, 4.0, 1.0], [1.5, 1.0, 1.0]]))
     algo = make_algorithm(rollout_correction=correction, **CORRECTION_KEYS[correction], num_samples_per_prompt=2, beta=0.0)
-    batch, metrics = algo.build_batch(trajectories(KL_MASK, 2, scores=torch.tensor([1.0, 0.0]), old_logp=old_logp, gen_logp=gen_logp))
+    batch, metrics = algo.prepare(trajectories(KL_MASK, 2, scores=torch.tensor([1.0, 0.0]), old_logp=old_logp, gen_logp=gen_logp))
     assert metrics["rollout_corr/kept_share"] == pytest.approx(kept)
     assert metrics["rollout_corr/masked_share"] == pytest.approx(1 - kept)
     assert metrics["rollout_corr/flagged_share"] == pytest.approx(flagged)
@@ -118,7 +118,7 @@ def test_rejected_tokens_leave_every_term_unless_drop_rejected_is_false(correcti
     ref_logp = torch.tensor([[-0.5, -3.0, 0.0], [-1.0, 0.0, 0.0]])  # a different KL at every token
     algo = make_algorithm(rollout_correction=correction, **CORRECTION_KEYS[correction], drop_rejected=drop,
                           num_samples_per_prompt=2, beta=0.1)
-    batch, _ = algo.build_batch(trajectories(KL_MASK, 2, scores=torch.tensor([1.0, 0.0]), old_logp=old_logp,
+    batch, _ = algo.prepare(trajectories(KL_MASK, 2, scores=torch.tensor([1.0, 0.0]), old_logp=old_logp,
                                              gen_logp=gen_logp, ref_logp=ref_logp))
     rejected = {"icepop": [[0, 1]], "geo_reject": [[0, 0], [0, 1]]}[correction]
     expected_mask = KL_MASK.clone()

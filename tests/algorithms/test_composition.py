@@ -39,8 +39,9 @@ def test_unknown_advantage_lists_the_registered_names():
     message = str(err.value)
     assert "'nope'" in message and "algorithm.advantage" in message
     registered = registry.names("advantage")
-    assert {"grpo", "rloo", "reinforce", "gae", "rebn", "best_vs_worst"} <= set(registered)
+    assert {"grpo", "rloo", "reinforce", "gae", "rebn"} <= set(registered)
     assert f"Registered: {', '.join(registered)}" in message
+    assert "best_vs_worst" not in registered and "pair_selector: best_vs_worst" in message  # a kind of its own, same node
 
 
 # --- a new loss is one registered function ------------------------------------------------------------
@@ -67,7 +68,7 @@ def test_a_registered_loss_is_picked_by_config_and_aggregated(scratch_registry):
     )
     assert isinstance(algo, PolicyGradient) and algo.surrogate.obj is scaled_reinforce
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
-    batch, _ = algo.build_batch(trajectories(mask, scores=torch.tensor([1.0, 3.0]), old_logp=torch.zeros(2, 2)))
+    batch, _ = algo.prepare(trajectories(mask, scores=torch.tensor([1.0, 3.0]), old_logp=torch.zeros(2, 2)))
     logp = torch.tensor([[-1.0, -2.0], [-0.5, 9.0]])
     loss, metrics = algo.policy_loss(batch, Forward(logp), algo.denominator(batch))
     assert_close(loss, torch.tensor(-2.5))
@@ -105,7 +106,7 @@ def test_gspo_policy_loss_on_grpo_advantages():
     assert algo.surrogate.obj is policy_losses.gspo
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     old_logp = torch.tensor([[-1.0, -1.0, 9.0], [-2.0, 9.0, 9.0]])
-    batch, _ = algo.build_batch(trajectories(mask, 2, scores=torch.tensor([0.0, 2.0]), old_logp=old_logp))
+    batch, _ = algo.prepare(trajectories(mask, 2, scores=torch.tensor([0.0, 2.0]), old_logp=old_logp))
     assert_close(batch.advantages, torch.tensor([[-1.0, -1.0, 0.0], [1.0, 0.0, 0.0]]))
     logp = (old_logp + torch.tensor([[0.1, -0.3, 0.0], [0.4, 0.0, 0.0]])).requires_grad_(True)
     loss, metrics = algo.policy_loss(batch, Forward(logp), algo.denominator(batch))
@@ -115,3 +116,43 @@ def test_gspo_policy_loss_on_grpo_advantages():
     loss.backward()
     g = math.exp(-0.1) / 3
     assert_close(logp.grad, torch.tensor([[g, g, 0.0], [0.0, 0.0, 0.0]]))
+
+
+# --- pair selectors and pairwise losses: kinds of their own at the same nodes ---------------------------
+
+
+def test_pairwise_parts_are_kinds_of_their_own_chosen_at_the_same_nodes():
+    assert "dpo" in registry.names("pairwise_loss") and "dpo" not in registry.names("policy_loss")
+    assert "best_vs_worst" in registry.names("pair_selector")
+    assert registry.kind_of("policy_loss", "dpo") == "pairwise_loss" and registry.kind_of("policy_loss", "gspo") == "policy_loss"
+    assert registry.kind_of("advantage", "best_vs_worst") == "pair_selector"
+    assert {"dpo", "ipo", "ppo_clip"} <= set(registry.node_names("policy_loss"))
+
+
+def hinge_without_a_kind(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, cfg):
+    """A pairwise loss by import path that does not declare its kind (read as a policy loss)."""
+    chosen, rejected = chosen_logp - ref_chosen_logp, rejected_logp - ref_rejected_logp
+    return torch.relu(1 - (chosen - rejected)), chosen.detach(), rejected.detach()
+
+
+def hinge(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, cfg):
+    return hinge_without_a_kind(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, cfg)
+
+
+hinge.kind = "pairwise_loss"
+
+
+def test_a_pairwise_loss_by_import_path_declares_its_kind():
+    """Declared, it composes with a pair selector; undeclared, the refusal says how to declare it."""
+    algo = make_algorithm(advantage="best_vs_worst", policy_loss="test_composition.hinge", num_samples_per_prompt=2,
+                          reuse_training_logprobs=False)
+    assert algo.pairwise and algo.pair_loss.obj is hinge
+    with pytest.raises(ConfigError) as err:
+        make_algorithm(advantage="best_vs_worst", policy_loss="test_composition.hinge_without_a_kind")
+    assert 'declares its kind: `hinge_without_a_kind.kind = "pairwise_loss"`' in str(err.value)
+
+
+def test_a_kind_the_node_cannot_choose_is_refused(monkeypatch):
+    monkeypatch.setattr(hinge, "kind", "reward")
+    with pytest.raises(registry.RegistryError, match=r"declares kind='reward'.*declare one of policy_loss, pairwise_loss"):
+        registry.kind_of("policy_loss", "test_composition.hinge")

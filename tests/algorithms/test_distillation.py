@@ -1,5 +1,5 @@
 """`algorithm/advantage=opd` and `algorithm.distill_coef`: the teacher's logprobs (``extras['teacher_logp']``, put
-there by the Learner) become per-token advantages through `build_batch`, on hand values; and every way to misconfigure
+there by the Learner) become per-token advantages through `prepare`, on hand values; and every way to misconfigure
 a teacher is refused before any model loads."""
 
 from dataclasses import replace
@@ -23,7 +23,7 @@ def batch_with_teacher(scores=(1.0, 0.0), group=2):
 
 def test_opd_advantages_are_the_teachers_signal_per_token_and_ignore_the_reward():
     algo = make_algorithm(advantage="opd", num_samples_per_prompt=1, beta=0.0)
-    batch, metrics = algo.build_batch(batch_with_teacher(scores=(5.0, -3.0), group=1))
+    batch, metrics = algo.prepare(batch_with_teacher(scores=(5.0, -3.0), group=1))
     torch.testing.assert_close(batch.advantages, torch.tensor([[0.5, -1.0, 0.0], [0.25, 0.0, 0.0]]))
     assert metrics["distill/reverse_kl"] == pytest.approx((-0.5 + 1.0 - 0.25) / 3)
     assert metrics["distill/teacher_logprob"] == pytest.approx((-0.5 - 3.0 - 0.25) / 3)
@@ -31,15 +31,15 @@ def test_opd_advantages_are_the_teachers_signal_per_token_and_ignore_the_reward(
 
 def test_opd_with_gamma_one_sums_the_signal_of_the_tokens_that_follow():
     algo = make_algorithm(advantage={"name": "opd", "gamma": 1.0}, num_samples_per_prompt=1, beta=0.0)
-    batch, _ = algo.build_batch(batch_with_teacher(group=1))
+    batch, _ = algo.prepare(batch_with_teacher(group=1))
     torch.testing.assert_close(batch.advantages, torch.tensor([[-0.5, -1.0, 0.0], [0.25, 0.0, 0.0]]))
 
 
 def test_distill_coef_adds_the_weighted_signal_to_any_estimators_advantages():
     plain = make_algorithm(num_samples_per_prompt=2, beta=0.0)
     mixed = make_algorithm(num_samples_per_prompt=2, beta=0.0, distill_coef=0.5)
-    grpo_only, _ = plain.build_batch(batch_with_teacher())
-    both, metrics = mixed.build_batch(batch_with_teacher())
+    grpo_only, _ = plain.prepare(batch_with_teacher())
+    both, metrics = mixed.prepare(batch_with_teacher())
     signal = torch.tensor([[0.5, -1.0, 0.0], [0.25, 0.0, 0.0]])
     torch.testing.assert_close(both.advantages, grpo_only.advantages + 0.5 * signal)
     assert "distill/reverse_kl" in metrics and mixed.needs_teacher and not plain.needs_teacher
@@ -48,7 +48,7 @@ def test_distill_coef_adds_the_weighted_signal_to_any_estimators_advantages():
 def test_opd_without_the_teachers_logprobs_says_what_to_set():
     algo = make_algorithm(advantage="opd", num_samples_per_prompt=1, beta=0.0)
     with pytest.raises(ValueError, match="teacher.name_or_path"):
-        algo.build_batch(trajectories(KL_MASK, 1, scores=torch.tensor([1.0, 0.0]), old_logp=GEN_LOGP, gen_logp=GEN_LOGP))
+        algo.prepare(trajectories(KL_MASK, 1, scores=torch.tensor([1.0, 0.0]), old_logp=GEN_LOGP, gen_logp=GEN_LOGP))
 
 
 @pytest.mark.parametrize("overrides, message", [

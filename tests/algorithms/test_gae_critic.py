@@ -48,12 +48,12 @@ def test_gae_is_registered_and_needs_a_critic():
     assert algo.needs_critic and algo.needs_old_logprobs and algo.needs_reference
 
 
-def test_build_batch_gamma_one_lambda_one():
+def test_prepare_gamma_one_lambda_one():
     """gamma = lam = 1: returns are the reward-to-go of the per-token rewards, advantages = returns - V."""
     # row 0: to-go [0.98, 0.99, 1.01], A = [0.98 - 0.5, 0.99 - 0.2, 1.01 - 0.4] = [0.48, 0.79, 0.61];
     # row 1: to-go [1.95], A = [0.45];
     # row 2: to-go [-1.06, -1.06, -1.05, -1.03], A = [-1.36, -1.66, -1.95, -1.53].
-    batch, _ = make_ppo(gamma=1.0, lam=1.0).build_batch(inputs())
+    batch, _ = make_ppo(gamma=1.0, lam=1.0).prepare(inputs())
     expected_returns = torch.tensor([[0.98, 0.99, 1.01, 0.0], [1.95, 0.0, 0.0, 0.0], [-1.06, -1.06, -1.05, -1.03]])
     expected_adv = torch.tensor([[0.48, 0.79, 0.61, 0.0], [0.45, 0.0, 0.0, 0.0], [-1.36, -1.66, -1.95, -1.53]])
     assert_close(batch.returns, expected_returns)
@@ -61,24 +61,24 @@ def test_build_batch_gamma_one_lambda_one():
     assert batch.values is VALUES and batch.old_logp is OLD_LOGP and batch.ref_logp is REF_LOGP
 
 
-def test_build_batch_lambda_zero_is_one_step_td():
+def test_prepare_lambda_zero_is_one_step_td():
     """gamma 1, lam 0: advantages are one-step TD errors r_t + V_{t+1} - V_t."""
     # row 0: [-0.01 + 0.2 - 0.5, -0.02 + 0.4 - 0.2, 1.01 - 0.4] = [-0.31, 0.18, 0.61];  row 1: [1.95 - 1.5] = [0.45];
     # row 2: [0 + 0.6 - 0.3, -0.01 + 0.9 - 0.6, -0.02 + 0.5 - 0.9, -1.03 - 0.5] = [0.3, 0.29, -0.42, -1.53].
     # returns = A + V: row 0 [0.19, 0.38, 1.01]; row 1 [1.95]; row 2 [0.6, 0.89, 0.48, -1.03].
-    batch, _ = make_ppo(gamma=1.0, lam=0.0).build_batch(inputs())
+    batch, _ = make_ppo(gamma=1.0, lam=0.0).prepare(inputs())
     expected_adv = torch.tensor([[-0.31, 0.18, 0.61, 0.0], [0.45, 0.0, 0.0, 0.0], [0.3, 0.29, -0.42, -1.53]])
     expected_returns = torch.tensor([[0.19, 0.38, 1.01, 0.0], [1.95, 0.0, 0.0, 0.0], [0.6, 0.89, 0.48, -1.03]])
     assert_close(batch.advantages, expected_adv)
     assert_close(batch.returns, expected_returns)
 
 
-def test_build_batch_metrics():
-    """build_batch metrics: rewards, non-score reward, KL, values and returns."""
+def test_prepare_metrics():
+    """prepare metrics: rewards, non-score reward, KL, values and returns."""
     # non_score_reward = -0.1 * KL sums [0.2, 0.5, 0.6] -> mean -0.13 / 3 = -0.0433333; objective/kl = 1.3 / 3.
     # rlhf_reward = mean row reward sums (0.98 + 1.95 - 1.06) / 3 = 0.6233333; val/values = 4.9 / 8 = 0.6125;
     # val/returns (gamma = lam = 1) = (0.98 + 0.99 + 1.01 + 1.95 - 1.06 - 1.06 - 1.05 - 1.03) / 8 = 0.09125.
-    _, metrics = make_ppo(gamma=1.0, lam=1.0).build_batch(inputs())
+    _, metrics = make_ppo(gamma=1.0, lam=1.0).prepare(inputs())
     assert metrics == pytest.approx(
         {
             "objective/rlhf_reward": 0.6233333,
@@ -92,12 +92,12 @@ def test_build_batch_metrics():
     )
 
 
-def test_build_batch_with_kl_as_a_loss_keeps_the_score_only():
+def test_prepare_with_kl_as_a_loss_keeps_the_score_only():
     """kl_in_reward false: per-token rewards are the score alone; objective/kl is still reported."""
     # kl_in_reward false: per-token rewards are the scores alone; non_score_reward 0, objective/kl still 1.3 / 3.
     # gamma = lam = 1: row 0 A = [1 - 0.5, 1 - 0.2, 1 - 0.4]; row 1 [2 - 1.5];
     #                  row 2 [-1 - 0.3, -1 - 0.6, -1 - 0.9, -1 - 0.5].
-    batch, metrics = make_ppo(gamma=1.0, lam=1.0, kl_in_reward=False).build_batch(inputs())
+    batch, metrics = make_ppo(gamma=1.0, lam=1.0, kl_in_reward=False).prepare(inputs())
     expected = torch.tensor([[0.5, 0.8, 0.6, 0.0], [0.5, 0.0, 0.0, 0.0], [-1.3, -1.6, -1.9, -1.5]])
     assert_close(batch.advantages, expected)
     assert metrics["objective/non_score_reward"] == 0.0
@@ -105,17 +105,17 @@ def test_build_batch_with_kl_as_a_loss_keeps_the_score_only():
     assert metrics["objective/kl"] == pytest.approx(1.3 / 3.0)
 
 
-def test_build_batch_without_reference():
+def test_prepare_without_reference():
     """beta 0: no KL at all; rewards are the scores, no ref_logp tensor and no KL metrics."""
-    batch, metrics = make_ppo(beta=0.0, gamma=1.0, lam=1.0).build_batch(inputs(ref_logp=None))
+    batch, metrics = make_ppo(beta=0.0, gamma=1.0, lam=1.0).prepare(inputs(ref_logp=None))
     assert batch.ref_logp is None and "objective/kl" not in metrics
     assert_close(batch.advantages[1], torch.tensor([0.5, 0.0, 0.0, 0.0]))
 
 
 def test_whitened_advantages_leave_returns_alone():
     """whiten_advantages: valid advantages get mean 0 and unbiased variance 1, 0 on padding; returns unchanged."""
-    plain, _ = make_ppo(gamma=1.0, lam=1.0).build_batch(inputs())
-    batch, _ = make_ppo(gamma=1.0, lam=1.0, whiten_advantages=True).build_batch(inputs())
+    plain, _ = make_ppo(gamma=1.0, lam=1.0).prepare(inputs())
+    batch, _ = make_ppo(gamma=1.0, lam=1.0, whiten_advantages=True).prepare(inputs())
     adv = batch.advantages
     assert_close(masked_mean(adv, MASK), torch.tensor(0.0), atol=1e-6, rtol=0)
     assert_close(masked_var(adv, MASK), torch.tensor(1.0), atol=1e-5, rtol=0)
@@ -124,28 +124,28 @@ def test_whitened_advantages_leave_returns_alone():
 
 
 @pytest.mark.parametrize("garbage", [0.0, -30.0, 1e6])
-def test_build_batch_ignores_finite_garbage_where_masked(garbage):
+def test_prepare_ignores_finite_garbage_where_masked(garbage):
     """Other finite garbage in masked logprobs and values changes no tensor the loss reads and no metric."""
-    clean_batch, clean_metrics = make_ppo(lam=0.9).build_batch(inputs())
+    clean_batch, clean_metrics = make_ppo(lam=0.9).prepare(inputs())
     dirty = lambda x, g: torch.where(MASK.bool(), x, torch.full_like(x, g))  # noqa: E731
     dirty_inputs = inputs(dirty(OLD_LOGP, garbage), dirty(REF_LOGP, -garbage), dirty(VALUES, garbage))
-    batch, metrics = make_ppo(lam=0.9).build_batch(dirty_inputs)
+    batch, metrics = make_ppo(lam=0.9).prepare(dirty_inputs)
     assert torch.equal(batch.advantages, clean_batch.advantages)
     assert torch.equal(batch.returns, clean_batch.returns)
     assert metrics == pytest.approx(clean_metrics)
 
 
-def test_build_batch_metrics_ignore_nan_where_masked():
+def test_prepare_metrics_ignore_nan_where_masked():
     """NaN in masked old logprobs must not reach any metric (masked_sum drops padding everywhere else)."""
     dirty_old = torch.where(MASK.bool(), OLD_LOGP, torch.full_like(OLD_LOGP, NAN))
-    _, metrics = make_ppo(gamma=1.0, lam=1.0).build_batch(inputs(old_logp=dirty_old))
+    _, metrics = make_ppo(gamma=1.0, lam=1.0).prepare(inputs(old_logp=dirty_old))
     assert metrics["objective/non_score_reward"] == pytest.approx(-0.0433333, abs=1e-6)
 
 
-def test_build_batch_needs_values():
+def test_prepare_needs_values():
     """Without critic values GAE cannot run: a ValueError."""
     with pytest.raises(ValueError, match="critic's values"):
-        make_ppo().build_batch(inputs(values=None))
+        make_ppo().prepare(inputs(values=None))
 
 
 # --- policy_loss and value_loss -----------------------------------------------------------------------

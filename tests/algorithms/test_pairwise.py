@@ -1,6 +1,8 @@
 """Online DPO (PairwisePreference): best/worst pairs per prompt, tie exclusion, the pair denominator, DPO/IPO loss
 and metrics."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -8,6 +10,7 @@ from torch.testing import assert_close
 from algorithm_fixtures import algorithm_cfg, make_algorithm, trajectories
 from rlhf import registry
 from rlhf.algorithms import AdvantageInputs, PairwisePreference, advantages as advantage_parts
+from rlhf.algorithms.base import OldLogprobs, old_logprob_source
 from rlhf.config import ConfigError, compose_config, validate
 from rlhf.trajectory import Forward, Trajectories
 
@@ -42,7 +45,7 @@ def test_best_and_worst_first_on_ties():
     assert rejected.tolist() == [3, 4, 9]
 
 
-# --- build_batch --------------------------------------------------------------------------------------
+# --- prepare --------------------------------------------------------------------------------------
 
 # Three prompts, G = 2. Scores [1, 3 | 2, 2 | 0, -1]: pairs (chosen, rejected) = (1, 0), (2, 2) tie, (4, 5).
 SCORES = torch.tensor([1.0, 3.0, 2.0, 2.0, 0.0, -1.0])
@@ -67,8 +70,8 @@ ROWS = [1, 0, 2, 2, 4, 5]  # chosen_0, rejected_0, chosen_1, rejected_1, chosen_
 
 
 def build(algo, old_logp=OLD_LOGP, scores=SCORES):
-    """`algo.build_batch` on the six-row example."""
-    return algo.build_batch(make_rollout(MASK, scores=scores, old_logp=old_logp, ref_logp=REF_LOGP))
+    """`algo.prepare` on the six-row example."""
+    return algo.prepare(make_rollout(MASK, scores=scores, old_logp=old_logp, ref_logp=REF_LOGP))
 
 
 def test_online_dpo_is_registered_and_flags():
@@ -88,7 +91,7 @@ def test_online_dpo_needs_positive_beta(beta):
         validate(compose_config(["algorithm=online_dpo", f"algorithm.policy_loss.beta={beta}"]))
 
 
-def test_build_batch_interleaves_chosen_and_rejected():
+def test_prepare_interleaves_chosen_and_rejected():
     """Rows come out as chosen, rejected per prompt; ref logprobs follow their rows; the tie pair is invalid."""
     batch, _ = build(make_dpo())
     assert batch.rows_per_unit == 2 and batch.num_units == 3
@@ -98,8 +101,8 @@ def test_build_batch_interleaves_chosen_and_rejected():
     assert batch.extras["pair_valid"].tolist() == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]
 
 
-def test_build_batch_metrics():
-    """build_batch metrics: mean margin, mean score, valid-pair fraction, pre-update KL."""
+def test_prepare_metrics():
+    """prepare metrics: mean margin, mean score, valid-pair fraction, pre-update KL."""
     # margins [3 - 1, 0, 0 - (-1)] = [2, 0, 1] -> mean 1; mean score 7 / 6; 2 of 3 pairs valid;
     # objective/kl (k1, pre-update policy, all six rows) = (0.3 + 0.2 + 0.3 + 0 + 0.4 + 0.4) / 6 = 0.2666667.
     _, metrics = build(make_dpo())
@@ -114,8 +117,8 @@ def test_build_batch_metrics():
     )
 
 
-def test_build_batch_without_old_logprobs_has_no_kl():
-    """reuse_training_logprobs: no pre-update forward, so build_batch reports no objective/kl."""
+def test_prepare_without_old_logprobs_has_no_kl():
+    """reuse_training_logprobs: no pre-update forward, so prepare reports no objective/kl."""
     algo = make_dpo(reuse_training_logprobs=True)
     assert algo.needs_old_logprobs is False and algo.needs_entropy is True
     _, metrics = build(algo, old_logp=None)
@@ -211,7 +214,7 @@ def test_reuse_training_logprobs_reports_kl_and_entropy_from_the_training_forwar
 
 
 def test_no_kl_in_loss_metrics_without_reuse():
-    """Without reuse_training_logprobs the loss reports no objective/kl (build_batch already did)."""
+    """Without reuse_training_logprobs the loss reports no objective/kl (prepare already did)."""
     algo = make_dpo()
     batch, _ = build(algo)
     _, metrics = algo.policy_loss(batch, Forward(LOGP), algo.denominator(batch))
@@ -226,3 +229,12 @@ def test_no_valid_pair_gives_zero_loss():
     loss, _ = algo.policy_loss(batch, Forward(LOGP), algo.denominator(batch))
     assert loss.item() == 0.0
     assert isinstance(batch, Trajectories)
+
+
+def test_where_its_old_logprobs_come_from():
+    """A pass of their own for the pre-update KL, or none with reuse_training_logprobs (the KL from the training
+    forward), whatever the number of optimiser steps."""
+    one, four = SimpleNamespace(num_epochs=1, num_mini_batches=1), SimpleNamespace(num_epochs=1, num_mini_batches=4)
+    assert old_logprob_source(make_dpo(reuse_training_logprobs=False), one) is OldLogprobs.PASS
+    assert old_logprob_source(make_dpo(reuse_training_logprobs=True), one) is OldLogprobs.NONE
+    assert old_logprob_source(make_dpo(reuse_training_logprobs=True), four) is OldLogprobs.NONE

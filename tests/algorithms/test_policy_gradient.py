@@ -1,4 +1,4 @@
-"""Policy-gradient algorithms: registry, reward shaping, advantages, build_batch (KL in the reward, KL metrics,
+"""Policy-gradient algorithms: registry, reward shaping, advantages, prepare (KL in the reward, KL metrics,
 adaptive KL) and truncated importance sampling."""
 
 import math
@@ -17,8 +17,8 @@ BIG = 1e6
 
 
 def advantages(algo, rewards: torch.Tensor, mask: torch.Tensor, group: int = 1) -> torch.Tensor:
-    """Per-token advantages from `build_batch` on sequence rewards, without a reference (so without KL)."""
-    batch, _ = algo.build_batch(trajectories(mask, group, scores=rewards, old_logp=torch.zeros(mask.shape)))
+    """Per-token advantages from `prepare` on sequence rewards, without a reference (so without KL)."""
+    batch, _ = algo.prepare(trajectories(mask, group, scores=rewards, old_logp=torch.zeros(mask.shape)))
     return batch.advantages
 
 
@@ -131,10 +131,10 @@ def test_rloo_whitened_advantages():
     assert_close(adv, torch.tensor([1.2247449, -1.2247449, 0.0, 0.0]), atol=1e-5, rtol=0)
 
 
-# --- build_batch: KL in the reward, KL metrics --------------------------------------------------------
+# --- prepare: KL in the reward, KL metrics --------------------------------------------------------
 
 
-def test_build_batch_with_kl_in_reward():
+def test_prepare_with_kl_in_reward():
     """Reinforce, beta 0.1, k1 KL in the reward: shaped rewards, advantages and KL metrics."""
     # Reinforce, beta 0.1, k1: rewards [1 - 0.075, 2 - 0.1] = [0.925, 1.9], mean 1.4125 -> advantages -+0.4875.
     # non_score_reward mean (-0.075 - 0.1) / 2 = -0.0875; objective/kl = (0.75 + 1.0) / 2 = 0.875.
@@ -149,7 +149,7 @@ def test_build_batch_with_kl_in_reward():
     assert batch.rows_per_unit == 1 and batch.num_units == 2
 
 
-def test_build_batch_with_kl_as_a_loss_reports_kl_but_keeps_rewards():
+def test_prepare_with_kl_as_a_loss_reports_kl_but_keeps_rewards():
     """kl_in_reward false: rewards are the scores [1, 2] -> advantages -+0.5; objective/kl is still 0.875."""
     algo = make_algorithm(advantage="reinforce", whiten_advantages=False, beta=0.1, kl_in_reward=False, kl_estimator="k1")
     batch, metrics = build_kl_example(algo)
@@ -159,7 +159,7 @@ def test_build_batch_with_kl_as_a_loss_reports_kl_but_keeps_rewards():
     assert metrics["objective/kl"] == pytest.approx(0.875)
 
 
-def test_build_batch_k3_kl_in_reward():
+def test_prepare_k3_kl_in_reward():
     """k3 KL in the reward: objective/kl and non_score_reward from k3 sums."""
     # k3 at x = [0.5, 0.25] and [1.0]: [0.1065307 + 0.0288008, 0.3678794] -> kl sums [0.1353315, 0.3678794];
     # non_score = -0.1 * them, mean -0.0251605; objective/kl = 0.2516055.
@@ -169,7 +169,7 @@ def test_build_batch_k3_kl_in_reward():
     assert metrics["objective/rlhf_reward"] == pytest.approx(1.5 - 0.0251605, abs=1e-6)
 
 
-def test_build_batch_without_reference_has_no_kl():
+def test_prepare_without_reference_has_no_kl():
     """beta 0: no reference, no KL metrics, no ref_logp tensor; rewards are the scores."""
     algo = make_algorithm(advantage="reinforce", whiten_advantages=False, beta=0.0)
     assert algo.needs_reference is False
@@ -180,7 +180,7 @@ def test_build_batch_without_reference_has_no_kl():
 
 
 @pytest.mark.parametrize("garbage", [0.0, 3.0, -20.0, float("nan")])
-def test_build_batch_ignores_masked_logprobs(garbage):
+def test_prepare_ignores_masked_logprobs(garbage):
     """Any garbage (even NaN) in masked old/ref logprobs leaves advantages and metrics as with clean inputs."""
     algo = make_algorithm(num_samples_per_prompt=2, beta=0.1, kl_in_reward=True, kl_estimator="k3")
     clean_batch, clean_metrics = build_kl_example(algo, group=2)
@@ -191,7 +191,7 @@ def test_build_batch_ignores_masked_logprobs(garbage):
 
 
 def test_adaptive_kl_coefficient_moves_between_steps():
-    """The adaptive KL coefficient used by build_batch moves after every step."""
+    """The adaptive KL coefficient used by prepare moves after every step."""
     # target 0.5, horizon 20, 2 samples, measured KL 0.875: error 0.75 clipped to 0.2 -> coef * (1 + 0.2 * 2 / 20).
     # Step 1 uses 0.1 (non_score mean -0.0875), then 0.102; step 2 uses 0.102: -0.102 * (0.75 + 1.0) / 2 = -0.08925,
     # then 0.102 * 1.02 = 0.10404.
@@ -226,7 +226,7 @@ def test_tis_weights_each_token_loss_by_the_truncated_trainer_generator_ratio():
     gen_logp = torch.tensor([[-1.5, -1.0 - math.log(4.0)], [-1.0, 0.0]])
     algo = make_algorithm(rollout_correction="token_tis", clip=2.0, num_samples_per_prompt=2, norm_adv_by_std=False, loss_agg="token_mean", beta=0.0)
     step = trajectories(mask, 2, scores=torch.tensor([1.0, -1.0]), old_logp=old_logp, gen_logp=gen_logp)
-    batch, metrics = algo.build_batch(step)
+    batch, metrics = algo.prepare(step)
     assert_close(batch.extras["is_weights"], torch.tensor([[math.exp(0.5), 2.0], [1.0, 0.0]]))
     assert metrics["rollout_corr/flagged_share"] == pytest.approx(1 / 3)
     assert metrics["rollout_corr/weight_mean"] == pytest.approx((math.exp(0.5) + 2.0 + 1.0) / 3)
@@ -241,5 +241,5 @@ def test_tis_off_adds_no_weights_and_leaves_the_loss_alone():
     # generator logprobs far from the trainer: they would matter if TIS were on
     gen_logp = torch.full((2, 2), -3.0)
     step = trajectories(mask, 2, scores=torch.tensor([1.0, 0.0]), old_logp=torch.zeros(2, 2), gen_logp=gen_logp)
-    batch, metrics = algo.build_batch(step)
+    batch, metrics = algo.prepare(step)
     assert "is_weights" not in batch.extras and not any(key.startswith("rollout_corr/") for key in metrics)

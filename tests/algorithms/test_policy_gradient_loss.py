@@ -27,7 +27,7 @@ def _inputs(garbage: float = 3.0):
 
 
 def loss_batch(old_logp, ref_logp=None, adv=ADV, mask=MASK):
-    """A micro batch as build_batch leaves it: old/ref logprobs and advantages set."""
+    """A micro batch as prepare leaves it: old/ref logprobs and advantages set."""
     return trajectories(mask, old_logp=old_logp, ref_logp=ref_logp, advantages=adv)
 
 
@@ -216,7 +216,7 @@ def test_dual_clip_c_from_config():
 
 
 def test_kl_loss_uses_the_coefficient_of_its_step_and_the_next_step_the_adapted_one():
-    """A step's loss uses the coefficient its build_batch logged (0.1); the adaptive update (0.102) is the next
+    """A step's loss uses the coefficient its prepare logged (0.1); the adaptive update (0.102) is the next
     step's."""
     algo = make_algorithm(num_samples_per_prompt=2, beta=0.1, kl_in_reward=False, kl_estimator="k1",
                           kl_ctl="adaptive", target=0.5, horizon=20)

@@ -3,6 +3,7 @@ composes (a renamed or moved key fails here), every relative link resolves, ever
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shlex
@@ -120,6 +121,28 @@ def test_the_schedule_of_your_own_trains_as_written(tmp_path):
     assert done.returncode == 0, f"{command}\n{(done.stdout + done.stderr)[-3000:]}"
     steps = records(tmp_path / "run")
     assert [s for s in (1, 2, 3, 4) if "perf/weight_sync_mb" in steps[s]] == [2, 4]
+
+
+@pytest.mark.slow
+def test_the_pairwise_loss_of_your_own_trains_as_written(tmp_path):
+    """docs/extending.md's pairwise loss named by import path: its blocks written where the reader would put them,
+    its command run as written (from that folder, PYTHONPATH=., the search path pointed at the reader's `myconf`) on
+    the tiny model, cut to two steps. At the first step the policy is its reference, so each pair's hinge loss is
+    the margin, 1 (DPO's would be log 2)."""
+    ((where, command),) = [(w, c) for w, c in COMMANDS if w.startswith("docs/extending.md") and "hinge" in c]
+    page, line = where.split(":")
+    own_files(ROOT / page, int(line), tmp_path)
+    module, *args = words(command)
+    args = [f"hydra.searchpath=[file://{tmp_path / 'myconf'}]" if a.startswith("hydra.searchpath=") else a for a in args]
+    short = ["train.num_steps=2", "eval.every=0", "logging.tensorboard=false", f"hydra.run.dir={tmp_path / 'run'}"]
+    done = subprocess.run([sys.executable, "-m", module, *args, *short], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": "."})
+    assert done.returncode == 0, f"{command}\n{(done.stdout + done.stderr)[-3000:]}"
+    assert "pre-update logprobs: a forward of their own before training" in done.stdout + done.stderr
+    steps = records(tmp_path / "run")
+    assert steps[1]["val/valid_pairs"] > 0, "the test needs a pair whose two responses scored differently"
+    assert steps[1]["objective/loss"] == pytest.approx(1.0, abs=1e-4)
+    assert all(math.isfinite(steps[s]["objective/loss"]) for s in (1, 2))
 
 
 def links() -> list[tuple[str, str, Path]]:

@@ -61,7 +61,7 @@ def per_turn_values(batch, advantages: torch.Tensor) -> list[list[float]]:
 
 
 def test_per_trajectory_groups_with_grpo():
-    batch, _ = make_algorithm(advantage="grpo", num_samples_per_prompt=2, beta=0.0).build_batch(rows())
+    batch, _ = make_algorithm(advantage="grpo", num_samples_per_prompt=2, beta=0.0).prepare(rows())
     scores = torch.tensor([1.0, 0.0, 1.0, 0.5])
     assert batch.scores.tolist() == scores.tolist()
     expected = [(1 - 0.5) / (0.5**0.5 + 1e-6), (0 - 0.5) / (0.5**0.5 + 1e-6), (1 - 0.75) / (0.125**0.5 + 1e-6), (0.5 - 0.75) / (0.125**0.5 + 1e-6)]
@@ -73,7 +73,7 @@ def test_per_trajectory_groups_with_grpo():
 
 def test_per_turn_discounted_returns_with_rebn():
     gamma = 0.9
-    batch, _ = make_algorithm(advantage="rebn", policy_loss="importance_sampling", gamma=gamma, beta=0.0).build_batch(rows())
+    batch, _ = make_algorithm(advantage="rebn", policy_loss="importance_sampling", gamma=gamma, beta=0.0).prepare(rows())
     # G_k = r_k + gamma * G_{k+1}, by hand, every turn of the batch counted once
     returns = [[gamma * 1.0, 1.0], [0.0, 0.0], [1.0], [gamma**2 * 0.5, gamma * 0.5, 0.5]]
     flat = torch.tensor([g for row in returns for g in row])
@@ -96,7 +96,7 @@ def test_gae_rewards_arrive_at_each_turn_end_and_bootstrap_across_observations()
     values = torch.zeros_like(batch.loss_mask)
     values[3] = torch.where(batch.loss_mask[3].bool(), torch.tensor(0.25), torch.tensor(0.0))
     algo = make_algorithm(advantage="gae", policy_loss="ppo_clip", gamma=1.0, lam=1.0, beta=0.0)
-    out, _ = algo.build_batch(replace(batch, values=values))
+    out, _ = algo.prepare(replace(batch, values=values))
     # gamma = lam = 1: an action token's return is every reward from it on; the row's 3-turn loss earns 0.5 at its end
     row3 = out.returns[3][batch.loss_mask[3].bool()].tolist()
     assert row3 == pytest.approx([0.5] * 4)

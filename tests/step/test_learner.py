@@ -4,10 +4,12 @@ the ranks' results of a mini batch merge."""
 from __future__ import annotations
 
 import math
+import pickle
 
 import pytest
 import torch
 
+from rlhf.algorithms.base import Metrics, OldLogprobs
 from rlhf.config import compose_config, validate
 from rlhf.run.build import build_components
 from rlhf.run.state import NonFiniteError, NonFiniteGuard
@@ -63,10 +65,33 @@ def test_the_weights_to_push_are_the_policys_own(parts):
 
 
 def test_rank_results_merge_shares_summed_means_averaged_forwards_stacked():
-    a = (True, {"loss/policy_avg": 0.25, "policy/clipfrac_avg": 0.1}, Forward(logp=torch.zeros(2, 3)))
-    b = (True, {"loss/policy_avg": 0.5, "policy/clipfrac_avg": 0.3}, Forward(logp=torch.ones(1, 3)))
+    a = (True, Metrics(sum={"loss/policy_avg": 0.25}, mean={"policy/clipfrac_avg": 0.1}), Forward(logp=torch.zeros(2, 3)))
+    b = (True, Metrics(sum={"loss/policy_avg": 0.5}, mean={"policy/clipfrac_avg": 0.3}), Forward(logp=torch.ones(1, 3)))
     finite, metrics, recorded = merge_shares([a, b])
     assert finite and metrics == pytest.approx({"loss/policy_avg": 0.75, "policy/clipfrac_avg": 0.2})
     assert recorded.logp.tolist() == [[0.0] * 3, [0.0] * 3, [1.0] * 3] and recorded.entropy is None
     assert merge_shares([a, (False, {}, None)]) == (False, {}, None)
     assert merge_shares([a])[1] == a[1]  # one process: its own metrics, unchanged
+
+
+def test_metrics_declare_their_reduction_and_keep_it_across_processes():
+    """A metric's reduction is what its maker declared (not read from its name), and survives pickling (the Ray
+    backend returns each rank's metrics)."""
+    metrics = Metrics(sum={"objective/loss": 0.5}, mean={"loss/not_a_share": 0.25})
+    back = pickle.loads(pickle.dumps(metrics))
+    assert back == metrics and back.reduce == {"objective/loss": "sum", "loss/not_a_share": "mean"}
+    finite, merged, _ = merge_shares([(True, back, None), (True, metrics, None)])
+    assert merged == pytest.approx({"objective/loss": 1.0, "loss/not_a_share": 0.25})
+    with pytest.raises(ValueError, match="reduces by 'mean' or 'sum'"):
+        metrics.add("val/x", 1.0, "max")
+
+
+def test_where_the_old_logprobs_come_from_is_decided_once_at_build(parts):
+    """The default run (GRPO, one optimiser step per batch) takes them from the training forward: the prepared batch
+    has none, and the update reports the metrics they feed."""
+    assert parts.learner.old_logprobs is OldLogprobs.TRAINING
+    scored = parts.collector.collect()
+    prepared, _ = parts.learner.prepare(scored)
+    assert prepared.old_logp is None
+    metrics = parts.learner.update(scored, NonFiniteGuard(3))
+    assert "objective/entropy" in metrics and "checks/logprob_gap_mean" in metrics

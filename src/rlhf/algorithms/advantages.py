@@ -1,7 +1,9 @@
-"""Advantage estimators, registered by name with their config classes (`algorithm/advantage`). The math is in `rlhf.functional`.
+"""Advantage estimators and pair selectors, registered by name with their config classes (`algorithm/advantage`). The
+math is in `rlhf.functional`.
 
-Each turns a step's rewards into per-token advantages over the action window; see `rlhf.algorithms.base` for
-the call signature and `AdvantageInputs`.
+An estimator turns a step's rewards into per-token advantages over the action window; a pair selector picks the
+(chosen, rejected) rows of a pairwise algorithm. See `rlhf.algorithms.base` for the call signatures and
+`AdvantageInputs`.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import torch
 from dataclasses import dataclass
 from typing import Optional
 
-from rlhf.algorithms.base import AdvantageInputs, register_advantage
+from rlhf.algorithms.base import AdvantageInputs, register_advantage, register_pair_selector
 from rlhf.errors import require
 from rlhf.functional import (
     baseline_advantages,
@@ -170,7 +172,7 @@ def opd(inputs: AdvantageInputs, cfg: DistillConfig):
     return discounted_returns(inputs.teacher_signal, inputs.mask, cfg.gamma), None
 
 
-@register_advantage("best_vs_worst", min_samples_per_prompt=2, pairwise=True)
+@register_pair_selector("best_vs_worst")
 def best_vs_worst(inputs: AdvantageInputs, cfg: PartConfig):
     """Preference pairs: each prompt's highest- against its lowest-scored sample (first on ties), as row indices."""
     return best_and_worst(inputs.scores, inputs.group_size)

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import torch
 
-from rlhf.algorithms.base import AdvantageInputs
+from rlhf.algorithms.base import AdvantageInputs, Metrics
 from rlhf.functional import (
     aggregate_loss,
     clipped_value_loss,
@@ -59,7 +59,7 @@ class PolicyGradient:
                 f"{cfg.beta} would stay there; set algorithm.beta > 0"
             )
         self.kl_ctl = kl_controller(cfg.beta) if kl_controller is not None else FixedKLController(cfg.beta)
-        self.kl_coef = self.kl_ctl.value  # set again at the start of every step by build_batch
+        self.kl_coef = self.kl_ctl.value  # set again at the start of every step by prepare
         self.loss_agg_norm = float(cfg.loss_agg_norm if cfg.loss_agg_norm is not None else max_new_tokens)
 
     def state_dict(self) -> dict[str, float]:
@@ -70,15 +70,15 @@ class PolicyGradient:
         self.kl_ctl.value = state["kl_coef"]
 
     @property
-    def batch_reads_old_logprobs(self) -> bool:
-        """Whether `build_batch` needs the pre-update logprobs (a KL penalty in the reward, a rollout correction that
+    def prepare_reads_old_logprobs(self) -> bool:
+        """Whether `prepare` needs the pre-update logprobs (a KL penalty in the reward, a rollout correction that
         takes the tokens it rejects out of the loss mask, which the denominators read, a teacher's signal), so they cannot come from the
-        training forward afterwards (`Learner.old_logprobs_from_training`). Any other correction weighs each token in
+        training forward afterwards (`rlhf.algorithms.base.old_logprob_source`). Any other correction weighs each token in
         the loss itself, from the training forward's logprobs detached, when the batch has no old ones."""
         drops = self.correction is not None and getattr(self.correction.config, "drop_rejected", False)
         return (self.cfg.kl_in_reward and self.needs_reference) or drops or self.needs_teacher
 
-    def build_batch(self, batch: Trajectories) -> tuple[Trajectories, dict[str, float]]:
+    def prepare(self, batch: Trajectories) -> tuple[Trajectories, dict[str, float]]:
         """Advantages (and returns) for a scored batch with ref logprobs (and values) and, unless the training
         forward supplies them later, old logprobs; the step's metrics."""
         self.kl_coef = self.kl_ctl.value  # the coefficient of this step, in the reward and in the loss alike
@@ -133,9 +133,9 @@ class PolicyGradient:
         return torch.where(batch.loss_mask.bool(), kl, torch.zeros_like(kl))
 
     def old_logprob_metrics(self, batch: Trajectories, corrected: tuple | None = None) -> dict[str, float]:
-        """From a batch with old logprobs: `objective/kl` and the coefficient (with ref logprobs; the adaptive
-        controller moves for the next step), and the rollout correction's `rollout_corr/*` over the batch's mask
-        (``corrected``: its (weights, flagged) on this batch when already computed)."""
+        """From a batch with old logprobs: `objective/kl` and the coefficient (with ref logprobs), and the rollout
+        correction's `rollout_corr/*` over the batch's mask (``corrected``: its (weights, flagged) on this batch when
+        already computed)."""
         metrics = {}
         if self.correction is not None:
             if corrected is None:
@@ -145,9 +145,16 @@ class PolicyGradient:
         kl = self.rollout_kl(batch)
         if kl is None:
             return metrics
-        metrics |= {"objective/kl": masked_sum(kl, batch.loss_mask, dim=1).mean().item(), "objective/kl_coef": self.kl_coef}
-        self.kl_ctl.update(metrics["objective/kl"], len(batch))  # moves the coefficient for the next step
-        return metrics
+        return metrics | {"objective/kl": masked_sum(kl, batch.loss_mask, dim=1).mean().item(), "objective/kl_coef": self.kl_coef}
+
+    def late_metrics(self, batch: Trajectories) -> dict[str, float]:
+        """`old_logprob_metrics` of a batch whose old logprobs came from the training forward."""
+        return self.old_logprob_metrics(batch)
+
+    def end_step(self, metrics: dict[str, float], rows: int) -> None:
+        """The KL controller moves for the next step by the step's `objective/kl` (measured with a reference)."""
+        if "objective/kl" in metrics:
+            self.kl_ctl.update(metrics["objective/kl"], rows)
 
     def denominator(self, mini: Trajectories) -> torch.Tensor:
         """What a mini batch's loss is divided by, so micro-batch losses add up to the mini-batch loss."""
@@ -156,34 +163,44 @@ class PolicyGradient:
     def aggregate(self, per_token: torch.Tensor, micro: Trajectories, denominator: torch.Tensor) -> torch.Tensor:
         return aggregate_loss(per_token, micro.loss_mask, self.cfg.loss_agg, denominator)
 
-    def policy_loss(self, micro: Trajectories, out: Forward, denominator: torch.Tensor):
-        """(the micro batch's share of the mini-batch policy loss, metrics); `loss/...` metrics are shares too."""
+    def micro_loss(
+        self, model: str, micro: Trajectories, out: Forward, denominator: torch.Tensor
+    ) -> tuple[torch.Tensor, Metrics]:
+        """The policy's `policy_loss`, the critic's `value_loss`."""
+        if model == "policy":
+            return self.policy_loss(micro, out, denominator)
+        return self.value_loss(micro, out, denominator)
+
+    def policy_loss(self, micro: Trajectories, out: Forward, denominator: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
+        """(the micro batch's share of the mini-batch policy loss, metrics); the `loss/...` metrics are shares too."""
         cfg, mask = self.cfg, micro.loss_mask
         surrogate = self.surrogate(out.logp, micro)
         weights = micro.extras.get("is_weights")
-        if weights is None and self.correction is not None:  # old logprobs from this forward (`batch_reads_old_logprobs`)
+        if weights is None and self.correction is not None:  # old logprobs from this forward (`prepare_reads_old_logprobs`)
             weights = self.correction(micro.old_logp, micro.gen_logp, mask)[0]
         per_token = surrogate.loss * weights if weights is not None else surrogate.loss
         pg_loss = self.aggregate(per_token, micro, denominator)
         loss = pg_loss
         log_ratio = surrogate.log_ratio.detach()
-        metrics = {
-            "loss/policy_avg": pg_loss.detach(),
-            "policy/approxkl_avg": masked_mean(0.5 * log_ratio**2, mask),
-            "policy/clipfrac_avg": masked_mean(surrogate.clipped.float(), mask),
-            "val/ratio": masked_mean(log_ratio.exp(), mask),
-        }
+        metrics = Metrics(
+            sum={"loss/policy_avg": pg_loss.detach()},
+            mean={
+                "policy/approxkl_avg": masked_mean(0.5 * log_ratio**2, mask),
+                "policy/clipfrac_avg": masked_mean(surrogate.clipped.float(), mask),
+                "val/ratio": masked_mean(log_ratio.exp(), mask),
+            },
+        )
         if micro.ref_logp is not None and cfg.beta > 0 and not cfg.kl_in_reward:
             kl_loss = self.aggregate(kl_per_token(out.logp, micro.ref_logp, cfg.kl_estimator), micro, denominator)
             loss = loss + self.kl_coef * kl_loss  # beta (or the adaptive coefficient) enters the loss here
-            metrics["loss/kl_avg"] = kl_loss.detach()
+            metrics.add("loss/kl_avg", kl_loss.detach(), "sum")
         if out.entropy is not None and cfg.entropy_coef != 0:
             entropy = self.aggregate(out.entropy, micro, denominator)
             loss = loss - cfg.entropy_coef * entropy
-            metrics["loss/entropy_avg"] = entropy.detach()
+            metrics.add("loss/entropy_avg", entropy.detach(), "sum")
         return loss, metrics
 
-    def value_loss(self, micro: Trajectories, out: Forward, denominator: torch.Tensor):
+    def value_loss(self, micro: Trajectories, out: Forward, denominator: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
         """(vf_coef * the micro batch's share of the clipped value loss, metrics), for the critic."""
         if out.values is None:
             raise ValueError("the value loss needs the critic's values for the micro batch; Forward.values is None")
@@ -191,5 +208,5 @@ class PolicyGradient:
         critic = self.advantage.config  # the advantage that trains a critic configures its loss (gae: vf_coef, cliprange_value)
         per_token, clipped = clipped_value_loss(out.values, micro.values, micro.returns, critic.cliprange_value)
         value_loss = self.aggregate(per_token, micro, denominator)
-        metrics = {"loss/value_avg": value_loss.detach(), "val/clipfrac_avg": masked_mean(clipped.float(), mask)}
+        metrics = Metrics(sum={"loss/value_avg": value_loss.detach()}, mean={"val/clipfrac_avg": masked_mean(clipped.float(), mask)})
         return critic.vf_coef * value_loss, metrics

@@ -1,7 +1,9 @@
-"""Policy losses, registered by name with their config classes (`algorithm/policy_loss`). The math is in `rlhf.functional`.
+"""Policy losses and pairwise losses, registered by name with their config classes (`algorithm/policy_loss`). The math is
+in `rlhf.functional`.
 
-A per-token loss takes the trained policy's logprobs and the micro batch; a pairwise one (DPO, IPO) takes summed
-sequence logprobs of (chosen, rejected) pairs. See `rlhf.algorithms.base` for the signatures.
+A policy loss takes the trained policy's logprobs and the micro batch; a pairwise loss (DPO, IPO; kind
+``pairwise_loss``) takes summed sequence logprobs of (chosen, rejected) pairs. See `rlhf.algorithms.base` for the
+signatures.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import torch
 from dataclasses import dataclass
 from typing import Optional
 
-from rlhf.algorithms.base import PolicyLoss, register_policy_loss
+from rlhf.algorithms.base import PolicyLoss, register_pairwise_loss, register_policy_loss
 from rlhf.errors import require
 from rlhf.functional import cispo_policy_loss, clipped_policy_loss, dpo_loss, gspo_policy_loss, importance_sampling_loss
 from rlhf.parts import PartConfig
@@ -98,13 +100,13 @@ def importance_sampling(logp: torch.Tensor, batch: Trajectories, cfg: PartConfig
     return PolicyLoss(loss, torch.zeros_like(loss, dtype=torch.bool), log_ratio.detach())
 
 
-@register_policy_loss("dpo", config=PairConfig, pairwise=True)
+@register_pairwise_loss("dpo", config=PairConfig)
 def dpo(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, cfg: PairConfig):
     """DPO's sigmoid loss on pairs (Rafailov et al., 2023), `beta` the temperature."""
     return dpo_loss(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, cfg.beta, "sigmoid")
 
 
-@register_policy_loss("ipo", config=PairConfig, pairwise=True)
+@register_pairwise_loss("ipo", config=PairConfig)
 def ipo(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, cfg: PairConfig):
     """IPO's squared loss on pairs (Azar et al., 2023), regressing the margin to 1 / (2 beta)."""
     return dpo_loss(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, cfg.beta, "ipo")

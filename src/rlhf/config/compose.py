@@ -140,7 +140,7 @@ def raise_if_not_the_parts(overrides: list[str], err: Exception, config_name: st
     group = PATHS[path]
     if not any(o.partition("=")[0] == f"{path}.name" for o in overrides):
         return  # the chosen part declares the key, but its node (a YAML file of yours) does not hold it: Hydra's `+` advice
-    if part.name not in registry.names(GROUPS[group]):  # a part of your own, by import path: its node is the one renamed
+    if part.name not in registry.node_names(GROUPS[group]):  # a part of your own, by import path: its node is the one renamed
         raise ConfigError(
             f"{key}: {path}.name={part.name} names a part of your own, whose node holds only the keys written; add this "
             f"one with +{key}={values[0]} (its config class types it, and fills the keys left out with their defaults)"

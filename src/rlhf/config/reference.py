@@ -107,7 +107,7 @@ def reference() -> str:
     lines += ["## The parts' keys", "", "Each group's choices; the node holds the keys of the one chosen (`name` selects it).", ""]
     for group, kind in GROUPS.items():
         node = group.replace("/", ".")
-        for name in registry.names(kind):
+        for name in registry.node_names(kind):
             cls = config_class(registry.resolve(kind, name), node, name) or PartConfig
             lines += [f"### `{group}={name}`", "", *table(cls, f"{node}.")]
     lines += ["## `python -m rlhf.train_reward`", "", "Training a reward model on preference pairs (conf/train_reward.yaml).", "",

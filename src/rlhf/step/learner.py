@@ -2,13 +2,16 @@
 
 `update` reads top to bottom as the step's second half:
 
-1. `prepare`: the pre-update policy's logprobs (unless the training forward supplies them), the reference's
-   logprobs, the distillation teacher's, the critic's values, then the algorithm's batch (advantages, returns,
-   correction weights).
+1. `prepare`: the pre-update policy's logprobs (when a forward of their own computes them: `old_logprobs`), the
+   reference's logprobs, the distillation teacher's, the critic's values, then the algorithm's batch (advantages,
+   returns, correction weights).
 2. `train`: `train.num_epochs` passes over the batch in shuffled mini batches; each trained model (the policy, and
    the critic for PPO) runs `accumulate` on every micro batch of a mini batch (forward, the algorithm's loss,
    backward), then takes one optimiser step.
-3. `weights`: what the generator loads next.
+3. the algorithm's `end_step`, then `weights`: what the generator loads next.
+
+The Learner calls the algorithm only through `rlhf.algorithms.base.Algorithm`; each metric of a micro batch's loss
+declares how it reduces over micro batches and ranks (`rlhf.algorithms.base.Metrics`).
 
 On the Ray backend each training rank runs `accumulate` on its share of a mini batch (`shares`: SPMD, the ranks'
 collectives inside the strategy); here it runs in this process.
@@ -16,13 +19,16 @@ collectives inside the strategy); here it runs in this process.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import fields, replace
+from functools import partial
 from pathlib import Path
 
 import torch
 
+from rlhf.algorithms.base import Metrics, OldLogprobs, old_logprob_source, reduction
 from rlhf.collectives import all_ranks_true
 from rlhf.errors import ConfigError
 from rlhf.functional import masked_mean, masked_sum
@@ -31,11 +37,7 @@ from rlhf.micro_batches import Budget, in_row_order, micro_units, padded_tokens,
 from rlhf.step.scored import Scored, group_rows, groups_with_signal
 from rlhf.trajectory import Forward, Trajectories
 
-
-def is_share(key: str) -> bool:
-    """Whether metric ``key`` is a share of the mini-batch loss (summed over micro batches and ranks) rather than a
-    mean (averaged)."""
-    return key.startswith("loss/") or key == "objective/loss"
+log = logging.getLogger(__name__)
 
 
 class Learner:
@@ -44,7 +46,7 @@ class Learner:
     ``shuffle`` orders the mini batches (checkpointed); ``gap_watch`` observes each step's generator-trainer logprob
     gap (`rlhf.checks.parity`); ``policy_packs``: the policy's training forwards pack their micro batches (for
     `perf/padding_fraction`). ``updates`` counts the updates begun: a step whose count moved may have changed the
-    models.
+    models. ``old_logprobs``: where each step's pre-update logprobs come from, decided once (`old_logprob_source`).
     """
 
     def __init__(
@@ -58,6 +60,8 @@ class Learner:
         self.budget = Budget.of(train_cfg)
         self.updates = 0
         self.fresh: torch.Tensor | None = None  # (B,) rows the trained weights generated (async); None = every row
+        self.old_logprobs = old_logprob_source(algorithm, train_cfg)
+        log.info("pre-update logprobs: %s", self.old_logprobs.value)
 
     @property
     def trained(self) -> list[tuple[str, object]]:
@@ -96,27 +100,13 @@ class Learner:
         prepared = time.perf_counter()
         self.updates += 1  # from here the models may differ from the last complete step
         metrics |= self.train(batch, guard)
+        self.algorithm.end_step(metrics, len(batch))
         return metrics | {"time/logprobs": prepared - start, "time/training": time.perf_counter() - prepared}
-
-    def old_logprobs_from_training(self) -> bool:
-        """Whether the pre-update logprobs can come from the training forward itself (detached) instead of a pass of
-        their own: the step makes one optimiser step (`train.num_epochs` = `train.num_mini_batches` = 1), so the
-        training forward runs on exactly the pre-update weights, and the algorithm builds its batch without them
-        (`PolicyGradient.batch_reads_old_logprobs`). `algorithm.reuse_training_logprobs=false` turns it off."""
-        algorithm, train = self.algorithm, self.train_cfg
-        return (
-            not algorithm.pairwise
-            and algorithm.needs_old_logprobs
-            and bool(algorithm.cfg.reuse_training_logprobs)
-            and not algorithm.batch_reads_old_logprobs
-            and train.num_epochs == 1
-            and train.num_mini_batches == 1
-        )
 
     def prepare(self, scored: Scored) -> tuple[Trajectories, dict[str, float]]:
         """Pre-update policy logprobs, reference logprobs and critic values, then the algorithm's training batch;
-        forwards in micro batches of the token budget. Without a pass for the pre-update logprobs
-        (`old_logprobs_from_training`), `train` takes them from its own forward."""
+        forwards in micro batches of the token budget. The pre-update logprobs get a pass of their own only when
+        ``old_logprobs`` says so; from the training forward, `train` takes them."""
         batch = scored.batch.to(self.device)
         self.fresh = fresh_rows(scored)
         metrics = {
@@ -125,7 +115,7 @@ class Learner:
             "val/num_stop_token_ids": batch.stopped.sum().item(),
             "val/stop_rate": batch.stopped.float().mean().item(),
         } | zero_std_share(scored.batch.scores, scored.batch.group_id)
-        if self.algorithm.needs_old_logprobs and not self.old_logprobs_from_training():
+        if self.old_logprobs is OldLogprobs.PASS:
             old_logp, entropy = self.policy.rollout_logprobs(batch, self.budget, with_entropy=True)
             batch = replace(batch, old_logp=old_logp)
             metrics |= self.old_logprob_metrics(batch, entropy)
@@ -135,7 +125,7 @@ class Learner:
             batch = replace(batch, extras=dict(batch.extras, teacher_logp=self.teacher.rollout_logprobs(batch, self.budget)))
         if self.critic is not None:
             batch = replace(batch, values=self.critic.rollout_values(batch, self.budget))
-        batch, algorithm_metrics = self.algorithm.build_batch(batch)
+        batch, algorithm_metrics = self.algorithm.prepare(batch)
         return batch, metrics | algorithm_metrics
 
     def train(self, batch: Trajectories, guard) -> dict[str, float]:
@@ -145,7 +135,7 @@ class Learner:
         (`rlhf.micro_batches`); for pairwise algorithms (DPO) they hold whole pairs. A non-finite loss in any trained
         model drops every model's gradients for that mini batch; a non-finite gradient norm skips that model's
         update. Either way ``guard`` counts the mini batch and stops the run after too many in a row. When
-        ``batch.old_logp`` is None (see `prepare`), the policy's forward supplies them and the metrics they feed.
+        ``old_logprobs`` is `OldLogprobs.TRAINING`, the policy's forward supplies them and the metrics they feed.
         Returns the algorithm's metrics averaged over mini batches, gradient norms, and `perf/total_num_tokens` (real
         tokens of the batch) and `perf/padding_fraction` (the share of padding in what the training forwards'
         token-wise layers computed, packed or not as the policy runs them: `micro_batches.padded_tokens`).
@@ -155,8 +145,7 @@ class Learner:
         mini_units = max(1, units // train.num_mini_batches)  # an environment batch may have lost failed groups
         micro = Budget(micro_units(mini_units, train.micro_batch_size, batch.rows_per_unit) * batch.rows_per_unit,
                        train.max_tokens_per_micro_batch)
-        losses = {"policy": "policy_loss", "critic": "value_loss"}  # the algorithm's loss for each trained model
-        from_training = batch.old_logp is None and algorithm.needs_old_logprobs
+        from_training = self.old_logprobs is OldLogprobs.TRAINING
         sums: dict[str, float] = {}
         late: dict[str, float] = {}
         count = 0
@@ -169,7 +158,7 @@ class Learner:
                 denominator = algorithm.denominator(mini)
                 results = [
                     accumulate_mini(
-                        model, mini, getattr(algorithm, losses[name]), denominator, micro, algorithm.needs_entropy,
+                        model, mini, partial(algorithm.micro_loss, name), denominator, micro, algorithm.needs_entropy,
                         from_training and name == "policy",
                     )
                     for name, model in self.trained
@@ -228,29 +217,32 @@ class Learner:
         device = batch.loss_mask.device
         old_logp, entropy = (place([t.to(device)], [rows], width) for t in (forward.logp, forward.entropy))
         filled = replace(batch, old_logp=old_logp)
-        return self.old_logprob_metrics(filled, entropy) | self.algorithm.old_logprob_metrics(filled)
+        return self.old_logprob_metrics(filled, entropy) | self.algorithm.late_metrics(filled)
 
 
 def accumulate_mini(
     model, mini: Trajectories, loss_fn, denominator: torch.Tensor, budget: Budget, with_entropy: bool = False,
-    record: bool = False,
-) -> tuple[bool, dict[str, float], Forward | None]:
+    from_training: bool = False,
+) -> tuple[bool, Metrics, Forward | None]:
     """`accumulate` on each rank's share of the mini batch ``mini`` (``model.shares``: all of it in one process),
     the ranks' results merged (`merge_shares`)."""
-    return merge_shares(model.shares(accumulate, mini, loss_fn, denominator, budget, with_entropy, record))
+    return merge_shares(model.shares(accumulate, mini, loss_fn, denominator, budget, with_entropy, from_training))
 
 
 def accumulate(
-    model, mini: Trajectories, loss_fn, denominator: torch.Tensor, budget: Budget, with_entropy: bool, record: bool
-) -> tuple[bool, dict[str, float], Forward | None]:
+    model, mini: Trajectories, loss_fn, denominator: torch.Tensor, budget: Budget, with_entropy: bool,
+    from_training: bool,
+) -> tuple[bool, Metrics, Forward | None]:
     """Forward, loss and backward of each micro batch of ``mini`` (this rank's share of a mini batch: ``budget``'s
     rows and tokens each, longest units first, padding columns trimmed) on ``model``, gradients accumulating.
 
-    ``loss_fn(micro, Forward, denominator) -> (loss share, metrics)`` is the algorithm's loss for ``model``;
-    ``with_entropy`` shapes the policy's forward. Returns (finite, metrics, recorded): with
-    ``record``, the forwards' outputs detached as one `Forward` of (B, T) tensors in ``mini``'s row order. As soon as
-    a loss is non-finite on any rank, every rank returns False after the mini batch (the caller drops its
-    gradients). Loss shares (`is_share`) are summed over micro batches, the other metrics averaged.
+    ``loss_fn(micro, Forward, denominator) -> (loss share, Metrics)`` is the algorithm's loss for ``model``;
+    ``with_entropy`` shapes the policy's forward. ``from_training``: the forward supplies the pre-update logprobs
+    (`OldLogprobs.TRAINING`), detached into each micro batch's ``old_logp`` before the loss. Returns (finite, metrics,
+    recorded): with ``from_training``, the forwards' outputs detached as one `Forward` of (B, T) tensors in ``mini``'s
+    row order. As soon as a loss is non-finite on any rank, every rank returns False after the mini batch (the caller
+    drops its gradients). Each metric reduces over micro batches as it declares (`Metrics`): a loss share summed,
+    the rest averaged.
 
     No host sync between the micro batches: the layouts come from the mini batch's `host_spans` (read once), and the
     finite flag and the metrics stay on the device until one read after the last backward.
@@ -260,17 +252,21 @@ def accumulate(
     kept: list[tuple[torch.Tensor, Forward]] = []
     sums: dict[str, torch.Tensor] = {}  # float64, as python floats would add them
     host: dict[str, float] = {}  # metrics given as python numbers
+    declared: dict[str, str] = {}  # each metric's reduction
     finite = torch.ones((), dtype=torch.bool, device=mini.loss_mask.device)
     for ids in micro_ids:
         micro = mini.select_units(ids).trimmed()
-        micro, forward, recorded = model.train_forward(micro, with_entropy, record)
+        micro, forward, recorded = model.train_forward(micro, with_entropy, from_training)
+        if from_training:
+            micro = replace(micro, old_logp=forward.logp.detach())
         loss, micro_metrics = loss_fn(micro, forward, denominator)
         finite &= torch.isfinite(loss.detach())
         model.backward(loss)  # a non-finite loss's gradients are dropped below, with the whole mini batch's
         if recorded is not None:
             kept.append((mini.rows_of(ids), recorded))
         for key, value in micro_metrics.items():
-            weight = 1.0 if is_share(key) else 1.0 / len(micro_ids)
+            declared[key] = reduction(micro_metrics, key)
+            weight = 1.0 if declared[key] == "sum" else 1.0 / len(micro_ids)
             if isinstance(value, torch.Tensor):
                 sums[key] = sums.get(key, 0.0) + value.detach().double() * weight
             else:
@@ -279,18 +275,22 @@ def accumulate(
     values = torch.stack([finite.double(), *sums.values()]).tolist()
     if not all_ranks_true(values[0] == 1.0):
         return False, {}, None  # the caller drops the gradients: a NaN must not reach the weights
-    metrics = dict(zip(sums, values[1:])) | host
-    return True, metrics, in_row_order(kept, mini.loss_mask.shape[1]) if record else None
+    metrics = Metrics.declared(dict(zip(sums, values[1:])) | host, declared)
+    return True, metrics, in_row_order(kept, mini.loss_mask.shape[1]) if from_training else None
 
 
-def merge_shares(results: list[tuple[bool, dict[str, float], Forward | None]]) -> tuple[bool, dict[str, float], Forward | None]:
-    """The ranks' `accumulate` results (rank order, which is row order) as one: loss shares add up over ranks, other
-    metrics average, recorded forwards are stacked."""
+def merge_shares(results: list[tuple[bool, Metrics, Forward | None]]) -> tuple[bool, Metrics, Forward | None]:
+    """The ranks' `accumulate` results (rank order, which is row order) as one: each metric reduces over the ranks
+    as it declares (a loss share adds up, the rest average), recorded forwards are stacked."""
     ranks = len(results)
     if not all(finite for finite, _, _ in results):
         return False, {}, None
-    metrics = {key: sum(result[1][key] for result in results) for key in results[0][1]}
-    metrics = {key: value if is_share(key) else value / ranks for key, value in metrics.items()}
+    first = results[0][1]
+    declared = {key: reduction(first, key) for key in first}
+    metrics = {key: sum(result[1][key] for result in results) for key in first}
+    metrics = Metrics.declared(
+        {key: value if declared[key] == "sum" else value / ranks for key, value in metrics.items()}, declared
+    )
     recorded = None
     if results[0][2] is not None:
         recorded = Forward(**{

@@ -7,7 +7,6 @@ returns an object with the methods of `TorchPolicy` used by `rlhf.step.learner` 
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -90,12 +89,9 @@ class TorchPolicy(TrainableModel):
         training forward of `rlhf.step.learner.accumulate`.
 
         ``record``: also return the forward's logprobs and entropy, detached (the entropy then computed outside the
-        graph unless the loss uses it). A micro batch without ``old_logp`` takes this forward's own, detached: one
-        optimiser step per batch, so they are the pre-update logprobs (`Learner.old_logprobs_from_training`).
+        graph unless the loss uses it), for the pre-update logprobs' metrics (`OldLogprobs.TRAINING`).
         """
         logp, entropy = self.logprobs(micro, with_entropy or record, entropy_grad=with_entropy)
-        if micro.old_logp is None:
-            micro = replace(micro, old_logp=logp.detach())
         recorded = Forward(logp=logp.detach(), entropy=entropy.detach()) if record else None
         return micro, Forward(logp=logp, entropy=entropy if with_entropy else None), recorded
 
