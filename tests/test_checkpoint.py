@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from rlhf.disk import OWNER_FILE
 from rlhf.run import checkpoint
 from rlhf.run.checkpoint import STATE_FILE, STATE_KEYS, complete_checkpoints, resume_path
-from rlhf.config.schema import CriticConfig, RewardConfig
+from rlhf.config.schema import CriticConfig, RewardConfig, TrainConfig
 from rlhf.errors import ConfigError
 from rlhf.data.prompts import PromptExample, PromptStream
 from rlhf.algorithms import PolicyGradient, build_algorithm
@@ -99,8 +99,8 @@ def parts(c) -> tuple[Collector, Learner]:
     """A real Collector and Learner around a flat stub's pieces (what `checkpoint.save` and `load` take); they share
     the stub's objects, so what the test changes in one it sees in the other."""
     collector = Collector(None, None, c.rewards, c.prompts, None, prompts_per_step=1, samples_per_prompt=1)
-    budget = SimpleNamespace(micro_batch_size=1, max_tokens_per_micro_batch=None)
-    return collector, Learner(c.policy, None, c.critic, c.algorithm, budget, CPU, c.shuffle)
+    train = OmegaConf.structured(TrainConfig())
+    return collector, Learner(c.policy, None, c.critic, c.algorithm, train, CPU, c.shuffle)
 
 
 def resume_cfg(resume):

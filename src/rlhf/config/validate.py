@@ -227,11 +227,6 @@ def check_algorithm(cfg: DictConfig, algorithm) -> None:
     _require(
         algo.loss_agg_norm is None or algo.loss_agg_norm > 0, f"algorithm.loss_agg_norm={algo.loss_agg_norm} must be > 0 or null"
     )
-    _require(
-        not algorithm.needs_teacher or cfg.teacher.name_or_path,
-        f"algorithm.advantage={algo.advantage.name} with algorithm.distill_coef={algo.distill_coef} learns from a teacher's "
-        f"logprobs; set teacher.name_or_path to the teacher model (it must share the policy's tokenizer)",
-    )
 
 
 def check_dynamic_sampling(cfg: DictConfig, algorithm) -> None:
@@ -265,9 +260,10 @@ def check_dynamic_sampling(cfg: DictConfig, algorithm) -> None:
     )
 
 
-def check_teacher(teacher, gen) -> None:
+def check_teacher(cfg: DictConfig, algorithm) -> None:
     """`teacher.*`: a served teacher has a tokenizer to compare, an http(s) URL and the sampling temperature its raw
-    logprobs are at."""
+    logprobs are at; an algorithm that learns from a teacher has one."""
+    teacher, gen, algo = cfg.teacher, cfg.generator, cfg.algorithm
     _require(
         not teacher.url or teacher.name_or_path,
         f"teacher.url={teacher.url} needs teacher.name_or_path too: the teacher's tokenizer is checked against the "
@@ -285,6 +281,11 @@ def check_teacher(teacher, gen) -> None:
     )
     _require(teacher.timeout_s > 0 and teacher.max_concurrency >= 1,
              f"teacher.timeout_s={teacher.timeout_s} must be > 0 and teacher.max_concurrency={teacher.max_concurrency} >= 1")
+    _require(
+        not algorithm.needs_teacher or cfg.teacher.name_or_path,
+        f"algorithm.advantage={algo.advantage.name} with algorithm.distill_coef={algo.distill_coef} learns from a teacher's "
+        f"logprobs; set teacher.name_or_path to the teacher model (it must share the policy's tokenizer)",
+    )
 
 
 def check_trained_models(cfg: DictConfig) -> None:
@@ -449,7 +450,7 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     algorithm = build_algorithm(cfg.algorithm, cfg.generator.max_new_tokens)
     check_algorithm(cfg, algorithm)
     check_dynamic_sampling(cfg, algorithm)
-    check_teacher(cfg.teacher, cfg.generator)
+    check_teacher(cfg, algorithm)
     check_self_checks(cfg.checks)
     check_trained_models(cfg)
     check_optimiser(cfg)
