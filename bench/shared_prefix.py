@@ -9,6 +9,8 @@ whole `generate` call (temperature 1). Shapes:
 
 - ``long``: 512-token prompts, answers of up to 32 tokens, 8 samples per prompt, on the 3M random Llama of
   `bench/generate.py` (4 layers, width 256);
+- ``edge``: where `auto` starts sharing (`AUTO_SAVED_TOKENS_PER_ROW`): 19-token prompts (16.6 tokens saved a row),
+  up to 16 new tokens, 16 prompts x 8 samples, on the same 3M model;
 - ``tiny``: the built-in task's (`model=tiny_arith`, prompts of 4 to 6 tokens, 4 new tokens, 16 prompts x 8 samples);
 - ``smollm2``: SmolLM2-135M-Instruct at its natural shape (chat-templated sums, ~45-token prompts, up to 14 new
   tokens, 8 samples per prompt).
@@ -52,9 +54,10 @@ def random_prompts(count: int, shortest: int, longest: int, vocab: int, seed: in
 
 def shape_work(name: str, root: Path, prompts: int, samples: int) -> tuple[str, list[list[int]], int]:
     """(model folder, the repeated prompts, new tokens) of shape ``name``."""
-    if name == "long":
+    if name in ("long", "edge"):
         folder = str(save_random_llama(root / "3m", 256, 4, 512, 32, 4, positions=1024))
-        distinct, new = random_prompts(prompts, 512, 512, 32), 32
+        length, new = (512, 32) if name == "long" else (19, 16)
+        distinct = random_prompts(prompts, length, length, 32)
     elif name == "tiny":
         folder = resolve_model_path("builtin:tiny_arith")
         distinct, new = random_prompts(prompts, 4, 6, len(load_tokenizer(folder))), 4
@@ -71,13 +74,18 @@ def hf_generator(folder: str, path: str, share: str, rows: int) -> HFGenerator:
     return HFGenerator(config, model_cfg, load_tokenizer(folder), torch.device("cpu"))
 
 
-def timed_turns(generators: dict[str, object], prompts, sampling: SamplingParams, repeats: int) -> tuple[dict, dict]:
+def timed_turns(generators: dict[str, object], prompts, sampling: SamplingParams, repeats: int, before=None) -> tuple[dict, dict]:
     """(median seconds of a `generate` call, mean response tokens of the warm-up call) of each generator, called in
-    turns after one warm-up call each."""
-    tokens = {name: float(g.generate(prompts, sampling).loss_mask.sum(dim=1).mean()) for name, g in generators.items()}
+    turns after one warm-up call each; ``before(generator)``, untimed, before each call."""
+    before = before or (lambda generator: None)
+    tokens = {}
+    for name, generator in generators.items():
+        before(generator)
+        tokens[name] = float(generator.generate(prompts, sampling).loss_mask.sum(dim=1).mean())
     times = {name: [] for name in generators}
     for _ in range(repeats):
         for name, generator in generators.items():
+            before(generator)
             torch.manual_seed(0)
             start = time.perf_counter()
             generator.generate(prompts, sampling)
@@ -106,8 +114,9 @@ def hf_rows(shape: str, folder: str, prompts, new: int, repeats: int) -> list[di
 
 
 def vllm_rows(folder: str, prompts, new: int, repeats: int) -> list[dict]:
-    """The vLLM generator on the CPU, prefix caching on and off, one engine at a time (each is shut down before the
-    next starts): the prompt pass (one new token) and a whole call."""
+    """The vLLM generator on the CPU, prefix caching on and off, one engine at a time (each closed before the next
+    starts): the prompt pass (one new token) and a whole call. The prefix cache is emptied before every call, as a
+    weight push empties it before each step's new prompts: only a group's rows share, not the calls before."""
     from rlhf.config.schema import ModelConfig as Model
     from rlhf.generators.vllm import VLLMGenerator, VllmGeneratorConfig
 
@@ -118,11 +127,13 @@ def vllm_rows(folder: str, prompts, new: int, repeats: int) -> list[dict]:
             enable_prefix_caching=caching))
         engine = VLLMGenerator(config, OmegaConf.structured(Model(name_or_path=folder, dtype="float32")),
                                load_tokenizer(folder), torch.device("cpu"))
-        passes, _ = timed_turns({"e": engine}, prompts, SamplingParams(1, temperature=1.0), repeats)
-        whole, tokens = timed_turns({"e": engine}, prompts, SamplingParams(new, temperature=1.0), repeats)
+        def empty(generator):
+            generator.llm.reset_prefix_cache()
+
+        passes, _ = timed_turns({"e": engine}, prompts, SamplingParams(1, temperature=1.0), repeats, empty)
+        whole, tokens = timed_turns({"e": engine}, prompts, SamplingParams(new, temperature=1.0), repeats, empty)
         seconds[caching] = (passes["e"], whole["e"], tokens["e"])
-        if hasattr(engine, "shutdown"):
-            engine.shutdown()
+        engine.close()
         del engine
     (p0, w0, t0), (p1, w1, _) = seconds[False], seconds[True]
     return [{"shape": "long", "path": "vllm (prefix caching)", "rows": len(prompts), "prompt_tokens": 512,
@@ -146,8 +157,8 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="long,tiny,smollm2", help="comma-separated: long, tiny, smollm2")
-    parser.add_argument("--prompts", default="long=4,tiny=16,smollm2=4", help="distinct prompts per shape")
+    parser.add_argument("--shapes", default="long,edge,tiny,smollm2", help="comma-separated: long, edge, tiny, smollm2")
+    parser.add_argument("--prompts", default="long=4,edge=16,tiny=16,smollm2=4", help="distinct prompts per shape")
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--vllm", action="store_true", help="also vLLM at the long shape, prefix caching on and off")
