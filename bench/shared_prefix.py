@@ -9,8 +9,8 @@ whole `generate` call (temperature 1). Shapes:
 
 - ``long``: 512-token prompts, answers of up to 32 tokens, 8 samples per prompt, on the 3M random Llama of
   `bench/generate.py` (4 layers, width 256);
-- ``edge``: where `auto` starts sharing (`AUTO_SAVED_TOKENS_PER_ROW`): 19-token prompts (16.6 tokens saved a row),
-  up to 16 new tokens, 16 prompts x 8 samples, on the same 3M model;
+- ``edge``: short prompts on a model 40x the built-in one's size: 6-token prompts (5.25 tokens saved a
+  row; ``--edge-len`` sets another length), up to 16 new tokens, 16 prompts x 8 samples, on the same 3M model;
 - ``tiny``: the built-in task's (`model=tiny_arith`, prompts of 4 to 6 tokens, 4 new tokens, 16 prompts x 8 samples);
 - ``smollm2``: SmolLM2-135M-Instruct at its natural shape (chat-templated sums, ~45-token prompts, up to 14 new
   tokens, 8 samples per prompt).
@@ -52,11 +52,11 @@ def random_prompts(count: int, shortest: int, longest: int, vocab: int, seed: in
     return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
-def shape_work(name: str, root: Path, prompts: int, samples: int) -> tuple[str, list[list[int]], int]:
-    """(model folder, the repeated prompts, new tokens) of shape ``name``."""
+def shape_work(name: str, root: Path, prompts: int, samples: int, edge_len: int = 6) -> tuple[str, list[list[int]], int]:
+    """(model folder, the repeated prompts, new tokens) of shape ``name`` (``edge``: prompts of ``edge_len`` tokens)."""
     if name in ("long", "edge"):
         folder = str(save_random_llama(root / "3m", 256, 4, 512, 32, 4, positions=1024))
-        length, new = (512, 32) if name == "long" else (19, 16)
+        length, new = (512, 32) if name == "long" else (edge_len, 16)
         distinct = random_prompts(prompts, length, length, 32)
     elif name == "tiny":
         folder = resolve_model_path("builtin:tiny_arith")
@@ -96,9 +96,9 @@ def timed_turns(generators: dict[str, object], prompts, sampling: SamplingParams
 def hf_rows(shape: str, folder: str, prompts, new: int, repeats: int) -> list[dict]:
     """One row per decode path: prompt pass and whole call, unshared and shared, and their ratios."""
     rows = []
-    auto = shares("auto", prompts, prompt_groups(prompts))
     for path in PATHS:
         made = {share: hf_generator(folder, path, share, len(prompts)) for share in ("false", "true")}
+        auto = shares("auto", prompts, prompt_groups(prompts), made["true"].params)
         passes, _ = timed_turns(made, prompts, SamplingParams(1, temperature=1.0), repeats)
         whole, tokens = timed_turns(made, prompts, SamplingParams(new, temperature=1.0), repeats)
         rows.append({
@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", default="long,edge,tiny,smollm2", help="comma-separated: long, edge, tiny, smollm2")
     parser.add_argument("--prompts", default="long=4,edge=16,tiny=16,smollm2=4", help="distinct prompts per shape")
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--edge-len", type=int, default=6, help="the edge shape's prompt length")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--vllm", action="store_true", help="also vLLM at the long shape, prefix caching on and off")
     args = parser.parse_args(argv)
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes.split(","):
-            folder, prompts, new = shape_work(shape, Path(tmp), counts[shape], args.samples)
+            folder, prompts, new = shape_work(shape, Path(tmp), counts[shape], args.samples, args.edge_len)
             rows += hf_rows(shape, folder, prompts, new, args.repeats)
             if shape == "long" and args.vllm:
                 rows += vllm_rows(folder, prompts, new, args.repeats)

@@ -11,7 +11,7 @@ from rlhf.config import ConfigError, compose_config, validate
 from rlhf.generators.base import SamplingParams
 from rlhf.generators.decode import decode
 from rlhf.generators.hf import left_pad
-from rlhf.generators.shared_prefill import AUTO_SAVED_TOKENS_PER_ROW, prompt_groups, saved_tokens, shares
+from rlhf.generators.shared_prefill import AUTO_SAVED_WORK_PER_ROW, prompt_groups, saved_tokens, shares
 from rlhf.generators.static_decode import StaticDecoder
 from rlhf.models.grouped_attention import use_generator_attention
 from test_static_decode import PAD, POWERS, STOP, assert_same, family
@@ -49,21 +49,24 @@ def test_prompt_groups_match_rows_token_for_token_wherever_they_sit():
     assert prompt_groups([[5, 6], [6], [5, 6, 0]]).distinct == 3  # a prefix or a trailing token is another prompt
 
 
-def test_auto_shares_when_the_saved_prompt_tokens_per_row_reach_the_threshold():
-    """`true` shares any repeated prompt, `false` none, `auto` from `AUTO_SAVED_TOKENS_PER_ROW` saved tokens a row;
-    a batch with no repeated prompt never shares. The built-in task's shape (5-token prompts, 8 samples) stays
-    unshared; a 45-token prompt with 8 samples shares."""
+def test_auto_shares_when_the_saved_prompt_work_per_row_reaches_the_threshold():
+    """`true` shares any repeated prompt, `false` none, `auto` from `AUTO_SAVED_WORK_PER_ROW` saved prompt tokens x
+    parameters a row; a batch with no repeated prompt never shares. The built-in task's shape (83k parameters,
+    5-token prompts, 8 samples) stays unshared; SmolLM2's (135M, 45-token prompts) and 6-token prompts on a 3M model
+    share."""
     def group(length: int, samples: int, prompts: int = 4) -> list[list[int]]:
         return [[p + 3] * length for p in range(prompts) for _ in range(samples)]
 
-    for prompts, auto in ((group(5, 8), False), (group(45, 8), True), (group(512, 8), True), (group(45, 1), False)):
+    cases = ((group(5, 8), 83_000, False), (group(45, 8), 135_000_000, True), (group(6, 8), 3_000_000, True),
+             (group(512, 8), 3_000_000, True), (group(45, 1), 135_000_000, False))
+    for prompts, params, auto in cases:
         groups = prompt_groups(prompts)
-        assert shares("auto", prompts, groups) is auto
-        assert shares("true", prompts, groups) is (groups.distinct < groups.rows)
-        assert shares("false", prompts, groups) is False
-    per_row = AUTO_SAVED_TOKENS_PER_ROW
-    assert shares("auto", *(lambda p: (p, prompt_groups(p)))(group(2 * per_row, 2)))  # saves exactly per_row a row
-    assert not shares("auto", *(lambda p: (p, prompt_groups(p)))(group(2 * per_row - 1, 2)))
+        assert shares("auto", prompts, groups, params) is auto
+        assert shares("true", prompts, groups, params) is (groups.distinct < groups.rows)
+        assert shares("false", prompts, groups, params) is False
+    pairs = group(10, 2)  # 5 prompt tokens saved a row
+    params = AUTO_SAVED_WORK_PER_ROW // 5
+    assert shares("auto", pairs, prompt_groups(pairs), params) and not shares("auto", pairs, prompt_groups(pairs), params - 1)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "gpt_neox"])

@@ -67,7 +67,7 @@ class HfGeneratorConfig(GeneratorConfig):
     graphs: bool | None = None  # static decode: record each bucket's step as a CUDA graph and replay it (null: on CUDA yes, on CPU no)
     grouped_decode: bool = True  # the generator's own attention (rlhf.models.grouped_attention): grouped-query models (fewer key/value than query heads) decode without copying the cache to every query head, and the static decode prefills prompts packed; false: transformers' SDPA as is
     check_every: int | None = None  # static decode: steps between looks at which rows stopped (the end, or a move to a smaller bucket); null: 8 on CUDA (a look waits for the GPU), 2 on CPU
-    share_prompt_prefill: str = "auto"  # rows holding the same prompt token for token (a group's samples) run its prompt pass once: true, false, auto (when it saves 16 prompt tokens or more per row; rlhf.generators.shared_prefill)
+    share_prompt_prefill: str = "auto"  # rows holding the same prompt token for token (a group's samples) run its prompt pass once: true, false, auto (when the prompt tokens it saves per row x the model's parameters reach 2M; rlhf.generators.shared_prefill)
 
     def check(self, at: str) -> None:
         super().check(at)
@@ -171,6 +171,7 @@ class HFGenerator:
             model_cfg.name_or_path, model_cfg.dtype, model_cfg.revision, model_cfg.trust_remote_code, device
         ).eval()
         self.model.requires_grad_(False)
+        self.params = sum(p.numel() for p in self.model.parameters())  # the scale of a prompt token's work (`shares`)
         # one-token steps of a grouped-query model read the cache as it is (no per-head copy); the static decode's
         # prompt pass runs packed
         if cfg.grouped_decode:
@@ -262,7 +263,7 @@ class HFGenerator:
             raise RuntimeError("the generator is asleep; wake_up() it with the new weights before generating")
         size = self.cfg.batch_size
         groups = prompt_groups(prompts)
-        share = shares(str(self.cfg.share_prompt_prefill).lower(), prompts, groups)
+        share = shares(str(self.cfg.share_prompt_prefill).lower(), prompts, groups, self.params)
         self.last_metrics = {"generator/prefilled_prompts": float(groups.rows), "generator/alone_rows": 0.0}
         if len(prompts) <= size:
             return self._generate_chunk(prompts, sampling, share)

@@ -7,9 +7,11 @@ to every row holding that prompt (`expand_cache`, ``logits[owner]``); decoding t
 each row sampling its own tokens. Rows whose prompts differ in any token are distinct prompts: each is prefilled on
 its own, as without sharing.
 
-`generator.share_prompt_prefill=auto` shares where it pays (`shares`): when the prompt tokens it saves per row reach
-`AUTO_SAVED_TOKENS_PER_ROW`. Below that the prompt pass is a small part of a call and sharing only moves its float
-rounding (a matrix product over fewer rows rounds otherwise), which would change a seeded run's samples for nothing.
+`generator.share_prompt_prefill=auto` shares where it pays (`shares`): when the prompt-pass work it saves per row,
+prompt tokens not computed x the model's parameters, reaches `AUTO_SAVED_WORK_PER_ROW`. Below that the prompt pass is
+a small part of a call (the built-in 83k-parameter model's: shared, its whole call ran 0.82-1.09x, within this
+machine's noise), and sharing would only move the prompt pass's float rounding (a matrix product over fewer rows
+rounds otherwise), changing a seeded run's samples for nothing.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from dataclasses import dataclass
 import torch
 
 SHARE_MODES = ("auto", "true", "false")
-# `auto` shares when the prompt tokens saved per row reach this: the built-in task (4-6-token prompts, 8 samples: 4.4
-# per row) stays unshared; a 45-token prompt with 8 samples (39 per row) and the 512-token bench shape (448) share.
-# `bench/shared_prefix.py` measures both sides of it (see docs/generation.md)
-AUTO_SAVED_TOKENS_PER_ROW = 16
+# `auto` shares when prompt tokens saved per row x parameters reach this: the built-in task (83k parameters, 4-6-token
+# prompts, 8 samples: 4.4 tokens a row, 0.37M) stays unshared; 6-token prompts x 8 samples on a 3M model (17M), where
+# the whole call ran 1.17-1.25x shared, and every shape of SmolLM2 (135M parameters) share. `bench/shared_prefix.py`
+# measures both sides of it (docs/generation.md)
+AUTO_SAVED_WORK_PER_ROW = 2_000_000
 
 
 @dataclass(frozen=True)
@@ -67,15 +70,15 @@ def saved_tokens(prompts: list[list[int]], groups: PromptGroups) -> int:
     return sum(len(p) for p in prompts) - sum(len(prompts[row]) for row in groups.firsts.tolist())
 
 
-def shares(mode: str, prompts: list[list[int]], groups: PromptGroups) -> bool:
-    """Whether a decode of ``prompts`` prefills each distinct prompt once: `generator.share_prompt_prefill` ``mode``
-    (`SHARE_MODES`); `auto` when the prompt tokens saved per row reach `AUTO_SAVED_TOKENS_PER_ROW`. A batch with no
-    repeated prompt never shares (there is nothing to share)."""
+def shares(mode: str, prompts: list[list[int]], groups: PromptGroups, params: int) -> bool:
+    """Whether a decode of ``prompts`` by a model of ``params`` parameters prefills each distinct prompt once:
+    `generator.share_prompt_prefill` ``mode`` (`SHARE_MODES`); `auto` when the saved prompt tokens x ``params`` per row
+    reach `AUTO_SAVED_WORK_PER_ROW`. A batch with no repeated prompt never shares (there is nothing to share)."""
     if mode == "false" or groups.distinct == groups.rows:
         return False
     if mode == "true":
         return True
-    return saved_tokens(prompts, groups) >= AUTO_SAVED_TOKENS_PER_ROW * groups.rows
+    return saved_tokens(prompts, groups) * params >= AUTO_SAVED_WORK_PER_ROW * groups.rows
 
 
 def expand_cache(cache, owner: torch.Tensor) -> None:
