@@ -19,7 +19,7 @@ from rlhf.config import ConfigError, compose_config, validate
         (["+algorithm.policy_loss.clip_eps_hihg=0.3"], r"algorithm.policy_loss.clip_eps_hihg .* did you mean algorithm.policy_loss.clip_eps_high\?"),
         (["algorithm=online_dpo", "algorithm.entropy_coef=0.01"], r"algorithm.entropy_coef=0.01 .* per-token \(policy-gradient\) algorithm"),
         (["generator.enable_sleep=true"], r"generator.enable_sleep is not a key of generator hf \(its config HfGeneratorConfig has "
-         r"name, max_new_tokens, temperature, top_p, stop_token, batch_size, compile, decode, buckets, graphs, grouped_decode, check_every\); it is a key of generator=vllm"),
+         r"name, max_new_tokens, temperature, top_p, stop_token, batch_size, compile, decode, buckets, graphs, grouped_decode, check_every, share_prompt_prefill\); it is a key of generator=vllm"),
         (["generator=vllm", "generator.batch_size=8"], r"generator.batch_size is not a key of generator vllm .* key of generator=hf"),
         (["generator=vllm", "+generator.compile=true"], r"generator.compile is not a key of generator vllm .* key of generator=hf"),
         (["critic.lr=1e-4"], r"critic.lr=0.0001 .*\(algorithm.advantage=grpo trains no critic\).* algorithm.advantage=gae"),

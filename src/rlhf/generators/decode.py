@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from rlhf.generators.base import SamplingParams
+from rlhf.generators.shared_prefill import PromptGroups, expand_cache
 from rlhf.models.logprobs import keeps_logits
 from rlhf.trajectory import real_positions
 
@@ -69,11 +70,14 @@ def decode(
     stop_id: int,
     pad_id: int,
     step_model=None,
+    groups: PromptGroups | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample up to ``sampling.max_new_tokens`` tokens after each left-padded prompt.
 
     ``model`` reads the prompts; ``step_model`` (default ``model``), the same weights, runs the one-token steps after
     it: `generator.compile` passes a `torch.compile`d one there, where a step's fixed cost is most of its time.
+    ``groups`` (`rlhf.generators.shared_prefill`): the prompt pass runs on each distinct prompt's first row only, and
+    its cache and logits are copied to the rows holding that prompt; the steps after it are the same.
 
     Returns (tokens (B, W), logprobs (B, W)), W the longest response: a row's tokens up to and including its stop
     token, then ``pad_id`` (logprob 0). Shapes: query_ids, query_mask (B, Lq).
@@ -85,9 +89,15 @@ def decode(
     cache = DynamicCache(config=model.config)
     positions = real_positions(query_mask)
     keep = {"logits_to_keep": 1} if keeps_logits(model) else {}
+    read = slice(None) if groups is None else groups.firsts  # the rows the prompt pass reads
     out = model(
-        input_ids=query_ids, attention_mask=query_mask, position_ids=positions, past_key_values=cache, use_cache=True, **keep
+        input_ids=query_ids[read], attention_mask=query_mask[read], position_ids=positions[read], past_key_values=cache,
+        use_cache=True, **keep
     )
+    logits = out.logits[:, -1]
+    if groups is not None:
+        expand_cache(cache, groups.owner)
+        logits = logits[groups.owner]
     if step_model is None:
         step_model = model
     else:  # the steps' graph expects contiguous cache tensors (the prompt pass leaves strided views)
@@ -96,7 +106,7 @@ def decode(
     mask, last = query_mask, positions[:, -1]
     width = 0
     for step in range(budget):
-        token, logp = next_tokens(out.logits[:, -1], live, rows, sampling)
+        token, logp = next_tokens(logits, live, rows, sampling)
         tokens[live, step], logprobs[live, step] = token, logp
         width = step + 1
         going = token != stop_id
@@ -111,4 +121,5 @@ def decode(
         out = step_model(
             input_ids=token[:, None], attention_mask=mask, position_ids=last[:, None], past_key_values=cache, use_cache=True
         )
+        logits = out.logits[:, -1]
     return tokens[:, :width], logprobs[:, :width]

@@ -16,6 +16,7 @@ from rlhf.generators.memory import FLOAT32, GenerationWork, GeneratorShape, Memo
 from rlhf.micro_batches import halvings
 from rlhf.generators.continuous import ContinuousBatch, Continued, Request, continue_by_generate
 from rlhf.generators.decode import decode
+from rlhf.generators.shared_prefill import SHARE_MODES, PromptGroups, prompt_groups, shares
 from rlhf.generators.static_decode import StaticDecoder, attention_window, bucket_for, cache_columns, unsupported
 from rlhf.models.grouped_attention import use_generator_attention
 from rlhf.models.loading import load_causal_lm
@@ -66,6 +67,7 @@ class HfGeneratorConfig(GeneratorConfig):
     graphs: bool | None = None  # static decode: record each bucket's step as a CUDA graph and replay it (null: on CUDA yes, on CPU no)
     grouped_decode: bool = True  # the generator's own attention (rlhf.models.grouped_attention): grouped-query models (fewer key/value than query heads) decode without copying the cache to every query head, and the static decode prefills prompts packed; false: transformers' SDPA as is
     check_every: int | None = None  # static decode: steps between looks at which rows stopped (the end, or a move to a smaller bucket); null: 8 on CUDA (a look waits for the GPU), 2 on CPU
+    share_prompt_prefill: str = "auto"  # rows holding the same prompt token for token (a group's samples) run its prompt pass once: true, false, auto (when the prompt tokens it saves per row x the model's parameters reach 2M; rlhf.generators.shared_prefill)
 
     def check(self, at: str) -> None:
         super().check(at)
@@ -74,6 +76,8 @@ class HfGeneratorConfig(GeneratorConfig):
         require(self.buckets is None or (len(self.buckets) > 0 and all(b >= 1 for b in self.buckets)),
                 f"{at}.buckets={self.buckets and list(self.buckets)} must list batch sizes >= 1 (or be null)")
         require(self.check_every is None or self.check_every >= 1, f"{at}.check_every={self.check_every} must be >= 1 (or null)")
+        require(str(self.share_prompt_prefill).lower() in SHARE_MODES,
+                f"{at}.share_prompt_prefill={self.share_prompt_prefill} must be one of {', '.join(SHARE_MODES)}")
         require(not (self.graphs and self.decode == "eager"),
                 f"{at}.graphs=true records the static decode's steps: set {at}.decode=static (or auto), or {at}.graphs=null")
 
@@ -167,6 +171,7 @@ class HFGenerator:
             model_cfg.name_or_path, model_cfg.dtype, model_cfg.revision, model_cfg.trust_remote_code, device
         ).eval()
         self.model.requires_grad_(False)
+        self.params = sum(p.numel() for p in self.model.parameters())  # the scale of a prompt token's work (`shares`)
         # one-token steps of a grouped-query model read the cache as it is (no per-head copy); the static decode's
         # prompt pass runs packed
         if cfg.grouped_decode:
@@ -189,6 +194,7 @@ class HFGenerator:
         self._shapes: dict[str, torch.Size] | None = None  # set while asleep: the released parameters' shapes
         self.freed_bytes = 0  # what the last sleep released
         self._continuous: ContinuousBatch | None = None  # schedule=stream's rows in flight; new weights drop them
+        self.last_metrics: dict[str, float] = {}  # the last `generate` call's prompt passes (`shared_groups`)
 
     @torch.no_grad()
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -256,23 +262,43 @@ class HFGenerator:
         if self.asleep:
             raise RuntimeError("the generator is asleep; wake_up() it with the new weights before generating")
         size = self.cfg.batch_size
+        groups = prompt_groups(prompts)
+        share = shares(str(self.cfg.share_prompt_prefill).lower(), prompts, groups, self.params)
+        self.last_metrics = {"generator/prefilled_prompts": float(groups.rows), "generator/alone_rows": 0.0}
         if len(prompts) <= size:
-            return self._generate_chunk(prompts, sampling)
-        # several decode calls: prompts of similar length share one (less left padding); rows come back in order
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        chunks = [self._generate_chunk([prompts[i] for i in order[start : start + size]], sampling) for start in range(0, len(prompts), size)]
+            return self._generate_chunk(prompts, sampling, share)
+        # several decode calls: prompts of similar length share one (less left padding), and a shared prefill keeps
+        # the rows of one prompt together; rows come back in order
+        key = (lambda i: (len(prompts[i]), int(groups.owner[i]))) if share else (lambda i: len(prompts[i]))
+        order = sorted(range(len(prompts)), key=key)
+        chunks = [self._generate_chunk([prompts[i] for i in order[start : start + size]], sampling, share)
+                  for start in range(0, len(prompts), size)]
         return concat(chunks, self.pad_id).select(torch.argsort(torch.tensor(order)))
 
-    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingParams) -> Trajectories:
+    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingParams, share: bool = False) -> Trajectories:
         """One decode (`rlhf.generators.decode`): exactly the sampling asked for, whatever the model folder's own
         generation_config.json says (no repetition penalty or minimum length can make rollouts differ from the
-        policy being trained)."""
+        policy being trained). ``share``: each distinct prompt of the chunk prefilled once (`shared_groups`)."""
         query_ids, query_mask = left_pad(prompts, self.pad_id)
         query_ids, query_mask = query_ids.to(self.device), query_mask.to(self.device)
+        groups = self.shared_groups(prompts) if share else None
         # a model whose attention is windowed (`attention_window`) decodes statically only while rows fit the window
         if self.static is not None and self.static.serves(query_ids.shape[1] + sampling.max_new_tokens):
-            raw, logprobs = self.static.decode(query_ids, query_mask, sampling, self.stop_id, self.pad_id)
+            raw, logprobs = self.static.decode(query_ids, query_mask, sampling, self.stop_id, self.pad_id, groups)
         else:
-            raw, logprobs = decode(self.model, query_ids, query_mask, sampling, self.stop_id, self.pad_id, self.step_model)
+            raw, logprobs = decode(self.model, query_ids, query_mask, sampling, self.stop_id, self.pad_id, self.step_model, groups)
         response_ids, response_mask, stopped = truncate_at_stop(raw, self.stop_id, self.pad_id)
         return from_completions(query_ids, query_mask, response_ids, response_mask, logprobs * response_mask, stopped)
+
+    def shared_groups(self, prompts: list[list[int]]) -> PromptGroups | None:
+        """The distinct prompts of one decode chunk, for a shared prefill (None when no prompt repeats), added to
+        `last_metrics`: ``generator/prefilled_prompts`` counts prompt passes run, ``generator/alone_rows`` the rows
+        prefilled alone because no other row of their chunk held their prompt token for token (a group whose rows
+        differ, or one split across `generator.batch_size` chunks)."""
+        groups = prompt_groups(prompts)
+        metrics = self.last_metrics
+        metrics["generator/prefilled_prompts"] -= groups.rows - groups.distinct
+        metrics["generator/alone_rows"] += groups.alone()
+        if groups.distinct == groups.rows:
+            return None
+        return groups.to(self.device)

@@ -29,6 +29,7 @@ import torch
 
 from rlhf.generators.base import SamplingParams
 from rlhf.generators.decode import top_p_filter
+from rlhf.generators.shared_prefill import PromptGroups
 from rlhf.models.grouped_attention import NAME as GROUPED
 from rlhf.models.logprobs import keeps_logits
 from rlhf.models.packing import can_pack, rows_attention_kwargs, token_places, unread_mask
@@ -297,11 +298,13 @@ class StaticDecoder:
 
     @torch.no_grad()
     def decode(
-        self, query_ids: torch.Tensor, query_mask: torch.Tensor, sampling: SamplingParams, stop_id: int, pad_id: int
+        self, query_ids: torch.Tensor, query_mask: torch.Tensor, sampling: SamplingParams, stop_id: int, pad_id: int,
+        groups: PromptGroups | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample up to ``sampling.max_new_tokens`` tokens after each left-padded prompt. Returns (tokens (B, W),
         logprobs (B, W)) as the eager loop does: W the longest response, a row's tokens up to its stop token, then
-        ``pad_id`` with logprob 0. Shapes: query_ids, query_mask (B, Lq)."""
+        ``pad_id`` with logprob 0. ``groups``: each distinct prompt prefilled once (`_prefill`). Shapes: query_ids,
+        query_mask (B, Lq)."""
         rows, width = query_ids.shape
         budget = sampling.max_new_tokens
         bucket = bucket_for(rows, self.buckets)
@@ -310,7 +313,7 @@ class StaticDecoder:
         self.top_p.fill_(sampling.top_p)
         mode = (sampling.greedy, sampling.top_p < 1.0)
         state = full.head(bucket)
-        self._prefill(state, query_ids, query_mask, mode, stop_id, pad_id)
+        self._prefill(state, query_ids, query_mask, mode, stop_id, pad_id, groups)
         slot_rows = torch.arange(rows, device=query_ids.device)  # the batch row each slot holds
         tokens = torch.full((rows, budget), pad_id, dtype=torch.long, device=query_ids.device)
         logprobs = torch.zeros(rows, budget, device=query_ids.device)
@@ -336,18 +339,24 @@ class StaticDecoder:
         longest = max(longest, self._flush(state, slot_rows, tokens, logprobs))
         return tokens[:, :longest], logprobs[:, :longest]
 
-    def _prefill(self, state: SlotState, query_ids, query_mask, mode: tuple[bool, bool], stop_id: int, pad_id: int) -> None:
+    def _prefill(
+        self, state: SlotState, query_ids, query_mask, mode: tuple[bool, bool], stop_id: int, pad_id: int,
+        groups: PromptGroups | None = None,
+    ) -> None:
         """Run the prompts (left-padded, as `rlhf.trajectory.left_pad` builds them: a row's prompt ends at column
         Lq - 1 with no gap) into the cache's first Lq columns, packed where the model takes packed rows
         (`_packed_pass`), else as the padded batch (`_padded_pass`); pick each row's first token from its last prompt
         token's logits and set every slot up for the first step (slots past the batch attend to one column and start
-        done)."""
+        done). ``groups``: only the distinct prompts run (`_shared_pass`)."""
         rows, width = query_ids.shape
         slots = state.mask.shape[0]
         mask = torch.zeros(slots, width, dtype=torch.long, device=query_ids.device)
         mask[:rows] = query_mask
         mask[rows:, -1] = 1
-        logits = (self._packed_pass if self.packs else self._padded_pass)(state, query_ids, mask, pad_id)
+        if groups is not None:
+            logits = self._shared_pass(state, query_ids, mask, pad_id, groups)
+        else:
+            logits = (self._packed_pass if self.packs else self._padded_pass)(state, query_ids, mask, pad_id)
         token, logprob = pick_tokens(logits, *mode, self.temperature, self.top_p)
         state.done.zero_()
         state.done[rows:] = True
@@ -363,6 +372,22 @@ class StaticDecoder:
         state.position.copy_(real_positions(mask)[:, -1] + 1)
         state.column.fill_(width)
         state.step.fill_(1)
+
+    def _shared_pass(self, state: SlotState, query_ids, mask, pad_id: int, groups: PromptGroups) -> torch.Tensor:
+        """The prompt pass over each distinct prompt once, into the first U slots (packed or padded, as `_prefill`
+        chooses), then every row's slot given its prompt's cache columns and logits; slots past the batch get zero
+        keys and values (they attend to one column and are done from the start). Returns each slot's last-position
+        logits (slots, V; zeros past the batch)."""
+        rows, width = query_ids.shape
+        distinct = groups.distinct
+        own = state.head(distinct)
+        own_mask = mask[groups.firsts]
+        logits = (self._packed_pass if self.packs else self._padded_pass)(own, query_ids[groups.firsts], own_mask, pad_id)
+        for buffer in state.keys + state.values:
+            prompt = buffer[:, :, :width]
+            prompt[:rows] = prompt[:distinct].index_select(0, groups.owner)  # a copy first: row i reads slot owner[i] <= i
+            prompt[rows:].zero_()
+        return torch.cat([logits[:distinct].index_select(0, groups.owner), logits.new_zeros(mask.shape[0] - rows, logits.shape[-1])])
 
     def _padded_pass(self, state: SlotState, query_ids, mask, pad_id: int) -> torch.Tensor:
         """The prompt pass over every slot's padded row (``mask``: the slots' (slots, Lq) prompt mask; slots past the
