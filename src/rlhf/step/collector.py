@@ -147,6 +147,7 @@ class Collector:
         repeated = [ex for ex in examples for _ in range(samples_per_prompt)]
         batch = generator.generate([list(ex.token_ids) for ex in repeated], sampling)
         scored = self.score(repeated, with_groups(batch, samples_per_prompt), training)
+        scored.metrics |= getattr(generator, "last_metrics", {})  # the hf generator's shared prefill counts
         if training and self.greedy_baseline:
             scored = self.with_greedy_baseline(examples, scored, sampling, generator)
         return self.drop_unscored(scored, self.rewards.cfg.max_unscored_share if training else None)

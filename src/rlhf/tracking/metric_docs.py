@@ -52,6 +52,8 @@ METRICS: dict[str, tuple[str, str]] = {  # name -> (meaning, when logged)
     "reward/<function>_<key>": ("a reward function's own figure (e.g. reward/math_verify_no_answer_rate)", "functions that report one"),
     "reward/model": ("mean raw score of the reward model (before normalize and clip)", "reward=model"),
     "reward/model_std": ("standard deviation of the reward model's raw scores", "reward=model"),
+    "generator/prefilled_prompts": ("distinct prompts the hf generator prefilled in the step's generate call (shared prefill: once per prompt)", "generator=hf"),
+    "generator/alone_rows": ("rows prefilled alone although their prompt had company (a group split across generator.batch_size batches)", "generator=hf"),
     "reward/unscored_share": ("share of the batch's rows no reward could score (Unscored: a sandbox or judge failure), after retries", EVERY_STEP),
     "reward/unscored_rows": ("rows that left the batch unscored: out of the loss and of their groups' statistics", "a row was unscored"),
     "reward/unscored_dropped_groups": ("groups dropped because too few of their rows were scored (under the estimator's samples per prompt)", "a row was unscored"),
