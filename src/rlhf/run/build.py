@@ -214,7 +214,7 @@ def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
         prompts_per_step=cfg.train.prompts_per_step, samples_per_prompt=cfg.algorithm.num_samples_per_prompt,
         max_resample_rounds=cfg.algorithm.max_resample_rounds if cfg.algorithm.filter_groups else None,
         greedy_baseline=algorithm.needs_greedy_baseline, env=runner, filter_on=filter_on(cfg, rewards),
-        min_group=getattr(algorithm, "min_samples_per_prompt", 1),
+        min_group=getattr(algorithm, "min_samples_per_prompt", 1), max_unscored_share=cfg.reward.max_unscored_share,
     )
     learner = Learner(
         policy, models["reference"], models["critic"], algorithm, cfg.train, device, torch.Generator().manual_seed(cfg.seed), GapWatch.from_config(cfg), bool(packs()) if callable(packs) else False,

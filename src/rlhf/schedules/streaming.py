@@ -280,7 +280,7 @@ class StreamingCollector:
         """Score a finished group (outside the generator's lock: a reward model or user function may take a while)."""
         batch = group_batch(group, self.collector.pad_id)
         scored = self.collector.score([group.example] * len(group.rows), with_groups(batch, len(group.rows)))
-        scored = self.collector.drop_unscored(scored, self.collector.rewards.cfg.max_unscored_share)  # per group here
+        scored = self.collector.drop_unscored(scored, self.collector.max_unscored_share)  # per group here
         with self.lock:
             self.ready[group.index] = Finished(group, scored)
             self.lock.notify_all()

@@ -43,12 +43,13 @@ class Collector:
     ``max_resample_rounds`` >= 0 turns on dynamic sampling (`algorithm.filter_groups`), None leaves it off;
     ``filter_on`` (score or accuracy) is what must differ within a kept group.
     ``greedy_baseline``: also score one greedy response per prompt (ReMax's baseline).
+    ``max_unscored_share``: `reward.max_unscored_share` (`drop_unscored`).
     """
 
     def __init__(
         self, generator, tokenizer, rewards, prompts: PromptStream, sampling: SamplingParams, *, prompts_per_step: int,
         samples_per_prompt: int, max_resample_rounds: int | None = None, greedy_baseline: bool = False,
-        env: EpisodeRunner | None = None, filter_on: str = "score", min_group: int = 1,
+        env: EpisodeRunner | None = None, filter_on: str = "score", min_group: int = 1, max_unscored_share: float = 0.25,
     ) -> None:
         self.generator, self.tokenizer, self.rewards, self.prompts = generator, tokenizer, rewards, prompts
         self.sampling, self.env = sampling, env
@@ -56,6 +57,7 @@ class Collector:
         self.max_resample_rounds, self.greedy_baseline = max_resample_rounds, greedy_baseline
         self.filter_on = filter_on  # dynamic sampling keeps groups whose `score`s differ, or whose verdicts (`accuracy`)
         self.min_group = min_group  # the fewest episodes a group keeps when others failed (the estimator's samples per prompt)
+        self.max_unscored_share = max_unscored_share  # past this share of a training batch's rows unscored, the run stops
         self.weights_version = 0  # weight pushes through `load_weights` (the async schedule's version when it gives one)
 
     def using(self, generator) -> "Collector":
@@ -150,7 +152,7 @@ class Collector:
         scored.metrics |= getattr(generator, "last_metrics", {})  # the hf generator's shared prefill counts
         if training and self.greedy_baseline:
             scored = self.with_greedy_baseline(examples, scored, sampling, generator)
-        return self.drop_unscored(scored, self.rewards.cfg.max_unscored_share if training else None)
+        return self.drop_unscored(scored, self.max_unscored_share if training else None)
 
     def with_greedy_baseline(self, examples: list[PromptExample], scored: Scored, sampling: SamplingParams, generator) -> Scored:
         """``scored`` with each row's baseline, the score of its prompt's greedy response (ReMax), as
