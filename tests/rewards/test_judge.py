@@ -213,6 +213,16 @@ def test_no_more_requests_are_in_flight_than_max_concurrency(server, limit):
     assert len(server.requests) == 6 and server.peak == limit
 
 
+def test_extra_body_fields_go_with_each_request_from_a_config_node(server):
+    rewards = reward_set({**GOOD, "base_url": server.url, "rubric": ECHO, "cache_size": 0,
+                          "extra_body": {"structured_outputs": {"choice": ["yes", "no"]}, "top_p": 0.5}})
+    (name, _, args, fn), = rewards.functions
+    fn(prompts=["p"], responses=["7"], ground_truths=None, **args)  # the args as a config holds them
+    request = server.requests[0][3]
+    assert request["structured_outputs"] == {"choice": ["yes", "no"]} and request["top_p"] == 0.5
+    assert request["model"] == "judge"
+
+
 def test_a_ground_truth_is_given_to_the_rubric(server):
     judge(prompts=["p"], responses=["r"], ground_truths=[{"answer": 42}], base_url=server.url,
           rubric="{{ ground_truth.answer }}", cache_size=0, **FAST)
@@ -243,6 +253,8 @@ GOOD = {"base_url": "http://127.0.0.1:8000/v1", "model": "judge", "rubric": "Rat
         ({"max_concurrency": 0}, r"at.max_concurrency=0 must be an integer >= 1"),
         ({"timeout_s": 0}, r"at.timeout_s=0 must be > 0"),
         ({"cache_size": -1}, r"at.cache_size=-1 must be an integer >= 0"),
+        ({"extra_body": {"model": "x", "max_tokens": 1}}, r"at.extra_body sets max_tokens, model; set at.<key> instead"),
+        ({"extra_body": ["top_p"]}, r"at.extra_body must be a mapping"),
     ],
 )
 def test_args_it_cannot_use_are_config_errors_naming_the_key(args, message):

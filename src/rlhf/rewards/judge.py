@@ -14,6 +14,9 @@ A row the judge could not score is `Unscored(reason)`, never 0.0: the service re
 page), or a text with no score in it or a number out of range. Each kind is counted in the returned metrics.
 HTTP 401, 403 and 404 stop the run instead: a wrong key, model name or URL fails every row alike.
 
+``extra_body`` adds fields to each request, e.g. vLLM's ``{structured_outputs: {choice: [yes, no]}}``, with which a
+small judge can only answer yes or no.
+
 Identical requests (the same URL, model, messages and sampling settings) are sent once per batch, and a score is
 kept in a bounded in-memory cache (``cache_size`` entries, least recently used out first; 0 turns it off); a
 failure is never cached.
@@ -28,6 +31,7 @@ import math
 import os
 import re
 from collections import Counter, OrderedDict
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from threading import Lock
@@ -63,13 +67,13 @@ def judge(
     prompts, responses, ground_truths, base_url: str = "", model: str = "", api_key_env: str | None = None,
     rubric: str = "", parse: str = "number", low: float = 0.0, high: float = 10.0, max_concurrency: int = 8,
     timeout_s: float = 60.0, max_retries: int = 2, backoff_s: float = 1.0, temperature: float = 0.0,
-    max_tokens: int = 16, cache_size: int = 4096,
+    max_tokens: int = 16, cache_size: int = 4096, extra_body: dict | None = None,
 ) -> Scores:
     """One score in [0, 1] per response, or `Unscored` where the judge could not give one; metrics: ``requests``
     (sent, retries aside), ``cache_hits`` (rows served from the cache), ``unscored`` and ``unscored_<kind>``."""
     template = _template(_rubric_text(rubric, "args.rubric"))
     truths = ground_truths if ground_truths is not None else [None] * len(responses)
-    settings = {"model": model, "temperature": temperature, "max_tokens": max_tokens}
+    settings = {**plain(extra_body or {}), "model": model, "temperature": temperature, "max_tokens": max_tokens}
     bodies = [
         _request_body(_render(template, "args.rubric", prompt=p, response=r, ground_truth=g, low=low, high=high), settings)
         for p, r, g in zip(prompts, responses, truths)
@@ -158,6 +162,15 @@ def read_score(text: str, parse: str, low: float, high: float) -> float | Unscor
 def _request_body(message: str, settings: dict) -> bytes:
     """The chat completion request for one rendered rubric, as the bytes sent (and the cache's key)."""
     return json.dumps({"messages": [{"role": "user", "content": message}], **settings}, sort_keys=True).encode()
+
+
+def plain(value):
+    """``value`` with every mapping a dict and every other collection a list (a config's nodes), for json.dumps."""
+    if isinstance(value, Mapping):
+        return {str(key): plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)) or (isinstance(value, Sequence) and not isinstance(value, (str, bytes))):
+        return [plain(item) for item in value]
+    return value
 
 
 def _auth_headers(api_key_env: str | None) -> dict[str, str]:
@@ -262,6 +275,7 @@ def check_judge_args(
     at: str, base_url: str = "", model: str = "", api_key_env: str | None = None, rubric: str = "", parse: str = "number",
     low: float = 0.0, high: float = 10.0, max_concurrency: int = 8, timeout_s: float = 60.0, max_retries: int = 2,
     backoff_s: float = 1.0, temperature: float = 0.0, max_tokens: int = 16, cache_size: int = 4096,
+    extra_body: dict | None = None,
 ) -> None:
     """ConfigError for args `judge` cannot use (``at``: where they sit, for the message); runs when the reward set is
     built, before any model loads."""
@@ -294,6 +308,20 @@ def check_judge_args(
     require(timeout_s > 0, f"reward function judge: {at}.timeout_s={timeout_s} must be > 0 seconds")
     require(backoff_s >= 0, f"reward function judge: {at}.backoff_s={backoff_s} must be >= 0 seconds")
     require(temperature >= 0, f"reward function judge: {at}.temperature={temperature} must be >= 0")
+    _check_extra_body(at, extra_body)
+
+
+def _check_extra_body(at: str, extra_body) -> None:
+    """ConfigError unless ``extra_body`` is null or a mapping JSON can hold, apart from the fields the judge sets."""
+    if extra_body is None:
+        return
+    require(isinstance(extra_body, Mapping), f"reward function judge: {at}.extra_body must be a mapping of request fields")
+    taken = sorted({"messages", "model", "temperature", "max_tokens"} & set(map(str, extra_body)))
+    require(not taken, f"reward function judge: {at}.extra_body sets {', '.join(taken)}; set {at}.<key> instead (messages come from the rubric)")
+    try:
+        json.dumps(plain(extra_body))
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"reward function judge: {at}.extra_body cannot be sent as JSON: {err}") from err
 
 
 def check_truths(truths: list, origins: list[str], rubric: str = "", low: float = 0.0, high: float = 10.0, **_) -> None:
