@@ -262,6 +262,11 @@ def test_args_it_cannot_use_are_config_errors_naming_the_key(args, message):
         check_judge_args("at", **{**GOOD, **args})
 
 
+def test_called_without_its_args_it_names_the_key():
+    with pytest.raises(ConfigError, match=r"args.base_url='' is not an http\(s\) URL"):
+        judge(prompts=["p"], responses=["r"], ground_truths=None, model="judge", rubric=ECHO)
+
+
 def test_a_rubric_from_a_file(tmp_path, server):
     path = tmp_path / "rubric.j2"
     path.write_text("{{ response }}\n")

@@ -71,6 +71,8 @@ def judge(
 ) -> Scores:
     """One score in [0, 1] per response, or `Unscored` where the judge could not give one; metrics: ``requests``
     (sent, retries aside), ``cache_hits`` (rows served from the cache), ``unscored`` and ``unscored_<kind>``."""
+    check_judge_args("args", base_url, model, api_key_env, rubric, parse, low, high, max_concurrency, timeout_s,
+                     max_retries, backoff_s, temperature, max_tokens, cache_size, extra_body)
     template = _template(_rubric_text(rubric, "args.rubric"))
     truths = ground_truths if ground_truths is not None else [None] * len(responses)
     settings = {**plain(extra_body or {}), "model": model, "temperature": temperature, "max_tokens": max_tokens}
@@ -80,14 +82,14 @@ def judge(
     ]
     url = base_url.rstrip("/") + "/chat/completions"
     headers = _auth_headers(api_key_env)
+    rows_of = Counter(bodies)  # each distinct request once, in the rows' order
     results: dict[bytes, float | Unscored] = {}
-    hits = 0
-    for body in dict.fromkeys(bodies) if cache_size > 0 else ():  # each distinct request once, in the rows' order
+    for body in rows_of if cache_size > 0 else ():
         cached = _CACHE.get((url, body))
         if cached is not None:
             results[body] = cached
-            hits += bodies.count(body)
-    todo = [body for body in dict.fromkeys(bodies) if body not in results]
+    hits = sum(rows_of[body] for body in results)
+    todo = [body for body in rows_of if body not in results]
 
     def ask(body: bytes) -> float | Unscored:
         return _score_reply(url, body, headers, parse, low, high, timeout_s, max_retries, backoff_s)
