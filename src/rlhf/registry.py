@@ -66,6 +66,7 @@ def _load_builtins() -> None:
         "rlhf.rewards.reasoning_gym",
         "rlhf.rewards.math",
         "rlhf.rewards.remote",
+        "rlhf.rewards.judge",
         "rlhf.schedules.sync",
         "rlhf.schedules.asynchronous",
         "rlhf.schedules.hybrid",

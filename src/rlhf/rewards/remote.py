@@ -17,46 +17,35 @@ To count a remote check as correctness, register a wrapper of your own:
 
 from __future__ import annotations
 
-import http.client
 import json
 import math
-import time
 
 from rlhf.errors import require
 from rlhf.registry import register
 from rlhf.rewards.combine import as_score, shown
-from rlhf.web import is_http_url, post_json
+from rlhf.web import RetriesExhausted, is_http_url, post_with_retries
 
 _EXAMPLE = "{name: remote, args: {url: 'http://127.0.0.1:8000/score'}}"  # quoted in the missing-url error
-_RETRIED_HTTP_CODES = frozenset({429, 500, 502, 503, 504})  # busy or restarting: worth another try
 
 
 class RemoteRewardError(RuntimeError):
     """The scoring service could not be reached, or answered something other than one score per row."""
 
 
-def _post_with_retries(url: str, body: bytes, timeout_s: float, max_retries: int, backoff_s: float) -> bytes:
-    """The reply's body to one POST of ``body`` (`rlhf.web.post_json`: ``timeout_s`` bounds the whole exchange),
-    retried ``max_retries`` times on transient failures with exponential backoff."""
-    failure: Exception | None = None
-    for attempt in range(max_retries + 1):
-        if attempt:
-            time.sleep(backoff_s * 2 ** (attempt - 1))
-        try:
-            status, reply = post_json(url, body, timeout_s, "args.timeout_s")
-        except (OSError, http.client.HTTPException) as err:  # refused, unreachable, timed out, dropped
-            failure = err
-            continue
-        if 200 <= status < 300:
-            return reply
-        if status not in _RETRIED_HTTP_CODES:
-            detail = reply[:300].decode("utf-8", "replace")
-            raise RemoteRewardError(f"reward function remote: {url} answered HTTP {status}: {detail!r}")
-        failure = RemoteRewardError(f"HTTP {status}: {reply[:100].decode('utf-8', 'replace')!r}")
-    raise RemoteRewardError(
-        f"reward function remote: POST {url} failed {max_retries + 1} times; last failure: {failure!r}. "
-        "Check that the scoring service is up at that address, or raise args.timeout_s / args.max_retries"
-    ) from failure
+def _post(url: str, body: bytes, timeout_s: float, max_retries: int, backoff_s: float) -> bytes:
+    """The reply's body to a POST of ``body`` (`rlhf.web.post_with_retries`: ``timeout_s`` bounds each whole
+    exchange, transient failures are retried); RemoteRewardError when every try failed or the reply is not a 2xx."""
+    try:
+        status, reply = post_with_retries(url, body, timeout_s, "args.timeout_s", max_retries, backoff_s)
+    except RetriesExhausted as err:
+        raise RemoteRewardError(
+            f"reward function remote: POST {url} failed {err.tries} times; last failure: {err.last!r}. "
+            "Check that the scoring service is up at that address, or raise args.timeout_s / args.max_retries"
+        ) from err.last
+    if not 200 <= status < 300:
+        detail = reply[:300].decode("utf-8", "replace")
+        raise RemoteRewardError(f"reward function remote: {url} answered HTTP {status}: {detail!r}")
+    return reply
 
 
 def _read_scores(reply: bytes, rows: int, url: str) -> list[float]:
@@ -88,7 +77,7 @@ def remote(
     truths = ground_truths if ground_truths is not None else [None] * len(responses)
     rows = [{"prompt": p, "response": r, "ground_truth": g} for p, r, g in zip(prompts, responses, truths)]
     body = json.dumps({"rows": rows}, default=str).encode()  # a ground truth JSON cannot hold goes as str()
-    reply = _post_with_retries(url, body, timeout_s, max_retries, backoff_s)
+    reply = _post(url, body, timeout_s, max_retries, backoff_s)
     return _read_scores(reply, len(rows), url)
 
 
