@@ -89,8 +89,8 @@ def test_an_unwritable_folder_is_refused_naming_the_key(tmp_path, no_models, key
 def test_a_full_disk_during_a_checkpoint_names_it_and_keeps_the_previous_one(tmp_path, monkeypatch):
     write = checkpoint._write_state
 
-    def fill_disk_at_step_2(c, tmp, step, *args):
-        write(c, tmp, step, *args)
+    def fill_disk_at_step_2(collector, learner, tmp, step, *args):
+        write(collector, learner, tmp, step, *args)
         if step == 2:
             raise OSError(errno.ENOSPC, "No space left on device")
 
@@ -231,8 +231,8 @@ def test_a_serializer_reporting_a_full_disk_in_its_own_words_is_named_as_a_full_
     left on <folder>: a checkpoint needs about N MB", not the serializer's words."""
     write = checkpoint._write_state
 
-    def fill_disk_at_step_2(c, tmp, step, *args):
-        write(c, tmp, step, *args)
+    def fill_disk_at_step_2(collector, learner, tmp, step, *args):
+        write(collector, learner, tmp, step, *args)
         if step == 2:
             monkeypatch.setattr(checkpoint, "free_bytes", lambda path: 512)  # the disk is full now
             monkeypatch.setattr(disk, "free_bytes", lambda path: 512)
