@@ -99,7 +99,7 @@ def forward_layout(
     the smallest such column, the function that picks those columns from (rows, columns, ...) outputs): the rows
     packed when ``model`` takes packed rows and no row has a hole, else justified. ``share`` (`model.shared_prefix`):
     rows of one prompt in the shared-prefix layout (`rlhf.models.shared_prefix`) where the model packs and rows share a
-    prompt: True wherever they do, None where it pays (`shared_prefix.pays`), False never."""
+    prompt: True wherever they do, None where it pays (`micro_batches.pays`), False never."""
     packs = packing.packs(model)
     shared = shared_prefix.share(batch, force=bool(share)) if packs and share is not False else None
     if shared is not None:

@@ -19,7 +19,7 @@ import inspect
 from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface, PretrainedConfig
+from transformers import AttentionInterface, AutoConfig, PretrainedConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -28,6 +28,8 @@ try:  # torch's variable-length attention (torch 2.10 on); packed rows use it on
 except ImportError:
     varlen_attn = None
 
+from rlhf.errors import ConfigError
+from rlhf.models.loading import resolve_model_path
 from rlhf.models.shared_prefix import shared_attention
 from rlhf.trajectory import Trajectories
 
@@ -155,6 +157,24 @@ def can_pack(config: PretrainedConfig | None, attention: tuple[str, ...] = ("sdp
     if getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None):
         return False
     return all(kind == "full_attention" for kind in getattr(config, "layer_types", None) or ())
+
+
+def check_shared_prefix(model_cfg, name_or_path: str | None = None) -> None:
+    """ConfigError before any weights load when `model.shared_prefix` is true and the model of ``name_or_path``
+    (default `model.name_or_path`) cannot take packed rows (`can_pack`, read from its config alone): the shared-prefix
+    layout is a packed one."""
+    if not getattr(model_cfg, "shared_prefix", None):
+        return
+    name = name_or_path or model_cfg.name_or_path
+    config = AutoConfig.from_pretrained(
+        resolve_model_path(name), revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code
+    )
+    if not can_pack(config, attention=(config._attn_implementation,)):
+        raise ConfigError(
+            f"model.shared_prefix=true: {name} ({config.model_type}) cannot take packed rows, and the shared-prefix "
+            f"layout is a packed one (families: {', '.join(sorted(FAMILIES))}; every layer full attention, no sliding "
+            "window); set model.shared_prefix=null (shared where the model packs and it pays) or false"
+        )
 
 
 def enable(model: torch.nn.Module) -> bool:

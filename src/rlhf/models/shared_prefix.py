@@ -10,7 +10,7 @@ prompt's real columns, and the response's columns up to the query's own). Every 
 positions it sees in its own row, so logprobs, values and gradients equal the unshared layout's within float rounding.
 
 Rows whose prompts differ from their group's (a template rendered otherwise, a truncation) get a prompt of their own:
-laid out unshared, never wrong, and counted (`perf/prefix_unshared_rows`, `Learner.train`).
+laid out unshared, never wrong, and counted (`perf/prefix_unshared_rows`, `unshared_in`).
 """
 
 from __future__ import annotations
@@ -19,16 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rlhf.micro_batches import group_pays, pays
 from rlhf.trajectory import Trajectories
-
-# `model.shared_prefix: null` shares where (prompt tokens saved) / (tokens of the unshared layout) is at least this
-# share. bench/shared_prefix_train.py measures the layout's cost: the two attention blocks and their gathers, paid back
-# where a fifth of the token-wise work is saved (a 512-token prompt in groups of 8 saves 83%; the tiny task's ~6-token
-# prompts with ~3-token answers in groups of 4 save under half of that, but at its width the gathers and two
-# attention calls cost as much as the saved tokens)
-PAYS_FROM = 0.2
-TINY_PROMPT = 16  # prompts shorter than this never pay under `auto`: the layout's fixed cost outweighs their tokens
-
 
 @dataclass
 class SharedPacked:
@@ -70,30 +62,30 @@ def row_parts(batch: Trajectories) -> list[tuple[tuple[int, ...], tuple[int, ...
     return parts
 
 
-def saved_share(prompts: list[tuple[int, ...]], response_tokens: int) -> float:
-    """(prompt tokens the shared layout computes fewer) / (tokens of the unshared layout) for rows of ``prompts``
-    with ``response_tokens`` tokens after them in all."""
-    saved = sum(len(p) for p in prompts) - sum(len(p) for p in set(prompts))
-    return saved / max(sum(len(p) for p in prompts) + response_tokens, 1)
-
-
-def pays(prompts: list[tuple[int, ...]], response_tokens: int) -> bool:
-    """`model.shared_prefix: null`'s rule: share where the prompts are not tiny and the tokens saved are at least
-    `PAYS_FROM` of the unshared layout's."""
-    longest = max((len(p) for p in prompts), default=0)
-    return longest >= TINY_PROMPT and saved_share(prompts, response_tokens) >= PAYS_FROM
+def spans_pay(batch: Trajectories) -> bool:
+    """`pays` as far as the host can tell without reading the device, from ``batch.host_spans`` and the group ids
+    (every row taken to share its group's prompt): False where the shared-prefix layout cannot pay, so `share`
+    reads no token. True without `host_spans` (`share` then decides on the tokens). (`micro_batches.group_pays`)"""
+    if batch.host_spans is None or not len(batch):
+        return True
+    first, last = batch.host_spans[:, 0], batch.host_spans[:, 1]
+    prompts = (batch.window_start - first).clamp(min=0)
+    return group_pays(prompts, (last + 1 - batch.window_start).clamp(min=0), batch.group_id.cpu())
 
 
 def share(batch: Trajectories, force: bool = False) -> SharedPacked | None:
     """``batch``'s rows in the shared-prefix layout; None where it cannot lay them out (`row_parts`), where no two
-    rows share a prompt, or (``force`` false) where sharing does not pay (`pays`)."""
-    if not len(batch):
+    rows share a prompt, or (``force`` false) where sharing does not pay (`micro_batches.pays`)."""
+    if not len(batch) or not (force or spans_pay(batch)):
         return None
     parts = row_parts(batch)
     if parts is None:
         return None
     prompts = [p for p, _ in parts]
-    if len(set(prompts)) == len(prompts) or not (force or pays(prompts, sum(len(r) for _, r in parts))):
+    lengths = [len(p) for p in prompts]
+    if len(set(prompts)) == len(prompts):
+        return None
+    if not force and not pays(max(lengths), sum(lengths), sum(len(p) for p in set(prompts)), sum(len(r) for _, r in parts)):
         return None
     return laid_out(batch, parts)
 
@@ -161,6 +153,16 @@ def laid_out(batch: Trajectories, parts: list[tuple[tuple[int, ...], tuple[int, 
         tokens_index=tensor(tokens_index),
         unshared_rows=unshared_rows(batch.group_id.tolist(), [p for p, _ in parts]),
     )
+
+
+def unshared_in(batch: Trajectories) -> int:
+    """Rows of ``batch`` whose prompt (the real tokens before the action window) differs from that of the first row of
+    their group: rows the shared-prefix layout gives a prompt of their own (`perf/prefix_unshared_rows`). One read of
+    the device."""
+    start = batch.window_start
+    ids, mask = batch.input_ids[:, :start].cpu().tolist(), batch.attention_mask[:, :start].cpu().tolist()
+    prompts = [tuple(t for t, real in zip(row, keep) if real) for row, keep in zip(ids, mask)]
+    return unshared_rows(batch.group_id.cpu().tolist(), prompts)
 
 
 def unshared_rows(group_ids: list[int], prompts: list[tuple[int, ...]]) -> int:
