@@ -6,7 +6,8 @@ the longest row). Each micro batch is then trimmed of the columns that are paddi
 (`Trajectories.trimmed`), and its forward packs the rows end to end (`rlhf.models.packing`: no token-wise layer
 computes padding; attention runs per row, padded to the longest), or, for a model whose attention takes no packed
 rows, moves every row past its own left padding (`Trajectories.justified_inputs`), so it is as wide as its longest
-row. Rows of similar length share a micro batch, whatever their prompts' lengths.
+row. Rows of similar length share a micro batch, whatever their prompts' lengths; where a model lays a group's prompt
+out once (`model.shared_prefix`, `rlhf.models.shared_prefix`), a group's rows share one instead (`by_group`).
 Every loss is a sum of per-token terms over a global denominator, so how rows are grouped changes no gradient
 beyond float rounding.
 """
@@ -153,7 +154,7 @@ def group_pays(prompt_lengths: torch.Tensor, response_lengths: torch.Tensor, gro
 
 def by_group(batch: Trajectories, share: bool | None) -> bool:
     """Whether micro batches keep each group's rows together for a model of `model.shared_prefix` ``share``: always
-    when true, never when false, and when null where the shared-prefix layout pays (`shared_prefix.group_pays`,
+    when true, never when false, and when null where the shared-prefix layout pays (`group_pays`,
     each group's rows taken to share its prompt)."""
     if share is None:
         first, last = batch.real_spans()

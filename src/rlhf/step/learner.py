@@ -230,7 +230,8 @@ def accumulate(
     gradients). Loss shares (`is_share`) are summed over micro batches, the other metrics averaged.
 
     No host sync between the micro batches: the layouts come from the mini batch's `host_spans` (read once), and the
-    finite flag and the metrics stay on the device until one read after the last backward.
+    finite flag and the metrics stay on the device until one read after the last backward. (A micro batch the
+    shared-prefix layout may pay on, `model.shared_prefix`, reads its tokens once to find the rows of one prompt.)
     """
     # a model's `model.shared_prefix` (`share`; none for a trainer without it) keeps groups in one micro batch
     micro_ids = plan(mini, budget, equal_count=True, by_group=by_group(mini, getattr(model, "share", False)))
