@@ -22,6 +22,7 @@ import torch
 from rlhf.micro_batches import group_pays, pays
 from rlhf.trajectory import Trajectories
 
+
 @dataclass
 class SharedPacked:
     """A micro batch's distinct prompts each once, each followed by the responses of its rows. Shapes: N packed
@@ -63,9 +64,9 @@ def row_parts(batch: Trajectories) -> list[tuple[tuple[int, ...], tuple[int, ...
 
 
 def spans_pay(batch: Trajectories) -> bool:
-    """`pays` as far as the host can tell without reading the device, from ``batch.host_spans`` and the group ids
-    (every row taken to share its group's prompt): False where the shared-prefix layout cannot pay, so `share`
-    reads no token. True without `host_spans` (`share` then decides on the tokens). (`micro_batches.group_pays`)"""
+    """Whether sharing may pay, told from ``batch.host_spans`` and the group ids without reading the tokens
+    (`micro_batches.group_pays`: every row taken to share its group's prompt): where it is False, `share` reads no
+    token. True without `host_spans` (`share` then decides on the tokens alone)."""
     if batch.host_spans is None or not len(batch):
         return True
     first, last = batch.host_spans[:, 0], batch.host_spans[:, 1]
@@ -90,9 +91,9 @@ def share(batch: Trajectories, force: bool = False) -> SharedPacked | None:
     return laid_out(batch, parts)
 
 
-def laid_out(batch: Trajectories, parts: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> SharedPacked:
-    """The shared-prefix layout of rows of ``parts`` (`row_parts`), built on the host and moved to the device once."""
-    window = batch.loss_mask.shape[1]
+def sequence(parts: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple[list[int], list[int], list[list[int]], list[list[int]], list[int]]:
+    """The packed sequence of rows of ``parts`` (`row_parts`): (its token ids, their positions, each distinct prompt's
+    packed positions, each row's response's packed positions, each row's prompt), prompts in order of first use."""
     classes: dict[tuple[int, ...], int] = {}
     members: list[list[int]] = []
     for row, (prompt, _) in enumerate(parts):
@@ -113,11 +114,22 @@ def laid_out(batch: Trajectories, parts: list[tuple[tuple[int, ...], tuple[int, 
             response_at[row] = list(range(len(ids), len(ids) + len(response)))
             ids += response
             positions += range(len(prompt), len(prompt) + len(response))
-    row_prompt = [classes[p] for p, _ in parts]
+    return ids, positions, prompt_at, response_at, [classes[p] for p, _ in parts]
+
+
+def padded(index: list[int], width: int, fill: int) -> list[int]:
+    return index + [fill] * (width - len(index))
+
+
+def laid_out(batch: Trajectories, parts: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> SharedPacked:
+    """The shared-prefix layout of rows of ``parts`` (`row_parts`), built on the host and moved to the device once.
+    Block columns past a prompt's or a response's end gather any token of it: their outputs are dropped."""
+    window = batch.loss_mask.shape[1]
+    ids, positions, prompt_at, response_at, row_prompt = sequence(parts)
     wp = max(len(p) for p in prompt_at)
     wr = max(1, max(len(r) for r in response_at))
-    prompt_index = [p + [p[-1]] * (wp - len(p)) for p in prompt_at]
-    query_index = [(r or [prompt_at[g][-1]]) + [(r or prompt_at[g])[-1]] * (wr - max(len(r), 1)) for r, g in zip(response_at, row_prompt)]
+    prompt_index = [padded(p, wp, p[-1]) for p in prompt_at]
+    query_index = [padded(r, wr, (r or prompt_at[g])[-1]) for r, g in zip(response_at, row_prompt)]
     tokens_index = [0] * len(ids)
     for g, p in enumerate(prompt_at):
         for c, pos in enumerate(p):
@@ -132,12 +144,9 @@ def laid_out(batch: Trajectories, parts: list[tuple[tuple[int, ...], tuple[int, 
     for b, r in enumerate(response_at):
         before = [prompt_at[row_prompt[b]][-1], *r]
         predicts.append([before[min(t, len(before) - 1)] for t in range(window)])
-    prompt_len = torch.tensor([len(prompt_at[g]) for g in row_prompt])
-    response_len = torch.tensor([len(r) for r in response_at])
-    query = torch.arange(wr)
-    sees_prompt = (torch.arange(wp)[None, :] < prompt_len[:, None])[:, None, :].expand(-1, wr, -1)
-    sees_response = (query[None, None, :] <= query[None, :, None]) & (query < response_len[:, None, None])
-    mask = torch.cat([sees_prompt, sees_response], dim=2).unsqueeze(1)
+    mask = response_mask(
+        torch.tensor([len(prompt_at[g]) for g in row_prompt]), torch.tensor([len(r) for r in response_at]), wp, wr
+    )
     device = batch.input_ids.device
     tensor = lambda x: torch.tensor(x, dtype=torch.long).to(device, non_blocking=True)
     prompt_index_t, query_index_t = tensor(prompt_index), tensor(query_index)
@@ -153,6 +162,15 @@ def laid_out(batch: Trajectories, parts: list[tuple[tuple[int, ...], tuple[int, 
         tokens_index=tensor(tokens_index),
         unshared_rows=unshared_rows(batch.group_id.tolist(), [p for p, _ in parts]),
     )
+
+
+def response_mask(prompt_lengths: torch.Tensor, response_lengths: torch.Tensor, wp: int, wr: int) -> torch.Tensor:
+    """Which keys each response query sees: its prompt's real columns, and its response's columns up to its own.
+    Shapes: (B,), (B,) -> (B, 1, wr, wp + wr) bool."""
+    query = torch.arange(wr)
+    sees_prompt = (torch.arange(wp)[None, :] < prompt_lengths[:, None])[:, None, :].expand(-1, wr, -1)
+    sees_response = (query[None, None, :] <= query[None, :, None]) & (query < response_lengths[:, None, None])
+    return torch.cat([sees_prompt, sees_response], dim=2).unsqueeze(1)
 
 
 def unshared_in(batch: Trajectories) -> int:
