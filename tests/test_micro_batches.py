@@ -150,6 +150,7 @@ def test_the_policy_says_whether_its_training_forwards_pack(policy):
     """`TorchPolicy.packs` (what `perf/padding_fraction` counts by) follows the model's attention."""
     model = policy()
     assert model.packs() and "micro batches packed" in model.describe()
+    assert "a group's prompt laid out once where it pays (model.shared_prefix)" in model.describe()  # null, the default
     layout(model.model, "justified")
     assert not model.packs() and "rows padded per micro batch" in model.describe()
 

@@ -25,6 +25,9 @@ from rlhf.registry import register
 from rlhf.trajectory import Forward, Trajectories
 
 
+SHARING = {True: "wherever rows share it", None: "where it pays"}  # `describe`'s words for model.shared_prefix
+
+
 @register("policy", "torch")
 class TorchPolicy(TrainableModel):
     """A causal LM trained with AdamW under `policy.strategy`; see `TrainableModel` for the optimisation methods.
@@ -63,6 +66,7 @@ class TorchPolicy(TrainableModel):
             + (f"; {self.compiled_blocks} decoder blocks compiled (policy.compile)" if self.compiled_blocks else "")
             + ("; micro batches packed (no token-wise layer computes padding)" if self.packs() else
                "; rows padded per micro batch (this model's attention takes no packed rows)")
+            + (f"; a group's prompt laid out once {SHARING[self.share]} (model.shared_prefix)" if self.packs() and self.share is not False else "")
         )
 
     def packs(self) -> bool:
