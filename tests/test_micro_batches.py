@@ -12,7 +12,7 @@ from rlhf.algorithms import build_algorithm
 from rlhf.algorithms.base import OldLogprobs
 from rlhf.functional import entropy_from_logits, logprobs_from_logits
 from algorithm_nodes import algorithm_cfg
-from rlhf.micro_batches import Budget, as_budget, padded_tokens, plan, split_to, window_outputs
+from rlhf.micro_batches import Budget, as_budget, by_group, padded_tokens, plan, split_to, window_outputs
 from rlhf.training.policy import TorchPolicy
 from rlhf.models.reference import FrozenReference
 from rlhf.step.learner import Learner, accumulate
@@ -151,6 +151,7 @@ def test_the_policy_says_whether_its_training_forwards_pack(policy):
     """`TorchPolicy.packs` (what `perf/padding_fraction` counts by) follows the model's attention."""
     model = policy()
     assert model.packs() and "micro batches packed" in model.describe()
+    assert "a group's prompt laid out once where it pays (model.shared_prefix)" in model.describe()  # null, the default
     layout(model.model, "justified")
     assert not model.packs() and "rows padded per micro batch" in model.describe()
 
@@ -372,3 +373,21 @@ def test_merge_to_joins_the_smallest_neighbours():
 
     assert merge_to([[0, 1, 2], [3], [4], [5, 6]], 2) == [[0, 1, 2], [3, 4, 5, 6]]
     assert merge_to([[0], [1]], 3) == [[0], [1]]
+
+
+def test_by_group_keeps_each_group_in_one_micro_batch_longest_group_first():
+    batch = ragged_rows(40)  # groups of 2: rows (0, 1), (2, 3), ...
+    parts = plan(batch, 4, by_group=True)
+    groups = [sorted(set(batch.group_id[p].tolist())) for p in parts]
+    assert all(len(batch.group_id[p]) == 2 * len(g) for p, g in zip(parts, groups))  # no group split
+    assert sorted(torch.cat(parts).tolist()) == list(range(len(batch)))
+    lengths = [max(PROMPT_LENGTHS[r] + RESPONSE_LENGTHS[r] for r in p.tolist()) for p in parts]
+    assert lengths == sorted(lengths, reverse=True)
+    split = [set(batch.group_id[p].tolist()) for p in plan(batch, 4)]
+    assert any(a & b for i, a in enumerate(split) for b in split[i + 1:])  # by length alone, groups split
+
+
+def test_by_group_follows_model_shared_prefix():
+    batch = ragged_rows(40)  # groups of 2, each row its own prompt: the host-side rule counts what sharing would save
+    assert by_group(batch, True) and not by_group(batch, False)
+    assert by_group(batch, None)  # groups of 2 with prompts of 2-6 tokens and answers of 1-9: over 5% saved

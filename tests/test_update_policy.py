@@ -215,11 +215,12 @@ def test_nan_mini_batches_change_nothing_and_good_ones_train(policy_cfg, model_c
     assert len(s.good_metrics) == 2 and len(s.grad_norms) == 4 and all(math.isnan(n) for n in s.grad_norms[1:3])
     expected = {k: sum(m[k] for m in s.good_metrics) / 2 for k in s.good_metrics[0]}
     expected["policy/grad_norm"] = (s.grad_norms[0] + s.grad_norms[3]) / 2
-    perf = {k: metrics.pop(k) for k in ("perf/total_num_tokens", "perf/padding_fraction")}
+    perf = {k: metrics.pop(k) for k in ("perf/total_num_tokens", "perf/padding_fraction", "perf/prefix_unshared_rows")}
     assert metrics.keys() == expected.keys()
     assert metrics == pytest.approx(expected)
     assert perf["perf/total_num_tokens"] == s.batch.attention_mask.sum().item()
     assert perf["perf/padding_fraction"] == 0.0  # one-row micro batches, trimmed: no padding at all
+    assert perf["perf/prefix_unshared_rows"] == 0  # each pair's rows begin with the same prompt
 
 
 def test_nan_in_a_later_micro_batch_discards_the_earlier_gradients(policy_cfg, model_cfg, train_cfg, tokenizer):

@@ -6,7 +6,8 @@ the longest row). Each micro batch is then trimmed of the columns that are paddi
 (`Trajectories.trimmed`), and its forward packs the rows end to end (`rlhf.models.packing`: no token-wise layer
 computes padding; attention runs per row, padded to the longest), or, for a model whose attention takes no packed
 rows, moves every row past its own left padding (`Trajectories.justified_inputs`), so it is as wide as its longest
-row. Rows of similar length share a micro batch, whatever their prompts' lengths.
+row. Rows of similar length share a micro batch, whatever their prompts' lengths; where a model lays a group's prompt
+out once (`model.shared_prefix`, `rlhf.models.shared_prefix`), a group's rows share one instead (`by_group`).
 Every loss is a sum of per-token terms over a global denominator, so how rows are grouped changes no gradient
 beyond float rounding.
 """
@@ -19,6 +20,12 @@ import torch
 
 from rlhf.collectives import all_ranks_max
 from rlhf.trajectory import Forward, Trajectories
+
+
+# `model.shared_prefix: null` shares where (prompt tokens saved) / (tokens of the unshared layout) is at least this
+# share: the layout's cost (its host-side build, two attention calls and their gathers) measured under the tokens it
+# saves down to 5% saved on a CPU (bench/shared_prefix_train.py; docs/performance.md has the figures)
+PAYS_FROM = 0.05
 
 
 @dataclass(frozen=True)
@@ -61,8 +68,10 @@ def unit_lengths(batch: Trajectories) -> torch.Tensor:
     return (last + 1 - first).view(-1, batch.rows_per_unit).amax(dim=1).cpu()
 
 
-def plan(batch: Trajectories, size: int | Budget, equal_count: bool = False) -> list[torch.Tensor]:
-    """Unit indices of each micro batch, longest units first. ``equal_count``: every rank of the training group gets
+def plan(batch: Trajectories, size: int | Budget, equal_count: bool = False, by_group: bool = False) -> list[torch.Tensor]:
+    """Unit indices of each micro batch, longest units first; ``by_group`` (rows of one unit each): a group's rows
+    together, groups longest first, so rows of one prompt share a micro batch (`rlhf.models.shared_prefix` lays their
+    prompt out once). ``equal_count``: every rank of the training group gets
     as many micro batches as the rank with the most (a collective), since sharded forwards and backwards must pair
     up across ranks; the largest micro batches are halved until the counts agree (capped at the fewest units any
     rank holds, where a rank then joins its smallest micro batches).
@@ -81,20 +90,33 @@ def plan(batch: Trajectories, size: int | Budget, equal_count: bool = False) -> 
         )
     max_units = max(1, budget.rows // per_unit)
     order = torch.argsort(lengths, descending=True, stable=True).tolist()
+    if by_group and per_unit == 1:
+        order = grouped_order(order, batch.group_id.cpu().tolist())
     groups: list[list[int]] = []
-    for unit in order:  # longest first, so a micro batch is as wide as its first unit
+    widest = 0
+    for unit in order:  # longest first (by group: each group's longest first), widest the micro batch's longest
         rows = (len(groups[-1]) + 1) * per_unit if groups else 0
-        fits = groups and len(groups[-1]) < max_units and (
-            budget.tokens is None or rows * int(lengths[groups[-1][0]]) <= budget.tokens
-        )
+        wide = max(widest, int(lengths[unit]))
+        fits = groups and len(groups[-1]) < max_units and (budget.tokens is None or rows * wide <= budget.tokens)
         if fits:
             groups[-1].append(unit)
+            widest = wide
         else:
             groups.append([unit])
+            widest = int(lengths[unit])
     if equal_count:
         most, fewest_units = all_ranks_max(len(groups), -len(order))
         groups = merge_to(split_to(groups, min(most, -fewest_units)), min(most, -fewest_units))
     return [torch.tensor(sorted(g), dtype=torch.long) for g in groups]
+
+
+def grouped_order(order: list[int], group_id: list[int]) -> list[int]:
+    """``order`` (rows, longest first) with each group's rows moved up to its longest row's place: groups in order of
+    their longest row, each group's rows longest first."""
+    rows: dict[int, list[int]] = {}
+    for row in order:
+        rows.setdefault(group_id[row], []).append(row)
+    return [row for members in rows.values() for row in members]
 
 
 def split_to(groups: list[list[int]], count: int) -> list[list[int]]:
@@ -117,6 +139,34 @@ def merge_to(groups: list[list[int]], count: int) -> list[list[int]]:
         i = min(range(len(groups) - 1), key=lambda j: len(groups[j]) + len(groups[j + 1]))
         groups[i : i + 2] = [groups[i] + groups[i + 1]]
     return groups
+
+
+def pays(prompt_tokens: int, distinct_prompt_tokens: int, response_tokens: int) -> bool:
+    """`model.shared_prefix: null`'s rule: share where the prompt tokens saved, ``prompt_tokens -
+    distinct_prompt_tokens``, are at least `PAYS_FROM` of the unshared layout's tokens, ``prompt_tokens +
+    response_tokens`` (and more than none)."""
+    saved = prompt_tokens - distinct_prompt_tokens
+    return saved > 0 and saved >= PAYS_FROM * (prompt_tokens + response_tokens)
+
+
+def group_pays(prompt_lengths: torch.Tensor, response_lengths: torch.Tensor, group_id: torch.Tensor) -> bool:
+    """`pays` for rows of ``prompt_lengths`` and ``response_lengths`` where the rows of a ``group_id`` share their
+    prompt. Shapes: (B,) each, on the host."""
+    if not len(prompt_lengths):
+        return False
+    distinct = {int(g): int(p) for g, p in zip(group_id.tolist(), prompt_lengths.tolist())}
+    return pays(int(prompt_lengths.sum()), sum(distinct.values()), int(response_lengths.sum()))
+
+
+def by_group(batch: Trajectories, share: bool | None) -> bool:
+    """Whether micro batches keep each group's rows together for a model of `model.shared_prefix` ``share``: always
+    when true, never when false, and when null where the shared-prefix layout pays (`group_pays`,
+    each group's rows taken to share its prompt)."""
+    if share is None:
+        first, last = batch.real_spans()
+        start = batch.window_start
+        return group_pays((start - first).clamp(min=0).cpu(), (last + 1 - start).clamp(min=0).cpu(), batch.group_id.cpu())
+    return bool(share)
 
 
 def padded_tokens(batch: Trajectories, size: int | Budget, packed: bool) -> tuple[int, int]:
@@ -153,10 +203,11 @@ def in_row_order(parts: list[tuple[torch.Tensor, Forward]], width: int) -> Forwa
 
 
 @torch.no_grad()
-def window_outputs(fn, batch: Trajectories, size: int | Budget, equal_count: bool = False):
+def window_outputs(fn, batch: Trajectories, size: int | Budget, equal_count: bool = False, share: bool | None = False):
     """``fn`` on each trimmed micro batch of ``plan`` without gradients; outputs back in ``batch``'s row order, window
-    tensors padded back to the batch's T columns. ``fn`` returns a tensor or a tuple of them (a None stays None)."""
-    micro = plan(batch, size, equal_count)
+    tensors padded back to the batch's T columns. ``fn`` returns a tensor or a tuple of them (a None stays None).
+    ``share``: the model's `model.shared_prefix`, where micro batches keep groups together (`by_group`)."""
+    micro = plan(batch, size, equal_count, by_group(batch, share))
     parts = [(batch.rows_of(units), fn(batch.select_units(units).trimmed())) for units in micro]
     rows, width = [r for r, _ in parts], batch.loss_mask.shape[1]
     if isinstance(parts[0][1], torch.Tensor):

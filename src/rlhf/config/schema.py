@@ -21,6 +21,7 @@ class ModelConfig:
     dtype: str = "float32"  # weights and compute dtype: float32, bfloat16 or float16
     trust_remote_code: bool = False  # allow model code from the hub; off unless you trust the repository
     logprob_chunk: Optional[int] = None  # tokens per chunk of the fused output layer -> logprob (no (tokens, vocabulary) logits); 0 = plain logits; null = 1024 on CUDA, 0 on CPU
+    shared_prefix: Optional[bool] = None  # training/reference/critic forwards lay a micro batch's rows of one prompt out once (the prompt, then each response); true = wherever rows share a prompt (a model that packs only), false = never, null = where it pays (docs/performance.md)
 
 
 @dataclass

@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from rlhf.functional import entropy_from_logits, fused_logprobs, logprobs_from_logits
-from rlhf.models import packing
+from rlhf.models import packing, shared_prefix
 from rlhf.trajectory import Trajectories
 
 FUSED_CHUNK_ON_CUDA = 1024  # `model.logprob_chunk: null` on CUDA: tokens per chunk of the fused output layer
@@ -52,16 +52,17 @@ def output_layer(model: torch.nn.Module) -> torch.nn.Module | None:
     return get() if callable(get) else None
 
 
-def window_logits(model: torch.nn.Module, batch: Trajectories, temperature: float) -> torch.Tensor:
+def window_logits(model: torch.nn.Module, batch: Trajectories, temperature: float, share: bool | None = False) -> torch.Tensor:
     """Logits that predict each token of the action window, divided by the sampling temperature. Shape: (B, T, V).
 
     The rows run through the model packed end to end (`rlhf.models.packing`: no token-wise layer computes padding)
     when the model can take packed rows; otherwise each row is moved past its left padding
     (`Trajectories.justified_inputs`), so rows of prompts of different lengths compute no padding before them. The
     output layer (a vocabulary-sized matmul) runs on each row's window positions only: a hook hands it those
-    positions of its input, row by row, so the logits are (B, T, V) however the rows are laid out.
+    positions of its input, row by row, so the logits are (B, T, V) however the rows are laid out. ``share``:
+    `forward_layout`'s.
     """
-    inputs, keep, columns, pick = head_layout(model, batch)
+    inputs, keep, columns, pick = head_layout(model, batch, share)
     picked = []
 
     def window_only(module, args):
@@ -82,20 +83,28 @@ def window_logits(model: torch.nn.Module, batch: Trajectories, temperature: floa
     return window if temperature == 1.0 else window.float() / temperature
 
 
-def head_layout(model: torch.nn.Module, batch: Trajectories) -> tuple[dict, dict, torch.Tensor, Callable]:
+def head_layout(model: torch.nn.Module, batch: Trajectories, share: bool | None = False) -> tuple[dict, dict, torch.Tensor, Callable]:
     """(forward inputs, the `logits_to_keep` keyword or none, the column of the output layer's input that predicts each
     window token (B, T), the function that picks those columns): `forward_layout`, with the output layer handed only
     the last positions, from the first predicting column, where the model takes `logits_to_keep`."""
-    inputs, predicts, first, pick = forward_layout(model, batch)
+    inputs, predicts, first, pick = forward_layout(model, batch, share)
     keep = {"logits_to_keep": inputs["input_ids"].shape[1] - first} if keeps_logits(model) else {}
     return inputs, keep, predicts - first if keep else predicts, pick
 
 
-def forward_layout(model: torch.nn.Module, batch: Trajectories) -> tuple[dict, torch.Tensor, int, Callable]:
+def forward_layout(
+    model: torch.nn.Module, batch: Trajectories, share: bool | None = False
+) -> tuple[dict, torch.Tensor, int, Callable]:
     """(keyword inputs of a teacher-forced forward, the column of its outputs that predicts each window token (B, T),
     the smallest such column, the function that picks those columns from (rows, columns, ...) outputs): the rows
-    packed when ``model`` takes packed rows and no row has a hole, else justified."""
-    packed = packing.pack(batch) if packing.packs(model) else None
+    packed when ``model`` takes packed rows and no row has a hole, else justified. ``share`` (`model.shared_prefix`):
+    rows of one prompt in the shared-prefix layout (`rlhf.models.shared_prefix`) where the model packs and rows share a
+    prompt: True wherever they do, None where it pays (`micro_batches.pays`), False never."""
+    packs = packing.packs(model)
+    shared = shared_prefix.share(batch, force=bool(share)) if packs and share is not False else None
+    if shared is not None:
+        return packing.layout_inputs(shared, packing.model_config(model)), shared.predicts, shared.first_predict, pick_packed
+    packed = packing.pack(batch) if packs else None
     if packed is not None:
         return packed.forward_inputs(packing.model_config(model)), packed.predicts, packed.first_predict, pick_packed
     input_ids, attention_mask, position_ids, predicts = batch.justified_inputs()
@@ -123,14 +132,15 @@ def pick_columns(outputs: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
 
 def window_logprobs(
     model: torch.nn.Module, batch: Trajectories, temperature: float, with_entropy: bool = False, entropy_grad: bool = True,
-    chunk: int = 0,
+    chunk: int = 0, share: bool | None = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs (B, T), entropy (B, T) or None) of each window token; 0 outside the loss mask. ``entropy_grad=False``
     computes the entropy outside the autograd graph (a metric only: no (B, T, V) softmax kept for the backward).
-    ``chunk`` > 0 (`logprob_chunk`): the fused output layer, ``chunk`` tokens at a time, where the model `fuses`."""
+    ``chunk`` > 0 (`logprob_chunk`): the fused output layer, ``chunk`` tokens at a time, where the model `fuses`.
+    ``share``: the shared-prefix layout, as `forward_layout` takes it."""
     if chunk > 0 and fuses(model):
-        return fused_window_logprobs(model, batch, temperature, with_entropy, entropy_grad, chunk)
-    logits = window_logits(model, batch, temperature)
+        return fused_window_logprobs(model, batch, temperature, with_entropy, entropy_grad, chunk, share)
+    logits = window_logits(model, batch, temperature, share)
     logp = logprobs_from_logits(logits, batch.window_ids) * batch.loss_mask
     entropy = None
     if with_entropy:
@@ -140,12 +150,13 @@ def window_logprobs(
 
 
 def fused_window_logprobs(
-    model: torch.nn.Module, batch: Trajectories, temperature: float, with_entropy: bool, entropy_grad: bool, chunk: int
+    model: torch.nn.Module, batch: Trajectories, temperature: float, with_entropy: bool, entropy_grad: bool, chunk: int,
+    share: bool | None = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`window_logprobs` with the output layer fused into the logprob (`rlhf.functional.fused_logprobs`): the layer's
     hooks take its input at the window positions and hand it an empty one, so it computes nothing, and the logprobs
     (with their own backward) come from its weight ``chunk`` tokens at a time. No (B, T, V) logits exist."""
-    inputs, keep, columns, pick = head_layout(model, batch)
+    inputs, keep, columns, pick = head_layout(model, batch, share)
     out: dict[str, torch.Tensor | None] = {}
 
     def take_window(module, args):

@@ -19,7 +19,7 @@ import inspect
 from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface, PretrainedConfig
+from transformers import AttentionInterface, AutoConfig, PretrainedConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -28,6 +28,9 @@ try:  # torch's variable-length attention (torch 2.10 on); packed rows use it on
 except ImportError:
     varlen_attn = None
 
+from rlhf.errors import ConfigError
+from rlhf.models.loading import resolve_model_path
+from rlhf.models.shared_prefix import shared_attention
 from rlhf.trajectory import Trajectories
 
 IMPLEMENTATION = "rlhf_packed"  # the attention implementation name packed models run on
@@ -80,7 +83,8 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     ``kwargs`` carry `Packed.attention_kwargs`. Shapes: query (1, H, N, D), key and value (1, Hkv, N, D) ->
     ((1, N, H, D), None)."""
     rows_index = kwargs.get("rows_index")
-    if rows_index is None:
+    shared = kwargs.get("key_index") is not None  # a shared-prefix layout (`rlhf.models.shared_prefix`)
+    if rows_index is None and not shared:
         if attention_mask is not None and attention_mask.shape[-2:] == (1, 1) and query.shape[2] > 1:
             raise ValueError(
                 f"packed rows reached {type(module).__name__}'s attention without their packing arguments (a wrapper "
@@ -92,6 +96,10 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     given = [name for name in UNSUPPORTED if kwargs.get(name) is not None]
     if given:
         raise ValueError(f"packed rows cannot honour the attention arguments {given} of {type(module).__name__}")
+    if shared:
+        if dropout != 0.0:
+            raise ValueError(f"a shared-prefix layout cannot run {type(module).__name__}'s attention with dropout")
+        return shared_attention(query, key, value, scaling, kwargs), None
     if dropout == 0.0 and uses_varlen(query, key):
         return varlen_attention(query, key, value, kwargs["cu_seqlens"], kwargs["longest"], scaling), None
     # (1, H, N, D) -> (R, H, W, D): row r's column c is packed token rows_index[r, c] (past the row's end: a
@@ -151,6 +159,24 @@ def can_pack(config: PretrainedConfig | None, attention: tuple[str, ...] = ("sdp
     return all(kind == "full_attention" for kind in getattr(config, "layer_types", None) or ())
 
 
+def check_shared_prefix(model_cfg, name_or_path: str | None = None) -> None:
+    """ConfigError before any weights load when `model.shared_prefix` is true and the model of ``name_or_path``
+    (default `model.name_or_path`) cannot take packed rows (`can_pack`, read from its config alone): the shared-prefix
+    layout is a packed one."""
+    if not getattr(model_cfg, "shared_prefix", None):
+        return
+    name = name_or_path or model_cfg.name_or_path
+    config = AutoConfig.from_pretrained(
+        resolve_model_path(name), revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code
+    )
+    if not can_pack(config, attention=(config._attn_implementation,)):
+        raise ConfigError(
+            f"model.shared_prefix=true: {name} ({config.model_type}) cannot take packed rows, and the shared-prefix "
+            f"layout is a packed one (families: {', '.join(sorted(FAMILIES))}; every layer full attention, no sliding "
+            "window); set model.shared_prefix=null (shared where the model packs and it pays) or false"
+        )
+
+
 def enable(model: torch.nn.Module) -> bool:
     """Switch a freshly loaded model from SDPA to `IMPLEMENTATION`, so its forwards can take packed rows. Models that
     cannot (`can_pack`: other attention, other families, sliding windows; or transformers cannot switch them) are
@@ -186,13 +212,19 @@ class Packed:
         return rows_attention_kwargs(self.lengths, self.width, self.tokens_index)
 
     def forward_inputs(self, config: PretrainedConfig | None = None) -> dict:
-        """Keyword inputs of the Hugging Face model's forward over the packed rows, for a model of ``config``: with
-        `unread_mask`, except where the model reads the mask itself (a mixture of experts' router balancing loss,
-        `output_router_logits`), which then gets none."""
-        inputs = {"input_ids": self.input_ids, "position_ids": self.position_ids, **self.attention_kwargs()}
-        if not getattr(config, "output_router_logits", False):
-            inputs["attention_mask"] = unread_mask(self.input_ids.device)
-        return inputs
+        """Keyword inputs of the Hugging Face model's forward over the packed rows (`layout_inputs`)."""
+        return layout_inputs(self, config)
+
+
+def layout_inputs(layout, config: PretrainedConfig | None = None) -> dict:
+    """Keyword inputs of the Hugging Face model's forward over a packed layout (`Packed`, or a shared-prefix one,
+    `rlhf.models.shared_prefix.SharedPacked`), for a model of ``config``: with `unread_mask`, except where the model
+    reads the mask itself (a mixture of experts' router balancing loss, `output_router_logits`), which then gets
+    none."""
+    inputs = {"input_ids": layout.input_ids, "position_ids": layout.position_ids, **layout.attention_kwargs()}
+    if not getattr(config, "output_router_logits", False):
+        inputs["attention_mask"] = unread_mask(layout.input_ids.device)
+    return inputs
 
 
 def rows_attention_kwargs(lengths: torch.Tensor, width: int, tokens_index: torch.Tensor) -> dict:

@@ -25,6 +25,7 @@ class FrozenReference:
     def __init__(self, cfg, model_cfg, device: torch.device, temperature: float = 1.0) -> None:
         self.temperature = temperature
         self.chunk = logprob_chunk(model_cfg, device)  # the fused output layer's chunk; 0 = plain logits
+        self.share = getattr(model_cfg, "shared_prefix", None)  # rows of one prompt laid out once: True, False, None = where it pays
         path = cfg.name_or_path or model_cfg.name_or_path
         self.model = load_causal_lm(path, model_cfg.dtype, model_cfg.revision, model_cfg.trust_remote_code, device).eval()
         self.model.requires_grad_(False)
@@ -32,4 +33,4 @@ class FrozenReference:
 
     def rollout_logprobs(self, batch: Trajectories, chunk: int | Budget) -> torch.Tensor:
         """Logprobs of the action window, micro batches of ``chunk`` rows (or a `Budget`), no gradients. Shape: (B, T)."""
-        return window_outputs(lambda part: window_logprobs(self.model, part, self.temperature, chunk=self.chunk)[0], batch, chunk)
+        return window_outputs(lambda part: window_logprobs(self.model, part, self.temperature, chunk=self.chunk, share=self.share)[0], batch, chunk, share=self.share)

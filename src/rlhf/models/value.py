@@ -105,14 +105,14 @@ class ValueModule(torch.nn.Module):
         return token_scores(self.model, input_ids, attention_mask, position_ids, **attention)
 
 
-def window_values(scorer: torch.nn.Module, batch: Trajectories) -> torch.Tensor:
+def window_values(scorer: torch.nn.Module, batch: Trajectories, share: bool | None = False) -> torch.Tensor:
     """Critic values V(s_t) of the state before each window token. Shape: (B, T), 0 outside the loss mask.
 
     ``scorer`` maps keyword inputs (input_ids, position_ids, attention_mask or packed rows' arguments) to per-token
     scores: a `ValueModule`, possibly wrapped by a training strategy. The rows are laid out as for the policy's
-    logprobs (`logprobs.forward_layout`).
+    logprobs (`logprobs.forward_layout`, shared-prefix as ``share`` asks).
     """
-    inputs, predicts, _, pick = forward_layout(scorer, batch)
+    inputs, predicts, _, pick = forward_layout(scorer, batch, share)
     return pick(scorer(**inputs), predicts) * batch.loss_mask
 
 

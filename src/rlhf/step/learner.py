@@ -33,7 +33,8 @@ from rlhf.collectives import all_ranks_true
 from rlhf.errors import ConfigError
 from rlhf.functional import masked_mean, masked_sum
 from rlhf.functional.kl import logprob_gap
-from rlhf.micro_batches import Budget, in_row_order, micro_units, padded_tokens, place, plan
+from rlhf.models import shared_prefix
+from rlhf.micro_batches import Budget, by_group, in_row_order, micro_units, padded_tokens, place, plan
 from rlhf.step.scored import Scored, group_rows, groups_with_signal
 from rlhf.trajectory import Forward, Trajectories
 
@@ -182,6 +183,8 @@ class Learner:
         if not count:
             return late
         perf = {"perf/total_num_tokens": float(batch.attention_mask.sum()), "perf/padding_fraction": 1 - real / max(computed, 1)}
+        if self.policy_packs and getattr(self.policy, "share", False) is not False:
+            perf["perf/prefix_unshared_rows"] = float(shared_prefix.unshared_in(batch))
         return {key: value / count for key, value in sums.items()} | late | perf
 
     def weights(self):
@@ -245,9 +248,11 @@ def accumulate(
     the rest averaged.
 
     No host sync between the micro batches: the layouts come from the mini batch's `host_spans` (read once), and the
-    finite flag and the metrics stay on the device until one read after the last backward.
+    finite flag and the metrics stay on the device until one read after the last backward. (A micro batch the
+    shared-prefix layout may pay on, `model.shared_prefix`, reads its tokens once to find the rows of one prompt.)
     """
-    micro_ids = plan(mini, budget, equal_count=True)
+    # a model's `model.shared_prefix` (`share`; none for a trainer without it) keeps groups in one micro batch
+    micro_ids = plan(mini, budget, equal_count=True, by_group=by_group(mini, getattr(model, "share", False)))
     mini = mini.with_host_spans()  # micro batches trimmed and packed without reading the device
     kept: list[tuple[torch.Tensor, Forward]] = []
     sums: dict[str, torch.Tensor] = {}  # float64, as python floats would add them

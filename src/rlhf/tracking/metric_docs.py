@@ -132,6 +132,7 @@ METRICS: dict[str, tuple[str, str]] = {  # name -> (meaning, when logged)
     "epoch": ("passes over the training prompts so far (fractional)", EVERY_STEP),
     "perf/total_num_tokens": ("real tokens of the step's batch (prompts and responses)", EVERY_STEP),
     "perf/padding_fraction": ("share of padding in what the training forwards computed", EVERY_STEP),
+    "perf/prefix_unshared_rows": ("rows whose prompt differs, token for token, from their group's first row's: the shared-prefix layout gives them a prompt of their own", "model.shared_prefix not false, a policy that packs"),
     "perf/weight_sync_mb": ("MiB of weights pushed to the generator", "local backend"),
     "time/<stage>": ("seconds of a stage of the step: generation, logprobs, training, weight_sync, greedy_baseline "
                      "(ReMax), wait_for_rollout (async, stream), generator_sleep and optimizer_offload (hybrid)", EVERY_STEP),

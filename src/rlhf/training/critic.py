@@ -31,6 +31,7 @@ class TorchCritic(TrainableModel):
 
     def __init__(self, cfg, model_cfg, init_path: str, train_cfg, total_optimizer_steps: int, device: torch.device) -> None:
         self.cfg = cfg
+        self.share = getattr(model_cfg, "shared_prefix", None)  # rows of one prompt laid out once: True, False, None = where it pays
         model = load_value_model(init_path, "float32", None, model_cfg.trust_remote_code, device)
         packing.enable(model)
         scorer = model
@@ -46,11 +47,11 @@ class TorchCritic(TrainableModel):
     def values(self, batch: Trajectories) -> torch.Tensor:
         """V(s_t) before each window token, with gradients, in float32. Shape: (B, T)."""
         with self.autocast():
-            return window_values(self.module, batch)
+            return window_values(self.module, batch, self.share)
 
     def rollout_values(self, batch: Trajectories, chunk: int | Budget) -> torch.Tensor:
         """`values` without gradients, micro batches of ``chunk`` rows (or a `Budget`). Shape: (B, T)."""
-        return window_outputs(self.values, batch, chunk, equal_count=True)
+        return window_outputs(self.values, batch, chunk, equal_count=True, share=self.share)
 
     def train_forward(self, micro: Trajectories, with_entropy: bool, record: bool = False):
         """(micro, Forward(values) with gradients, the values detached when ``record`` or None): the training forward

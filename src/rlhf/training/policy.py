@@ -24,6 +24,9 @@ from rlhf.registry import register
 from rlhf.trajectory import Forward, Trajectories
 
 
+SHARING = {True: "wherever rows share it", None: "where it pays"}  # `describe`'s words for model.shared_prefix
+
+
 @register("policy", "torch")
 class TorchPolicy(TrainableModel):
     """A causal LM trained with AdamW under `policy.strategy`; see `TrainableModel` for the optimisation methods.
@@ -34,6 +37,7 @@ class TorchPolicy(TrainableModel):
     ) -> None:
         self.cfg, self.train_cfg, self.temperature = cfg, train_cfg, temperature
         self.chunk = logprob_chunk(model_cfg, device)  # the fused output layer's chunk; 0 = plain logits
+        self.share = getattr(model_cfg, "shared_prefix", None)  # rows of one prompt laid out once: True, False, None = where it pays
         model = load_causal_lm(model_cfg.name_or_path, "float32", model_cfg.revision, model_cfg.trust_remote_code, device)
         packing.enable(model)
         self.lora = cfg.lora if lora.enabled(cfg.lora) else None
@@ -61,6 +65,7 @@ class TorchPolicy(TrainableModel):
             + (f"; {self.compiled_blocks} decoder blocks compiled (policy.compile)" if self.compiled_blocks else "")
             + ("; micro batches packed (no token-wise layer computes padding)" if self.packs() else
                "; rows padded per micro batch (this model's attention takes no packed rows)")
+            + (f"; a group's prompt laid out once {SHARING[self.share]} (model.shared_prefix)" if self.packs() and self.share is not False else "")
         )
 
     def packs(self) -> bool:
@@ -70,12 +75,12 @@ class TorchPolicy(TrainableModel):
     def logprobs(self, batch: Trajectories, with_entropy: bool = False, entropy_grad: bool = True):
         """(logprobs (B, T), entropy or None) of the action window, with gradients enabled, in float32."""
         with self.autocast():
-            return window_logprobs(self.module, batch, self.temperature, with_entropy, entropy_grad, self.chunk)
+            return window_logprobs(self.module, batch, self.temperature, with_entropy, entropy_grad, self.chunk, self.share)
 
     def rollout_logprobs(self, batch: Trajectories, chunk: int | Budget, with_entropy: bool = False):
         """`logprobs` without gradients, micro batches of ``chunk`` rows (or a `Budget`): (logprobs (B, T), entropy
         (B, T) or None)."""
-        return window_outputs(lambda part: self.logprobs(part, with_entropy), batch, chunk, equal_count=True)
+        return window_outputs(lambda part: self.logprobs(part, with_entropy), batch, chunk, equal_count=True, share=self.share)
 
     def base_logprobs(self, batch: Trajectories, chunk: int | Budget) -> torch.Tensor:
         """The base model's logprobs (B, T), adapters switched off, no gradients: the reference of a LoRA policy."""
