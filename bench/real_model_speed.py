@@ -1,6 +1,7 @@
 """Speed on the real model, measured: SmolLM2-135M-Instruct's GRPO step against this CPU's own matmul peak.
 
     python bench/real_model_speed.py [--steps 4] [--dtypes float32 bfloat16] [--paths eager static static+compile vllm]
+    python bench/real_model_speed.py --shared-prefix [--steps 4]   # a group's prompt once against in every row
 
 Prints, side by side in one run:
 - this CPU's matmul peak per dtype, measured at the model's own linear shapes (best of several calls);
@@ -77,18 +78,41 @@ def sum_params(config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def train_run(dtype: str, steps: int, folder: Path) -> tuple[list[dict], int, int]:
-    """(step records after the first, planned bytes, peak resident bytes) of the preset at ``dtype`` in a child."""
-    out = folder / dtype
+def train_run(dtype: str, steps: int, folder: Path, extra: tuple[str, ...] = (), name: str = "") -> tuple[list[dict], int, int]:
+    """(step records after the first, planned bytes, peak resident bytes) of the preset at ``dtype`` (and ``extra``
+    overrides) in a child."""
+    out = folder / (name or dtype)
     overrides = ["experiment=grpo_arith_smollm2", f"model.dtype={dtype}", f"train.num_steps={steps}", "eval.every=0",
                  "eval.max_prompts=8", "eval.num_samples=0", "checkpoint.save_final_model=false",
-                 "logging.tensorboard=false", f"hydra.run.dir={out}"]
+                 "logging.tensorboard=false", f"hydra.run.dir={out}", *extra]
     proc = subprocess.run([sys.executable, "-c", CHILD, *overrides], capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"{dtype} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     plan, peak = PLAN_LINE.search(proc.stdout + proc.stderr), PEAK_LINE.search(proc.stderr)
     return [r for r in records if "time/step" in r and r["step"] > 1], int(plan.group(1)) * 2**20, int(peak.group(1)) * 1024
+
+
+UNSHARED = ("model.shared_prefix=false", "generator.share_prompt_prefill=false")  # each row computes its own prompt
+
+
+def shared_prefix(steps: int, folder: Path) -> None:
+    """The float32 preset's step with each group's prompt computed in every row (`UNSHARED`) and once per group
+    (the defaults: `model.shared_prefix` and `generator.share_prompt_prefill` choose it at this shape), alternated
+    twice, median stage times and the speed-ups."""
+    rows = {"unshared": [], "shared": []}
+    for turn in range(2):
+        for layout, extra in (("unshared", UNSHARED), ("shared", ())):
+            records, _, _ = train_run("float32", steps, folder, extra, name=f"{layout}-{turn}")
+            rows[layout] += records
+    median = {layout: {k: statistics.median(r[k] for r in records) for k in ("time/generation", "time/training", "time/step")}
+              for layout, records in rows.items()}
+    print(f"\n{'float32 step':>13} {'generation':>11} {'training':>9} {'step':>6}")
+    for layout, times in median.items():
+        print(f"{layout:>13} {times['time/generation']:>10.1f}s {times['time/training']:>8.1f}s {times['time/step']:>5.1f}s")
+    ratio = {k: median["unshared"][k] / median["shared"][k] for k in median["shared"]}
+    print(f"{'speed-up':>13} {ratio['time/generation']:>10.2f}x {ratio['time/training']:>8.2f}x {ratio['time/step']:>5.2f}x",
+          flush=True)
 
 
 def chat_prompts(tokenizer, sums: int = 8, samples: int = 8) -> list[list[int]]:
@@ -140,7 +164,13 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--paths", nargs="+", default=["eager", "static", "static+compile", "vllm"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shared-prefix", action="store_true",
+                        help="only the step with each group's prompt computed once against in every row (float32)")
     args = parser.parse_args()
+    if args.shared_prefix:
+        with tempfile.TemporaryDirectory() as tmp:
+            shared_prefix(args.steps, Path(tmp))
+        return
     from rlhf.models.loading import resolve_model_path
     from transformers import AutoConfig
 

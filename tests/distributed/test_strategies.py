@@ -36,7 +36,7 @@ def strategy_overrides(name: str, ranks: int) -> list[str]:
 @pytest.fixture(scope="module")
 def reference_step():
     """(batch, algorithm, denominator, metrics, grad norm, weights after) of one local single-process step."""
-    cfg = compose("cluster=local", "train.lr=1e-2", "train.adam_eps=1e-4", "algorithm.beta=0.05", "algorithm.kl_in_reward=false")
+    cfg = compose("cluster=local", "train.lr=1e-2", "train.adam_eps=1e-4", "algorithm.beta=0.05", "algorithm.kl_in_reward=false", "algorithm.reuse_training_logprobs=false")
     sizes = validate(cfg)
     c = build_components(cfg, sizes)
     examples = c.collector.prompts.next_batch(cfg.train.prompts_per_step)
@@ -54,7 +54,7 @@ def reference_step():
 @pytest.mark.parametrize("name,ranks", STRATEGIES, ids=[f"{n}-ws{r}" for n, r in STRATEGIES])
 def test_one_rl_step_agrees_with_single_process(started, reference_step, name, ranks):
     batch, algorithm, denominator, metrics, norm, weights = reference_step
-    cfg = compose("train.lr=1e-2", "train.adam_eps=1e-4", "algorithm.beta=0.05", "algorithm.kl_in_reward=false", *strategy_overrides(name, ranks))
+    cfg = compose("train.lr=1e-2", "train.adam_eps=1e-4", "algorithm.beta=0.05", "algorithm.kl_in_reward=false", "algorithm.reuse_training_logprobs=false", *strategy_overrides(name, ranks))
     trainer = started.trainer(cfg, ranks)
     finite, remote_metrics, _ = accumulate_mini(trainer, batch, algorithm.policy_loss, denominator, as_budget(8))
     assert finite
@@ -76,7 +76,7 @@ def test_a_token_budget_gives_every_rank_as_many_micro_batches(started, referenc
     length: the counts are made to agree (else the sharded forwards would wait on each other forever), and the step
     is the same one."""
     batch, algorithm, denominator, metrics, norm, weights = reference_step
-    cfg = compose("train.lr=1e-2", "train.adam_eps=1e-4", "algorithm.beta=0.05", "algorithm.kl_in_reward=false", *strategy_overrides("fsdp2", 2))
+    cfg = compose("train.lr=1e-2", "train.adam_eps=1e-4", "algorithm.beta=0.05", "algorithm.kl_in_reward=false", "algorithm.reuse_training_logprobs=false", *strategy_overrides("fsdp2", 2))
     trainer = started.trainer(cfg, 2)
     uneven = batch.select(torch.arange(len(batch) - 1))  # 31 rows: 16 on one rank, 15 on the other
     shares = [uneven.select(torch.arange(*span)) for span in ((0, 16), (16, 31))]
@@ -106,7 +106,7 @@ def test_deepspeed_offload_and_fsdp2_offload_step_too(started, reference_step):
         ["policy/strategy=deepspeed", "policy.strategy.zero_stage=3", "policy.strategy.offload_optimizer=true", "policy.strategy.offload_params=true"],
         ["policy/strategy=fsdp2", "policy.strategy.offload_params=true"],
     ):
-        cfg = compose("train.lr=1e-2", "train.adam_eps=1e-4", "algorithm.beta=0.05", "algorithm.kl_in_reward=false", *extra)
+        cfg = compose("train.lr=1e-2", "train.adam_eps=1e-4", "algorithm.beta=0.05", "algorithm.kl_in_reward=false", "algorithm.reuse_training_logprobs=false", *extra)
         trainer = started.trainer(cfg, 2)
         assert accumulate_mini(trainer, batch, algorithm.policy_loss, denominator, as_budget(8))[0]
         assert trainer.optimizer_step() == pytest.approx(norm, rel=1e-4)
