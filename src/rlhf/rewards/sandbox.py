@@ -15,6 +15,9 @@ program's first line:
   no network interface but a down loopback, and no other process in sight; when the program's process 1 of that
   namespace exits, the kernel kills all it left behind, however they detached.
 
+The wall time counts from when the child is set up and the program starts (a slow interpreter start on a loaded
+machine is not the program's time); a child not set up within STARTUP_S is the sandbox's failure.
+
 The parent reads stdout and stderr while the program runs and kills it past ``Limits.output_bytes``. What the
 program does wrong (raises, exits non-zero, runs out of time or memory, forks or prints without bound, kills itself)
 is its own fault: a failed test. What goes wrong on the sandbox's side (no temporary folder, no process could be
@@ -38,7 +41,9 @@ from pathlib import Path
 
 from rlhf.rewards.failure import Unscored
 
-BOOT = Path(__file__).with_name("sandbox_boot.py")
+BOOT = Path(__file__).with_name("sandbox_boot.py")  # the child side
+INTERPRETER = sys.executable  # the interpreter each run starts
+STARTUP_S = 60.0  # seconds a child may take to be ready (interpreter start, set-up) before the sandbox gives up on it
 
 
 @dataclass(frozen=True)
@@ -92,7 +97,7 @@ def _run_in(folder: str, source: str, limits: Limits, tests: list[str] | None, s
     report_read, report_write = os.pipe()
     try:
         process = subprocess.Popen(
-            [sys.executable, "-I", str(BOOT), str(job_read), str(report_write)],
+            [INTERPRETER, "-I", str(BOOT), str(job_read), str(report_write)],
             stdin=input_file if input_file is not None else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=folder, pass_fds=(job_read, report_write),
             start_new_session=True, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
@@ -142,7 +147,8 @@ def _collect(process: subprocess.Popen, report: int, token: str, limits: Limits,
     for fd in streams:
         os.set_blocking(fd, False)
         selector.register(fd, selectors.EVENT_READ)
-    deadline = time.monotonic() + limits.wall_s
+    deadline = time.monotonic() + STARTUP_S  # until the child is ready; then the program's own wall time
+    ready = False
     report_cap = 200 + tests * 64  # "ready ..." and one "pass <token> <i>" per test: more is noise
     status = None
     while selector.get_map() and status is None:
@@ -156,6 +162,8 @@ def _collect(process: subprocess.Popen, report: int, token: str, limits: Limits,
                 selector.unregister(key.fd)
                 continue
             streams[key.fd] += chunk
+            if key.fd == report and not ready and b"\n" in streams[report]:
+                ready, deadline = True, time.monotonic() + limits.wall_s
             if key.fd == report and len(streams[report]) > report_cap:
                 selector.unregister(report)
             elif len(streams[out]) + len(streams[err]) > limits.output_bytes:
@@ -169,8 +177,8 @@ def _collect(process: subprocess.Popen, report: int, token: str, limits: Limits,
     _kill_group(process)
     lines = bytes(streams[report]).decode("utf-8", "replace").splitlines()
     if not lines or not lines[0].startswith("ready "):
-        if status == "timeout":  # set-up never finished in the wall time: the machine is overloaded, not the program
-            return Unscored(f"sandbox: the child was not ready within {limits.wall_s} s")
+        if status == "timeout":  # set-up never finished: the machine is overloaded, not the program
+            return Unscored(f"sandbox: the child was not ready within {STARTUP_S} s")
         detail = bytes(streams[err])[-300:].decode("utf-8", "replace").strip()
         return Unscored(f"sandbox: the child failed to set itself up (exit {process.returncode}): {detail}")
     passed = {int(parts[2]) for parts in (line.split() for line in lines[1:])

@@ -4,8 +4,9 @@
 It reads its job (the program, the assert lines if any, the run's token and the limits) as JSON from the job pipe,
 then closes that pipe; walls itself off as far as the platform lets it (new network and PID namespaces, and a new
 user namespace where it does not run as root); drops root for the unprivileged ``nobody`` (65534) where it runs as
-root; sets its resource limits; forks the program's process, which is process 1 of the new PID namespace when
-there is one (when it exits, the kernel kills every process left in the namespace); and reports on the report pipe:
+root; sets its resource limits; forks, and waits; where there is a new PID namespace, its process 1 forks the
+program's process (in a process group of its own) and waits (when process 1 exits, the kernel kills every process
+left in the namespace); and reports on the report pipe:
 ``ready <what was enforced, JSON>`` once set up, and, for assert tests, ``pass <token> <index>`` for each assert
 that held. The token is never in the program's reach as text on disk or in its arguments, so an early
 ``os._exit(0)`` or ``sys.exit(0)`` passes nothing.
@@ -106,6 +107,15 @@ def _run_asserts(source: str, tests: list[str], token: str, report: int) -> None
         os.write(report, f"pass {token} {index}\n".encode())
 
 
+def _fork_and_wait(report: int) -> None:
+    """Fork; the parent waits for the child and exits as it did (128 + the signal that killed it); the child returns."""
+    pid = os.fork()
+    if pid:
+        os.close(report)
+        _, status = os.waitpid(pid, 0)
+        os._exit(os.waitstatus_to_exitcode(status) % 256 if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+
+
 def main() -> None:
     job_fd, report = int(sys.argv[1]), int(sys.argv[2])
     with os.fdopen(job_fd, "rb") as job_file:
@@ -115,11 +125,10 @@ def main() -> None:
     enforced["uid"] = uid
     enforced["preloaded_stdlib"] = _drop_root()
     _set_limits(job["limits"], enforced["uid"])
-    pid = os.fork()  # the program's process: process 1 of the new PID namespace, when there is one
-    if pid:
-        os.close(report)
-        _, status = os.waitpid(pid, 0)
-        os._exit(os.waitstatus_to_exitcode(status) % 256 if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+    _fork_and_wait(report)  # this process waits outside; the rest runs in the new PID namespace, if any
+    if enforced["pid_namespace"]:
+        _fork_and_wait(report)  # process 1 of the namespace waits (and, exiting, takes every process left with it)
+        os.setpgid(0, 0)  # the program's own group: killing "its parent's group" reaches no waiter
     os.write(report, f"ready {json.dumps(enforced)}\n".encode())
     source, tests, token = job["source"], job["tests"], job["token"]
     del job
