@@ -105,7 +105,7 @@ def check_code_args(
             f"reward function code: {at}.wall_s={wall_s!r} must be a number of seconds > 0")
 
 
-def tests_problem(tests) -> str | None:
+def problem_with_tests(tests) -> str | None:
     """Why ``tests`` (one row's ground truth) is not a list of assert lines or of stdin/stdout pairs, or None."""
     if not isinstance(tests, (list, tuple)) or not tests:
         return f"its tests are {type(tests).__name__} {str(tests)[:60]!r}, not a non-empty list"
@@ -127,7 +127,7 @@ def check_truths(truths: list, origins: list[str], **args) -> None:
     """Before any model loads: every row's tests are one of the two kinds, else ConfigError naming the row."""
     check_code_args("reward.functions[].args", **args)
     for truth, where in zip(truths, origins):
-        problem = tests_problem(truth)
+        problem = problem_with_tests(truth)
         if problem is not None:
             raise ConfigError(f"reward function code: the row at {where}: {problem}; {TESTS_FIX}")
 
@@ -142,7 +142,7 @@ def code(
     """Per response: the fraction of its row's tests its code passed (or 1.0/0.0 for all of them), or `Unscored`."""
     check_code_args("args", extract, score, workers, cpu_s, memory_mb, wall_s, output_bytes, file_bytes, open_files, processes)
     for i, tests in enumerate(ground_truths):
-        if (problem := tests_problem(tests)) is not None:
+        if (problem := problem_with_tests(tests)) is not None:
             raise ConfigError(f"reward function code: row {i}: {problem}; {TESTS_FIX}")
     limits = Limits(cpu_s, memory_mb, float(wall_s), output_bytes, file_bytes, open_files, processes)
     codes = [extract_code(response, extract) for response in responses]
