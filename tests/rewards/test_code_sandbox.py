@@ -187,3 +187,32 @@ def test_malformed_tests_are_found_before_any_model_loads():
     for bad in ([], "assert x", ["assert (("], [{"input": "1"}], ["assert 1", {"input": "1", "output": "1"}]):
         with pytest.raises(ConfigError, match=r"the row at a line 2: .*dataset\.ground_truth_format=json"):
             check_truths([SQUARE_TESTS, bad], ["a line 1", "a line 2"])
+
+
+UNPRIVILEGED = """
+import sys
+sys.path.insert(0, {src!r})
+from rlhf.rewards.sandbox import Limits, run_program
+limits = Limits(cpu_s=2, wall_s=5.0)
+right = run_program("def f(x):\\n    return x + 1\\n", limits, tests=["assert f(1) == 2", "assert f(1) == 3"])
+net = run_program("import socket\\nsocket.create_connection(('192.0.2.1', 80), timeout=5)", limits)
+print(sorted(right.passed), right.enforced["network"], right.enforced["pid_namespace"], net.status, b"unreachable" in net.stderr)
+"""
+
+
+def test_a_sandbox_started_by_an_unprivileged_user_uses_user_namespaces():
+    """Where the tests run as root: the trainer as another user (uid 12345, the system interpreter, readable by all)
+    gets its isolation from a user namespace instead."""
+    if os.geteuid() != 0 or not os.path.exists("/usr/bin/setpriv") or not os.path.exists("/usr/bin/python3"):
+        pytest.skip("needs root, setpriv and /usr/bin/python3 to start the sandbox as another user")
+    src = str(sandbox.BOOT.parents[2])
+    proc = subprocess.run(["/usr/bin/setpriv", "--reuid=12345", "--regid=12345", "--clear-groups", "/usr/bin/python3",
+                           "-c", UNPRIVILEGED.format(src=src)], capture_output=True, text=True, timeout=300, cwd="/tmp",
+                          env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"})
+    if proc.returncode != 0 and "Permission denied" in proc.stderr:
+        pytest.skip(f"another user cannot read the checkout here: {proc.stderr[-200:]}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    passed, network, pids, status, unreachable = proc.stdout.split()
+    assert passed == "[0]"
+    if network == "True":  # user namespaces open to unprivileged users here
+        assert pids == "True" and status == "error" and unreachable == "True"
