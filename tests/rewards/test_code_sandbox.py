@@ -216,3 +216,19 @@ def test_a_sandbox_started_by_an_unprivileged_user_uses_user_namespaces():
     assert passed == "[0]"
     if network == "True":  # user namespaces open to unprivileged users here
         assert pids == "True" and status == "error" and unreachable == "True"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("reward.functions.0.args.workers=0", r"reward\.functions\[0\]\.args\.workers=0 must be a whole number >= 1"),
+    ("reward.functions.0.args.extract=last", r"reward\.functions\[0\]\.args\.extract='last'; choose fenced or whole"),
+    ("+reward.functions.0.args.wall_seconds=3", r"reward\.functions\[0\]\.args\.wall_seconds: .*did you mean reward\.functions\[0\]\.args\.wall_s\?"),
+])
+def test_a_bad_preset_value_stops_the_run_before_models_load_naming_the_key(override, message):
+    """Keys are checked by validation, values when the reward set is built (before any model loads)."""
+    from rlhf.config.compose import compose_config
+    from rlhf.config.validate import validate
+    from rlhf.rewards.combine import RewardSet
+    with pytest.raises(ConfigError, match=message):
+        cfg = compose_config(["dataset=code_tasks", "reward=code", override])
+        validate(cfg)
+        RewardSet(cfg.reward)
