@@ -87,12 +87,10 @@ def run_program(source: str, limits: Limits, tests: list[str] | None = None, std
 def _run_in(folder: str, source: str, limits: Limits, tests: list[str] | None, stdin: bytes | None) -> Outcome | Unscored:
     token = secrets.token_hex(16)
     job = json.dumps({"source": source, "tests": tests, "token": token, "limits": asdict(limits)}).encode()
-    input_file = None
-    if stdin is not None:
-        input_path = Path(folder).with_name(Path(folder).name + ".stdin")
-        input_path.write_bytes(stdin)
-        input_file = open(input_path, "rb")
-        input_path.unlink()  # the open file stays readable; nothing is left on disk
+    try:
+        input_file = _input_file(folder, stdin) if stdin is not None else None
+    except OSError as err:
+        return Unscored(f"sandbox: could not write the test's input ({err})")
     job_read, job_write = os.pipe()
     report_read, report_write = os.pipe()
     try:
@@ -117,6 +115,17 @@ def _run_in(folder: str, source: str, limits: Limits, tests: list[str] | None, s
     finally:
         _kill_group(process)
         os.close(report_read)
+
+
+def _input_file(folder: str, stdin: bytes):
+    """``stdin`` in a file only this user can read, opened for reading and already unlinked (nothing left on disk)."""
+    path = Path(folder).with_name(Path(folder).name + ".stdin")
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as writer:
+        writer.write(stdin)
+    try:
+        return open(path, "rb")
+    finally:
+        path.unlink()
 
 
 def _send(fd: int, job: bytes) -> None:
