@@ -56,6 +56,7 @@ def test_every_group_option_composes_and_validates(group):
         ("reward", "model"): ["reward.path=builtin:tiny_arith"],
         ("model", "custom"): ["model.name_or_path=Qwen/Qwen2.5-0.5B-Instruct"],  # it leaves the model to the user
         ("dataset", "jsonl"): ["dataset.path=prompts.jsonl"],
+        ("dataset", "code_jsonl"): ["dataset.path=tasks.jsonl"],
         ("dataset", "parquet"): ["dataset.path=prompts.parquet"],
         ("reward", "reasoning_gym"): ["dataset=reasoning_gym"],  # it scores that dataset's generated problems
         ("cluster", "8gpu_split"): ["train.prompts_per_step=14", "train.micro_batch_size=56"],  # 7 training ranks
