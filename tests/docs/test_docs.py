@@ -91,6 +91,22 @@ def test_every_documented_command_composes(where, command, tmp_path, monkeypatch
 
 
 @pytest.mark.slow
+def test_the_reward_function_of_your_own_trains_as_written(tmp_path):
+    """docs/extending.md's reward function named by import path, with args: its command run as written on the tiny
+    model, cut to two steps; the function's mean score is logged under its name."""
+    ((where, command),) = [(w, c) for w, c in COMMANDS if w.startswith("docs/extending.md") and "prefers_short" in c]
+    page, line = where.split(":")
+    own_files(ROOT / page, int(line), tmp_path)
+    module, *args = words(command)
+    short = ["train.num_steps=2", "eval.every=0", "logging.tensorboard=false", f"hydra.run.dir={tmp_path / 'run'}"]
+    done = subprocess.run([sys.executable, "-m", module, *args, *short], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": "."})
+    assert done.returncode == 0, f"{command}\n{(done.stdout + done.stderr)[-3000:]}"
+    steps = records(tmp_path / "run")
+    assert all(0 <= steps[s]["reward/my_rewards.prefers_short"] <= 1 for s in (1, 2))
+
+
+@pytest.mark.slow
 def test_the_environment_of_your_own_trains_as_written(tmp_path):
     """docs/extending.md's environment named by import path: its block written where the reader would put it, its
     command run as written (from that folder, PYTHONPATH=.) on the tiny model, cut to two steps."""

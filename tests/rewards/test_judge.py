@@ -46,8 +46,15 @@ class FakeJudge(BaseHTTPRequestHandler):
         try:
             self.answer(text, seen)
         finally:
-            with server.lock:
-                server.in_flight -= 1
+            self.leave()
+
+    def leave(self) -> None:
+        """No longer in flight (once): before its reply is written, so the client's next request never arrives
+        while this one still counts."""
+        with self.server.lock:
+            if not getattr(self, "left", False):
+                self.left = True
+                self.server.in_flight -= 1
 
     def answer(self, text: str, seen: int) -> None:
         if text == "html":
@@ -66,6 +73,7 @@ class FakeJudge(BaseHTTPRequestHandler):
         self.reply(200, json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": content}}]}).encode())
 
     def reply(self, code: int, body: bytes, kind: str = "application/json") -> None:
+        self.leave()
         self.send_response(code)
         self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(body)))
