@@ -1,8 +1,29 @@
-"""What the tests' misbehaving HTTP servers share: a reply that promises a long body and drips it forever."""
+"""What the tests' misbehaving HTTP servers share: a handler that replies with a body, quietly, and a reply that
+promises a long body and drips it forever."""
 
 from __future__ import annotations
 
 import threading
+from http.server import BaseHTTPRequestHandler
+
+
+class Replies(BaseHTTPRequestHandler):
+    """A request handler whose `reply` sends a status and a whole body, and that logs nothing (pytest's output stays
+    clean). ``before_reply()`` runs first (a server counting requests in flight stops counting this one there)."""
+
+    def before_reply(self) -> None:
+        pass
+
+    def reply(self, code: int, body: bytes, kind: str = "application/json") -> None:
+        self.before_reply()
+        self.send_response(code)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
 
 
 def drip_forever(handler, body: bytes, stop: threading.Event) -> None:

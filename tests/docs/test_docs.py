@@ -90,72 +90,55 @@ def test_every_documented_command_composes(where, command, tmp_path, monkeypatch
     compose_config(overrides, config_name=CONFIGS[module])
 
 
-@pytest.mark.slow
-def test_the_reward_function_of_your_own_trains_as_written(tmp_path):
-    """docs/extending.md's reward function named by import path, with args: its command run as written on the tiny
-    model, cut to two steps; the function's mean score is logged under its name."""
-    ((where, command),) = [(w, c) for w, c in COMMANDS if w.startswith("docs/extending.md") and "prefers_short" in c]
+def run_as_written(marker: str, tmp_path: Path, *cut: str) -> tuple[str, dict]:
+    """docs/extending.md's command holding ``marker`` run as written on the tiny model: the blocks above it written
+    where the reader would put them, run from that folder with PYTHONPATH=. (a `hydra.searchpath` pointed at the
+    reader's `myconf` there), cut by ``cut`` (e.g. fewer steps), no evaluation but the first. Fails the test unless it
+    exits 0; (its output, its records by step)."""
+    ((where, command),) = [(w, c) for w, c in COMMANDS if w.startswith("docs/extending.md") and marker in c]
     page, line = where.split(":")
     own_files(ROOT / page, int(line), tmp_path)
     module, *args = words(command)
-    short = ["train.num_steps=2", "eval.every=0", "logging.tensorboard=false", f"hydra.run.dir={tmp_path / 'run'}"]
-    done = subprocess.run([sys.executable, "-m", module, *args, *short], cwd=tmp_path, capture_output=True, text=True,
+    args = [f"hydra.searchpath=[file://{tmp_path / 'myconf'}]" if a.startswith("hydra.searchpath=") else a for a in args]
+    cut = (*cut, "eval.every=0", "logging.tensorboard=false", f"hydra.run.dir={tmp_path / 'run'}")
+    done = subprocess.run([sys.executable, "-m", module, *args, *cut], cwd=tmp_path, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "PYTHONPATH": "."})
     assert done.returncode == 0, f"{command}\n{(done.stdout + done.stderr)[-3000:]}"
-    steps = records(tmp_path / "run")
+    return done.stdout + done.stderr, records(tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_the_reward_function_of_your_own_trains_as_written(tmp_path):
+    """docs/extending.md's reward function named by import path, with args, cut to two steps: the function's mean
+    score is logged under its name."""
+    _, steps = run_as_written("prefers_short", tmp_path, "train.num_steps=2")
     assert all(0 <= steps[s]["reward/my_rewards.prefers_short"] <= 1 for s in (1, 2))
 
 
 @pytest.mark.slow
 def test_the_environment_of_your_own_trains_as_written(tmp_path):
-    """docs/extending.md's environment named by import path: its block written where the reader would put it, its
-    command run as written (from that folder, PYTHONPATH=.) on the tiny model, cut to two steps."""
-    ((where, command),) = [(w, c) for w, c in COMMANDS if w.startswith("docs/extending.md") and "env.name=" in c]
-    page, line = where.split(":")
-    own_files(ROOT / page, int(line), tmp_path)
-    module, *args = words(command)
-    short = ["train.num_steps=2", "eval.every=0", "logging.tensorboard=false", f"hydra.run.dir={tmp_path / 'run'}"]
-    done = subprocess.run([sys.executable, "-m", module, *args, *short], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "PYTHONPATH": "."})
-    assert done.returncode == 0, f"{command}\n{(done.stdout + done.stderr)[-3000:]}"
-    assert "memory plan skipped" not in done.stdout + done.stderr
-    steps = records(tmp_path / "run")
+    """docs/extending.md's environment named by import path, cut to two steps: its episodes played and scored, and
+    the memory plan covering it."""
+    output, steps = run_as_written("env.name=", tmp_path, "train.num_steps=2")
+    assert "memory plan skipped" not in output
     assert all(steps[s]["env/num_episodes"] > 0 and 0 <= steps[s]["env/episode_return"] <= 1 for s in (1, 2))
 
 
 @pytest.mark.slow
 def test_the_schedule_of_your_own_trains_as_written(tmp_path):
-    """docs/extending.md's schedule named by import path, with a key of its own: its command run as written on the
-    tiny model; the generator gets new weights only every `push_every` steps (a push logs its size)."""
-    ((where, command),) = [(w, c) for w, c in COMMANDS if w.startswith("docs/extending.md") and "schedule.name=" in c]
-    page, line = where.split(":")
-    own_files(ROOT / page, int(line), tmp_path)
-    module, *args = words(command)
-    short = ["eval.every=0", "logging.tensorboard=false", f"hydra.run.dir={tmp_path / 'run'}"]
-    done = subprocess.run([sys.executable, "-m", module, *args, *short], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "PYTHONPATH": "."})
-    assert done.returncode == 0, f"{command}\n{(done.stdout + done.stderr)[-3000:]}"
-    steps = records(tmp_path / "run")
+    """docs/extending.md's schedule named by import path, with a key of its own: the generator gets new weights only
+    every `push_every` steps (a push logs its size)."""
+    _, steps = run_as_written("schedule.name=", tmp_path)
     assert [s for s in (1, 2, 3, 4) if "perf/weight_sync_mb" in steps[s]] == [2, 4]
 
 
 @pytest.mark.slow
 def test_the_pairwise_loss_of_your_own_trains_as_written(tmp_path):
-    """docs/extending.md's pairwise loss named by import path: its blocks written where the reader would put them,
-    its command run as written (from that folder, PYTHONPATH=., the search path pointed at the reader's `myconf`) on
-    the tiny model, cut to two steps. At the first step the policy is its reference, so each pair's hinge loss is
-    the margin, 1 (DPO's would be log 2)."""
-    ((where, command),) = [(w, c) for w, c in COMMANDS if w.startswith("docs/extending.md") and "hinge" in c]
-    page, line = where.split(":")
-    own_files(ROOT / page, int(line), tmp_path)
-    module, *args = words(command)
-    args = [f"hydra.searchpath=[file://{tmp_path / 'myconf'}]" if a.startswith("hydra.searchpath=") else a for a in args]
-    short = ["train.num_steps=2", "eval.every=0", "logging.tensorboard=false", f"hydra.run.dir={tmp_path / 'run'}"]
-    done = subprocess.run([sys.executable, "-m", module, *args, *short], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "PYTHONPATH": "."})
-    assert done.returncode == 0, f"{command}\n{(done.stdout + done.stderr)[-3000:]}"
-    assert "pre-update logprobs: a forward of their own before training" in done.stdout + done.stderr
-    steps = records(tmp_path / "run")
+    """docs/extending.md's pairwise loss named by import path (its config node in the reader's `myconf`), cut to two
+    steps. At the first step the policy is its reference, so each pair's hinge loss is the margin, 1 (DPO's would be
+    log 2)."""
+    output, steps = run_as_written("hinge", tmp_path, "train.num_steps=2")
+    assert "pre-update logprobs: a forward of their own before training" in output
     assert steps[1]["val/valid_pairs"] > 0, "the test needs a pair whose two responses scored differently"
     assert steps[1]["objective/loss"] == pytest.approx(1.0, abs=1e-4)
     assert all(math.isfinite(steps[s]["objective/loss"]) for s in (1, 2))

@@ -8,11 +8,11 @@ import json
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 from omegaconf import OmegaConf
-from slow_replies import drip_forever
+from slow_replies import Replies, drip_forever
 
 from rlhf.config.compose import compose_config
 from rlhf.config.schema import RewardConfig, RewardFunctionConfig
@@ -26,7 +26,7 @@ FAST = {"timeout_s": 5.0, "backoff_s": 0.01, "model": "fake-judge"}
 HELD_S = 10.0  # how long a "hold" request waits for company (event-driven: it goes on as soon as the others arrive)
 
 
-class FakeJudge(BaseHTTPRequestHandler):
+class FakeJudge(Replies):
     """A chat-completions endpoint that answers with the user message's text, unless that text asks otherwise:
     ``html`` (an HTML page), ``drip`` (a reply trickled forever), ``busy<k>`` (503 k times, then "5"), ``status<code>``
     (that HTTP status), ``hold...`` (the first ``server.hold_for`` to arrive wait until that many are in flight; then
@@ -72,16 +72,7 @@ class FakeJudge(BaseHTTPRequestHandler):
         content = "5" if text.startswith(("busy", "hold")) else text
         self.reply(200, json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": content}}]}).encode())
 
-    def reply(self, code: int, body: bytes, kind: str = "application/json") -> None:
-        self.leave()
-        self.send_response(code)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args) -> None:  # keep pytest's output clean
-        pass
+    before_reply = leave
 
 
 @pytest.fixture

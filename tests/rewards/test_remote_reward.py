@@ -8,7 +8,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from slow_replies import drip_forever, error_within
+from slow_replies import Replies, drip_forever, error_within
 
 from rlhf.errors import ConfigError
 from rlhf.rewards.remote import RemoteRewardError, remote
@@ -16,7 +16,7 @@ from rlhf.rewards.remote import RemoteRewardError, remote
 FAST = {"timeout_s": 2.0, "backoff_s": 0.01}  # retries in milliseconds, so the tests stay fast
 
 
-class Scorer(BaseHTTPRequestHandler):
+class Scorer(Replies):
     """Scores each row by its response's length; can fail ``failures_left`` times first, or reply ``raw``."""
 
     def do_POST(self) -> None:
@@ -31,15 +31,6 @@ class Scorer(BaseHTTPRequestHandler):
         body = server.raw if server.raw is not None else json.dumps({"scores": scores})
         self.reply(200, body.encode() if isinstance(body, str) else body)
 
-    def reply(self, code: int, body: bytes) -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args) -> None:  # keep pytest's output clean
-        pass
 
 
 @pytest.fixture
