@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-NEEDS = ("GPU", "hub model", "needs your server", "W&B login")  # what a command's comment says it needs
+# what a command's comment says it needs; "the model's wheel": the real model's presets, whose runs
+# tests/e2e/test_real_model.py and test_code_reward_run.py make (shortened) instead
+NEEDS = ("GPU", "hub model", "needs your server", "W&B login", "the model's wheel")
 SHORT = ["train.num_steps=1", "eval.every=0", "eval.max_prompts=2", "eval.num_samples=1", "logging.tensorboard=false"]
 
 
