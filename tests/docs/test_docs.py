@@ -3,6 +3,7 @@ composes (a renamed or moved key fails here), every relative link resolves, ever
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -15,6 +16,7 @@ import pytest
 from run_records import records
 
 from rlhf.config import compose_config
+from rlhf.rewards.rules import arith_correct
 from rlhf.run.sweep import check_sweep_values, first_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,6 +144,35 @@ def test_the_pairwise_loss_of_your_own_trains_as_written(tmp_path):
     assert steps[1]["val/valid_pairs"] > 0, "the test needs a pair whose two responses scored differently"
     assert steps[1]["objective/loss"] == pytest.approx(1.0, abs=1e-4)
     assert all(math.isfinite(steps[s]["objective/loss"]) for s in (1, 2))
+
+
+@pytest.mark.slow
+def test_the_generator_of_your_own_trains_as_written(tmp_path):
+    """docs/extending.md's generator named by import path, with a key of its own: the memory plan covers it, and the
+    rows it wrote for each training step (a call of 32 prompts x 4 samples) are the ones scored, their share of right
+    answers the step's `reward/arith_correct`."""
+    output, steps = run_as_written("generator.name=", tmp_path)
+    assert "memory plan skipped" not in output
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert {row["greedy"] for row in rows} == {False, True}, "evaluation samples through it too"
+    trained = [row for row in rows if row["rows"] == 128 and not row["greedy"]]
+    assert len(trained) == 2 * 128
+    for step in (1, 2):
+        batch = trained[(step - 1) * 128 : step * 128]
+        truths = [str(sum(int(n) for n in re.findall(r"\d+", row["prompt"]))) for row in batch]
+        right = arith_correct([row["prompt"] for row in batch], [row["response"] for row in batch], truths)
+        assert sum(right) / len(right) == pytest.approx(steps[step]["reward/arith_correct"], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_the_agent_of_your_own_trains_as_written(tmp_path):
+    """docs/extending.md's agent file under env=openai_agent, cut to two steps and a few evaluation prompts: each
+    episode asks once and returns +1 or -1, so the mean return is 2 x the success rate - 1."""
+    _, steps = run_as_written("env.path=my_agent.py", tmp_path, "eval.max_prompts=4")
+    for step in (1, 2):
+        assert steps[step]["env/num_episodes"] == 128 and steps[step]["env/failed_episodes"] == 0
+        assert steps[step]["env/num_turns_per_episode"] == 1
+        assert steps[step]["env/episode_return"] == pytest.approx(2 * steps[step]["env/success_rate"] - 1, abs=1e-6)
 
 
 def links() -> list[tuple[str, str, Path]]:
