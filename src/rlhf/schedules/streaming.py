@@ -40,10 +40,10 @@ from rlhf.registry import register, resolve
 from rlhf.run.state import RunState
 from rlhf.schedules.asynchronous import THREAD_NAME, producing, staleness_metrics, stop_thread
 from rlhf.schedules.loop import Loop, one_step, push_to_generator, run_steps, timed
-from rlhf.step.collector import Collector, collecting_state
+from rlhf.step.collector import Collector, StreamFeed
 from rlhf.step.learner import Learner
 from rlhf.step.inflight import Group, advance, group_batch
-from rlhf.step.scored import Scored, group_rows, groups_with_signal, join, take_groups
+from rlhf.step.scored import Scored, group_rows, join, take_groups
 from rlhf.trajectory import with_groups
 
 log = logging.getLogger("rlhf")
@@ -152,8 +152,8 @@ class Finished:
 class StreamingCollector:
     """The stream schedule's collector: keeps rows decoding, starts groups within the staleness bound, scores
     finished groups, and `collect` hands the trainer a step's groups in drawing order (with dynamic sampling, the
-    ones with a signal). It draws, samples and scores through ``collector`` (the run's `Collector` sampling with a
-    `VersionedGenerator`).
+    ones with a signal). It draws, samples and scores through a `StreamFeed` of ``collector`` (the run's `Collector`
+    sampling with a `VersionedGenerator`), which it keeps only for the loop (evaluation, weight pushes).
 
     ``base`` is the step the run starts from: the generator holds version ``base`` and groups are counted from it.
     One lock (``lock``) guards the groups, the prompt stream's position and the counters, so `states_after` is
@@ -161,10 +161,12 @@ class StreamingCollector:
     """
 
     def __init__(self, collector: Collector, config: StreamConfig, base: int, last: int) -> None:
-        self.collector, self.generator, self.config = collector, collector.generator, config
-        self.group_size, self.prompts_per_step = collector.samples_per_prompt, collector.prompts_per_step
+        self.collector = collector  # for the loop: evaluation samples, and weights are pushed, through it
+        self.feed = feed = StreamFeed(collector)  # all that the stream reads of it
+        self.generator, self.config = feed.generator, config
+        self.group_size, self.prompts_per_step = feed.group_size, feed.prompts_per_step
         self.in_flight = rows_in_flight(config, self.prompts_per_step * self.group_size)
-        self.filtering = collector.max_resample_rounds is not None
+        self.filtering = feed.max_resample_rounds is not None
         self.base, self.last = base, last
         self.lock = threading.Condition()
         self.drawn: list[Group] = []  # started, not yet trained, in drawing order
@@ -183,7 +185,7 @@ class StreamingCollector:
     def _run(self) -> None:
         try:
             while not self.stopping.is_set():
-                if self.collector.env is not None:
+                if self.feed.multi_turn:
                     self._play()
                     continue
                 finished = self._chunk()
@@ -197,7 +199,7 @@ class StreamingCollector:
 
     def _chunk(self) -> list[Group]:
         """Load pushed weights, start groups where there is room, sample one chunk; the groups that finished."""
-        limit = self.collector.sampling.max_new_tokens
+        limit = self.feed.sampling.max_new_tokens
         with self.generator.pinned() as (generator, version):
             if version != self.loaded:
                 self.stats["loads"] += 1
@@ -207,7 +209,7 @@ class StreamingCollector:
                 rows = [row for group in self.drawn if group.index not in self.ready for row in group.rows if not row.done(limit)]
             if rows:
                 start = time.perf_counter()
-                self.stats["tokens"] += advance(generator, rows, self.collector.sampling, self.config.chunk_tokens, version)
+                self.stats["tokens"] += advance(generator, rows, self.feed.sampling, self.config.chunk_tokens, version)
                 self.stats["decode_s"] += time.perf_counter() - start
                 self.stats["chunks"] += 1
                 self.stats["slots"] += len(rows)
@@ -230,7 +232,7 @@ class StreamingCollector:
             groups = self._start_groups(version, most=self.prompts_per_step)
             if groups:
                 start = time.perf_counter()
-                scored = self.collector.play([g.example for g in groups], self.group_size, self.collector.sampling)
+                scored = self.feed.play([g.example for g in groups])
                 self.stats["decode_s"] += time.perf_counter() - start
         if not groups:  # every allowed group is out: wait for the next weights
             self._wait_for_publish(version)
@@ -247,13 +249,13 @@ class StreamingCollector:
     def _start_groups(self, version: int, most: int | None = None) -> list[Group]:
         """Draw prompts into free row slots while the staleness bound and the run's last step allow (and at most
         ``most`` groups); the groups drawn."""
-        limit = self.collector.sampling.max_new_tokens
+        limit = self.feed.sampling.max_new_tokens
         started: list[Group] = []
         with self.lock:
             busy = sum(not row.done(limit) for g in self.drawn if g.index not in self.ready for row in g.rows)
             allowed = self._allowed(version)
             while self.next_index < allowed and busy + self.group_size <= self.in_flight and len(started) != most:
-                example = self.collector.prompts.next_batch(1)[0]
+                example = self.feed.draw()
                 started.append(Group.of(self.next_index, example, self.group_size))
                 self.next_index += 1
                 busy += self.group_size
@@ -278,9 +280,8 @@ class StreamingCollector:
 
     def _score(self, group: Group) -> None:
         """Score a finished group (outside the generator's lock: a reward model or user function may take a while)."""
-        batch = group_batch(group, self.collector.pad_id)
-        scored = self.collector.score([group.example] * len(group.rows), with_groups(batch, len(group.rows)))
-        scored = self.collector.drop_unscored(scored, self.collector.max_unscored_share)  # per group here
+        batch = group_batch(group, self.feed.pad_id)
+        scored = self.feed.score_group(group.example, with_groups(batch, len(group.rows)))
         with self.lock:
             self.ready[group.index] = Finished(group, scored)
             self.lock.notify_all()
@@ -298,7 +299,7 @@ class StreamingCollector:
             raise self.take_error()
         first = self.consumed[step - 1]
         want = self.prompts_per_step
-        most = want * (1 + self.collector.max_resample_rounds) if self.filtering else want
+        most = want * (1 + self.feed.max_resample_rounds) if self.filtering else want
         taken: list[Finished] = []
         kept: list[Finished] = []
         with self.lock:
@@ -331,8 +332,7 @@ class StreamingCollector:
         return error
 
     def _has_signal(self, finished: Finished) -> bool:
-        scored = finished.scored
-        return len(scored.batch) > 0 and bool(groups_with_signal(self.collector.verdicts(scored), [list(range(len(scored.batch)))]))
+        return self.feed.has_signal(finished.scored)
 
     def states_after(self, step: int) -> dict:
         """The prompt stream's, reward statistics' and RNGs' states for a checkpoint after ``step``: the stream as
@@ -340,8 +340,8 @@ class StreamingCollector:
         with self.lock:
             end = self.consumed.get(step, 0)
             groups = sorted(self.last_taken + self.drawn, key=lambda g: g.index)
-            pending = self.collector.prompts.ids_of([g.example.text for g in groups if g.index >= end])
-            state = collecting_state(self.collector)
+            pending = self.feed.prompt_ids([g.example.text for g in groups if g.index >= end])
+            state = self.feed.state()
             state["prompts"]["replay"] = pending + state["prompts"].get("replay", [])
             return state
 
@@ -350,7 +350,7 @@ class StreamingCollector:
         figures since the last step."""
         with timed(times, "wait_for_rollout"):
             finished, stats = self.take(step)
-        scored = step_batch(finished, self.collector.pad_id, step - 1, self.config)
+        scored = step_batch(finished, self.feed.pad_id, step - 1, self.config)
         return replace(scored, metrics=scored.metrics | producer_metrics(stats, self.in_flight))
 
     def close(self, timeout: float = 60.0) -> None:

@@ -296,3 +296,46 @@ def collecting_state(collector: Collector) -> dict:
     """The Collector's state and every global RNG's ({"prompts", "rewards", "rng"}): what a schedule that collects
     ahead of training records before each draw, and saves for the step it trained last."""
     return collector.state_dict() | {"rng": rng_states()}
+
+
+class StreamFeed:
+    """What a collector that keeps rows in flight (schedule=stream's `StreamingCollector`) takes from the Collector,
+    and nothing else: the generator and the training sampling, the group sizes, prompts drawn one at a time, a
+    finished group scored, a group of episodes played, dynamic sampling's rule, and the state a checkpoint records."""
+
+    def __init__(self, collector: Collector) -> None:
+        self._collector = collector
+        self.generator = collector.generator  # samples the rows (a `VersionedGenerator` under schedule=stream)
+        self.sampling = collector.sampling  # the training sampling; a row ends at its max_new_tokens
+        self.group_size = collector.samples_per_prompt  # rows (or episodes) per prompt
+        self.prompts_per_step = collector.prompts_per_step  # groups one step trains
+        self.max_resample_rounds = collector.max_resample_rounds  # dynamic sampling's extra steps' worth; None: off
+        self.multi_turn = collector.env is not None  # episodes played by an environment, not rows decoded
+        self.pad_id = collector.pad_id
+
+    def draw(self) -> PromptExample:
+        """The prompt stream's next prompt."""
+        return self._collector.prompts.next_batch(1)[0]
+
+    def prompt_ids(self, texts: list[str]) -> list[int]:
+        """Each prompt text's index in the training split (`PromptStream.ids_of`), to draw again on resume."""
+        return self._collector.prompts.ids_of(texts)
+
+    def score_group(self, example: PromptExample, batch: Trajectories) -> Scored:
+        """One finished group's rows of ``example`` (group id 0) scored, its unscored rows dropped
+        (`Collector.drop_unscored` at `reward.max_unscored_share`, per group)."""
+        scored = self._collector.score([example] * len(batch), batch)
+        return self._collector.drop_unscored(scored, self._collector.max_unscored_share)
+
+    def play(self, examples: list[PromptExample]) -> Scored:
+        """``group_size`` episodes of each task, played with the training sampling and scored (`Collector.play`)."""
+        return self._collector.play(examples, self.group_size, self.sampling)
+
+    def has_signal(self, scored: Scored) -> bool:
+        """Whether one group's rows differ in what dynamic sampling looks at (`Collector.verdicts`)."""
+        rows = [list(range(len(scored.batch)))]
+        return len(scored.batch) > 0 and bool(groups_with_signal(self._collector.verdicts(scored), rows))
+
+    def state(self) -> dict:
+        """`collecting_state`: the prompt stream's, the reward statistics' and the global RNGs' states now."""
+        return collecting_state(self._collector)
