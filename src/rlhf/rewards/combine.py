@@ -54,26 +54,36 @@ def shown(value, width: int = 60) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-def checked_scores(source: str, scores, rows: int) -> torch.Tensor:
-    """``scores`` (one per row) as a float32 tensor, or RewardValueError naming ``source``, the row and the value
-    when one is not a number, not finite, or larger than MAX_ABS_SCORE. Shape: (rows,)."""
-    if inspect.iscoroutine(scores):
-        scores.close()  # never awaited: closed, so Python does not warn about it as well
+def score_entries(source: str, returned, rows: int) -> list:
+    """``returned`` as a list of its ``rows`` entries (each a score, or `Unscored` where the function could not score
+    the row; a tensor's values). RewardValueError naming ``source`` when it is a coroutine or not one entry per row;
+    ValueError when it holds another number of entries."""
+    if inspect.iscoroutine(returned):
+        returned.close()  # never awaited: closed, so Python does not warn about it as well
         raise RewardValueError(
             f"{source} returned a coroutine: it is an `async def`, and reward functions are called, not awaited; make "
             f"it a plain `def` (run an event loop inside it if it needs one)"
         )
-    if isinstance(scores, torch.Tensor):
-        scores = scores.detach().cpu().reshape(-1).tolist()
-    if isinstance(scores, (str, bytes, dict)) or not isinstance(scores, Iterable) or getattr(scores, "ndim", 1) == 0:
+    if isinstance(returned, torch.Tensor):
+        returned = returned.detach().cpu().reshape(-1).tolist()
+    if isinstance(returned, (str, bytes, dict)) or not isinstance(returned, Iterable) or getattr(returned, "ndim", 1) == 0:
         raise RewardValueError(
-            f"{source} returned {type(scores).__name__} {scores!r:.60}, not one score per response; return a list of "
+            f"{source} returned {type(returned).__name__} {returned!r:.60}, not one score per response; return a list of "
             f"{rows} floats"
         )
-    values = [as_score(value) for value in scores]
-    if len(values) != rows:
-        raise ValueError(f"{source} returned {len(values)} scores for {rows} responses")
-    for row, (value, number) in enumerate(zip(scores, values)):
+    entries = list(returned)
+    if len(entries) != rows:
+        raise ValueError(f"{source} returned {len(entries)} scores for {rows} responses")
+    return entries
+
+
+def checked_scores(source: str, scores, rows: int) -> torch.Tensor:
+    """``scores`` (one per row) as a float32 tensor, or RewardValueError naming ``source``, the row and the value
+    when one is not a number, not finite, or larger than MAX_ABS_SCORE (`score_entries` checks it holds one per row).
+    Shape: (rows,)."""
+    entries = score_entries(source, scores, rows)
+    values = [as_score(value) for value in entries]
+    for row, (value, number) in enumerate(zip(entries, values)):
         what = score_problem(value, number)
         if what is not None:
             raise RewardValueError(
@@ -84,15 +94,14 @@ def checked_scores(source: str, scores, rows: int) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32)
 
 
-def checked_list(source: str, values, rows: int) -> list:
-    """A retry's returned ``values`` as a list of ``rows`` entries (scores or `Unscored`), or the error
-    `checked_scores` gives for a value that is neither one list nor the right length."""
-    if inspect.iscoroutine(values) or not isinstance(values, (list, tuple)):
-        checked_scores(source, values, rows)  # raises for anything but a list of numbers
-        return list(values)
-    if len(values) != rows:
-        raise ValueError(f"{source} returned {len(values)} scores for {rows} responses")
-    return list(values)
+def split_unscored(source: str, returned, rows: int) -> tuple[torch.Tensor, torch.Tensor, str | None]:
+    """``returned`` (`score_entries`) with its `Unscored` entries split out: (scores (rows,), 0 where unscored and
+    checked by `checked_scores` elsewhere; unscored (rows,) bool; the first unscored entry's reason, or None)."""
+    entries = score_entries(source, returned, rows)
+    unscored = [is_unscored(value) for value in entries]
+    reason = next((value.reason for value, missed in zip(entries, unscored) if missed), None)
+    scores = checked_scores(source, [0.0 if missed else value for value, missed in zip(entries, unscored)], rows)
+    return scores, torch.tensor(unscored, dtype=torch.bool), reason
 
 
 def function_label(name: str, fn) -> str:
@@ -190,22 +199,16 @@ class RewardSet:
         alone with the others so returned, up to `reward.unscored_retries` more times (only those rows)."""
         returned = fn(prompts=prompts, responses=responses, ground_truths=ground_truths, **args)
         label = function_label(name, fn)
-        if inspect.iscoroutine(returned) or not isinstance(returned, (list, tuple)):
-            return checked_scores(label, returned, len(responses)), torch.zeros(len(responses), dtype=torch.bool), returned, None
-        values = list(returned)
-        if len(values) != len(responses):
-            raise ValueError(f"{label} returned {len(values)} scores for {len(responses)} responses")
+        values = score_entries(label, returned, len(responses))
         for _ in range(self.cfg.unscored_retries):
             again = [row for row, value in enumerate(values) if is_unscored(value)]
             if not again:
                 break
             retried = fn(prompts=[prompts[r] for r in again], responses=[responses[r] for r in again],
                          ground_truths=[ground_truths[r] for r in again], **args)
-            for row, value in zip(again, checked_list(label, retried, len(again))):
+            for row, value in zip(again, score_entries(label, retried, len(again))):
                 values[row] = value
-        unscored = torch.tensor([is_unscored(value) for value in values], dtype=torch.bool)
-        reason = next((value.reason for value in values if is_unscored(value)), None)
-        scores = checked_scores(label, [0.0 if is_unscored(value) else value for value in values], len(values))
+        scores, unscored, reason = split_unscored(label, values, len(values))
         return scores, unscored, returned, reason
 
     def score_rows(
