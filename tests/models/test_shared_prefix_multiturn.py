@@ -1,0 +1,105 @@
+"""Multi-turn episodes in the shared-prefix layout (`rlhf.models.shared_prefix.prefixes`): where a group's episodes
+agree past their prompt (the same first answer, so the same observation after it), the agreed turns are laid out
+once with the prompt, and the logprobs, losses and gradients stay the unshared layout's, the agreed action tokens'
+loss included (their output feeds every row that takes them; autograd adds up the rows' gradients)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf.envs.loop import Episode, Turn
+from rlhf.envs.rows import episode_rows
+from rlhf.models import lora, shared_prefix
+from test_shared_prefix import VOCAB, assert_same, llama, packed_model, qwen2
+
+PAD = 0
+
+
+def played(group: int, prompt: list[int], turns: list[tuple[list[int], list[int]]]) -> Episode:
+    """An episode of ``turns`` (observation after the previous action, action), turn 0's observation the prompt."""
+    episode = Episode(group=group, seed=0, task=None)
+    for k, (observation, action) in enumerate(turns):
+        episode.turns.append(Turn(
+            observation="", observation_ids=prompt if k == 0 else observation, action_ids=action,
+            action_logp=[-1.0] * len(action), stopped=True,
+        ))
+    return episode
+
+
+def retry_groups(seed: int = 0):
+    """Two groups of the arith-retry shape (prompt, answer, the problem again, a second answer), as `episode_rows`
+    lays them out. Group 0: rows 0-2 give the same first answer (so see the same observation) and differ in the
+    retry; row 3 answers otherwise and stops; row 4 is row 0's first turn only (its whole row is shared). Group 1:
+    every first answer differs (only the prompt is shared)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = lambda n: torch.randint(3, VOCAB, (n,), generator=g).tolist()
+    prompt, first, again = tokens(9), tokens(4), tokens(5)
+    episodes = [played(0, prompt, [([], first), (again, tokens(n))]) for n in (3, 4, 2)]
+    episodes += [played(0, prompt, [([], tokens(3))]), played(0, prompt, [([], first)])]
+    prompt = tokens(6)
+    episodes += [played(1, prompt, [([], tokens(3)), (tokens(4), tokens(2))]) for _ in range(3)]
+    return episode_rows(episodes, "sum", PAD).trimmed()
+
+
+def test_a_group_s_agreed_first_turn_is_laid_out_once_with_its_prompt():
+    batch = retry_groups()
+    parts = shared_prefix.row_parts(batch)
+    heads, row_class, shared = shared_prefix.prefixes(parts)
+    assert row_class == [0, 0, 0, 0, 0, 1, 1, 1]
+    assert shared[:5] == [9 + 4 + 5] * 3 + [9, 9 + 4]  # the agreed answer and observation; the other answer: the prompt
+    assert len(heads[0]) == 9 + 4 + 5 and len(heads[1]) == 6
+    layout = shared_prefix.share(batch, force=True)
+    total = int(batch.attention_mask.sum())
+    assert layout.input_ids.shape[1] == total - sum(shared) + len(heads[0]) + len(heads[1])
+    # row 1's retry is predicted from the shared observation's last token, its position past the agreed turn
+    assert int(layout.predicts[1, 4 + 5]) == len(heads[0]) - 1
+    assert layout.unshared_rows == 0
+    # the agreed first answer is trained on: part of the shared prefix inside the loss mask
+    assert batch.loss_mask[:3, :4].bool().all()
+
+
+@pytest.mark.parametrize("build", [llama, qwen2], ids=["llama", "qwen2"])
+def test_multi_turn_rows_give_the_unshared_logprobs_loss_and_gradients(build):
+    assert_same(packed_model(build), retry_groups())
+
+
+def test_lora_adapters_get_the_unshared_gradients_on_multi_turn_rows():
+    model = lora.add_adapters(packed_model(qwen2), type("Cfg", (), {
+        "rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["all-linear"],
+    })())
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # adapters start at zero; random ones make every gradient non-trivial
+            torch.nn.init.normal_(param, std=0.1)
+    assert_same(model, retry_groups(seed=1))
+
+
+def test_the_critic_s_values_and_gradients_on_multi_turn_rows_are_the_unshared_ones():
+    from transformers import LlamaForSequenceClassification
+
+    from rlhf.models import packing
+    from rlhf.models.value import ValueModule, window_values
+
+    torch.manual_seed(0)
+    scorer = LlamaForSequenceClassification(llama().config.__class__(**{**llama().config.to_dict(), "num_labels": 1})).eval()
+    assert packing.enable(scorer)
+    module, batch = ValueModule(scorer), retry_groups(seed=2)
+    out = {}
+    for share in (True, False):
+        scorer.zero_grad()
+        values = window_values(module, batch, share)
+        (values * torch.linspace(-1, 1, values.numel()).view_as(values)).sum().backward()
+        out[share] = values.detach(), {n: p.grad.clone() for n, p in scorer.named_parameters() if p.grad is not None}
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-5)
+    for name, grad in out[False][1].items():
+        torch.testing.assert_close(out[True][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_leader_is_the_row_that_agrees_most_and_a_lone_agreement_extends_the_prefix():
+    p = (1, 2, 3)
+    parts = [(p, (5, 6)), (p, (7, 8, 9)), (p, (7, 8, 4)), (p, (7, 1)), (p, (5, 2))]
+    heads, row_class, shared = shared_prefix.prefixes(parts)
+    assert heads == [p + (7, 8)] and row_class == [0] * 5
+    assert shared == [3, 5, 5, 4, 3]  # rows 1 and 2 agree on two tokens past the prompt, row 3 on one
+    heads, _, shared = shared_prefix.prefixes([(p, (4,)), (p, (5,)), ((1, 2), (3, 4))])
+    assert heads == [p, (1, 2)] and shared == [3, 3, 2]  # a prompt of its own stays its own, though it agrees on more
