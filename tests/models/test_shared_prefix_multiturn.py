@@ -103,3 +103,54 @@ def test_the_leader_is_the_row_that_agrees_most_and_a_lone_agreement_extends_the
     assert shared == [3, 5, 5, 4, 3]  # rows 1 and 2 agree on two tokens past the prompt, row 3 on one
     heads, _, shared = shared_prefix.prefixes([(p, (4,)), (p, (5,)), ((1, 2), (3, 4))])
     assert heads == [p, (1, 2)] and shared == [3, 3, 2]  # a prompt of its own stays its own, though it agrees on more
+
+
+def test_the_fused_output_layer_gives_the_unshared_logprobs_and_gradients_on_multi_turn_rows():
+    from rlhf.models.logprobs import fuses, window_logprobs
+
+    model, batch = packed_model(llama), retry_groups(seed=3)
+    assert fuses(model)
+    out = {}
+    for share, chunk in ((True, 5), (False, 0)):  # fused over the shared layout against the plain unshared logits
+        model.zero_grad()
+        logp, entropy = window_logprobs(model, batch, 1.0, with_entropy=True, chunk=chunk, share=share)
+        (logp * torch.linspace(-1, 1, logp.numel()).view_as(logp)).sum().backward()
+        out[share] = logp.detach(), entropy.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    for got, want in zip(out[True][:2], out[False][:2]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for name, grad in out[False][2].items():
+        torch.testing.assert_close(out[True][2][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_multi_turn_run_s_first_step_is_the_unshared_one_with_its_agreed_turns_shared(tmp_path, monkeypatch):
+    """`experiment=multiturn_tiny` (the retry task's episodes, 8 a problem, the built-in model warm-started on both
+    turns) for one step with `model.shared_prefix` true and false: the same episodes scored alike, the same losses, KL
+    and entropy within float rounding, and the shared step's forwards took turns past the prompt from a prefix."""
+    import json
+
+    from rlhf.config import compose_config
+    from rlhf.train import train
+
+    taken_past_prompt = []
+    prefixes = shared_prefix.prefixes
+
+    def counted(parts):
+        heads, row_class, shared = prefixes(parts)
+        taken_past_prompt.append(sum(k > len(prompt) for k, (prompt, _) in zip(shared, parts)))
+        return heads, row_class, shared
+
+    monkeypatch.setattr(shared_prefix, "prefixes", counted)
+    firsts = {}
+    for share in ("true", "false"):
+        cfg = compose_config([
+            "experiment=multiturn_tiny", f"model.shared_prefix={share}", "train.num_steps=1", "train.prompts_per_step=8",
+            "eval.num_samples=0", "logging.tensorboard=false", "logging.sample_every=0", "checkpoint.save_final_model=false",
+        ])
+        train(cfg, tmp_path / share)
+        rows = [json.loads(line) for line in (tmp_path / share / "metrics.jsonl").read_text().splitlines()]
+        firsts[share] = next(row for row in rows if "objective/scores" in row)
+    assert sum(taken_past_prompt) > 0
+    shared, plain = firsts["true"], firsts["false"]
+    assert shared["objective/scores"] == plain["objective/scores"]
+    for key in ("loss/policy_avg", "loss/kl_avg", "objective/kl", "objective/entropy"):
+        assert abs(shared[key] - plain[key]) <= 1e-5 * max(1.0, abs(plain[key])), key
