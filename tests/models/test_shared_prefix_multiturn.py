@@ -105,6 +105,19 @@ def test_the_leader_is_the_row_that_agrees_most_and_a_lone_agreement_extends_the
     assert heads == [p, (1, 2)] and shared == [3, 3, 2]  # a prompt of its own stays its own, though it agrees on more
 
 
+def test_the_leader_found_through_sorted_neighbours_is_the_one_every_pair_compared_finds():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(2000):  # short responses of two token values: many ties, empty ones, one a prefix of another
+        responses = [tuple(rng.choice((3, 4)) for _ in range(rng.randint(0, 5))) for _ in range(rng.randint(1, 9))]
+        agree = [[shared_prefix.common_length(a, b) if i != j else 0 for j, b in enumerate(responses)] for i, a in enumerate(responses)]
+        leader = max(range(len(responses)), key=lambda i: sum(agree[i]))  # the first of the best
+        taken = list(agree[leader])
+        taken[leader] = max((t for i, t in enumerate(taken) if i != leader), default=0)
+        assert shared_prefix.leading(responses) == (leader, taken), responses
+
+
 def test_the_fused_output_layer_gives_the_unshared_logprobs_and_gradients_on_multi_turn_rows():
     from rlhf.models.logprobs import fuses, window_logprobs
 
