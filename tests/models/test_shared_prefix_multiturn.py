@@ -10,8 +10,8 @@ import torch
 
 from rlhf.envs.loop import Episode, Turn
 from rlhf.envs.rows import episode_rows
-from rlhf.models import lora, shared_prefix
-from test_shared_prefix import VOCAB, assert_same, llama, packed_model, qwen2
+from rlhf.models import shared_prefix
+from test_shared_prefix import VOCAB, assert_critic_same, assert_same, llama, packed_model, qwen2, with_adapters
 
 PAD = 0
 
@@ -65,34 +65,11 @@ def test_multi_turn_rows_give_the_unshared_logprobs_loss_and_gradients(build):
 
 
 def test_lora_adapters_get_the_unshared_gradients_on_multi_turn_rows():
-    model = lora.add_adapters(packed_model(qwen2), type("Cfg", (), {
-        "rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["all-linear"],
-    })())
-    for name, param in model.named_parameters():
-        if "lora_B" in name:  # adapters start at zero; random ones make every gradient non-trivial
-            torch.nn.init.normal_(param, std=0.1)
-    assert_same(model, retry_groups(seed=1))
+    assert_same(with_adapters(packed_model(qwen2)), retry_groups(seed=1))
 
 
 def test_the_critic_s_values_and_gradients_on_multi_turn_rows_are_the_unshared_ones():
-    from transformers import LlamaForSequenceClassification
-
-    from rlhf.models import packing
-    from rlhf.models.value import ValueModule, window_values
-
-    torch.manual_seed(0)
-    scorer = LlamaForSequenceClassification(llama().config.__class__(**{**llama().config.to_dict(), "num_labels": 1})).eval()
-    assert packing.enable(scorer)
-    module, batch = ValueModule(scorer), retry_groups(seed=2)
-    out = {}
-    for share in (True, False):
-        scorer.zero_grad()
-        values = window_values(module, batch, share)
-        (values * torch.linspace(-1, 1, values.numel()).view_as(values)).sum().backward()
-        out[share] = values.detach(), {n: p.grad.clone() for n, p in scorer.named_parameters() if p.grad is not None}
-    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-5)
-    for name, grad in out[False][1].items():
-        torch.testing.assert_close(out[True][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert_critic_same(retry_groups(seed=2))
 
 
 def test_the_leader_is_the_row_that_agrees_most_and_a_lone_agreement_extends_the_prefix():
