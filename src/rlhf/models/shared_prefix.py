@@ -82,7 +82,8 @@ def spans_pay(batch: Trajectories) -> bool:
 
 def share(batch: Trajectories, force: bool = False) -> SharedPacked | None:
     """``batch``'s rows in the shared-prefix layout; None where it cannot lay them out (`row_parts`), where no two
-    rows share a prompt, or (``force`` false) where sharing does not pay (`micro_batches.pays`)."""
+    rows share a prompt, or (``force`` false) where sharing does not pay (`micro_batches.pays`, the tokens each row
+    takes from a prefix counted as its prompt's)."""
     if not len(batch) or not (force or spans_pay(batch)):
         return None
     parts = row_parts(batch)
