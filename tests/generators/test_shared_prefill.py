@@ -1,6 +1,7 @@
 """Shared prompt prefill (`rlhf.generators.shared_prefill`): rows holding one prompt run its prompt pass once, and
 decode as they did unshared: the same greedy tokens, seeded samples the same tokens, logprobs within float rounding,
-in the eager loop and the static decode (packed and padded prompt passes), on Llama, Qwen2 and GPT-NeoX shapes."""
+in the eager loop and the static decode (packed and padded prompt passes; its step compiled too), on Llama, Qwen2
+and GPT-NeoX shapes."""
 
 from __future__ import annotations
 
@@ -116,6 +117,30 @@ def test_the_static_decode_prefills_each_prompt_once_and_decodes_as_unshared(nam
     assert_same(got, want)
     if sampling is GREEDY:
         assert_same(got, decode(model, query_ids, query_mask, sampling, STOP, PAD))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_the_compiled_static_decode_prefills_each_prompt_once_and_decodes_as_unshared(sampling):
+    """`generator.compile`'s static decode (its step compiled and, on CUDA, recorded as a graph; the prompt pass runs
+    outside both): the distinct prompts' pass only, and the unshared compiled decode's tokens, greedy and seeded,
+    logprobs within float rounding; the shared call compiles nothing the unshared one did not."""
+    torch._dynamo.reset()
+    cuda = torch.cuda.is_available()
+    model = family("qwen2").to("cuda" if cuda else "cpu")
+    assert use_generator_attention(model)
+    static = StaticDecoder(model, POWERS, 2, compile=True, graphs=cuda)
+    prompts = grouped_prompts(4)
+    groups = prompt_groups(prompts).to(model.device)
+    query_ids, query_mask = (t.to(model.device) for t in left_pad(prompts, PAD))
+    torch.manual_seed(3)
+    want = static.decode(query_ids, query_mask, sampling, STOP, PAD)
+    torch.manual_seed(3)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got, seen = counting_rows(model, lambda: static.decode(query_ids, query_mask, sampling, STOP, PAD, groups))
+    firsts = groups.firsts
+    assert torch.equal(seen, query_ids[firsts][query_mask[firsts].bool()][None])  # packed: the distinct prompts' tokens
+    assert_same(got, want)
 
 
 def test_the_generator_shares_by_its_key_and_counts_rows_prefilled_alone(make_generator, tiny_model_dir, encode):

@@ -113,14 +113,20 @@ def test_each_token_sees_its_own_positions_and_the_prompt_once():
     assert layout.unshared_rows == 0
 
 
-def test_lora_adapters_get_the_unshared_gradients():
-    model = lora.add_adapters(packed_model(llama), type("Cfg", (), {
+def with_adapters(model):
+    """``model`` with LoRA adapters on every linear layer, drawn at random (they start at zero; random ones make every
+    gradient non-trivial)."""
+    model = lora.add_adapters(model, type("Cfg", (), {
         "rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["all-linear"],
     })())
     for name, param in model.named_parameters():
-        if "lora_B" in name:  # adapters start at zero; random ones make every gradient non-trivial
+        if "lora_B" in name:
             torch.nn.init.normal_(param, std=0.1)
-    assert_same(model, grouped_rows([7, 6], [[3, 5, 2], [4, 4]]).trimmed())
+    return model
+
+
+def test_lora_adapters_get_the_unshared_gradients():
+    assert_same(with_adapters(packed_model(llama)), grouped_rows([7, 6], [[3, 5, 2], [4, 4]]).trimmed())
 
 
 def test_rows_whose_prompts_differ_fall_back_to_a_prompt_of_their_own_and_are_counted():
@@ -148,6 +154,11 @@ def test_auto_shares_where_the_prompt_tokens_saved_are_at_least_the_measured_sha
 
 
 def test_the_critic_s_values_and_their_gradients_are_the_unshared_ones():
+    assert_critic_same(grouped_rows([8, 3], [[5, 2, 4], [6, 1]]).trimmed())
+
+
+def assert_critic_same(batch):
+    """A Llama critic's window values of ``batch``, and their gradients, shared equal unshared."""
     from transformers import LlamaForSequenceClassification
 
     from rlhf.models.value import ValueModule, window_values
@@ -156,7 +167,6 @@ def test_the_critic_s_values_and_their_gradients_are_the_unshared_ones():
     scorer = LlamaForSequenceClassification(llama().config.__class__(**{**llama().config.to_dict(), "num_labels": 1})).eval()
     assert packing.enable(scorer)
     module = ValueModule(scorer)
-    batch = grouped_rows([8, 3], [[5, 2, 4], [6, 1]]).trimmed()
     out = {}
     for share in (True, False):
         scorer.zero_grad()
