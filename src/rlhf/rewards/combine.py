@@ -13,7 +13,7 @@ import torch
 from rlhf import registry
 from rlhf.errors import ConfigError, RewardValueError
 from rlhf.functional import overlong_penalty
-from rlhf.rewards.failure import is_unscored
+from rlhf.rewards.failure import is_unscored, retry_failed
 from rlhf.trajectory import Trajectories
 
 # A score beyond this size is a bug, not a signal: squared in a variance it nears float32's overflow (3.4e38) long
@@ -195,14 +195,13 @@ class RewardSet:
         values = list(returned)
         if len(values) != len(responses):
             raise ValueError(f"{label} returned {len(values)} scores for {len(responses)} responses")
-        for _ in range(self.cfg.unscored_retries):
-            again = [row for row, value in enumerate(values) if is_unscored(value)]
-            if not again:
-                break
-            retried = fn(prompts=[prompts[r] for r in again], responses=[responses[r] for r in again],
-                         ground_truths=[ground_truths[r] for r in again], **args)
-            for row, value in zip(again, checked_list(label, retried, len(again))):
-                values[row] = value
+
+        def again(rows: list[int]) -> list:
+            retried = fn(prompts=[prompts[r] for r in rows], responses=[responses[r] for r in rows],
+                         ground_truths=[ground_truths[r] for r in rows], **args)
+            return checked_list(label, retried, len(rows))
+
+        values, _ = retry_failed(values, is_unscored, again, self.cfg.unscored_retries)
         unscored = torch.tensor([is_unscored(value) for value in values], dtype=torch.bool)
         reason = next((value.reason for value in values if is_unscored(value)), None)
         scores = checked_scores(label, [0.0 if is_unscored(value) else value for value in values], len(values))
