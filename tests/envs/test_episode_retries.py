@@ -12,7 +12,6 @@ import torch
 
 from rlhf.config import compose_config, validate
 from rlhf.envs.builtin import ArithRetryMaker
-from rlhf.registry import register
 from rlhf.run.build import build_components
 from rlhf.step.collector import EpisodesFailed
 from rlhf.step.scored import group_rows, take_groups
@@ -20,7 +19,7 @@ from rlhf.train import train
 
 # episodes made, in order (the task's text), and the make indices whose episode raises in step()
 FLAKY: dict = {"made": [], "fail": set(), "fail_from": None}
-RUN = ["env=arith_retry", "env.name=test_flaky_arith", "model=tiny_arith_retry", "train.prompts_per_step=4",
+RUN = ["env=arith_retry", "env.name=test_episode_retries.FlakyArith", "model=tiny_arith_retry", "train.prompts_per_step=4",
        "algorithm.num_samples_per_prompt=4", "train.micro_batch_size=16", "logging.tensorboard=false",
        "checkpoint.save_final_model=false"]
 
@@ -38,9 +37,8 @@ class Broken:
         raise ConnectionError("the environment's server went away")
 
 
-@register("env", "test_flaky_arith")
 class FlakyArith(ArithRetryMaker):
-    """The built-in `arith_retry`, whose n-th episode made raises in step() when n is in FLAKY["fail"] (or from
+    """(By import path, so no other test's registry sees it.) The built-in `arith_retry`, whose n-th episode made raises in step() when n is in FLAKY["fail"] (or from
     make FLAKY["fail_from"] on)."""
 
     def make(self, task):
@@ -117,7 +115,7 @@ def test_past_the_share_the_run_stops_naming_the_environment_with_the_last_step_
     train(compose_config([*run, "train.num_steps=1"]), tmp_path / "one_step")
     FLAKY.update(made=[], fail=set(), fail_from=len(FLAKY["made"]))
     out = tmp_path / "run"
-    with pytest.raises(EpisodesFailed, match=r"16 of the batch's 16 episodes failed in environment 'test_flaky_arith' "
+    with pytest.raises(EpisodesFailed, match=r"16 of the batch's 16 episodes failed in environment 'test_episode_retries.FlakyArith' "
                        r"after env.failed_retries=2 \(the run stops past env.max_failed_share=0.5\).*ConnectionError"):
         train(compose_config([*run, "train.num_steps=3"]), out)
     step_2 = FLAKY["made"][FLAKY["fail_from"]:]
