@@ -3,7 +3,8 @@
 A producer thread keeps up to `schedule.in_flight` rows decoding at all times (`rlhf.step.inflight`): every
 `schedule.chunk_tokens` tokens, finished rows leave, new prompts' groups join in their place, and weights the trainer
 pushed since load, so an unfinished response goes on under the new policy. Every token records the version that
-sampled it. A group is scored the moment its last row ends and waits, scored, for its step.
+sampled it. A group is scored the moment its last row ends and waits, scored, for its step; the unscored-share
+breaker (`reward.max_unscored_share`) reads the step's groups together, as the sync schedule reads its batch.
 
 Groups are trained in the order they were drawn: step k trains the next `train.prompts_per_step` groups. The trainer
 waits only for those; meanwhile the generator fills every free slot with the groups of later steps. The producer
