@@ -20,7 +20,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlhf.agents.endpoint import PLAIN_TEMPLATE, AgentRunner, OpenAIAgentConfig, OpenAIAgentMaker
-from rlhf.envs.loop import drop_failed
 from rlhf.envs.rows import episode_rows
 from rlhf.errors import ConfigError
 
@@ -188,8 +187,8 @@ def test_agent_faults_lose_their_own_episode_counted_and_late_calls_get_410(runn
     failed = {ep.task.ground_truth: ep.error for ep in episodes if ep.failed}
     assert set(failed) == {3, 7, 11}
     assert "KeyError" in failed[3] and "env.step_timeout_s" in failed[7] and "no reward" in failed[11]
-    kept, lost, _, _ = drop_failed(episodes, min_group=1)
-    assert lost == 3 and sorted(ep.task.ground_truth for ep in kept) == [9, 13]
+    kept = [ep for ep in episodes if not ep.failed]
+    assert len(episodes) - len(kept) == 3 and sorted(ep.task.ground_truth for ep in kept) == [9, 13]
     assert next(ep for ep in kept if ep.task.ground_truth == 13).episode_return == 0.25
     m = runner.last_metrics
     assert (m["env/raised_episodes"], m["env/timed_out_episodes"], m["env/no_reward_episodes"]) == (1, 1, 1)

@@ -15,6 +15,7 @@ from rlhf.config import ConfigError, compose_config, validate
         (["env=arith_retry", "env.num_parallel=0"], r"env.num_parallel=0 must be >= 1"),
         (["env=arith_retry", "env.max_tokens=1"], r"env.max_tokens=1 must be >= 2"),
         (["env=arith_retry", "env.step_timeout_s=0"], r"env.step_timeout_s=0.0 must be > 0"),
+        (["env=arith_retry", "env.failed_retries=-1"], r"env.failed_retries=-1 must be >= 0"),
         (["env=arith_retry", "env.max_failed_share=0"], r"env.max_failed_share=0.0 must be in \(0, 1\]"),
         (["env=arith_retry", "env.max_failed_share=1.5"], r"env.max_failed_share=1.5 must be in \(0, 1\]"),
         (["env=arith_retry", "env.reward_reduce=mean"], r"env.reward_reduce='mean'; choose one of sum, last"),

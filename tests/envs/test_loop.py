@@ -16,12 +16,13 @@ import torch
 from rlhf.data.prompts import PromptExample, PromptStream
 from rlhf.envs.base import EnvConfig, check_prompt_room
 from rlhf.errors import ConfigError
-from rlhf.envs.loop import EpisodeRunner, drop_failed
+from rlhf.envs.loop import EpisodeRunner
 from rlhf.trajectory import group_size
 from rlhf.envs.rows import episode_rows
 from rlhf.generators.base import SamplingParams
 from rlhf.training.policy import TorchPolicy
 from rlhf.step.collector import Collector
+from rlhf.step.scored import group_rows, kept_groups
 from rlhf.step.learner import sample_train_gap
 
 CPU = torch.device("cpu")
@@ -29,7 +30,7 @@ CPU = torch.device("cpu")
 
 def env_cfg(**overrides):
     values = dict(name="toy", template="no", num_parallel=3, max_turns=3, max_tokens=64, max_concurrency=4,
-                  step_timeout_s=30.0, max_failed_share=0.5, reward_reduce="sum", eval_size=32)
+                  step_timeout_s=30.0, failed_retries=0, max_failed_share=0.5, reward_reduce="sum", eval_size=32)
     assert set(values) == {f.name for f in fields(EnvConfig)}  # every key the agent loop may read
     return SimpleNamespace(**values | overrides)
 
@@ -158,11 +159,9 @@ def test_faults_lose_their_episodes_not_their_groups_nor_the_run(make_generator,
     failed = [i for i, ep in enumerate(episodes) if ep.failed]
     assert failed == [1, 4]
     assert "KeyError" in episodes[1].error and "step() must return" in episodes[4].error
-    kept, count, short, groups = drop_failed(episodes, min_group=2)  # groups of 3: the two hit keep 2 each
-    assert (count, short, groups) == (2, 0, [0, 1, 2]) and [ep.group for ep in kept] == [0, 0, 1, 1, 2, 2, 2]
-    assert [ep.seed for ep in kept] == [0, 0, 1, 1, 2, 2, 2]
-    kept, count, short, groups = drop_failed(episodes, min_group=3)  # an estimator that needs 3: the hit groups go whole
-    assert (count, short, groups) == (2, 4, [2]) and [ep.seed for ep in kept] == [2, 2, 2] and kept[0].group == 0
+    groups, lost = group_rows(torch.tensor([ep.group for ep in episodes])), [ep.failed for ep in episodes]
+    assert kept_groups(groups, lost, min_group=2) == [[0, 2], [3, 5], [6, 7, 8]]  # groups of 3: the two hit keep 2 each
+    assert kept_groups(groups, lost, min_group=3) == [[6, 7, 8]]  # an estimator that needs 3: the hit groups go whole
     assert sum("episode lost" in r.message for r in caplog.records) == 2  # each distinct error logged once
 
 

@@ -20,7 +20,10 @@ from rlhf.data.prompts import PromptExample, PromptStream, epochs_done
 from rlhf.errors import ConfigError
 from rlhf.functional.staleness import fresh_enough, oldest_version, token_staleness, versions_per_row
 from rlhf.generators.base import SamplingParams
+from rlhf.registry import register
+from rlhf.rewards.failure import RewardUnavailable, Unscored
 from rlhf.run import checkpoint
+from rlhf.run.build import build_components
 from rlhf.run.checkpoint import STATE_FILE
 from rlhf.schedules.asynchronous import THREAD_NAME
 from rlhf.step.inflight import Group, Row, advance, group_batch
@@ -464,3 +467,50 @@ def test_the_stream_warnings_give_fixes_that_apply_to_the_run():
     (gap,) = warnings("algorithm/rollout_correction=token_tis", "schedule.max_staleness=2", "schedule.max_token_version_gap=0")
     assert gap.startswith("schedule.max_token_version_gap=0 is below schedule.max_staleness=2") and "raise the gap to 2" in gap
     assert warnings("algorithm/rollout_correction=token_tis", "schedule.max_staleness=2", "schedule.max_token_version_gap=2") == []
+
+
+BAD_PROMPTS: set[str] = set()  # prompts whose every row `test_stream_unscored` cannot score
+
+
+@register("reward", "test_stream_unscored")
+def stream_unscored(prompts, responses, ground_truths, **_):
+    """`Unscored` for every row of a prompt in BAD_PROMPTS (retries too), else 0.5."""
+    return [Unscored("the judge timed out") if prompt in BAD_PROMPTS else 0.5 for prompt in prompts]
+
+
+def trained_prompts(out: Path) -> dict[int, list[int]]:
+    lines = (out / "prompts.jsonl").read_text().splitlines()
+    return {json.loads(line)["step"]: json.loads(line)["prompts"] for line in lines}
+
+
+def test_the_unscored_share_is_a_steps_not_a_groups(tmp_path):
+    """A group whose 4 rows are all unscored is a quarter of its step (16 rows): under reward.max_unscored_share=0.25
+    the step trains without it (it stopped the run when the share was read per group); two such groups in a step
+    (half of it) stop the run, naming the function, with the last complete step saved."""
+    unscoring = ["reward.functions=[{name: arith_correct}, {name: test_stream_unscored}]", "reward.unscored_retries=0",
+                 "reward.max_unscored_share=0.25", "eval.every=0", "eval.greedy=false", "eval.num_samples=0",
+                 "checkpoint.every=1"]
+    cfg = compose_config([*FAST, *unscoring])
+    c = build_components(cfg, validate(cfg))
+    try:  # the stream draws one group's prompt at a time, 4 a step
+        texts = [c.collector.prompts.next_batch(1)[0].text for _ in range(8)]
+        ids = c.collector.prompts.ids_of(texts)
+    finally:
+        c.close()
+    drawn = {1: texts[:4], 2: texts[4:]}
+    BAD_PROMPTS.clear()
+    BAD_PROMPTS.update(drawn[1][:1])
+    records = run(tmp_path / "one_group", *unscoring, "train.num_steps=2")
+    first = next(r for r in records if r["step"] == 1)
+    assert (first["reward/unscored_rows"], first["reward/unscored_share"], first["reward/unscored_dropped_groups"]) == (4, 0.25, 1)
+    assert trained_prompts(tmp_path / "one_group" / "run")[1] == ids[1:4]  # the bad group left its step
+
+    BAD_PROMPTS.clear()
+    BAD_PROMPTS.update(drawn[2][:2])
+    out = tmp_path / "two_groups" / "run"
+    with pytest.raises(RewardUnavailable, match=r"8 of the batch's 16 rows could not be scored, past "
+                       r"reward.max_unscored_share=0.25 \(reward function 'test_stream_unscored': 8 rows, first reason: "
+                       r"the judge timed out\)"):
+        run(tmp_path / "two_groups", *unscoring, "train.num_steps=3")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_")) == ["step_00000001"]
+    assert not [t for t in threading.enumerate() if t.name == THREAD_NAME]

@@ -44,7 +44,8 @@ class EnvConfig(PartConfig):
     max_tokens: int = 256  # tokens per trajectory, prompt included; an action that would pass it ends the episode as truncated
     max_concurrency: int = 32  # environment reset/step calls in flight at once
     step_timeout_s: float = 60.0  # a reset/step call still running after this loses its episode (counted in env/failed_episodes)
-    max_failed_share: float = 0.5  # a batch in which more than this share of episodes fail stops the run (1: only when all fail); failed episodes are dropped, not their groups
+    failed_retries: int = 1  # a failed episode (the environment or agent raised, timed out, answered malformed) is played again, fresh with the same task and seed, this many times; those episodes only
+    max_failed_share: float = 0.5  # past this share of a training batch's episodes still failed after retries, the run stops (the last step saved), naming the environment; 1: only when all fail
     reward_reduce: str = "sum"  # a trajectory's score from its turn rewards: sum or last
     eval_size: int = 32  # environments without a dataset: held-out task instances (reset seeds 0..N-1) evaluated
 
@@ -53,6 +54,7 @@ class EnvConfig(PartConfig):
             require(getattr(self, key) >= 1, f"{at}.{key}={getattr(self, key)} must be >= 1")
         require(self.max_tokens >= 2, f"{at}.max_tokens={self.max_tokens} must be >= 2 (a prompt token and an action token)")
         require(self.step_timeout_s > 0, f"{at}.step_timeout_s={self.step_timeout_s} must be > 0")
+        require(self.failed_retries >= 0, f"{at}.failed_retries={self.failed_retries} must be >= 0")
         require(0 < self.max_failed_share <= 1, f"{at}.max_failed_share={self.max_failed_share} must be in (0, 1]")
         require(self.reward_reduce in REDUCTIONS, f"{at}.reward_reduce={self.reward_reduce!r}; choose one of {', '.join(REDUCTIONS)}")
         require(self.template in TEMPLATES, f"{at}.template={self.template!r}; choose one of {', '.join(TEMPLATES)}")

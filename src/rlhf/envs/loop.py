@@ -16,7 +16,6 @@ import asyncio
 import inspect
 import logging
 import threading
-from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -26,6 +25,7 @@ from rlhf.envs.base import EnvError, EnvMaker, as_episode_error, check_reset, ch
 from rlhf.envs.templates import render
 from rlhf.errors import StopRequested, stop_requested
 from rlhf.generators.base import SamplingParams
+from rlhf.rewards.failure import retry_failed
 from rlhf.trajectory import Trajectories
 
 log = logging.getLogger("rlhf")
@@ -306,14 +306,32 @@ def within_budget(ids: list[int], logp: list[float], stopped: bool, room: int) -
     return ids[:room], logp[:room], False, True
 
 
-def drop_failed(episodes: list[Episode], min_group: int) -> tuple[list[Episode], int, int, list[int]]:
-    """The episodes that did not fail, their groups renumbered 0..; a group left with fewer than ``min_group``
-    members (the estimator's samples per prompt: a baseline needs company) goes too. Also how many episodes failed,
-    how many good ones went with a group too small, and each kept group's number before renumbering."""
-    kept = [ep for ep in episodes if not ep.failed]
-    sizes = Counter(ep.group for ep in kept)
-    short = [ep for ep in kept if sizes[ep.group] < min_group]
-    kept = [ep for ep in kept if sizes[ep.group] >= min_group]
-    renumber = {g: n for n, g in enumerate(dict.fromkeys(ep.group for ep in kept))}
-    kept = [replace(ep, group=renumber[ep.group]) for ep in kept]
-    return kept, sum(ep.failed for ep in episodes), len(short), list(renumber)
+def play_retrying(
+    runner, generator, tasks: list[PromptExample | None], seeds: list[int], group_size: int, sampling: SamplingParams,
+    retries: int,
+) -> tuple[list[Episode], int, dict[str, float]]:
+    """``runner.run`` (an `EpisodeRunner`, or an environment's own loop such as the agent endpoint's), then each failed
+    episode played again, fresh with its task and reset seed, alone with the others that failed, up to ``retries``
+    more times (`env.failed_retries`, the rule of `rlhf.rewards.failure.retry_failed`). Returns the episodes (a group's
+    together, a retried one in its failed one's place; an agent's session may give several), how many were played
+    again, and the runner's `last_metrics` summed over its runs."""
+    counts: dict[str, float] = {}
+
+    def played(episodes: list[Episode]) -> list[Episode]:
+        for key, value in getattr(runner, "last_metrics", {}).items():
+            counts[key] = counts.get(key, 0.0) + value
+        return episodes
+
+    first = played(runner.run(generator, tasks, seeds, group_size, sampling))
+    slots = [[ep] for ep in first]  # a slot per episode played: what replaces it when it is played again
+
+    def again(rows: list[int]) -> list[list[Episode]]:
+        failed = [slots[row][0] for row in rows]
+        retried = played(runner.run(generator, [ep.task for ep in failed], [ep.seed for ep in failed], 1, sampling))
+        by_slot: list[list[Episode]] = [[] for _ in rows]
+        for ep in retried:  # group n: the n-th failed episode's
+            by_slot[ep.group].append(replace(ep, group=failed[ep.group].group))
+        return by_slot
+
+    slots, asked = retry_failed(slots, lambda slot: any(ep.failed for ep in slot), again, retries)
+    return [ep for slot in slots for ep in slot], asked, counts

@@ -13,7 +13,7 @@ import torch
 from rlhf import registry
 from rlhf.errors import ConfigError, RewardValueError
 from rlhf.functional import overlong_penalty
-from rlhf.rewards.failure import is_unscored
+from rlhf.rewards.failure import is_unscored, retry_failed
 from rlhf.trajectory import Trajectories
 
 # A score beyond this size is a bug, not a signal: squared in a variance it nears float32's overflow (3.4e38) long
@@ -200,14 +200,13 @@ class RewardSet:
         returned = fn(prompts=prompts, responses=responses, ground_truths=ground_truths, **args)
         label = function_label(name, fn)
         values = score_entries(label, returned, len(responses))
-        for _ in range(self.cfg.unscored_retries):
-            again = [row for row, value in enumerate(values) if is_unscored(value)]
-            if not again:
-                break
-            retried = fn(prompts=[prompts[r] for r in again], responses=[responses[r] for r in again],
-                         ground_truths=[ground_truths[r] for r in again], **args)
-            for row, value in zip(again, score_entries(label, retried, len(again))):
-                values[row] = value
+
+        def again(rows: list[int]) -> list:
+            retried = fn(prompts=[prompts[r] for r in rows], responses=[responses[r] for r in rows],
+                         ground_truths=[ground_truths[r] for r in rows], **args)
+            return score_entries(label, retried, len(rows))
+
+        values, _ = retry_failed(values, is_unscored, again, self.cfg.unscored_retries)
         scores, unscored, reason = split_unscored(label, values, len(values))
         return scores, unscored, returned, reason
 

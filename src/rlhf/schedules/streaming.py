@@ -3,7 +3,8 @@
 A producer thread keeps up to `schedule.in_flight` rows decoding at all times (`rlhf.step.inflight`): every
 `schedule.chunk_tokens` tokens, finished rows leave, new prompts' groups join in their place, and weights the trainer
 pushed since load, so an unfinished response goes on under the new policy. Every token records the version that
-sampled it. A group is scored the moment its last row ends and waits, scored, for its step.
+sampled it. A group is scored the moment its last row ends and waits, scored, for its step; the unscored-share
+breaker (`reward.max_unscored_share`) reads the step's groups together, as the sync schedule reads its batch.
 
 Groups are trained in the order they were drawn: step k trains the next `train.prompts_per_step` groups. The trainer
 waits only for those; meanwhile the generator fills every free slot with the groups of later steps. The producer
@@ -29,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 
@@ -40,7 +41,7 @@ from rlhf.registry import register, resolve
 from rlhf.run.state import RunState
 from rlhf.schedules.asynchronous import THREAD_NAME, producing, staleness_metrics, stop_thread
 from rlhf.schedules.loop import Loop, one_step, push_to_generator, run_steps, timed
-from rlhf.step.collector import Collector, StreamFeed
+from rlhf.step.collector import Collector, StreamFeed, past_share, unscored_error
 from rlhf.step.learner import Learner
 from rlhf.step.inflight import Group, advance, group_batch
 from rlhf.step.scored import Scored, group_rows, join, take_groups
@@ -147,6 +148,7 @@ class Finished:
 
     group: Group  # its rows as sampled
     scored: Scored  # the rows as one group (group id 0), scored
+    unscored: dict[str, tuple[int, str]] = field(default_factory=dict)  # reward function -> (rows it left unscored, first reason)
 
 
 class StreamingCollector:
@@ -281,9 +283,9 @@ class StreamingCollector:
     def _score(self, group: Group) -> None:
         """Score a finished group (outside the generator's lock: a reward model or user function may take a while)."""
         batch = group_batch(group, self.feed.pad_id)
-        scored = self.feed.score_group(group.example, with_groups(batch, len(group.rows)))
+        scored, unscored = self.feed.score_group(group.example, with_groups(batch, len(group.rows)))
         with self.lock:
-            self.ready[group.index] = Finished(group, scored)
+            self.ready[group.index] = Finished(group, scored, unscored)
             self.lock.notify_all()
 
     # -- the trainer's side ---------------------------------------------------------------------------------------
@@ -323,7 +325,25 @@ class StreamingCollector:
             stats, self.stats = self.stats, dict.fromkeys(self.stats, 0.0)
         if self.filtering:
             stats |= {"kept": len(kept), "taken": len(taken)}
+        stats |= self.unscored_in(taken)
         return (kept if kept else taken[-want:]), stats
+
+    def unscored_in(self, taken: list[Finished]) -> dict[str, float]:
+        """The circuit breaker over a step's groups together (those dynamic sampling passed over included), as the
+        sync path reads its batch: past `reward.max_unscored_share` of their rows unscored, or no row left,
+        `RewardUnavailable`. Otherwise the step's counts for `collect`: rows drawn, unscored, groups dropped."""
+        rows = sum(len(f.group.rows) for f in taken)
+        unscored = int(sum(f.scored.metrics.get("reward/unscored_rows", 0.0) for f in taken))
+        limit = self.feed.max_unscored_share
+        if unscored and (past_share(unscored, rows, limit) or not any(len(f.scored.batch) for f in taken)):
+            functions: dict[str, tuple[int, str]] = {}
+            for f in taken:
+                for name, (n, reason) in f.unscored.items():
+                    count, first = functions.get(name, (0, reason))
+                    functions[name] = (count + n, first)
+            raise unscored_error(unscored, rows, limit, functions)
+        dropped = sum(f.scored.metrics.get("reward/unscored_dropped_groups", 0.0) for f in taken)
+        return {"rows": rows, "unscored_rows": unscored, "unscored_dropped_groups": dropped}
 
     def take_error(self) -> BaseException | None:
         """The producer's error, handed over once: the producer lets go of it, or the error's traceback (which holds
@@ -351,7 +371,12 @@ class StreamingCollector:
         with timed(times, "wait_for_rollout"):
             finished, stats = self.take(step)
         scored = step_batch(finished, self.feed.pad_id, step - 1, self.config)
-        return replace(scored, metrics=scored.metrics | producer_metrics(stats, self.in_flight))
+        metrics = scored.metrics | producer_metrics(stats, self.in_flight)
+        if stats["unscored_rows"]:  # the step's counts, not the groups' mean
+            metrics |= {"reward/unscored_share": stats["unscored_rows"] / stats["rows"],
+                        "reward/unscored_rows": float(stats["unscored_rows"]),
+                        "reward/unscored_dropped_groups": float(stats["unscored_dropped_groups"])}
+        return replace(scored, metrics=metrics)
 
     def close(self, timeout: float = 60.0) -> None:
         """Stop after the current chunk and join the thread."""

@@ -16,14 +16,16 @@ import zlib
 from dataclasses import replace
 from typing import Callable
 
+import torch
+
 from rlhf.data.prompts import PromptExample, PromptStream
-from rlhf.envs.loop import EpisodeRunner, drop_failed
+from rlhf.envs.loop import EpisodeRunner, play_retrying
 from rlhf.envs.rows import episode_metrics, episode_rows, transcript
 from rlhf.generators.base import SamplingParams
 from rlhf.models.dtypes import tensor_bytes
 from rlhf.rewards.failure import RewardUnavailable
 from rlhf.seeding import rng_states
-from rlhf.step.scored import Scored, group_rows, groups_with_signal, join, round_metrics, take_groups
+from rlhf.step.scored import Scored, group_rows, groups_with_signal, join, kept_groups, round_metrics, take_groups
 from rlhf.trajectory import Trajectories, with_groups
 
 log = logging.getLogger("rlhf")
@@ -173,9 +175,11 @@ class Collector:
     ) -> Scored:
         """``group_size`` episodes of each task, as trajectory rows scored by the environment.
 
-        Failed episodes are dropped and counted; their groups go on with the rest (a group left smaller than the
-        estimator's samples per prompt goes too). A training batch in which more than `env.max_failed_share` of the
-        episodes failed, or any batch that kept no episode, raises `EpisodesFailed`, naming the first error.
+        A failed episode is played again, fresh, up to `env.failed_retries` times (`play_retrying`); one that still
+        failed leaves its group as an unscored row does (`kept_groups`: a group left smaller than the estimator's
+        samples per prompt goes too), and is counted. A training batch in which more than `env.max_failed_share` of the
+        episodes failed, or any batch that kept no episode, raises `EpisodesFailed`, naming the environment and the
+        first error.
         """
         runner = self.env
         generator = generator if generator is not None else self.generator
@@ -183,20 +187,30 @@ class Collector:
         seeds = [task_seed(ex, runner.maker.uses_dataset, self.prompts.seed) for ex in examples]
         if hasattr(runner, "version"):  # an endpoint tags each reply with the policy version that sampled it
             runner.version = self.weights_version
-        episodes = runner.run(generator, tasks, seeds, group_size, sampling)
-        min_group = min(self.min_group, group_size)
-        kept, failed, short, tasks = drop_failed(episodes, min_group)
-        share = runner.cfg.max_failed_share
-        if (training and failed > share * len(episodes)) or not kept:
+        retries = runner.cfg.failed_retries
+        episodes, retried, runner_metrics = play_retrying(runner, generator, tasks, seeds, group_size, sampling, retries)
+        lost = [ep.failed for ep in episodes]
+        groups = group_rows(torch.tensor([ep.group for ep in episodes]))
+        kept = kept_groups(groups, lost, self.min_group)
+        failed, share = sum(lost), runner.cfg.max_failed_share
+        short = len(episodes) - failed - sum(map(len, kept))
+        if past_share(failed, len(episodes), share if training else None) or not kept:
             first = next((ep.error for ep in episodes if ep.failed), None)
             raise EpisodesFailed(
-                f"{failed} of the batch's {len(episodes)} episodes failed in environment {runner.cfg.name!r} (the run stops "
-                f"past env.max_failed_share={share}), {short} more went with groups left under {min_group}; "
-                f"the first error: {first}"
+                f"{failed} of the batch's {len(episodes)} episodes failed in environment {runner.cfg.name!r} after "
+                f"env.failed_retries={retries} (the run stops past env.max_failed_share={share}), {short} more went with "
+                f"groups left under {min(self.min_group, group_size)}; the first error: {first}. The failure is the "
+                f"environment's (or the agent's), not the policy's: fix it (or raise env.max_failed_share), then continue "
+                f"with resume=auto"
             )
-        batch = episode_rows(kept, runner.cfg.reward_reduce, self.pad_id)
-        metrics = episode_metrics(kept, failed) | {"env/short_group_episodes": float(short)} | getattr(runner, "last_metrics", {})
-        return Scored(batch, [ep.turns[0].observation for ep in kept], [transcript(ep) for ep in kept], metrics, tasks=tasks)
+        played = [replace(episodes[row], group=n) for n, rows in enumerate(kept) for row in rows]
+        batch = episode_rows(played, runner.cfg.reward_reduce, self.pad_id)
+        metrics = episode_metrics(played, failed) | runner_metrics | {
+            "env/failed_share": failed / len(episodes), "env/retried_episodes": float(retried),
+            "env/short_group_episodes": float(short), "env/failed_dropped_groups": float(len(groups) - len(kept)),
+        }
+        tasks = [episodes[rows[0]].group for rows in kept]
+        return Scored(batch, [ep.turns[0].observation for ep in played], [transcript(ep) for ep in played], metrics, tasks=tasks)
 
     def score(self, repeated: list[PromptExample], batch: Trajectories, training: bool = True) -> Scored:
         """Decode and score trajectories of the prompts ``repeated`` (one row each)."""
@@ -221,17 +235,9 @@ class Collector:
         extras = {key: value for key, value in scored.batch.extras.items() if key != "unscored"}
         scored = replace(scored, batch=replace(scored.batch, extras=extras))
         groups = group_rows(scored.batch.group_id)
-        left = [[row for row in rows if not unscored[row]] for rows in groups]
-        kept = [rows for rows, whole in zip(left, groups) if rows and len(rows) >= min(self.min_group, len(whole))]
-        share = unscored.float().mean().item()
-        if limit is not None and (share > limit or not kept):
-            failing = "; ".join(f"reward function {name!r}: {n} rows, first reason: {reason}"
-                                for name, (n, reason) in self.rewards.last_unscored.items())
-            raise RewardUnavailable(
-                f"{int(unscored.sum())} of the batch's {len(unscored)} rows could not be scored, past "
-                f"reward.max_unscored_share={limit} ({failing}); the failure is the scorer's, not the policy's: fix "
-                f"the service (or raise reward.max_unscored_share), then continue with resume=auto"
-            )
+        kept = kept_groups(groups, unscored.tolist(), self.min_group)
+        if past_share(int(unscored.sum()), len(unscored), limit) or (limit is not None and not kept):
+            raise unscored_error(int(unscored.sum()), len(unscored), limit, self.rewards.last_unscored)
         metrics = scored.metrics | {"reward/unscored_rows": float(unscored.sum()),
                                     "reward/unscored_dropped_groups": float(len(groups) - len(kept))}
         return replace(take_groups(scored, kept), metrics=metrics)
@@ -284,6 +290,23 @@ class Collector:
         return {"perf/weight_sync_mb": tensor_bytes(weights.values()) / 2**20}
 
 
+def unscored_error(unscored: int, rows: int, limit: float, functions: dict[str, tuple[int, str]]) -> RewardUnavailable:
+    """The breaker's error for ``unscored`` of ``rows`` rows past ``limit`` (`reward.max_unscored_share`), naming
+    each failing function with its count and first reason (``functions``: `RewardSet.last_unscored`'s shape)."""
+    failing = "; ".join(f"reward function {name!r}: {n} rows, first reason: {reason}" for name, (n, reason) in functions.items())
+    return RewardUnavailable(
+        f"{unscored} of the batch's {rows} rows could not be scored, past reward.max_unscored_share={limit} "
+        f"({failing}); the failure is the scorer's, not the policy's: fix the service (or raise "
+        f"reward.max_unscored_share), then continue with resume=auto"
+    )
+
+
+def past_share(failed: int, total: int, limit: float | None) -> bool:
+    """The circuit breaker's rule: whether ``failed`` of a training batch's ``total`` samples (unscored rows, failed
+    episodes) is more than the share ``limit`` allows (None: no limit, as in evaluation)."""
+    return limit is not None and failed > limit * total
+
+
 def task_seed(example: PromptExample, uses_dataset: bool, run_seed: int) -> int:
     """An episode's reset seed: the task instance itself for environments without a dataset (its ground truth),
     else fixed by the prompt text and the run's seed."""
@@ -312,6 +335,7 @@ class StreamFeed:
         self.max_resample_rounds = collector.max_resample_rounds  # dynamic sampling's extra steps' worth; None: off
         self.multi_turn = collector.env is not None  # episodes played by an environment, not rows decoded
         self.pad_id = collector.pad_id
+        self.max_unscored_share = collector.max_unscored_share  # the breaker's limit over a step's rows
 
     def draw(self) -> PromptExample:
         """The prompt stream's next prompt."""
@@ -321,11 +345,13 @@ class StreamFeed:
         """Each prompt text's index in the training split (`PromptStream.ids_of`), to draw again on resume."""
         return self._collector.prompts.ids_of(texts)
 
-    def score_group(self, example: PromptExample, batch: Trajectories) -> Scored:
-        """One finished group's rows of ``example`` (group id 0) scored, its unscored rows dropped
-        (`Collector.drop_unscored` at `reward.max_unscored_share`, per group)."""
+    def score_group(self, example: PromptExample, batch: Trajectories) -> tuple[Scored, dict[str, tuple[int, str]]]:
+        """One finished group's rows of ``example`` (group id 0) scored, its unscored rows dropped with no limit (the
+        stream collector applies `reward.max_unscored_share` to a step's groups together); and what each reward
+        function left unscored (function -> (rows, first reason))."""
         scored = self._collector.score([example] * len(batch), batch)
-        return self._collector.drop_unscored(scored, self._collector.max_unscored_share)
+        unscored = dict(self._collector.rewards.last_unscored)
+        return self._collector.drop_unscored(scored, None), unscored
 
     def play(self, examples: list[PromptExample]) -> Scored:
         """``group_size`` episodes of each task, played with the training sampling and scored (`Collector.play`)."""

@@ -48,6 +48,14 @@ def group_rows(group_id: torch.Tensor) -> list[list[int]]:
     return list(rows.values())
 
 
+def kept_groups(groups: list[list[int]], lost: list[bool], min_group: int) -> list[list[int]]:
+    """The rows of each group that were not ``lost``, a group left with fewer than ``min_group`` rows (the
+    estimator's samples per prompt: a baseline needs company; at most the group's size) or none dropped. The rule for
+    every failure that is not a score (`rlhf.rewards.failure`). ``groups`` as `group_rows` gives them; ``lost`` (B,)."""
+    left = [[row for row in rows if not lost[row]] for rows in groups]
+    return [rows for rows, whole in zip(left, groups) if rows and len(rows) >= min(min_group, len(whole))]
+
+
 def groups_with_signal(scores: torch.Tensor, groups: list[list[int]]) -> list[list[int]]:
     """The groups whose scores are not all exactly equal. Shape: scores (B,); groups as `group_rows` gives them."""
     return [rows for rows in groups if bool((scores[rows] != scores[rows[0]]).any())]
