@@ -48,21 +48,41 @@ def command_line(pid: int) -> bytes:
         return b""
 
 
-@pytest.mark.parametrize(
-    "algorithm,extra",
-    [("grpo", ["policy/strategy=deepspeed", "policy.strategy.zero_stage=2"]), ("ppo", ["critic/strategy=fsdp2"])],
-)
-def test_ray_local_run_learns_with_two_training_processes(algorithm, extra, tmp_path):
+def test_ppo_on_ray_learns_with_two_training_processes_per_trained_model(tmp_path):
+    """PPO on Ray: the policy (ddp) and the critic (fsdp2) each train on 2 processes, and the task is learned."""
     out = tmp_path / "run"
     proc = run_cli(
-        "cluster=ray_local", f"algorithm={algorithm}", "train.num_steps=40", "eval.every=20", "seed=3", *extra,
+        "cluster=ray_local", "algorithm=ppo", "critic/strategy=fsdp2", "train.num_steps=40", "eval.every=20", "seed=3",
         f"hydra.run.dir={out}", cwd=tmp_path, env_extra=RAY_ENV,
     )
     log = proc.stdout + proc.stderr
     assert "placed on Ray: policy x2, reference x2" in log
-    assert "policy rank 1/2: strategy" in log
-    if algorithm == "ppo":
-        assert "critic x2" in log and "critic rank 1/2: strategy fsdp2" in log
+    assert "policy rank 1/2: strategy ddp" in log
+    assert "critic x2" in log and "critic rank 1/2: strategy fsdp2" in log
+    assert_learned(out, "ppo")
+
+
+def test_hybrid_grpo_on_ray_colocates_the_engines_with_the_deepspeed_policy_and_learns(tmp_path):
+    """schedule=hybrid, GRPO on Ray: the policy trains on 2 processes under DeepSpeed ZeRO-2, two generator ranks
+    share its bundles and sleep every step, and the task is learned."""
+    out = tmp_path / "run"
+    proc = run_cli(
+        "cluster=ray_local", "algorithm=grpo", "policy/strategy=deepspeed", "policy.strategy.zero_stage=2",
+        "schedule=hybrid", "schedule.offload_optimizer=true", "cluster.roles.generator.devices_per_node=2",
+        "cluster.colocate=[[policy,reference,generator]]", "train.num_steps=40", "eval.every=20", "seed=3",
+        f"hydra.run.dir={out}", cwd=tmp_path, env_extra=RAY_ENV,
+    )
+    log = proc.stdout + proc.stderr
+    assert "placed on Ray: policy x2, reference x2, generator x2" in log
+    assert "policy rank 1/2: strategy deepspeed" in log
+    series = assert_learned(out, "grpo")
+    freed = [v for _, v in series["memory/generator_freed_mb"]]
+    assert len(freed) == 40 and min(freed) > 0
+
+
+def assert_learned(out: Path, algorithm: str) -> dict[str, list[tuple[int, float]]]:
+    """The run in ``out`` logged every metric of ``algorithm``, its eval improved from step 0 to step 40, and it saved
+    its final model; its TensorBoard series."""
     series = scalars(out)
     missing = [m for m in COMMON_METRICS + ALGORITHM_METRICS[algorithm] if m not in series]
     assert not missing, f"metrics missing from TensorBoard: {missing}"
@@ -70,22 +90,7 @@ def test_ray_local_run_learns_with_two_training_processes(algorithm, extra, tmp_
     assert sampled[40] - sampled[0] >= 0.2, f"sampled correct rate {sampled}"
     assert greedy[40] - greedy[0] >= 0.3, f"greedy correct rate {greedy}"
     assert (out / "final_model" / "model.safetensors").is_file()
-
-
-def test_hybrid_on_ray_colocates_the_engines_with_the_policy_and_learns(tmp_path):
-    """schedule=hybrid on Ray: two generator ranks share the policy's bundles, sleep every step, and the task is learned."""
-    out = tmp_path / "run"
-    proc = run_cli(
-        "cluster=ray_local", "schedule=hybrid", "schedule.offload_optimizer=true", "cluster.roles.generator.devices_per_node=2",
-        "cluster.colocate=[[policy,reference,generator]]", "train.num_steps=40", "eval.every=20", "seed=3",
-        f"hydra.run.dir={out}", cwd=tmp_path, env_extra=RAY_ENV,
-    )
-    assert "placed on Ray: policy x2, reference x2, generator x2" in proc.stdout + proc.stderr
-    series = scalars(out)
-    greedy = dict(series["eval/greedy_correct_rate"])
-    assert greedy[40] - greedy[0] >= 0.3, f"greedy correct rate {greedy}"
-    freed = [v for _, v in series["memory/generator_freed_mb"]]
-    assert len(freed) == 40 and min(freed) > 0
+    return series
 
 
 # A run long enough to be stopped midway. Most of its time is the private cluster's start (its workers import torch
