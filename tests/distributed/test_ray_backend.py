@@ -124,27 +124,42 @@ def test_generator_samples_from_the_pushed_weights_not_stale_ones(ray_cluster):
         c.close()
 
 
-def test_streamed_rows_go_on_on_the_engine_that_holds_them(ray_cluster):
-    """schedule=stream's rows through two remote hf engines: each row returns to the engine holding its KV cache
-    (key % engines), rows join and leave between calls, and every row ends as the one-call greedy decode of its
-    prompt on a local generator with the same weights."""
-    from rlhf.step.inflight import Row, advance
-
+def test_two_remote_engines_continue_streamed_rows_and_a_stale_push_to_them_stops_the_run(ray_cluster, monkeypatch):
+    """Two remote hf engines, started once for both checks:
+    - schedule=stream's rows: each row returns to the engine holding its KV cache (key % engines), rows join and leave
+      between calls, and every row ends as the one-call greedy decode of its prompt on a local generator with the
+      same weights.
+    - checks.weight_sync: both engine ranks report what they hold, rank 0 computes what they should hold from the
+      pushed Ray reference, and a push that never reached them stops the run naming the step."""
     cfg, c = sync_components("cluster.roles.generator.devices_per_node=2")
     try:
-        prompts = [list(ex.token_ids) for ex in c.eval_examples[:6]]
-        greedy = replace(c.collector.sampling, greedy=True, max_new_tokens=6)
-        rows = [Row(tuple(p)) for p in prompts]
-        advance(c.collector.generator, rows[:4], greedy, chunk=1, version=0)
-        advance(c.collector.generator, rows[2:], greedy, chunk=2, version=0)  # rows 0 and 1 leave, 4 and 5 join
-        while not all(row.done(6) for row in rows):
-            advance(c.collector.generator, rows, greedy, chunk=1, version=0)
-        local = HFGenerator(cfg.generator, cfg.model, load_tokenizer(cfg.model.name_or_path), torch.device("cpu"))
-        alone = local.generate(prompts, greedy)
-        for i, row in enumerate(rows):
-            assert row.tokens == alone.window_ids[i, : int(alone.loss_mask[i].sum())].tolist()
+        streamed_rows_end_as_one_call_decodes(cfg, c)
+        inject_push_faults(monkeypatch, stale_push=2)
+        state = RunState()
+        train_step(c.collector, c.learner, state.guard)
+        assert len(c.collector.generator.weight_fingerprints()) == 2  # verified on both ranks after step 1
+        with pytest.raises(WeightSyncError, match=r"push after step 2: the generator \(engine worker 0 of 2\) holds a different"):
+            train_step(c.collector, c.learner, state.guard)
     finally:
         c.close()
+
+
+def streamed_rows_end_as_one_call_decodes(cfg, c) -> None:
+    """Rows advanced through ``c``'s engines in chunks, rows 0 and 1 leaving and 4 and 5 joining between calls, end
+    as a local generator's one-call greedy decodes of their prompts (the engines hold the starting weights)."""
+    from rlhf.step.inflight import Row, advance
+
+    prompts = [list(ex.token_ids) for ex in c.eval_examples[:6]]
+    greedy = replace(c.collector.sampling, greedy=True, max_new_tokens=6)
+    rows = [Row(tuple(p)) for p in prompts]
+    advance(c.collector.generator, rows[:4], greedy, chunk=1, version=0)
+    advance(c.collector.generator, rows[2:], greedy, chunk=2, version=0)  # rows 0 and 1 leave, 4 and 5 join
+    while not all(row.done(6) for row in rows):
+        advance(c.collector.generator, rows, greedy, chunk=1, version=0)
+    local = HFGenerator(cfg.generator, cfg.model, load_tokenizer(cfg.model.name_or_path), torch.device("cpu"))
+    alone = local.generate(prompts, greedy)
+    for i, row in enumerate(rows):
+        assert row.tokens == alone.window_ids[i, : int(alone.loss_mask[i].sum())].tolist()
 
 
 ARITH_RETRY = ("env=arith_retry",)
@@ -183,21 +198,6 @@ def test_a_distillation_teacher_runs_as_its_own_ray_role(ray_cluster):
         local = FrozenReference(cfg.teacher, cfg.model, torch.device("cpu"), cfg.generator.temperature)
         batch = scored.batch
         torch.testing.assert_close(c.learner.teacher.rollout_logprobs(batch, 64), local.rollout_logprobs(batch, 64), atol=1e-5, rtol=0)
-    finally:
-        c.close()
-
-
-def test_a_stale_push_to_ray_generators_stops_the_run(ray_cluster, monkeypatch):
-    """checks.weight_sync on Ray: both engine ranks report what they hold, rank 0 computes what they should hold from
-    the pushed Ray reference, and a push that never reached them stops the run naming the step."""
-    inject_push_faults(monkeypatch, stale_push=2)
-    cfg, c = sync_components("cluster.roles.generator.devices_per_node=2")
-    try:
-        state = RunState()
-        train_step(c.collector, c.learner, state.guard)
-        assert len(c.collector.generator.weight_fingerprints()) == 2  # verified on both ranks after step 1
-        with pytest.raises(WeightSyncError, match=r"push after step 2: the generator \(engine worker 0 of 2\) holds a different"):
-            train_step(c.collector, c.learner, state.guard)
     finally:
         c.close()
 

@@ -20,7 +20,9 @@ from rlhf.run.preflight import check_strategy_resume
 
 pytestmark = pytest.mark.slow
 
-TINY = ["eval.every=0", "eval.num_samples=1", "eval.greedy=false", "logging.tensorboard=false",
+# algorithm.beta=0: no reference, so each saving run starts the policy's two ranks and the engine only (the checks
+# read the policy's saved state; a reference's two more workers would only lengthen the start)
+TINY = ["algorithm.beta=0", "eval.every=0", "eval.num_samples=1", "eval.greedy=false", "logging.tensorboard=false",
         "checkpoint.save_final_model=false", "cluster.object_store_memory=200000000"]
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
 ONE_RANK = ["cluster.roles.policy.devices_per_node=1", "cluster.roles.reference.devices_per_node=1"]

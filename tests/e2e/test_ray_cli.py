@@ -48,21 +48,41 @@ def command_line(pid: int) -> bytes:
         return b""
 
 
-@pytest.mark.parametrize(
-    "algorithm,extra",
-    [("grpo", ["policy/strategy=deepspeed", "policy.strategy.zero_stage=2"]), ("ppo", ["critic/strategy=fsdp2"])],
-)
-def test_ray_local_run_learns_with_two_training_processes(algorithm, extra, tmp_path):
+def test_ppo_on_ray_learns_with_two_training_processes_per_trained_model(tmp_path):
+    """PPO on Ray: the policy (ddp) and the critic (fsdp2) each train on 2 processes, and the task is learned."""
     out = tmp_path / "run"
     proc = run_cli(
-        "cluster=ray_local", f"algorithm={algorithm}", "train.num_steps=40", "eval.every=20", "seed=3", *extra,
+        "cluster=ray_local", "algorithm=ppo", "critic/strategy=fsdp2", "train.num_steps=40", "eval.every=20", "seed=3",
         f"hydra.run.dir={out}", cwd=tmp_path, env_extra=RAY_ENV,
     )
     log = proc.stdout + proc.stderr
     assert "placed on Ray: policy x2, reference x2" in log
-    assert "policy rank 1/2: strategy" in log
-    if algorithm == "ppo":
-        assert "critic x2" in log and "critic rank 1/2: strategy fsdp2" in log
+    assert "policy rank 1/2: strategy ddp" in log
+    assert "critic x2" in log and "critic rank 1/2: strategy fsdp2" in log
+    assert_learned(out, "ppo")
+
+
+def test_hybrid_grpo_on_ray_colocates_the_engines_with_the_deepspeed_policy_and_learns(tmp_path):
+    """schedule=hybrid, GRPO on Ray: the policy trains on 2 processes under DeepSpeed ZeRO-2, two generator ranks
+    share its bundles and sleep every step, and the task is learned."""
+    out = tmp_path / "run"
+    proc = run_cli(
+        "cluster=ray_local", "algorithm=grpo", "policy/strategy=deepspeed", "policy.strategy.zero_stage=2",
+        "schedule=hybrid", "schedule.offload_optimizer=true", "cluster.roles.generator.devices_per_node=2",
+        "cluster.colocate=[[policy,reference,generator]]", "train.num_steps=40", "eval.every=20", "seed=3",
+        f"hydra.run.dir={out}", cwd=tmp_path, env_extra=RAY_ENV,
+    )
+    log = proc.stdout + proc.stderr
+    assert "placed on Ray: policy x2, reference x2, generator x2" in log
+    assert "policy rank 1/2: strategy deepspeed" in log
+    series = assert_learned(out, "grpo")
+    freed = [v for _, v in series["memory/generator_freed_mb"]]
+    assert len(freed) == 40 and min(freed) > 0
+
+
+def assert_learned(out: Path, algorithm: str) -> dict[str, list[tuple[int, float]]]:
+    """The run in ``out`` logged every metric of ``algorithm``, its eval improved from step 0 to step 40, and it saved
+    its final model; its TensorBoard series."""
     series = scalars(out)
     missing = [m for m in COMMON_METRICS + ALGORITHM_METRICS[algorithm] if m not in series]
     assert not missing, f"metrics missing from TensorBoard: {missing}"
@@ -70,25 +90,13 @@ def test_ray_local_run_learns_with_two_training_processes(algorithm, extra, tmp_
     assert sampled[40] - sampled[0] >= 0.2, f"sampled correct rate {sampled}"
     assert greedy[40] - greedy[0] >= 0.3, f"greedy correct rate {greedy}"
     assert (out / "final_model" / "model.safetensors").is_file()
+    return series
 
 
-def test_hybrid_on_ray_colocates_the_engines_with_the_policy_and_learns(tmp_path):
-    """schedule=hybrid on Ray: two generator ranks share the policy's bundles, sleep every step, and the task is learned."""
-    out = tmp_path / "run"
-    proc = run_cli(
-        "cluster=ray_local", "schedule=hybrid", "schedule.offload_optimizer=true", "cluster.roles.generator.devices_per_node=2",
-        "cluster.colocate=[[policy,reference,generator]]", "train.num_steps=40", "eval.every=20", "seed=3",
-        f"hydra.run.dir={out}", cwd=tmp_path, env_extra=RAY_ENV,
-    )
-    assert "placed on Ray: policy x2, reference x2, generator x2" in proc.stdout + proc.stderr
-    series = scalars(out)
-    greedy = dict(series["eval/greedy_correct_rate"])
-    assert greedy[40] - greedy[0] >= 0.3, f"greedy correct rate {greedy}"
-    freed = [v for _, v in series["memory/generator_freed_mb"]]
-    assert len(freed) == 40 and min(freed) > 0
-
-
-STOPPABLE = ("train.num_steps=100000", "eval.every=0", "eval.num_samples=1", "eval.greedy=false",
+# A run long enough to be stopped midway. Most of its time is the private cluster's start (its workers import torch
+# and load the model; steps take a fraction of a second), so it starts no reference (algorithm.beta=0): the stop
+# ends the policy's two ranks and the engine, and the reference's two more workers would only lengthen each start.
+STOPPABLE = ("train.num_steps=100000", "algorithm.beta=0", "eval.every=0", "eval.num_samples=1", "eval.greedy=false",
              "logging.tensorboard=false", "logging.log_every=1", "cluster.object_store_memory=200000000")
 
 
@@ -132,40 +140,32 @@ def kill_workers(proc: subprocess.Popen) -> None:
 
 
 def test_killed_worker_ends_the_run_with_role_rank_and_exit_code_4(tmp_path):
-    proc, lines = start_until_step(tmp_path / "run", 5, "train.num_steps=100000", "eval.every=0", "cluster.timeout_s=60",
-                                   "logging.log_every=1")
+    proc, lines = start_until_step(tmp_path / "run", 5, *STOPPABLE, "cluster.timeout_s=60")
     log, elapsed = stop(proc, lines, lambda: kill_workers(proc))
     assert proc.returncode == 4, log[-3000:]
     assert "a worker failed:" in log and " rank " in log and "died" in log, log[-3000:]
     assert elapsed < 90
 
 
-def test_a_stop_whose_console_is_gone_still_exits_5_with_its_checkpoint(tmp_path):
-    """`python -m rlhf.train cluster=ray_local | tee log`, then Ctrl-C: tee ends at once and the run finishes its step
-    and saves into a closed pipe. Ray's shutdown prints its workers' last lines there (BrokenPipeError); the stop is
-    still exit 5, the checkpoint written, as with a console. Before, exit 6 ('the run raised BrokenPipeError')."""
-    run_dir = tmp_path / "run"
-    proc, lines = start_until_step(run_dir, 3, *STOPPABLE)
-
-    def term_and_hang_up() -> None:
-        proc.send_signal(signal.SIGTERM)
-        proc.stdout.close()  # the reader is gone: every later write to the console fails
-
-    stop(proc, lines, term_and_hang_up)
-    log = (run_dir / "train.log").read_text()
-    assert proc.returncode == 5, log[-3000:]
-    assert "SIGTERM received: stopped after step" in log and sorted((run_dir / "checkpoints").glob("step_*"))
-
-
-def test_sigterm_to_the_runs_process_group_saves_and_exits_5(tmp_path):
-    """`timeout 2h python -m rlhf.train cluster=ray_local` (and `kill -TERM -<pgid>`) signal the whole process group.
-    The private cluster's processes lead groups of their own, so the signal reaches the driver alone: it finishes the
-    step, saves and shuts the cluster down. Before, the GCS died with the group, and the driver hung 60 s in Ray's
-    shutdown and exited 1."""
+def test_sigterm_to_the_runs_process_group_with_its_console_gone_saves_and_exits_5(tmp_path):
+    """`timeout 2h python -m rlhf.train cluster=ray_local | tee log`, then the job's SIGTERM (`kill -TERM -<pgid>`):
+    the signal reaches the whole process group, tee ends at once, and the run finishes its step and saves into a
+    closed pipe.
+    - The private cluster's processes lead groups of their own, so the signal reaches the driver alone: it saves and
+      shuts the cluster down. Before, the GCS died with the group, and the driver hung 60 s in Ray's shutdown and
+      exited 1.
+    - Ray's shutdown prints its workers' last lines into the closed pipe (BrokenPipeError); the stop is still exit 5,
+      the checkpoint written, as with a console. Before, exit 6 ('the run raised BrokenPipeError')."""
     run_dir = tmp_path / "run"
     proc, lines = start_until_step(run_dir, 3, *STOPPABLE)
     cluster = descendants(proc.pid)
-    log, elapsed = stop(proc, lines, lambda: os.killpg(proc.pid, signal.SIGTERM))
+
+    def term_group_and_hang_up() -> None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.stdout.close()  # the reader is gone: every later write to the console fails
+
+    _, elapsed = stop(proc, lines, term_group_and_hang_up)
+    log = (run_dir / "train.log").read_text()
     assert proc.returncode == 5, log[-3000:]
     assert "SIGTERM received: stopped after step" in log and sorted((run_dir / "checkpoints").glob("step_*"))
     assert elapsed < 45, elapsed  # 60 s of Ray waiting for a dead GCS before

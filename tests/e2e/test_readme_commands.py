@@ -67,7 +67,9 @@ def your_model_commands() -> list[str]:
 @pytest.mark.slow
 def test_the_your_model_block_plans_and_trains_the_real_model_with_the_files_it_describes(tmp_path):
     """The block exactly as written, with the files its comment describes (prompts.jsonl with prompt and answer,
-    my_reward.py with `score`), on this CPU with the real chat model it names, cut to two steps."""
+    my_reward.py with `score`), on this CPU with the real chat model it names. The plan runs exactly as written; the
+    training run is cut to two steps of 2 prompts x 8 samples (the block's 4 prompts are the plan's to check) and
+    a greedy eval only (the sampled one is a second generate call of the same length)."""
     commands = your_model_commands()
     assert [c.split(" -m ")[1].split()[0] for c in commands] == ["rlhf.plan", "rlhf.train"]
     assert all("model=smollm2_135m_instruct" in c for c in commands)
@@ -82,7 +84,8 @@ def test_the_your_model_block_plans_and_trains_the_real_model_with_the_files_it_
         words = shlex.split(command)
         module, args = words[words.index("-m") + 1], words[words.index("-m") + 2:]
         if module == "rlhf.train":
-            args += ["train.num_steps=2", "eval.every=0", "eval.max_prompts=2", f"hydra.run.dir={tmp_path / 'run'}"]
+            args += ["train.num_steps=2", "train.prompts_per_step=2", "eval.every=0", "eval.max_prompts=2",
+                     "eval.num_samples=0", f"hydra.run.dir={tmp_path / 'run'}"]
         done = subprocess.run([sys.executable, "-m", module, *args], cwd=tmp_path, capture_output=True, text=True,
                               timeout=1500, env={**os.environ, "PYTHONPATH": str(tmp_path)})
         assert done.returncode == 0, f"{command}\n{(done.stdout + done.stderr)[-3000:]}"
