@@ -26,11 +26,11 @@ from omegaconf import DictConfig, OmegaConf
 from transformers.utils import logging as transformers_logging
 
 from rlhf.run import checkpoint, preflight, rehearsal, sweep
-from rlhf import exits, plan, registry
+from rlhf import exits, plan
 from rlhf.disk import check_writable_folder
 from rlhf.checks import hub, parity
 from rlhf.run.build import build_components
-from rlhf.config import ConfigError, register_schema, validate
+from rlhf.config import ConfigError, RunSpec, register_schema, validate
 from rlhf.errors import StopRequested
 from rlhf.config.compose import check_command_line
 from rlhf.config.moved import check_overrides
@@ -56,17 +56,16 @@ def train(cfg: DictConfig, out: Path):
 
     Before any model loads: every model and dataset can be found (`rlhf.checks.hub`), the run fits its devices'
     memory (`rlhf.plan`), and every folder it writes is writable with room for a checkpoint (`rlhf.run.preflight`)."""
-    sizes = validate(cfg)
+    spec = validate(cfg)
     hub.check_sources(cfg)
     plan.check(cfg)
-    schedule = registry.resolve("schedule", cfg.schedule.name, key="schedule.name")
     root = checkpoint.checkpoint_root(cfg, out)
     checkpoint_size = preflight.checkpoint_bytes(cfg)
-    preflight.check_outputs(preflight.train_outputs(cfg, out, root, checkpoint_size))
+    preflight.check_outputs(preflight.train_outputs(cfg, out, root, checkpoint_size, spec.sizes.longest_row))
     preflight.check_wandb(cfg.logging)
     preflight.check_ray_address(cfg.cluster)
     with run_folder_locks(out, root), checkpoint.recording(root, preflight.config_text(cfg), checkpoint_size):
-        return train_locked(cfg, out, sizes, schedule, root)
+        return train_locked(spec, out, root)
 
 
 @contextmanager
@@ -79,8 +78,9 @@ def run_folder_locks(out: Path, root: Path):
         yield
 
 
-def train_locked(cfg: DictConfig, out: Path, sizes, schedule, root: Path):
-    """`train` once the run's folders are locked."""
+def train_locked(spec: RunSpec, out: Path, root: Path):
+    """`train` once the run's folders are locked (``spec``: the run, as `validate` resolved it)."""
+    cfg, sizes = spec.config, spec.sizes
     resume_from = checkpoint.resume_path(cfg, root)
     if resume_from is not None:
         preflight.check_resume(cfg, resume_from, sweep.swept_keys(sys.argv[1:]))
@@ -88,10 +88,10 @@ def train_locked(cfg: DictConfig, out: Path, sizes, schedule, root: Path):
     log.info("derived sizes: %s", ", ".join(f"{k}={v}" for k, v in sizes.as_dict().items()))
     seed_everything(cfg.seed)
     with StopSignals() as stop:  # from the first model load: a stop before the first step ends the run cleanly
-        components = build_components(cfg, sizes, push=resume_from is None)  # resuming: the checkpoint's weights are pushed
+        components = build_components(spec, push=resume_from is None)  # resuming: the checkpoint's weights are pushed
         stop.arm()  # the build may have put in handlers of its own (ray.init's SIGTERM handler exits at once)
         try:
-            state = run_schedule(cfg, out, sizes, schedule, components, root, resume_from, stop)
+            state = run_schedule(cfg, out, sizes, spec.schedule.obj, components, root, resume_from, stop)
         finally:
             components.close()
     if not state.preempted:

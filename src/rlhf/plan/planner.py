@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlhf.generators.memory import ENGINE_SHARE
-from rlhf.algorithms import build_algorithm
-from rlhf.config.validate import derive_sizes
+from rlhf.config.spec import resolve
 from rlhf.distributed.layout import placement_specs, role_ranks, used_roles
 from rlhf.errors import ConfigError
 from rlhf.models.loading import pick_device
@@ -83,8 +82,8 @@ class Plan:
 def make_plan(cfg) -> Plan:
     """The memory plan of a composed `rlhf.train` config. Reads config.json files only; loads no weights."""
     check_plan_keys(cfg)
-    algorithm = build_algorithm(cfg.algorithm, cfg.generator.max_new_tokens)
-    sizes = derive_sizes(cfg, pairwise=algorithm.pairwise)
+    spec = resolve(cfg)
+    algorithm, sizes = spec.algorithm, spec.sizes
     used = used_roles(cfg, algorithm)
     ray = cfg.cluster.backend == "ray"
     ranks = {role: role_ranks(cfg.cluster, role) if ray else 1 for role in used}

@@ -19,7 +19,8 @@ from rlhf import registry
 from rlhf.algorithms import build_algorithm
 from rlhf.errors import ConfigError
 from rlhf.parts import choose, typed_node
-from rlhf.config.validate import DerivedSizes
+from rlhf.config.sizes import DerivedSizes
+from rlhf.config.spec import RunSpec
 from rlhf.data.context import check_episode_budget, check_prompt_budget, check_teacher_context, model_context
 from rlhf.data.prompts import PromptExample, PromptStream, origin
 from rlhf.distributed.cluster import start
@@ -118,10 +119,11 @@ def check_model_sources(cfg) -> None:
             check_weight_files(value, key)  # a truncated weights file: named now, not as a loader traceback later
 
 
-def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
-    """Every component the run needs, models placed and loaded. ``push``: hand the policy's starting weights to the
-    generator (the verified first push); a resumed run leaves that to the checkpoint's weights, loaded after this, so
-    the generator never reloads weights it is about to replace."""
+def build_components(spec: RunSpec, push: bool = True) -> Components:
+    """Every component the run ``spec`` describes, models placed and loaded. ``push``: hand the policy's starting
+    weights to the generator (the verified first push); a resumed run leaves that to the checkpoint's weights, loaded
+    after this, so the generator never reloads weights it is about to replace."""
+    cfg, sizes = spec.config, spec.sizes
     device = pick_device(cfg.cluster.device) if cfg.cluster.backend == "local" else torch.device("cpu")  # ray: the driver only does the RL math
     check_model_sources(cfg)
     # 1. names: every registry lookup, so an unknown component fails before anything loads
