@@ -58,7 +58,7 @@ def train(cfg: DictConfig, out: Path):
     memory (`rlhf.plan`), and every folder it writes is writable with room for a checkpoint (`rlhf.run.preflight`)."""
     spec = validate(cfg)
     hub.check_sources(cfg)
-    plan.check(cfg)
+    plan.check(spec)
     root = checkpoint.checkpoint_root(cfg, out)
     checkpoint_size = preflight.checkpoint_bytes(cfg)
     preflight.check_outputs(preflight.train_outputs(cfg, out, root, checkpoint_size, spec.sizes.longest_row))

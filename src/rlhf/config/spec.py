@@ -15,7 +15,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf.algorithms import build_algorithm
-from rlhf.config.schema import ModelConfig, TrainConfig
+from rlhf.config.schema import (
+    CriticConfig, ModelConfig, PlanConfig, PolicyConfig, ReferenceConfig, RewardConfig, TeacherConfig, TrainConfig,
+)
 from rlhf.config.sizes import DerivedSizes, derive_sizes
 from rlhf.envs.base import EnvConfig, env_config
 from rlhf.parts import Part, choose
@@ -32,8 +34,14 @@ class RunSpec:
     dataset: Part  # the dataset builder and its typed `dataset` node
     env: EnvConfig | None  # the `env` node typed by its environment's class (`env_config`); None for env=none
     algorithm: Any  # the algorithm `algorithm.*` composes, read for its traits (pairwise, needs_critic, ...); the Learner trains one built afresh
-    model: ModelConfig  # `model.*`, typed
-    train: TrainConfig  # `train.*`, typed
+    model: ModelConfig  # `model.*`, typed (each section below likewise: a copy, so changing it changes no config)
+    train: TrainConfig  # `train.*`
+    policy: PolicyConfig  # `policy.*` (its `strategy` node as a dict, typed where chosen: `rlhf.parts.choose`)
+    critic: CriticConfig  # `critic.*`
+    reference: ReferenceConfig  # `reference.*`
+    teacher: TeacherConfig  # `teacher.*`
+    reward: RewardConfig  # `reward.*`
+    plan: PlanConfig  # `plan.*`
 
     @property
     def max_new_tokens(self) -> int:
@@ -63,11 +71,15 @@ def choose_parts(cfg: DictConfig) -> ChosenParts:
     return ChosenParts(generator, schedule, dataset, env, algorithm)
 
 
+TYPED_SECTIONS = ("model", "train", "policy", "critic", "reference", "teacher", "reward", "plan")  # typed by the schema
+
+
 def spec_of(cfg: DictConfig, parts: ChosenParts, sizes: DerivedSizes) -> RunSpec:
     """The `RunSpec` of ``cfg`` from its chosen ``parts`` and derived ``sizes``."""
+    sections = {name: OmegaConf.to_object(cfg[name]) for name in TYPED_SECTIONS}
     return RunSpec(
         config=cfg, sizes=sizes, generator=parts.generator, schedule=parts.schedule, dataset=parts.dataset,
-        env=parts.env, algorithm=parts.algorithm, model=OmegaConf.to_object(cfg.model), train=OmegaConf.to_object(cfg.train),
+        env=parts.env, algorithm=parts.algorithm, **sections,
     )
 
 

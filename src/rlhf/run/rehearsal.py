@@ -111,7 +111,7 @@ class Rehearsal:
         return ""
 
     def plan(self) -> str:
-        made = plan.check(self.cfg)
+        made = plan.check(self.spec)
         if made is None:
             return "skipped (see the log)"
         verdict = " (does NOT fit: plan.enforce=false)" if made.fits is False else ""
