@@ -91,7 +91,7 @@ def train_locked(spec: RunSpec, out: Path, root: Path):
         components = build_components(spec, push=resume_from is None)  # resuming: the checkpoint's weights are pushed
         stop.arm()  # the build may have put in handlers of its own (ray.init's SIGTERM handler exits at once)
         try:
-            state = run_schedule(cfg, out, sizes, spec.schedule.obj, components, root, resume_from, stop)
+            state = run_schedule(spec, out, components, root, resume_from, stop)
         finally:
             components.close()
     if not state.preempted:
@@ -99,16 +99,18 @@ def train_locked(spec: RunSpec, out: Path, root: Path):
     return state
 
 
-def run_schedule(cfg, out: Path, sizes, schedule, components, root: Path, resume_from: Path | None, stop: StopSignals):
+def run_schedule(spec: RunSpec, out: Path, components, root: Path, resume_from: Path | None, stop: StopSignals):
     """Resume if asked, run the schedule with tracking, export the final policy. Returns the final RunState; a stop
     requested (``stop``) before the first step returns it at once, preempted."""
-    state = RunState(guard=NonFiniteGuard(cfg.train.max_skipped_steps_in_row))
+    cfg, sizes, schedule = spec.config, spec.sizes, spec.schedule.obj
+    max_skipped = spec.train.max_skipped_steps_in_row
+    state = RunState(guard=NonFiniteGuard(max_skipped))
     if resume_from is not None:
-        state = RunState.from_dict(checkpoint.load(components.collector, components.learner, resume_from, cfg.checkpoint.allow_config_change), cfg.train.max_skipped_steps_in_row)
+        state = RunState.from_dict(checkpoint.load(components.collector, components.learner, resume_from, cfg.checkpoint.allow_config_change), max_skipped)
         resumed(components.collector.generator, state.step)
         components.collector.generator.update_weights(components.learner.policy.state_dict())  # the generator's first push
     with suppress(StopRequested):  # agents that play the probe are abandoned at a stop signal, answered below
-        parity.gate(components, cfg)  # before the first step: the generator samples what the trainer scores
+        parity.gate(components, spec)  # before the first step: the generator samples what the trainer scores
     if stop.requested:
         log.warning("%s received before the first step: stopped, nothing new to save; run again (resume=auto) to "
                     "start", stop.requested)
@@ -130,7 +132,7 @@ def run_schedule(cfg, out: Path, sizes, schedule, components, root: Path, resume
     if cfg.checkpoint.save_final_model:
         components.learner.policy.export(out / "final_model", components.tokenizer)
         log.info("final policy saved as a Hugging Face folder: %s", out / "final_model")
-        if cfg.policy.lora.rank is not None:
+        if spec.policy.lora.rank is not None:
             log.info("LoRA adapters saved as a PEFT folder (PeftModel.from_pretrained(base, path)): %s", out / "final_adapter")
     return state
 

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhf.algorithms import build_algorithm
 from rlhf.config.schema import (
-    CriticConfig, ModelConfig, PlanConfig, PolicyConfig, ReferenceConfig, RewardConfig, TeacherConfig, TrainConfig,
+    ChecksConfig, CriticConfig, ModelConfig, PlanConfig, PolicyConfig, ReferenceConfig, RewardConfig, TeacherConfig, TrainConfig,
 )
 from rlhf.config.sizes import DerivedSizes, derive_sizes
 from rlhf.envs.base import EnvConfig, env_config
@@ -42,6 +42,7 @@ class RunSpec:
     teacher: TeacherConfig  # `teacher.*`
     reward: RewardConfig  # `reward.*`
     plan: PlanConfig  # `plan.*`
+    checks: ChecksConfig  # `checks.*`
 
     @property
     def max_new_tokens(self) -> int:
@@ -71,7 +72,7 @@ def choose_parts(cfg: DictConfig) -> ChosenParts:
     return ChosenParts(generator, schedule, dataset, env, algorithm)
 
 
-TYPED_SECTIONS = ("model", "train", "policy", "critic", "reference", "teacher", "reward", "plan")  # typed by the schema
+TYPED_SECTIONS = ("model", "train", "policy", "critic", "reference", "teacher", "reward", "plan", "checks")  # typed by the schema
 
 
 def spec_of(cfg: DictConfig, parts: ChosenParts, sizes: DerivedSizes) -> RunSpec:

@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
         cfg = compose_config(argv)
         spec = validate(cfg)
         hub.check_sources(cfg, datasets=False)
-        check_trained_layers(cfg, spec.algorithm.needs_critic)
+        check_trained_layers(spec)
         check_plan_keys(cfg)
         plan = plan_of(spec)
     except (ConfigError, HydraException, OmegaConfBaseException) as err:

@@ -174,7 +174,7 @@ def build_components(spec: RunSpec, push: bool = True) -> Components:
         examples = splits.train + splits.eval
         rewards.check_truths([ex.ground_truth for ex in examples], [origin(ex, i) for i, ex in enumerate(examples)])
     check_output_rows(cfg, tokenizer)
-    check_trained_layers(cfg, algorithm.needs_critic)
+    check_trained_layers(spec)
     context = model_context(model)
     if runner is None or runner.maker.uses_dataset:  # a prompt plus its response must fit the model's context
         check_prompt_budget(spec.dataset.config.max_prompt_length, spec.max_new_tokens, context, model.name_or_path)
@@ -212,7 +212,7 @@ def build_components(spec: RunSpec, push: bool = True) -> Components:
         min_group=getattr(algorithm, "min_samples_per_prompt", 1), max_unscored_share=cfg.reward.max_unscored_share,
     )
     learner = Learner(
-        policy, models["reference"], models["critic"], algorithm, spec.train, device, torch.Generator().manual_seed(cfg.seed), GapWatch.from_config(cfg), bool(packs()) if callable(packs) else False,
+        policy, models["reference"], models["critic"], algorithm, spec.train, device, torch.Generator().manual_seed(cfg.seed), GapWatch.of(spec), bool(packs()) if callable(packs) else False,
         teacher=models["teacher"],
     )
     return Components(device, tokenizer, collector, learner, splits.eval, splits.report, backend)

@@ -128,7 +128,7 @@ class Rehearsal:
         return f"generator {self.cfg.generator.name}, policy {self.cfg.policy.name} on {self.c.device}"
 
     def parity(self) -> str:
-        figures = parity.gate(self.c, self.cfg)
+        figures = parity.gate(self.c, self.spec)
         if figures is None:
             return "skipped (checks.parity_prompts=0)"
         return f"mean |Δ log p| {figures['mean']:.2g}, max {figures['max']:.2g}, k3 KL {figures['k3']:.2g}"
