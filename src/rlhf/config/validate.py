@@ -269,6 +269,20 @@ def check_cluster_resources(cluster) -> None:
     )
 
 
+def check_plan_keys(cfg: DictConfig) -> None:
+    """`plan.*` and the cluster and model keys the memory plan reads, in range; ConfigError naming the key. `validate`
+    runs it, and `rlhf.plan.make_plan` for a config it was not run on."""
+    _require(0 <= cfg.plan.headroom < 1,
+             f"plan.headroom={cfg.plan.headroom} must be in [0, 1): the share of device memory kept free")
+    memory_gb = cfg.cluster.device_memory_gb
+    _require(memory_gb is None or memory_gb > 0,
+             f"cluster.device_memory_gb={memory_gb} must be > 0 (GiB per device), or null to detect it")
+    for key in ("num_nodes", "devices_per_node"):
+        value = cfg.cluster[key]
+        _require(value is None or value >= 1, f"cluster.{key}={value} must be >= 1, or null when unknown")
+    _require(cfg.model.dtype in DTYPES, f"model.dtype={cfg.model.dtype!r}; choose one of {', '.join(DTYPES)}")
+
+
 def check_reward(cfg: DictConfig) -> None:
     """`reward.*`: something scores, each function's args, overlong shaping, unscored rows' retries and limit."""
     gen = cfg.generator
@@ -338,6 +352,7 @@ def validate(cfg: DictConfig) -> RunSpec:
     check_optimiser(cfg)
     check_model_numbers(cfg)
     check_cluster_resources(cfg.cluster)
+    check_plan_keys(cfg)
     check_reward(cfg)
     check_outputs(cfg)
     check_env(cfg)

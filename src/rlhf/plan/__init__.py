@@ -12,7 +12,7 @@ from rlhf.errors import ConfigError
 from rlhf.plan.advice import advise
 from rlhf.plan.memory import gib
 from rlhf.config.spec import RunSpec
-from rlhf.plan.planner import Plan, check_plan_keys, make_plan, plan_of
+from rlhf.plan.planner import Plan, make_plan, plan_of
 from rlhf.plan.report import render
 
 log = logging.getLogger("rlhf")
@@ -27,7 +27,6 @@ def check(spec: RunSpec) -> Plan | None:
     A plan that cannot be made for reasons of its own (an architecture the tracer cannot run) is logged and
     skipped: the estimate must never be what stops a run that would fit."""
     try:
-        check_plan_keys(spec.config)
         plan = plan_of(spec)
     except ConfigError:
         raise

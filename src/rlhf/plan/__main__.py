@@ -13,7 +13,6 @@ from rlhf import exits
 from rlhf.checks import hub
 from rlhf.config import ConfigError, compose_config, validate
 from rlhf.plan import advise, plan_of, render
-from rlhf.plan.planner import check_plan_keys
 from rlhf.checks.layers import check_trained_layers
 
 
@@ -25,7 +24,6 @@ def main(argv: list[str]) -> int:
         spec = validate(cfg)
         hub.check_sources(cfg, datasets=False)
         check_trained_layers(spec)
-        check_plan_keys(cfg)
         plan = plan_of(spec)
     except (ConfigError, HydraException, OmegaConfBaseException) as err:
         print(f"config error: {str(err).splitlines()[0]}", file=sys.stderr)

@@ -15,6 +15,7 @@ import torch
 
 from rlhf.generators.memory import ENGINE_SHARE
 from rlhf.config.spec import RunSpec, resolve
+from rlhf.config.validate import check_plan_keys
 from rlhf.distributed.layout import placement_specs, role_ranks, used_roles
 from rlhf.errors import ConfigError
 from rlhf.models.loading import pick_device
@@ -87,8 +88,8 @@ def make_plan(cfg) -> Plan:
 
 
 def plan_of(spec: RunSpec) -> Plan:
-    """The memory plan of the run ``spec`` (its `plan.*` and cluster keys checked by `check_plan_keys`). Reads
-    config.json files only; loads no weights. The `cluster` node is read as written: placement indexes it by role."""
+    """The memory plan of the run ``spec`` (validated: `plan.*` and the cluster's sizes in range). Reads config.json
+    files only; loads no weights. The `cluster` node is read as written: placement indexes it by role."""
     cluster = spec.config.cluster
     used = used_roles(spec.config, spec.algorithm)
     ray = cluster.backend == "ray"
@@ -197,17 +198,3 @@ def check_device_count(cluster, used: list[str]) -> None:
                 f"{spec.describe()} does not fit nodes of cluster.devices_per_node={cluster.devices_per_node} "
                 f"(cluster.num_nodes={cluster.num_nodes}); change cluster.roles.{spec.roles[0]}"
             )
-
-
-def check_plan_keys(cfg) -> None:
-    """`plan.*` and `cluster.device_memory_gb` in range; ConfigError naming the key."""
-    if not 0 <= cfg.plan.headroom < 1:
-        raise ConfigError(f"plan.headroom={cfg.plan.headroom} must be in [0, 1): the share of device memory kept free")
-    if cfg.cluster.device_memory_gb is not None and cfg.cluster.device_memory_gb <= 0:
-        raise ConfigError(f"cluster.device_memory_gb={cfg.cluster.device_memory_gb} must be > 0 (GiB per device), or null to detect it")
-    for key in ("num_nodes", "devices_per_node"):
-        value = cfg.cluster[key]
-        if value is not None and value < 1:
-            raise ConfigError(f"cluster.{key}={value} must be >= 1, or null when unknown")
-    if cfg.model.dtype not in roles.DTYPES:
-        raise ConfigError(f"model.dtype={cfg.model.dtype!r}; choose one of {', '.join(roles.DTYPES)}")
