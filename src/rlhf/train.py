@@ -85,6 +85,7 @@ def train_locked(spec: RunSpec, out: Path, root: Path):
     if resume_from is not None:
         preflight.check_resume(cfg, resume_from, sweep.swept_keys(sys.argv[1:]))
     log.info("output folder: %s", out)
+    log.info("run: %s", spec.describe())
     log.info("derived sizes: %s", ", ".join(f"{k}={v}" for k, v in sizes.as_dict().items()))
     seed_everything(cfg.seed)
     with StopSignals() as stop:  # from the first model load: a stop before the first step ends the run cleanly

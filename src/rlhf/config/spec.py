@@ -49,6 +49,15 @@ class RunSpec:
         """The response budget, `generator.max_new_tokens` (a key every generator declares)."""
         return int(self.generator.config.max_new_tokens)
 
+    def describe(self) -> str:
+        """The chosen parts in one line, for the log (the derived sizes are logged beside it)."""
+        algorithm = self.config.algorithm
+        return (
+            f"generator={self.generator.name}, schedule={self.schedule.name}, dataset={self.dataset.name}, "
+            f"env={'none' if self.env is None else self.env.name}, algorithm.advantage={algorithm.advantage.name}, "
+            f"algorithm.policy_loss={algorithm.policy_loss.name}"
+        )
+
 
 @dataclass(frozen=True)
 class ChosenParts:
