@@ -59,7 +59,7 @@ def trace(fn) -> tuple[Counter, set]:
 def main(overrides: list[str]) -> None:
     cfg = compose_config(overrides)
     seed_everything(cfg.seed)
-    c = build_components(cfg, validate(cfg))
+    c = build_components(validate(cfg))
     state = RunState()
     try:
         train_step(c.collector, c.learner, state.guard)  # warm-up: lazy imports and first-call set-up are not the step

@@ -26,11 +26,11 @@ from omegaconf import DictConfig, OmegaConf
 from transformers.utils import logging as transformers_logging
 
 from rlhf.run import checkpoint, preflight, rehearsal, sweep
-from rlhf import exits, plan, registry
+from rlhf import exits, plan
 from rlhf.disk import check_writable_folder
 from rlhf.checks import hub, parity
 from rlhf.run.build import build_components
-from rlhf.config import ConfigError, register_schema, validate
+from rlhf.config import ConfigError, RunSpec, register_schema, validate
 from rlhf.errors import StopRequested
 from rlhf.config.compose import check_command_line
 from rlhf.config.moved import check_overrides
@@ -56,17 +56,16 @@ def train(cfg: DictConfig, out: Path):
 
     Before any model loads: every model and dataset can be found (`rlhf.checks.hub`), the run fits its devices'
     memory (`rlhf.plan`), and every folder it writes is writable with room for a checkpoint (`rlhf.run.preflight`)."""
-    sizes = validate(cfg)
+    spec = validate(cfg)
     hub.check_sources(cfg)
-    plan.check(cfg)
-    schedule = registry.resolve("schedule", cfg.schedule.name, key="schedule.name")
+    plan.check(spec)
     root = checkpoint.checkpoint_root(cfg, out)
     checkpoint_size = preflight.checkpoint_bytes(cfg)
-    preflight.check_outputs(preflight.train_outputs(cfg, out, root, checkpoint_size))
+    preflight.check_outputs(preflight.train_outputs(cfg, out, root, checkpoint_size, spec.sizes.longest_row))
     preflight.check_wandb(cfg.logging)
     preflight.check_ray_address(cfg.cluster)
     with run_folder_locks(out, root), checkpoint.recording(root, preflight.config_text(cfg), checkpoint_size):
-        return train_locked(cfg, out, sizes, schedule, root)
+        return train_locked(spec, out, root)
 
 
 @contextmanager
@@ -79,19 +78,21 @@ def run_folder_locks(out: Path, root: Path):
         yield
 
 
-def train_locked(cfg: DictConfig, out: Path, sizes, schedule, root: Path):
-    """`train` once the run's folders are locked."""
+def train_locked(spec: RunSpec, out: Path, root: Path):
+    """`train` once the run's folders are locked (``spec``: the run, as `validate` resolved it)."""
+    cfg, sizes = spec.config, spec.sizes
     resume_from = checkpoint.resume_path(cfg, root)
     if resume_from is not None:
         preflight.check_resume(cfg, resume_from, sweep.swept_keys(sys.argv[1:]))
     log.info("output folder: %s", out)
+    log.info("run: %s", spec.describe())
     log.info("derived sizes: %s", ", ".join(f"{k}={v}" for k, v in sizes.as_dict().items()))
     seed_everything(cfg.seed)
     with StopSignals() as stop:  # from the first model load: a stop before the first step ends the run cleanly
-        components = build_components(cfg, sizes, push=resume_from is None)  # resuming: the checkpoint's weights are pushed
+        components = build_components(spec, push=resume_from is None)  # resuming: the checkpoint's weights are pushed
         stop.arm()  # the build may have put in handlers of its own (ray.init's SIGTERM handler exits at once)
         try:
-            state = run_schedule(cfg, out, sizes, schedule, components, root, resume_from, stop)
+            state = run_schedule(spec, out, components, root, resume_from, stop)
         finally:
             components.close()
     if not state.preempted:
@@ -99,16 +100,18 @@ def train_locked(cfg: DictConfig, out: Path, sizes, schedule, root: Path):
     return state
 
 
-def run_schedule(cfg, out: Path, sizes, schedule, components, root: Path, resume_from: Path | None, stop: StopSignals):
+def run_schedule(spec: RunSpec, out: Path, components, root: Path, resume_from: Path | None, stop: StopSignals):
     """Resume if asked, run the schedule with tracking, export the final policy. Returns the final RunState; a stop
     requested (``stop``) before the first step returns it at once, preempted."""
-    state = RunState(guard=NonFiniteGuard(cfg.train.max_skipped_steps_in_row))
+    cfg, sizes, schedule = spec.config, spec.sizes, spec.schedule.obj
+    max_skipped = spec.train.max_skipped_steps_in_row
+    state = RunState(guard=NonFiniteGuard(max_skipped))
     if resume_from is not None:
-        state = RunState.from_dict(checkpoint.load(components.collector, components.learner, resume_from, cfg.checkpoint.allow_config_change), cfg.train.max_skipped_steps_in_row)
+        state = RunState.from_dict(checkpoint.load(components.collector, components.learner, resume_from, cfg.checkpoint.allow_config_change), max_skipped)
         resumed(components.collector.generator, state.step)
         components.collector.generator.update_weights(components.learner.policy.state_dict())  # the generator's first push
     with suppress(StopRequested):  # agents that play the probe are abandoned at a stop signal, answered below
-        parity.gate(components, cfg)  # before the first step: the generator samples what the trainer scores
+        parity.gate(components, spec)  # before the first step: the generator samples what the trainer scores
     if stop.requested:
         log.warning("%s received before the first step: stopped, nothing new to save; run again (resume=auto) to "
                     "start", stop.requested)
@@ -130,7 +133,7 @@ def run_schedule(cfg, out: Path, sizes, schedule, components, root: Path, resume
     if cfg.checkpoint.save_final_model:
         components.learner.policy.export(out / "final_model", components.tokenizer)
         log.info("final policy saved as a Hugging Face folder: %s", out / "final_model")
-        if cfg.policy.lora.rank is not None:
+        if spec.policy.lora.rank is not None:
             log.info("LoRA adapters saved as a PEFT folder (PeftModel.from_pretrained(base, path)): %s", out / "final_adapter")
     return state
 

@@ -87,7 +87,7 @@ def test_a_teacher_with_a_permuted_tokenizer_of_the_same_size_is_refused_before_
         monkeypatch.setattr(module, name, lambda *a, **k: pytest.fail("a model loaded before the tokenizer check"))
     cfg = compose_config(["experiment=opd_arith_tiny", f"teacher.name_or_path={tmp_path}"])
     with pytest.raises(ConfigError) as caught:
-        build_components(cfg, validate(cfg))
+        build_components(validate(cfg))
     message = str(caught.value)
     assert message.startswith("teacher.name_or_path: vocabulary mismatch") and str(tmp_path) in message
     assert "builtin:tiny_arith" in message and "10 with different ids" in message

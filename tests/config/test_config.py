@@ -168,7 +168,7 @@ def test_infeasible_config_fails_with_key_and_numbers(overrides, message):
 def test_derived_sizes_are_computed_not_written_back():
     cfg = compose_config(["train.prompts_per_step=8", "train.num_mini_batches=4", "train.micro_batch_size=8", "train.num_epochs=2"])
     before = OmegaConf.to_yaml(cfg)
-    sizes = validate(cfg)
+    sizes = validate(cfg).sizes
     assert sizes.samples_per_step == 64
     assert sizes.mini_batch_size == 16
     assert sizes.grad_accum_steps == 2
@@ -271,7 +271,7 @@ def test_bf16_on_a_cpu_without_bf16_arithmetic_is_a_config_error(monkeypatch):
 
 
 def test_online_dpo_sizes_count_pairs():
-    sizes = validate(compose_config(["algorithm=online_dpo", "train.num_mini_batches=2", "train.micro_batch_size=4"]))
+    sizes = validate(compose_config(["algorithm=online_dpo", "train.num_mini_batches=2", "train.micro_batch_size=4"])).sizes
     assert sizes.samples_per_step == 16 * 4
     assert sizes.train_units_per_step == 16
     assert sizes.mini_batch_size == 8 and sizes.grad_accum_steps == 4

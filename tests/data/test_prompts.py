@@ -188,6 +188,6 @@ def test_a_run_warns_of_a_short_split_when_it_builds_whichever_schedule_draws(ca
 
     cfg = compose_config(["dataset.max_operand=2", "dataset.eval_size=1", "train.prompts_per_step=16"])
     with caplog.at_level(logging.WARNING, logger="rlhf"):
-        components = build_components(cfg, validate(cfg))
+        components = build_components(validate(cfg))
     components.close()
     assert "fewer than the 16 a step draws (train.prompts_per_step)" in caplog.text

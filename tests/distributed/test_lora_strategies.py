@@ -43,9 +43,9 @@ def lora_step():
     denominator, the first step's metrics and gradient norm, the merged weights before, after one and after two
     steps, and the base model's logprobs (adapters off) after the first step."""
     cfg = compose("cluster=local", *STEP, *LORA)
-    sizes = validate(cfg)
+    spec = validate(cfg)
     seed_everything(cfg.seed)  # as the training workers do before they build: the same random LoRA A matrices
-    c = build_components(cfg, sizes)
+    c = build_components(spec)
     assert isinstance(c.learner.reference, AdaptersOff)  # no second model: the policy with its adapters off
     examples = c.collector.prompts.next_batch(cfg.train.prompts_per_step)
     scored = c.collector.collect(examples)
@@ -154,9 +154,9 @@ def test_a_lora_critic_takes_the_same_value_step_under_ddp(started, tmp_path):
     2 under DDP equals the single process's, and its checkpoint holds the adapters and the head only."""
     ppo = ["algorithm=ppo", *STEP, "critic.lora.rank=4", "critic.lora.alpha=32"]
     cfg = compose("cluster=local", *ppo)
-    sizes = validate(cfg)
+    spec = validate(cfg)
     seed_everything(cfg.seed)
-    c = build_components(cfg, sizes)
+    c = build_components(spec)
     examples = c.collector.prompts.next_batch(cfg.train.prompts_per_step)
     scored = c.collector.collect(examples)
     batch, _ = c.learner.prepare(scored)

@@ -98,7 +98,7 @@ def test_a_hung_collective_fails_after_cluster_timeout_s(started):
 
 def sync_components(*overrides: str):
     cfg = compose("algorithm.beta=0", "train.lr=5e-2", *overrides)
-    return cfg, build_components(cfg, validate(cfg))
+    return cfg, build_components(validate(cfg))
 
 
 def test_generator_samples_from_the_pushed_weights_not_stale_ones(ray_cluster):

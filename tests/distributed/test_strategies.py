@@ -37,8 +37,8 @@ def strategy_overrides(name: str, ranks: int) -> list[str]:
 def reference_step():
     """(batch, algorithm, denominator, metrics, grad norm, weights after) of one local single-process step."""
     cfg = compose("cluster=local", "train.lr=1e-2", "train.adam_eps=1e-4", "algorithm.beta=0.05", "algorithm.kl_in_reward=false", "algorithm.reuse_training_logprobs=false")
-    sizes = validate(cfg)
-    c = build_components(cfg, sizes)
+    spec = validate(cfg)
+    c = build_components(spec)
     examples = c.collector.prompts.next_batch(cfg.train.prompts_per_step)
     scored = c.collector.collect(examples)
     batch, _ = c.learner.prepare(scored)

@@ -333,7 +333,7 @@ def test_run_with_too_long_a_prompt_limit_stops_before_models_load(monkeypatch):
 
     monkeypatch.setattr("rlhf.run.build.build_local_models", no_models)
     with pytest.raises(ConfigError, match=r"^dataset\.max_prompt_length=61 \+ generator\.max_new_tokens=4 = 65 tokens"):
-        build_components(cfg, validate(cfg))
+        build_components(validate(cfg))
 
 
 def test_a_file_whose_rows_all_go_to_evaluation_is_a_config_error(monkeypatch):
@@ -345,7 +345,7 @@ def test_a_file_whose_rows_all_go_to_evaluation_is_a_config_error(monkeypatch):
     ])
     monkeypatch.setattr("rlhf.run.build.build_local_models", lambda *a, **k: pytest.fail("models were built"))
     with pytest.raises(ConfigError, match=r"no training prompts are left \(1 went to evaluation.*dataset\.eval_holdout"):
-        build_components(cfg, validate(cfg))
+        build_components(validate(cfg))
 
 
 # --- 5. what a hostile user tried -------------------------------------------------------------------------
@@ -500,7 +500,7 @@ def test_an_empty_folder_stops_the_run_before_models_load(monkeypatch):
     ])
     monkeypatch.setattr("rlhf.run.build.build_local_models", lambda *a, **k: pytest.fail("models were built"))
     with pytest.raises(ConfigError, match=r"^dataset\.path=data: the folder holds no \.jsonl"):
-        build_components(cfg, validate(cfg))
+        build_components(validate(cfg))
 
 
 def test_a_hub_layout_folder_that_datasets_cannot_read_names_the_key(tokenizer):
@@ -565,4 +565,4 @@ def test_all_bad_rows_stop_the_run_before_models_load(monkeypatch):
     monkeypatch.setattr("rlhf.run.build.build_local_models", lambda *a, **k: pytest.fail("models were built"))
     with pytest.raises(ConfigError, match=r"20 bad \(column 'prompt': missing in 20 rows; the rows have columns "
                                           r"question, answer\); set dataset\.prompt_key to"):
-        build_components(cfg, validate(cfg))
+        build_components(validate(cfg))

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from rlhf.run import checkpoint, preflight
-from rlhf.config import ConfigError, compose_config
+from rlhf.config import ConfigError, compose_config, validate
 from rlhf import disk
 from rlhf.disk import tree_bytes
 from rlhf.errors import FileSizeLimitError, NoSpaceError
@@ -256,14 +256,15 @@ def test_the_log_estimate_covers_what_a_run_folder_takes(tmp_path):
     ])
     train(cfg, tmp_path)
     written = tree_bytes(tmp_path) - tree_bytes(tmp_path / "checkpoints")
-    assert written <= preflight.log_bytes(cfg) <= 40 * written, (written, preflight.log_bytes(cfg))
+    estimate = preflight.log_bytes(cfg, validate(cfg).sizes.longest_row)
+    assert written <= estimate <= 40 * written, (written, estimate)
 
 
 def test_no_room_for_a_long_runs_logs_refuses_before_any_model_loads(tmp_path, monkeypatch, no_models):
     """Room for a checkpoint but not for 100,000 steps of logs and evaluations: refused, naming the run folder."""
     cfg = compose_config([*SMALL, "train.num_steps=100000", "eval.every=100", "eval.max_prompts=100", "eval.num_samples=4"])
     free_space(monkeypatch, 2 * preflight.checkpoint_bytes(cfg))
-    assert preflight.log_bytes(cfg) > 8 * preflight.checkpoint_bytes(cfg)
+    assert preflight.log_bytes(cfg, validate(cfg).sizes.longest_row) > 8 * preflight.checkpoint_bytes(cfg)
     with pytest.raises(ConfigError, match=r"hydra.run.dir=.*no space for the run's logs and evaluation completions: "
                                           r"needs about [\d.]+ MB, [\d.]+ MB free; free some space there or point hydra.run.dir"):
         train(cfg, tmp_path / "run")

@@ -17,7 +17,7 @@ def test_a_teacher_shorter_than_the_rows_is_refused_before_any_model_loads(monke
     with pytest.raises(ConfigError, match=rf"^teacher.name_or_path=builtin:tiny_arith_teacher has a 64-token context, "
                                           rf"shorter than the longest row this run can produce \({longest} tokens: "
                                           rf"dataset.max_prompt_length \+ generator.max_new_tokens\)"):
-        build_components(cfg, validate(cfg))
+        build_components(validate(cfg))
     assert not loaded
 
 

@@ -127,5 +127,5 @@ def test_a_gguf_policy_and_a_reference_of_another_vocabulary_are_refused_before_
     loaded = []
     monkeypatch.setattr("rlhf.models.loading.AutoModelForCausalLM.from_pretrained", lambda *a, **k: loaded.append(a))
     with pytest.raises(ConfigError, match=r"^reference.name_or_path: vocabulary mismatch: .*49152 tokens"):
-        build_components(cfg, validate(cfg))
+        build_components(validate(cfg))
     assert not loaded

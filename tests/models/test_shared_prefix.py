@@ -199,11 +199,11 @@ def test_forcing_sharing_on_a_model_that_packs_no_rows_is_a_config_error_naming_
         packing.check_shared_prefix(model_cfg)
     packing.check_shared_prefix(OmegaConf.merge(model_cfg, {"shared_prefix": None}))  # auto: no error, left unshared
     from rlhf.checks.layers import check_trained_layers
-    from rlhf.config import compose_config
+    from rlhf.config import compose_config, validate
 
     cfg = compose_config([f"model.name_or_path={tmp_path}", "model.shared_prefix=true"])
     with pytest.raises(ConfigError, match=r"model.shared_prefix=true"):  # what the run's build asks before loading
-        check_trained_layers(cfg, needs_critic=False)
+        check_trained_layers(validate(cfg))
     LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2).save_pretrained(tmp_path)
     packing.check_shared_prefix(model_cfg)  # a family that packs
 

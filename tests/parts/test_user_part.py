@@ -140,7 +140,7 @@ def test_a_users_strategy_is_planned_and_advised_by_its_class_and_its_keys():
     counting = Part(user_strategy.CountingSingle, user_strategy.CountingConfig(name="user_strategy.CountingSingle"), "policy.strategy")
     assert sharding(counting, ranks=1).strategy == "single"  # a subclass of single
     cfg = compose_config([SEARCHPATH, "policy/strategy=counting"])
-    changes = [change for family in strategy_candidates(cfg, "policy") for change in family]
+    changes = [change for family in strategy_candidates(cfg.policy.strategy, "policy") for change in family]
     assert changes  # as single: shard it, or offload it under fsdp2
     for change in changes:  # a key of another strategy comes only with that strategy's choice
         assert any(o.startswith("policy/strategy=") for o in change) or not any(o.startswith("policy.strategy.") for o in change)

@@ -99,18 +99,18 @@ def test_a_compiled_policy_that_does_not_fit_is_advised_an_activation_memory_bud
     unbudgeted, half, lean = (plan.needed(plan.worst) for plan in needs)
     assert lean < half < unbudgeted
     cfg = compose_config([*base, f"cluster.device_memory_gb={(lean + half) / 2 / 0.9 / 2**30}"])
-    lines = advise(cfg, make_plan(cfg))
+    lines = advise(make_plan(cfg))
     assert lines[0].startswith("policy.activation_memory_budget=0.3: ") and "->" in lines[0], lines
     assert not any("activation_memory_budget=0.5" in line for line in lines)  # it does not fit: not named
     assert make_plan(with_overrides(cfg, ["policy.activation_memory_budget=0.3"])).fits
     already = compose_config([*base, "policy.activation_memory_budget=0.3", "cluster.device_memory_gb=0.001"])
-    assert not any("activation_memory_budget" in line for line in advise(already, make_plan(already)))
+    assert not any("activation_memory_budget" in line for line in advise(make_plan(already)))
 
 
 def test_enforce_false_warns_and_lets_the_run_start(small_model, caplog):
     cfg = compose_config([f"model.name_or_path={small_model}", "cluster.device_memory_gb=0.01", "plan.enforce=false"])
     with caplog.at_level(logging.WARNING, logger="rlhf"):
-        plan = plan_check.check(cfg)
+        plan = plan_check.check(validate(cfg))
     assert plan.fits is False
     assert "plan.enforce=false" in caplog.text and "does NOT fit" in caplog.text
 
@@ -126,7 +126,7 @@ def test_every_change_the_advice_names_makes_the_8b_preset_fit(llama8b, start, t
     cfg = tulu(llama8b, *base)
     plan = make_plan(cfg)
     assert plan.fits is False
-    lines = advise(cfg, plan)
+    lines = advise(plan)
     assert lines
     for line in lines:
         overrides = line.split(":")[0].removeprefix("together, ").split()
@@ -212,7 +212,7 @@ def test_the_micro_batch_advice_halves_the_micro_batch_the_run_uses(small_model)
     assert half.needed(half.worst) < full.needed(full.worst)
     capacity_gib = (half.needed(half.worst) + full.needed(full.worst)) / 2 / 0.9 / 2**30
     cfg = compose_config([*base, "train.micro_batch_size=1000000", f"cluster.device_memory_gb={capacity_gib}"])
-    lines = advise(cfg, make_plan(cfg))
+    lines = advise(make_plan(cfg))
     sizes = [int(line.split("train.micro_batch_size=")[1].split(":")[0]) for line in lines if "micro_batch_size" in line]
     assert sizes and sizes[0] == 64 and all(128 % size == 0 for size in sizes), lines
 

@@ -210,7 +210,7 @@ def test_evaluation_is_not_disturbed_by_the_producer(tmp_path, monkeypatch):
     assert in_run
 
     cfg = compose_config(overrides)
-    c = build_components(cfg, validate(cfg))
+    c = build_components(validate(cfg))
     checkpoint.load(c.collector, c.learner, tmp_path / "run" / "checkpoints" / "step_00000002")
     c.collector.generator.update_weights(c.learner.policy.state_dict())
     tracker = Tracker(tmp_path / "standalone", tensorboard=False)
@@ -331,7 +331,7 @@ def test_a_producer_is_waited_for_unless_a_second_stop_signal_ends_the_run(raise
     from rlhf.run.build import build_components
 
     cfg = compose_config(["logging.tensorboard=false"])
-    components = build_components(cfg, validate(cfg))
+    components = build_components(validate(cfg))
     collector = components.collector
     own = collector.generator
     made = []

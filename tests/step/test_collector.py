@@ -15,7 +15,7 @@ RUN = ["train.prompts_per_step=4", "algorithm.num_samples_per_prompt=3", "loggin
 @pytest.fixture
 def collector():
     cfg = compose_config(RUN)
-    c = build_components(cfg, validate(cfg))
+    c = build_components(validate(cfg))
     yield c.collector
     c.close()
 

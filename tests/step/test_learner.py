@@ -23,7 +23,7 @@ RUN = ["train.prompts_per_step=4", "algorithm.num_samples_per_prompt=4", "loggin
 def parts():
     """The default run's components (built-in model, arith task, GRPO), built in this process."""
     cfg = compose_config(RUN)
-    c = build_components(cfg, validate(cfg))
+    c = build_components(validate(cfg))
     yield c
     c.close()
 

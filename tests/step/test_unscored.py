@@ -47,7 +47,7 @@ def scoring(*more: str) -> list[str]:
 @pytest.fixture
 def parts():
     cfg = compose_config(scoring("reward.unscored_retries=0"))
-    c = build_components(cfg, validate(cfg))
+    c = build_components(validate(cfg))
     yield c
     c.close()
 
@@ -77,7 +77,7 @@ def test_the_rows_left_train_as_if_the_unscored_ones_were_never_drawn(parts):
 
 def test_an_unscored_row_is_asked_again_alone_and_then_scored():
     cfg = compose_config(scoring("reward.unscored_retries=1"))
-    c = build_components(cfg, validate(cfg))
+    c = build_components(validate(cfg))
     try:
         FAILING.update(rows={2, 7}, calls=[])
         scored = c.collector.collect()

@@ -36,11 +36,12 @@ class LogprobGapError(RuntimeError):
     """The generator's log-probabilities jumped away from the trainer's during training (`checks.stop_on_gap`)."""
 
 
-def max_gap(cfg) -> float:
-    """The gate's threshold: `checks.max_logprob_gap`, or the default for `model.dtype`."""
-    if cfg.checks.max_logprob_gap is not None:
-        return float(cfg.checks.max_logprob_gap)
-    return DEFAULT_MAX_GAP[cfg.model.dtype]
+def max_gap(spec) -> float:
+    """The gate's threshold for the run ``spec`` (`rlhf.config.RunSpec`): `checks.max_logprob_gap`, or the default
+    for `model.dtype`."""
+    if spec.checks.max_logprob_gap is not None:
+        return float(spec.checks.max_logprob_gap)
+    return DEFAULT_MAX_GAP[spec.model.dtype]
 
 
 def short_sampling(gen_cfg):
@@ -48,41 +49,41 @@ def short_sampling(gen_cfg):
     return replace(SamplingParams.of(gen_cfg), max_new_tokens=min(PROBE_TOKENS, gen_cfg.max_new_tokens))
 
 
-def probe(c, cfg) -> dict[str, float]:
+def probe(c, spec) -> dict[str, float]:
     """Sample the probe batch with the run's generator and score it with its policy; `logprob_gap`'s figures.
 
     The prompts are the first evaluation prompts (else the first training prompts: the prompt stream is not drawn
     from), and every torch RNG is put back afterwards, so the run samples what it would have without the probe."""
-    examples = (c.eval_examples or c.collector.prompts.examples)[: cfg.checks.parity_prompts]
-    sampling = short_sampling(cfg.generator)
+    examples = (c.eval_examples or c.collector.prompts.examples)[: spec.checks.parity_prompts]
+    sampling = short_sampling(spec.generator.config)
     devices = [c.device.index or 0] if c.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         if c.collector.env is None:  # plain prompts need no scoring
             batch = c.collector.generator.generate([list(ex.token_ids) for ex in examples], sampling).to(c.device)
         else:  # an environment's episodes are played (and scored) to build the rows
             batch = c.collector.play(examples, 1, sampling, training=False).batch.to(c.device)
-        train_logp, _ = c.learner.policy.rollout_logprobs(batch, cfg.train.micro_batch_size)
+        train_logp, _ = c.learner.policy.rollout_logprobs(batch, spec.train.micro_batch_size)
     return logprob_gap(batch.gen_logp, train_logp, batch.loss_mask)
 
 
-def gate(c, cfg) -> dict[str, float] | None:
-    """Before the first step: `probe`, print its figures, and refuse the run (ParityError) when the mean gap is above
-    the threshold. None when `checks.parity_prompts=0`."""
-    if cfg.checks.parity_prompts == 0:
+def gate(c, spec) -> dict[str, float] | None:
+    """Before the first step of the run ``spec`` (`rlhf.config.RunSpec`) built as ``c``: `probe`, print its figures,
+    and refuse the run (ParityError) when the mean gap is above the threshold. None when `checks.parity_prompts=0`."""
+    if spec.checks.parity_prompts == 0:
         return None
     start = time.perf_counter()
-    figures = probe(c, cfg)
-    limit = max_gap(cfg)
+    figures = probe(c, spec)
+    limit = max_gap(spec)
     log.info(
         "log-prob parity (generator vs trainer, %d probe prompts): mean |Δ log p| %.3g, max %.3g, k3 KL %.3g "
-        "(threshold %.3g, %.2f s)", cfg.checks.parity_prompts, figures["mean"], figures["max"], figures["k3"], limit,
+        "(threshold %.3g, %.2f s)", spec.checks.parity_prompts, figures["mean"], figures["max"], figures["k3"], limit,
         time.perf_counter() - start,
     )
     if figures["mean"] > limit:
         raise ParityError(
             f"the generator's log-probabilities are far from the trainer's on the same tokens before any training: mean "
             f"|Δ log p| {figures['mean']:.3g} per token (max {figures['max']:.3g}, k3 KL {figures['k3']:.3g}) is above "
-            f"checks.max_logprob_gap={limit:g} for model.dtype={cfg.model.dtype}. Usual causes: the generator and "
+            f"checks.max_logprob_gap={limit:g} for model.dtype={spec.model.dtype}. Usual causes: the generator and "
             f"trainer run different dtypes or attention kernels; sampling settings that change the returned "
             f"log-probs (temperature, top_p/top_k renormalisation) differ from what the trainer assumes "
             f"(generator.temperature); the generator holds other weights than the policy (a stale or wrong push); the "
@@ -103,8 +104,9 @@ class GapWatch:
         self.level: float | None = None  # running (exponentially weighted) mean gap of the steps so far
 
     @classmethod
-    def from_config(cls, cfg) -> "GapWatch":
-        return cls(cfg.checks.gap_jump_factor, NOISE_SHARE * max_gap(cfg), cfg.checks.stop_on_gap)
+    def of(cls, spec) -> "GapWatch":
+        """The watch `checks.*` of the run ``spec`` (`rlhf.config.RunSpec`) sets."""
+        return cls(spec.checks.gap_jump_factor, NOISE_SHARE * max_gap(spec), spec.checks.stop_on_gap)
 
     def observe(self, gap: float) -> None:
         """Take one step's mean gap."""

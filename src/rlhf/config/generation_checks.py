@@ -6,7 +6,7 @@ from omegaconf import DictConfig
 
 from rlhf.errors import require as _require
 from rlhf.generators.base import sleep_overrides
-from rlhf.parts import choose
+from rlhf.parts import Part
 from rlhf.registry import schedule_trait
 
 
@@ -14,15 +14,14 @@ def _colocated(cfg, a: str, b: str) -> bool:
     return any(a in group and b in group for group in cfg.cluster.colocate)
 
 
-def check_generation(cfg: DictConfig, ranks: dict[str, int]) -> None:
-    """Raise ConfigError naming the key and the fix; ``ranks`` are the ranks per role from `validate_cluster`. The
-    generator checks its own fit with the run (`check_run`); what spans it and the schedule is checked here."""
+def check_generation(cfg: DictConfig, ranks: dict[str, int], generator: Part, schedule_part: Part) -> None:
+    """Raise ConfigError naming the key and the fix; ``ranks`` are the ranks per role from `validate_cluster`,
+    ``generator`` and ``schedule_part`` the chosen parts. The generator checks its own fit with the run (`check_run`);
+    what spans it and the schedule is checked here."""
     gen, schedule, backend = cfg.generator, cfg.schedule, cfg.cluster.backend
-    generator = choose("generator", gen, "generator")
     check_run = generator.trait("check_run")
     if check_run is not None:
         check_run(generator.config, cfg, ranks)
-    schedule_part = choose("schedule", schedule, "schedule")
     schedule_check = schedule_part.trait("check_run")
     if schedule_check is not None:
         schedule_check(schedule_part.config, cfg)

@@ -1,7 +1,7 @@
-"""Checks that need more than types, and the sizes derived from the config.
+"""Checks that need more than types; `validate` runs them all and returns the resolved run (`RunSpec`).
 
 Everything here runs before any model or tokenizer loads, so a bad run fails in a second with the key
-and the arithmetic in the message. Derived sizes are returned (and logged), never written back into the
+and the arithmetic in the message. Derived sizes are returned in the spec (and logged), never written back into the
 config.
 """
 
@@ -10,12 +10,9 @@ from __future__ import annotations
 import math
 import re
 
-from dataclasses import dataclass
-
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf import registry
-from rlhf.algorithms import build_algorithm
 from rlhf.errors import require as _require
 from rlhf.parts import choose
 from rlhf.rewards.combine import check_args
@@ -23,12 +20,12 @@ from rlhf.config.env_checks import check_env
 from rlhf.config.generation_checks import check_generation
 from rlhf.config.ownership import check_ownership
 from rlhf.config.schema import AlgorithmConfig, RewardConfig
+from rlhf.config.sizes import check_token_budget, derive_sizes
+from rlhf.config.spec import RunSpec, choose_parts, spec_of
 from rlhf.config.unknown_keys import check_unknown_keys
 from rlhf.data.reasoning_gym import check_reasoning_gym
-from rlhf.envs.base import env_config
 from rlhf.distributed.layout import validate_cluster
 from rlhf.functional.losses import LOSS_AGGREGATIONS
-from rlhf.micro_batches import micro_units
 from rlhf.models.dtypes import DTYPES, cpu_computes_bf16
 from rlhf.models.lora import check_values as check_lora_values
 from rlhf.seeding import check_seed
@@ -42,96 +39,6 @@ RAY_MIN_OBJECT_STORE = 75 * 1024 * 1024  # bytes: Ray refuses a smaller object s
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LR_SCHEDULES = ("constant", "linear")
 MIXED_PRECISION = ("master", "autocast")  # train.mixed_precision
-
-
-@dataclass(frozen=True)
-class DerivedSizes:
-    """Batch sizes that follow from the config (logged at start, never stored back)."""
-
-    samples_per_step: int  # prompts_per_step * num_samples_per_prompt
-    train_units_per_step: int  # what mini batches split: samples, or (chosen, rejected) pairs for online_dpo
-    mini_batch_size: int  # training units per optimiser step (micro batches are capped at this size)
-    grad_accum_steps: int  # micro batches per optimiser step
-    optimizer_steps: int  # optimiser steps over the whole run
-    eval_every: int  # steps between evaluations (from eval.every or eval.num_evals); 0 = start and end only
-    total_episodes: int  # completions generated over the whole run
-    prompts_seen: int  # prompts drawn over the whole run (reused each epoch when above the dataset size)
-    longest_row: int  # the most tokens one trajectory can hold (env.max_tokens, or the longest prompt plus the response budget)
-    longest_row_keys: str  # the keys that set longest_row, for messages
-
-    def as_dict(self) -> dict[str, int | str]:
-        return dict(self.__dict__)
-
-
-def derive_sizes(cfg: DictConfig, pairwise: bool = False) -> DerivedSizes:
-    """Check the batch arithmetic and return the derived sizes (``pairwise``: units are chosen/rejected pairs)."""
-    train, algo = cfg.train, cfg.algorithm
-    for key, value in (
-        ("train.num_steps", train.num_steps),
-        ("train.prompts_per_step", train.prompts_per_step),
-        ("algorithm.num_samples_per_prompt", algo.num_samples_per_prompt),
-        ("train.num_epochs", train.num_epochs),
-        ("train.num_mini_batches", train.num_mini_batches),
-        ("train.micro_batch_size", train.micro_batch_size),
-    ):
-        _require(value >= 1, f"{key}={value} must be >= 1")
-    samples = train.prompts_per_step * algo.num_samples_per_prompt
-    if pairwise:
-        return _derive_pairwise_sizes(cfg, samples)
-    _require(
-        samples % train.num_mini_batches == 0,
-        f"samples per step ({train.prompts_per_step} train.prompts_per_step * {algo.num_samples_per_prompt} "
-        f"algorithm.num_samples_per_prompt = {samples}) is not divisible by train.num_mini_batches="
-        f"{train.num_mini_batches}; pick num_mini_batches from the divisors of {samples}",
-    )
-    mini = samples // train.num_mini_batches
-    micro = micro_units(mini, train.micro_batch_size, 1)  # a micro batch never exceeds its mini batch
-    _require(
-        mini % micro == 0,
-        f"mini batch ({samples} samples per step / {train.num_mini_batches} train.num_mini_batches = {mini}) "
-        f"is not divisible by train.micro_batch_size={train.micro_batch_size}; "
-        f"pick micro_batch_size from the divisors of {mini}",
-    )
-    return _sizes(cfg, samples, samples, mini, mini // micro)
-
-
-def _derive_pairwise_sizes(cfg: DictConfig, samples: int) -> DerivedSizes:
-    """Pairwise algorithms (online DPO) train on one pair (2 samples) per prompt; batches hold whole pairs."""
-    train = cfg.train
-    pairs = train.prompts_per_step
-    _require(
-        pairs % train.num_mini_batches == 0,
-        f"algorithm.advantage={cfg.algorithm.advantage.name} trains on one pair per prompt: {pairs} pairs per step (train.prompts_per_step) "
-        f"is not divisible by train.num_mini_batches={train.num_mini_batches}",
-    )
-    mini = pairs // train.num_mini_batches
-    micro_pairs = micro_units(mini, train.micro_batch_size, 2)
-    _require(
-        train.micro_batch_size % 2 == 0 and mini % micro_pairs == 0,
-        f"algorithm.advantage={cfg.algorithm.advantage.name}: train.micro_batch_size={train.micro_batch_size} counts samples (2 per pair) and "
-        f"must be an even number whose half divides the {mini} pairs of a mini batch",
-    )
-    return _sizes(cfg, samples, pairs, mini, mini // micro_pairs)
-
-
-def _sizes(cfg: DictConfig, samples: int, units: int, mini: int, accum: int) -> DerivedSizes:
-    train = cfg.train
-    optimizer_steps = train.num_steps * train.num_epochs * train.num_mini_batches
-    num_evals = cfg.eval.num_evals
-    eval_every = -(-train.num_steps // num_evals) if num_evals else cfg.eval.every
-    longest, keys = longest_row(cfg)
-    return DerivedSizes(
-        longest_row=longest,
-        longest_row_keys=keys,
-        eval_every=eval_every,
-        samples_per_step=samples,
-        train_units_per_step=units,
-        mini_batch_size=mini,
-        grad_accum_steps=accum,
-        optimizer_steps=optimizer_steps,
-        total_episodes=train.num_steps * samples,
-        prompts_seen=train.num_steps * train.prompts_per_step,
-    )
 
 
 def check_self_checks(checks) -> None:
@@ -149,29 +56,6 @@ def check_self_checks(checks) -> None:
         checks.gap_jump_factor > 1,
         f"checks.gap_jump_factor={checks.gap_jump_factor} must be > 1 (a step's gap is compared with this many times "
         f"the running level)",
-    )
-
-
-def longest_row(cfg: DictConfig) -> tuple[int, str]:
-    """The most tokens one trajectory can hold, and the keys that set it: an episode's `env.max_tokens`, else the
-    longest prompt plus the response budget. (Read from `DerivedSizes.longest_row` once sizes are derived.)"""
-    env = env_config(cfg)
-    if env is not None:
-        return env.max_tokens, "env.max_tokens"
-    return int(cfg.dataset.max_prompt_length) + int(cfg.generator.max_new_tokens), "dataset.max_prompt_length + generator.max_new_tokens"
-
-
-def check_token_budget(cfg: DictConfig, sizes: DerivedSizes, pairwise: bool) -> None:
-    """`train.max_tokens_per_micro_batch` holds the longest row the run can produce (pairwise: a pair of them)."""
-    budget = cfg.train.max_tokens_per_micro_batch
-    if budget is None:
-        return
-    longest = sizes.longest_row * (2 if pairwise else 1)
-    _require(budget >= 1, f"train.max_tokens_per_micro_batch={budget} must be >= 1, or null to cut micro batches by rows alone")
-    _require(
-        budget >= longest,
-        f"train.max_tokens_per_micro_batch={budget} is smaller than the longest row this run can produce ({longest} "
-        f"tokens: {sizes.longest_row_keys}); raise it to at least {longest}, or null to cut micro batches by rows alone",
     )
 
 
@@ -385,6 +269,20 @@ def check_cluster_resources(cluster) -> None:
     )
 
 
+def check_plan_keys(cfg: DictConfig) -> None:
+    """`plan.*` and the cluster and model keys the memory plan reads, in range; ConfigError naming the key. `validate`
+    runs it, and `rlhf.plan.make_plan` for a config it was not run on."""
+    _require(0 <= cfg.plan.headroom < 1,
+             f"plan.headroom={cfg.plan.headroom} must be in [0, 1): the share of device memory kept free")
+    memory_gb = cfg.cluster.device_memory_gb
+    _require(memory_gb is None or memory_gb > 0,
+             f"cluster.device_memory_gb={memory_gb} must be > 0 (GiB per device), or null to detect it")
+    for key in ("num_nodes", "devices_per_node"):
+        value = cfg.cluster[key]
+        _require(value is None or value >= 1, f"cluster.{key}={value} must be >= 1, or null when unknown")
+    _require(cfg.model.dtype in DTYPES, f"model.dtype={cfg.model.dtype!r}; choose one of {', '.join(DTYPES)}")
+
+
 def check_reward(cfg: DictConfig) -> None:
     """`reward.*`: something scores, each function's args, overlong shaping, unscored rows' retries and limit."""
     gen = cfg.generator
@@ -438,16 +336,14 @@ def check_outputs(cfg: DictConfig) -> None:
     check_logging(cfg.logging)
 
 
-def validate(cfg: DictConfig) -> DerivedSizes:
-    """Every check that needs no model: choices, ranges, batch arithmetic. Returns the derived sizes."""
+def validate(cfg: DictConfig) -> RunSpec:
+    """Every check that needs no model: choices, ranges, batch arithmetic. Returns what the run is (`RunSpec`): its
+    parts typed once, here, and its derived sizes."""
     check_unknown_keys(cfg)  # first: a `+typo=...` key would otherwise be silently ignored
     check_required_keys(cfg)
     check_device(cfg.cluster)
-    choose("generator", cfg.generator, "generator")  # the backend's node typed and checked first: the checks below read it
-    choose("schedule", cfg.schedule, "schedule")
-    choose("dataset", cfg.dataset, "dataset")
-    env_config(cfg)  # the environment's node typed and checked
-    algorithm = build_algorithm(cfg.algorithm, cfg.generator.max_new_tokens)
+    parts = choose_parts(cfg)  # every part's node typed and checked first: the checks below read them
+    algorithm = parts.algorithm
     check_algorithm(cfg, algorithm)
     check_dynamic_sampling(cfg, algorithm)
     check_teacher(cfg, algorithm)
@@ -456,12 +352,13 @@ def validate(cfg: DictConfig) -> DerivedSizes:
     check_optimiser(cfg)
     check_model_numbers(cfg)
     check_cluster_resources(cfg.cluster)
+    check_plan_keys(cfg)
     check_reward(cfg)
     check_outputs(cfg)
     check_env(cfg)
     check_ownership(cfg, algorithm)
-    sizes = derive_sizes(cfg, algorithm.pairwise)
+    sizes = derive_sizes(cfg, parts.env, algorithm.pairwise)
     check_token_budget(cfg, sizes, algorithm.pairwise)
     ranks = validate_cluster(cfg, algorithm, sizes.samples_per_step, sizes.mini_batch_size)
-    check_generation(cfg, ranks)
-    return sizes
+    check_generation(cfg, ranks, parts.generator, parts.schedule)
+    return spec_of(cfg, parts, sizes)

@@ -11,29 +11,31 @@ import logging
 from rlhf.errors import ConfigError
 from rlhf.plan.advice import advise
 from rlhf.plan.memory import gib
-from rlhf.plan.planner import Plan, make_plan
+from rlhf.config.spec import RunSpec
+from rlhf.plan.planner import Plan, make_plan, plan_of
 from rlhf.plan.report import render
 
 log = logging.getLogger("rlhf")
 
-__all__ = ["Plan", "check", "make_plan", "render"]
+__all__ = ["Plan", "check", "make_plan", "plan_of", "render"]
 
 
-def check(cfg) -> Plan | None:
-    """Plan ``cfg``; ConfigError with the table and the changes that fit when it cannot fit and `plan.enforce`.
+def check(spec: RunSpec) -> Plan | None:
+    """Plan the run ``spec``; ConfigError with the table and the changes that fit when it cannot fit and
+    `plan.enforce`.
 
     A plan that cannot be made for reasons of its own (an architecture the tracer cannot run) is logged and
     skipped: the estimate must never be what stops a run that would fit."""
     try:
-        plan = make_plan(cfg)
+        plan = plan_of(spec)
     except ConfigError:
         raise
     except Exception as err:  # noqa: BLE001 -- see the docstring
         log.warning("memory plan skipped: %s: %s", type(err).__name__, err)
         return None
     if plan.fits is False:
-        text = render(plan, advise(cfg, plan))
-        if cfg.plan.enforce:
+        text = render(plan, advise(plan))
+        if spec.plan.enforce:
             raise ConfigError(f"this run does not fit its devices (plan.enforce=false starts it anyway):\n{text}")
         log.warning("plan.enforce=false: starting a run the plan says cannot fit:\n%s", text)
         return plan

@@ -12,8 +12,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rlhf import exits
 from rlhf.checks import hub
 from rlhf.config import ConfigError, compose_config, validate
-from rlhf.algorithms import build_algorithm
-from rlhf.plan import advise, make_plan, render
+from rlhf.plan import advise, plan_of, render
 from rlhf.checks.layers import check_trained_layers
 
 
@@ -22,14 +21,14 @@ def main(argv: list[str]) -> int:
     will), check the layers LoRA and compile name, plan, print; returns the exit code."""
     try:
         cfg = compose_config(argv)
-        validate(cfg)
+        spec = validate(cfg)
         hub.check_sources(cfg, datasets=False)
-        check_trained_layers(cfg, build_algorithm(cfg.algorithm, cfg.generator.max_new_tokens).needs_critic)
-        plan = make_plan(cfg)
+        check_trained_layers(spec)
+        plan = plan_of(spec)
     except (ConfigError, HydraException, OmegaConfBaseException) as err:
         print(f"config error: {str(err).splitlines()[0]}", file=sys.stderr)
         return exits.CONFIG_ERROR
-    print(render(plan, advise(cfg, plan) if plan.fits is False else []))
+    print(render(plan, advise(plan) if plan.fits is False else []))
     return exits.CONFIG_ERROR if plan.fits is False else exits.FINISHED
 
 

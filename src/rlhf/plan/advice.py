@@ -18,9 +18,8 @@ from rlhf.generators.base import sleep_overrides
 from rlhf.micro_batches import halvings
 from rlhf.parts import GROUPS, choose, default_node
 from rlhf.plan.memory import gib
-from rlhf.plan.roles import generator_part, sharding
+from rlhf.plan.roles import sharding
 from rlhf.plan.planner import Plan, make_plan
-from rlhf.registry import schedule_trait
 
 
 def with_overrides(cfg, overrides: list[str]):
@@ -34,21 +33,22 @@ def with_overrides(cfg, overrides: list[str]):
     return OmegaConf.merge(new, OmegaConf.from_dotlist([o for o in overrides if o.partition("=")[0] not in GROUPS]))
 
 
-def candidates(cfg, plan: Plan) -> list[list[list[str]]]:
-    """Changes worth trying for this config, cheapest first, in families of alternatives (a family's changes set
-    the same keys, preferred first): e.g. [[micro_batch_size=16], [micro_batch_size=8]]."""
+def candidates(plan: Plan) -> list[list[list[str]]]:
+    """Changes worth trying for the run ``plan`` was made for, cheapest first, in families of alternatives (a
+    family's changes set the same keys, preferred first): e.g. [[micro_batch_size=16], [micro_batch_size=8]]."""
     found: list[list[list[str]]] = []
+    spec = plan.spec
     roles = {role for group in plan.groups for role in group.roles}
-    budget = cfg.policy.activation_memory_budget
-    if cfg.policy.compile:  # compiled blocks recompute elementwise work only: cheaper than checkpointing whole blocks
+    budget = spec.policy.activation_memory_budget
+    if spec.policy.compile:  # compiled blocks recompute elementwise work only: cheaper than checkpointing whole blocks
         found.append([[f"policy.activation_memory_budget={b}"] for b in (0.5, 0.3) if budget is None or b < budget])
-    if not cfg.policy.gradient_checkpointing:
+    if not spec.policy.gradient_checkpointing:
         found.append([["policy.gradient_checkpointing=true"]])
-    if "critic" in roles and not cfg.critic.gradient_checkpointing:
+    if "critic" in roles and not spec.critic.gradient_checkpointing:
         found.append([["critic.gradient_checkpointing=true"]])
     generator_shares = any("generator" in g.roles and len(g.roles) > 1 for g in plan.groups)
-    in_turn = not (schedule_trait(cfg.schedule, "sleeps_generator") or schedule_trait(cfg.schedule, "overlaps_generation"))
-    backend = generator_part(cfg)
+    in_turn = not (spec.schedule.trait("sleeps_generator", False) or spec.schedule.trait("overlaps_generation", False))
+    backend = spec.generator
     sleep = sleep_overrides(backend.obj, backend.config)
     if generator_shares and in_turn and sleep is not None:  # the generator holds its memory through training: suggest it sleeps
         found.append([["schedule=hybrid", *sleep]])
@@ -57,12 +57,12 @@ def candidates(cfg, plan: Plan) -> list[list[list[str]]]:
         found.append(shrink(backend.config, generator_shares, plan_rows(plan)))
     # from the micro batch the plan used (a train.micro_batch_size above the mini batch is the mini batch)
     found.append([[f"train.micro_batch_size={size}"] for size in halvings(plan.workload.micro_rows)])
-    if cfg.model.dtype == "float32" and plan.kind == "cuda":
+    if spec.model.dtype == "float32" and plan.kind == "cuda":
         found.append([["model.dtype=bfloat16"]])
-    if cfg.cluster.backend == "ray":
-        found += strategy_candidates(cfg, "policy")
+    if spec.config.cluster.backend == "ray":
+        found += strategy_candidates(spec.policy.strategy, "policy")
         if "critic" in roles:
-            found += strategy_candidates(cfg, "critic")
+            found += strategy_candidates(spec.critic.strategy, "critic")
     return [family for family in found if family]
 
 
@@ -71,11 +71,12 @@ def plan_rows(plan: Plan) -> int:
     return plan.workload.generate_rows
 
 
-def strategy_candidates(cfg, trained: str) -> list[list[list[str]]]:
-    """Sharding and offloading of a trained role's state (``trained``: policy or critic; Ray backend)."""
+def strategy_candidates(node, trained: str) -> list[list[list[str]]]:
+    """Sharding and offloading of a trained role's state (``trained``: policy or critic, ``node`` its `strategy` node;
+    Ray backend)."""
     found = []
     key = f"{trained}.strategy"
-    part = choose("strategy", cfg[trained].strategy, key)
+    part = choose("strategy", node, key)
     shard, group = sharding(part, ranks=1), key.replace(".", "/")  # auto reads as single: unsharded either way
     unsharded = shard.strategy in ("single", "ddp")
     if unsharded:  # its node holds only `name`, so choosing another strategy leaves no key behind
@@ -88,11 +89,13 @@ def strategy_candidates(cfg, trained: str) -> list[list[list[str]]]:
     return found
 
 
-def advise(cfg, plan: Plan) -> list[str]:
+def advise(plan: Plan) -> list[str]:
     """Lines naming each change that makes ``plan`` fit alone, with the fullest device before -> after; when none
-    does alone, the cheapest combination that does (greedy: one change per family, in family order)."""
+    does alone, the cheapest combination that does (greedy: one change per family, in family order). Each change is
+    tried on a copy of the run's config (`Plan.spec`)."""
+    cfg = plan.spec.config
     before = plan.needed(plan.worst)
-    families = candidates(cfg, plan)
+    families = candidates(plan)
     lines = []
     for family in families:
         for overrides in family:

@@ -14,14 +14,13 @@ from dataclasses import dataclass, field
 import torch
 
 from rlhf.generators.memory import ENGINE_SHARE
-from rlhf.algorithms import build_algorithm
-from rlhf.config.validate import derive_sizes
+from rlhf.config.spec import RunSpec, resolve
+from rlhf.config.validate import check_plan_keys
 from rlhf.distributed.layout import placement_specs, role_ranks, used_roles
 from rlhf.errors import ConfigError
 from rlhf.models.loading import pick_device
 from rlhf.plan import memory, roles
 from rlhf.plan.memory import PHASES, Item
-from rlhf.registry import schedule_trait
 
 GIB = 2**30
 
@@ -57,6 +56,7 @@ class Plan:
     headroom: float  # share of capacity kept free (plan.headroom)
     kind: str  # cuda or cpu
     workload: roles.Workload  # the sizes it was made for
+    spec: RunSpec  # the run it was made for
 
     @property
     def usable(self) -> int | None:
@@ -81,23 +81,29 @@ class Plan:
 
 
 def make_plan(cfg) -> Plan:
-    """The memory plan of a composed `rlhf.train` config. Reads config.json files only; loads no weights."""
+    """The memory plan of a composed `rlhf.train` config: `plan_of` its spec, resolved without `validate`'s other
+    checks (`rlhf.config.spec.resolve`). Reads config.json files only; loads no weights."""
     check_plan_keys(cfg)
-    algorithm = build_algorithm(cfg.algorithm, cfg.generator.max_new_tokens)
-    sizes = derive_sizes(cfg, pairwise=algorithm.pairwise)
-    used = used_roles(cfg, algorithm)
-    ray = cfg.cluster.backend == "ray"
-    ranks = {role: role_ranks(cfg.cluster, role) if ray else 1 for role in used}
-    kind = device_kind(cfg)
-    capacity = detect_capacity(cfg, kind)
-    work = roles.workload(cfg, sizes, ranks, kind, 2 if algorithm.pairwise else 1)
-    items = role_memory(cfg, used, ranks, work, capacity.bytes)
+    return plan_of(resolve(cfg))
+
+
+def plan_of(spec: RunSpec) -> Plan:
+    """The memory plan of the run ``spec`` (validated: `plan.*` and the cluster's sizes in range). Reads config.json
+    files only; loads no weights. The `cluster` node is read as written: placement indexes it by role."""
+    cluster = spec.config.cluster
+    used = used_roles(spec.config, spec.algorithm)
+    ray = cluster.backend == "ray"
+    ranks = {role: role_ranks(cluster, role) if ray else 1 for role in used}
+    kind = device_kind(cluster)
+    capacity = detect_capacity(cluster, kind)
+    work = roles.workload(spec, ranks, kind)
+    items = role_memory(spec, used, ranks, work, capacity.bytes)
     if ray:
-        check_device_count(cfg, used)
-        groups = [DeviceGroup(spec.roles, spec.ranks) for spec in placement_specs(cfg.cluster, used)]
+        check_device_count(cluster, used)
+        groups = [DeviceGroup(placed.roles, placed.ranks) for placed in placement_specs(cluster, used)]
     else:
         groups = [DeviceGroup(tuple(used), 1)]
-    if schedule_trait(cfg.schedule, "overlaps_generation"):  # the generator is busy in every phase
+    if spec.schedule.trait("overlaps_generation", False):  # the generator is busy in every phase
         items["generator"] = [Item(i.role, i.what, i.bytes, PHASES, i.on_host) for i in items["generator"]]
     for group in groups:
         # each Ray role is a process with its own runtime; an engine's share of the GPU (vLLM's) already covers its own
@@ -105,23 +111,24 @@ def make_plan(cfg) -> Plan:
         if kind == "cuda" and any(i.what == ENGINE_SHARE for i in items["generator"]) and "generator" in group.roles:
             processes -= 1 if ray else 0
         group.items = [i for role in group.roles for i in items[role]] + runtime_items(kind, processes)
-    return Plan(groups, capacity, cfg.plan.headroom, kind, work)
+    return Plan(groups, capacity, spec.plan.headroom, kind, work, spec)
 
 
-def role_memory(cfg, used: list[str], ranks: dict[str, int], work: roles.Workload, capacity: int | None) -> dict:
+def role_memory(spec: RunSpec, used: list[str], ranks: dict[str, int], work: roles.Workload, capacity: int | None) -> dict:
     """{role: [Item, ...]} for one device of each used role."""
-    found = roles.sources(cfg)
+    found = roles.sources(spec)
+    policy, critic = spec.policy, spec.critic
     items = {
-        "policy": roles.trained_items("policy", found["policy"], "lm", cfg.policy.strategy,
-                                     cfg.policy.gradient_checkpointing, ranks["policy"], work, cfg.policy.lora,
-                                     compiled=cfg.policy.compile, budget=cfg.policy.activation_memory_budget),
-        "generator": roles.generator_items(cfg, found["generator"], work, capacity),
+        "policy": roles.trained_items("policy", found["policy"], "lm", policy.strategy,
+                                     policy.gradient_checkpointing, ranks["policy"], work, policy.lora,
+                                     compiled=policy.compile, budget=policy.activation_memory_budget),
+        "generator": roles.generator_items(spec.generator, found["generator"], work, capacity),
     }
     if "reference" in used:
         items["reference"] = roles.frozen_items("reference", found["reference"], "lm", work)
     if "critic" in used:
-        items["critic"] = roles.trained_items("critic", found["critic"], "value", cfg.critic.strategy,
-                                              cfg.critic.gradient_checkpointing, ranks["critic"], work, cfg.critic.lora)
+        items["critic"] = roles.trained_items("critic", found["critic"], "value", critic.strategy,
+                                              critic.gradient_checkpointing, ranks["critic"], work, critic.lora)
     if "reward" in used:
         items["reward"] = roles.frozen_items("reward", found["reward"], "value", work)
     if "teacher" in used:
@@ -148,32 +155,31 @@ def resident_bytes() -> int:
         return 0
 
 
-def device_kind(cfg) -> str:
-    """cuda or cpu: what the trained roles run on."""
-    if cfg.cluster.backend == "ray":
-        return "cuda" if cfg.cluster.device_type == "gpu" else "cpu"
-    if cfg.cluster.device == "auto":
+def device_kind(cluster) -> str:
+    """cuda or cpu: what the trained roles run on (``cluster``: the `cluster` node)."""
+    if cluster.backend == "ray":
+        return "cuda" if cluster.device_type == "gpu" else "cpu"
+    if cluster.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(cfg.cluster.device).type  # a cuda run can be planned on a machine without one
+    return torch.device(cluster.device).type  # a cuda run can be planned on a machine without one
 
 
-def detect_capacity(cfg, kind: str) -> Capacity:
+def detect_capacity(cluster, kind: str) -> Capacity:
     """`cluster.device_memory_gb`, else this machine's: its CUDA card, or its RAM (CPU runs share it)."""
     shared = kind == "cpu"
-    if cfg.cluster.device_memory_gb is not None:
-        return Capacity(int(cfg.cluster.device_memory_gb * GIB), f"cluster.device_memory_gb={cfg.cluster.device_memory_gb:g}", shared)
+    if cluster.device_memory_gb is not None:
+        return Capacity(int(cluster.device_memory_gb * GIB), f"cluster.device_memory_gb={cluster.device_memory_gb:g}", shared)
     if kind == "cuda":
         if not torch.cuda.is_available():
             return Capacity(None, "unknown: no GPU on this machine; set cluster.device_memory_gb")
-        index = (pick_device(cfg.cluster.device).index or 0) if cfg.cluster.backend == "local" else 0
+        index = (pick_device(cluster.device).index or 0) if cluster.backend == "local" else 0
         props = torch.cuda.get_device_properties(index)
         return Capacity(props.total_memory, f"detected: {props.name}")
     return Capacity(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "detected: this machine's RAM", shared)
 
 
-def check_device_count(cfg, used: list[str]) -> None:
+def check_device_count(cluster, used: list[str]) -> None:
     """The placement fits the machines the cluster preset declares (`cluster.num_nodes` x `devices_per_node`)."""
-    cluster = cfg.cluster
     if cluster.num_nodes is None or cluster.devices_per_node is None:
         return
     specs = placement_specs(cluster, used)
@@ -192,17 +198,3 @@ def check_device_count(cfg, used: list[str]) -> None:
                 f"{spec.describe()} does not fit nodes of cluster.devices_per_node={cluster.devices_per_node} "
                 f"(cluster.num_nodes={cluster.num_nodes}); change cluster.roles.{spec.roles[0]}"
             )
-
-
-def check_plan_keys(cfg) -> None:
-    """`plan.*` and `cluster.device_memory_gb` in range; ConfigError naming the key."""
-    if not 0 <= cfg.plan.headroom < 1:
-        raise ConfigError(f"plan.headroom={cfg.plan.headroom} must be in [0, 1): the share of device memory kept free")
-    if cfg.cluster.device_memory_gb is not None and cfg.cluster.device_memory_gb <= 0:
-        raise ConfigError(f"cluster.device_memory_gb={cfg.cluster.device_memory_gb} must be > 0 (GiB per device), or null to detect it")
-    for key in ("num_nodes", "devices_per_node"):
-        value = cfg.cluster[key]
-        if value is not None and value < 1:
-            raise ConfigError(f"cluster.{key}={value} must be >= 1, or null when unknown")
-    if cfg.model.dtype not in roles.DTYPES:
-        raise ConfigError(f"model.dtype={cfg.model.dtype!r}; choose one of {', '.join(roles.DTYPES)}")

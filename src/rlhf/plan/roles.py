@@ -1,4 +1,4 @@
-"""Each role's memory on one of its devices, from the composed config: what `rlhf.run.build` would load, sized.
+"""Each role's memory on one of its devices, from the resolved run (`RunSpec`): what `rlhf.run.build` would load, sized.
 
 A `Workload` gathers the sizes every role needs (rows, sequence length, dtype); `role_items` turns one role into
 `memory.Item`s. Models are read through `rlhf.plan.architecture` (config.json only).
@@ -20,9 +20,8 @@ from rlhf.models import lora
 from rlhf.plan import memory
 from rlhf.plan.architecture import ModelSource, activations, lora_parameter_counts, parameter_count, read_config, text_config
 from rlhf.plan.memory import FLOAT32, GENERATE, SCORE, TRAIN, Item, Sharding
-from rlhf.envs.base import env_config
+from rlhf.config.spec import RunSpec
 from rlhf.parts import Part, choose
-from rlhf.registry import schedule_trait
 
 # gradients alive at once in the backward of the largest kept tensor (the output layer's logits: the gradients of
 # the log-softmax, of the entropy, their sum and the logits' own): about 4x its bytes, measured on a 30M Llama
@@ -82,44 +81,45 @@ class Workload:
         return "autocast"
 
 
-def workload(cfg, sizes, ranks: dict[str, int], device_kind: str, rows_per_unit: int) -> Workload:
-    """The `Workload` of a composed config with its derived sizes and ranks per role."""
-    env = env_config(cfg)
+def workload(spec: RunSpec, ranks: dict[str, int], device_kind: str) -> Workload:
+    """The `Workload` of the run ``spec`` with ``ranks`` per role."""
+    env, sizes, train = spec.env, spec.sizes, spec.train
     seq_len = sizes.longest_row
     if env is not None:
         window, generate_rows = env.max_tokens, env.num_parallel
     else:
-        window, generate_rows = cfg.generator.max_new_tokens + 1, sizes.samples_per_step
-    generator = generator_part(cfg)
+        window, generate_rows = spec.max_new_tokens + 1, sizes.samples_per_step
+    generator = spec.generator
     rows_per_call = generator.trait("rows_per_call")
     if rows_per_call is not None:
         generate_rows = rows_per_call(generator.config, generate_rows)
     mini_units = max(1, sizes.mini_batch_size // ranks.get("policy", 1))
+    rows_per_unit = 2 if spec.algorithm.pairwise else 1
     return Workload(
-        micro_rows=micro_units(mini_units, cfg.train.micro_batch_size, rows_per_unit) * rows_per_unit, score_rows=min(cfg.train.micro_batch_size, sizes.samples_per_step),
-        generate_rows=generate_rows,
-        seq_len=seq_len, window=min(window, seq_len), dtype=cfg.model.dtype, device_kind=device_kind,
-        sleeps_generator=schedule_trait(cfg.schedule, "sleeps_generator"),
-        offload_while_generating=offloads_while_generating(cfg),
-        precision=cfg.train.mixed_precision, logprob_chunk=logprob_chunk(cfg.model, torch.device(device_kind)),
+        micro_rows=micro_units(mini_units, train.micro_batch_size, rows_per_unit) * rows_per_unit,
+        score_rows=min(train.micro_batch_size, sizes.samples_per_step), generate_rows=generate_rows,
+        seq_len=seq_len, window=min(window, seq_len), dtype=spec.model.dtype, device_kind=device_kind,
+        sleeps_generator=bool(spec.schedule.trait("sleeps_generator", False)),
+        offload_while_generating=offloads_while_generating(spec.schedule),
+        precision=train.mixed_precision, logprob_chunk=logprob_chunk(spec.model, torch.device(device_kind)),
     )
 
 
-def sources(cfg) -> dict[str, ModelSource]:
-    """The model each role loads, with the key that names it."""
-    model = cfg.model
+def sources(spec: RunSpec) -> dict[str, ModelSource]:
+    """The model each role of the run ``spec`` loads, with the key that names it."""
+    model = spec.model
     policy = ModelSource("model.name_or_path", model.name_or_path, model.revision, model.trust_remote_code)
     found = {"policy": policy, "generator": policy, "reference": policy}
-    if cfg.reference.name_or_path:
-        found["reference"] = ModelSource("reference.name_or_path", cfg.reference.name_or_path, None, model.trust_remote_code)
-    if cfg.teacher.name_or_path:
-        found["teacher"] = ModelSource("teacher.name_or_path", cfg.teacher.name_or_path, None, model.trust_remote_code)
-    critic = critic_init_path(cfg)
-    critic_key = "critic.name_or_path" if cfg.critic.name_or_path else "reward.path" if cfg.reward.path else policy.key
+    if spec.reference.name_or_path:
+        found["reference"] = ModelSource("reference.name_or_path", spec.reference.name_or_path, None, model.trust_remote_code)
+    if spec.teacher.name_or_path:
+        found["teacher"] = ModelSource("teacher.name_or_path", spec.teacher.name_or_path, None, model.trust_remote_code)
+    critic = critic_init_path(spec)
+    critic_key = "critic.name_or_path" if spec.critic.name_or_path else "reward.path" if spec.reward.path else policy.key
     found["critic"] = ModelSource(critic_key, critic, None if critic != model.name_or_path else model.revision,
                                   model.trust_remote_code)
-    if cfg.reward.path:
-        found["reward"] = ModelSource("reward.path", cfg.reward.path, None, model.trust_remote_code)
+    if spec.reward.path:
+        found["reward"] = ModelSource("reward.path", spec.reward.path, None, model.trust_remote_code)
     return found
 
 
@@ -184,19 +184,13 @@ def _scoring(source: ModelSource, head: str, work: Workload, mode: str, chunk: i
     return memory.scoring_bytes(work.score_rows, work.window, vocab, act.per_layer, chunk)
 
 
-def offloads_while_generating(cfg) -> bool:
-    """Whether the schedule moves the optimiser state to the host while the generator runs (it answers)."""
-    schedule = choose("schedule", cfg.schedule, "schedule")
+def offloads_while_generating(schedule: Part) -> bool:
+    """Whether the chosen ``schedule`` moves the optimiser state to the host while the generator runs (it answers)."""
     return bool(schedule.trait("offloads_while_generating", lambda config: False)(schedule.config))
 
 
-def generator_part(cfg) -> Part:
-    """The generator backend the `generator` node chooses, with its typed config."""
-    return choose("generator", cfg.generator, "generator")
-
-
-def generator_items(cfg, source: ModelSource, work: Workload, capacity: int | None) -> list[Item]:
-    """The generator on one of its devices, as the backend answers (`plan_memory`; a backend that declares none is
+def generator_items(backend: Part, source: ModelSource, work: Workload, capacity: int | None) -> list[Item]:
+    """The generator (``backend``: the chosen part) on one of its devices, as the backend answers (`plan_memory`; a backend that declares none is
     taken to hold its own copy of the weights, as hf does). What it holds through training is freed while it sleeps."""
     config = text_config(read_config(source))
     heads = config.num_attention_heads
@@ -206,7 +200,6 @@ def generator_items(cfg, source: ModelSource, work: Workload, capacity: int | No
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, vocab=config.vocab_size,
     )
     generation = GenerationWork(work.generate_rows, work.seq_len, work.window, work.dtype_bytes, work.device_kind, capacity)
-    backend = generator_part(cfg)
     needs = backend.trait("plan_memory", own_copy_memory)(backend.config, shape, generation)
     sleeps = work.sleeps_generator and sleep_overrides(backend.obj, backend.config) == []
     resident = (GENERATE,) if sleeps else memory.PHASES

@@ -12,21 +12,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
+from omegaconf import OmegaConf
 from transformers import AutoConfig
 
 from rlhf import registry
 from rlhf.algorithms import build_algorithm
 from rlhf.errors import ConfigError
-from rlhf.parts import choose, typed_node
-from rlhf.config.validate import DerivedSizes
+from rlhf.parts import choose
+from rlhf.config.sizes import DerivedSizes
+from rlhf.config.spec import RunSpec
 from rlhf.data.context import check_episode_budget, check_prompt_budget, check_teacher_context, model_context
 from rlhf.data.prompts import PromptExample, PromptStream, origin
 from rlhf.distributed.cluster import start
 from rlhf.distributed.layout import reference_is_base, used_roles
 from rlhf.models.remote_teacher import RemoteTeacher
 from rlhf.disk import looks_local
-from rlhf.envs.base import EnvConfig, check_prompt_room, env_config, seed_tasks
+from rlhf.envs.base import EnvConfig, check_prompt_room, seed_tasks
 from rlhf.envs.loop import EpisodeRunner
 from rlhf.generators.base import SamplingParams
 from rlhf.envs.templates import check as check_template
@@ -118,28 +119,24 @@ def check_model_sources(cfg) -> None:
             check_weight_files(value, key)  # a truncated weights file: named now, not as a loader traceback later
 
 
-def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
-    """Every component the run needs, models placed and loaded. ``push``: hand the policy's starting weights to the
-    generator (the verified first push); a resumed run leaves that to the checkpoint's weights, loaded after this, so
-    the generator never reloads weights it is about to replace."""
+def build_components(spec: RunSpec, push: bool = True) -> Components:
+    """Every component the run ``spec`` describes, models placed and loaded. ``push``: hand the policy's starting
+    weights to the generator (the verified first push); a resumed run leaves that to the checkpoint's weights, loaded
+    after this, so the generator never reloads weights it is about to replace."""
+    cfg, sizes, env = spec.config, spec.sizes, spec.env
     device = pick_device(cfg.cluster.device) if cfg.cluster.backend == "local" else torch.device("cpu")  # ray: the driver only does the RL math
     check_model_sources(cfg)
     # 1. names: every registry lookup, so an unknown component fails before anything loads
-    factories = {
-        "dataset": registry.resolve("dataset", cfg.dataset.name, key="dataset.name"),
-        "generator": registry.resolve("generator", cfg.generator.name, key="generator.name"),
-        "policy": registry.resolve("policy", cfg.policy.name, key="policy.name"),
-        "reference": registry.resolve("reference", cfg.reference.name, key="reference.name"),
-        "critic": registry.resolve("critic", cfg.critic.name, key="critic.name"),
-    }
-    env_factory = registry.resolve("env", cfg.env.name, key="env.name") if cfg.env.name else None
-    rewards = RewardSet(cfg.reward, cfg.generator.max_new_tokens)
-    algorithm = build_algorithm(cfg.algorithm, cfg.generator.max_new_tokens)
+    for role in ("policy", "reference", "critic"):  # the spec's parts (dataset, generator, environment) resolved theirs
+        registry.resolve(role, cfg[role].name, key=f"{role}.name")
+    env_factory = registry.resolve("env", env.name, key="env.name") if env is not None else None
+    rewards = RewardSet(cfg.reward, spec.max_new_tokens)
+    algorithm = build_algorithm(cfg.algorithm, spec.max_new_tokens)  # the Learner's own: it keeps state as it trains (an adaptive KL)
     # 2. tokenizers and data (cheap); every other model must share the policy's vocabulary
-    model = cfg.model
+    model, gen = spec.model, spec.generator.config
     tokenizer = load_tokenizer(model.tokenizer or model.name_or_path, model.revision, model.trust_remote_code)
     check_model_tokenizer(model, tokenizer)
-    stop_token_id(tokenizer, cfg.generator.stop_token)  # the generator's stop token is one of the vocabulary's
+    stop_token_id(tokenizer, gen.stop_token)  # the generator's stop token is one of the vocabulary's
     for key, path, used in (
         ("reference.name_or_path", cfg.reference.name_or_path, algorithm.needs_reference),
         ("teacher.name_or_path", cfg.teacher.name_or_path, True),
@@ -151,20 +148,19 @@ def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
                 check_vocab_match(tokenizer, load_tokenizer(path), f"policy `{model.name_or_path}`", f"`{path}`")
             except ValueError as err:
                 raise ConfigError(f"{key}: {err}") from None
-    env = env_config(cfg)
-    runner = build_env(env_factory, env, cfg, tokenizer, rewards) if env_factory is not None else None
+    runner = build_env(env_factory, env, gen.stop_token, tokenizer, rewards) if env_factory is not None else None
     try:
         if runner is not None and not runner.maker.uses_dataset:
             splits = seed_tasks(getattr(runner.maker, "env_id", env.name), env.eval_size)  # reset seeds replace the dataset
         else:
-            dataset = typed_node("dataset", cfg.dataset, "dataset")  # typed by the builder's class, defaults filled
-            splits = factories["dataset"](cfg=dataset, tokenizer=tokenizer, seed=cfg.seed)
+            dataset = OmegaConf.structured(spec.dataset.config)  # typed by the builder's class, defaults filled
+            splits = spec.dataset.obj(cfg=dataset, tokenizer=tokenizer, seed=cfg.seed)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    log.info("dataset %s: %d train prompts, %d eval prompts", cfg.dataset.name, len(splits.train), len(splits.eval))
+    log.info("dataset %s: %d train prompts, %d eval prompts", spec.dataset.name, len(splits.train), len(splits.eval))
     if not splits.train:
         raise ConfigError(
-            f"dataset={cfg.dataset.name}: no training prompts are left ({len(splits.eval)} went to evaluation; the log "
+            f"dataset={spec.dataset.name}: no training prompts are left ({len(splits.eval)} went to evaluation; the log "
             f"above counts the rows dropped as bad or too long); add rows, or lower dataset.eval_holdout / "
             f"dataset.eval_size"
         )
@@ -178,10 +174,10 @@ def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
         examples = splits.train + splits.eval
         rewards.check_truths([ex.ground_truth for ex in examples], [origin(ex, i) for i, ex in enumerate(examples)])
     check_output_rows(cfg, tokenizer)
-    check_trained_layers(cfg, algorithm.needs_critic)
+    check_trained_layers(spec)
     context = model_context(model)
     if runner is None or runner.maker.uses_dataset:  # a prompt plus its response must fit the model's context
-        check_prompt_budget(cfg.dataset.max_prompt_length, cfg.generator.max_new_tokens, context, model.name_or_path)
+        check_prompt_budget(spec.dataset.config.max_prompt_length, spec.max_new_tokens, context, model.name_or_path)
     if runner is not None:  # so must a whole episode
         check_episode_budget(env.max_tokens, context, model.name_or_path)
     if cfg.teacher.name_or_path:  # and the teacher must have room for every row it scores
@@ -207,28 +203,27 @@ def build_components(cfg, sizes: DerivedSizes, push: bool = True) -> Components:
     if push:
         generator.update_weights(policy.state_dict())
     prompts = PromptStream(splits.train, seed=cfg.seed)
-    prompts.warn_if_short(cfg.train.prompts_per_step)  # at the start, whichever schedule draws
-    gen = cfg.generator
+    prompts.warn_if_short(spec.train.prompts_per_step)  # at the start, whichever schedule draws
     collector = Collector(
         generator, tokenizer, rewards, prompts, SamplingParams.of(gen),
-        prompts_per_step=cfg.train.prompts_per_step, samples_per_prompt=cfg.algorithm.num_samples_per_prompt,
+        prompts_per_step=spec.train.prompts_per_step, samples_per_prompt=cfg.algorithm.num_samples_per_prompt,
         max_resample_rounds=cfg.algorithm.max_resample_rounds if cfg.algorithm.filter_groups else None,
-        greedy_baseline=algorithm.needs_greedy_baseline, env=runner, filter_on=filter_on(cfg, rewards),
+        greedy_baseline=algorithm.needs_greedy_baseline, env=runner, filter_on=filter_on(spec, rewards),
         min_group=getattr(algorithm, "min_samples_per_prompt", 1), max_unscored_share=cfg.reward.max_unscored_share,
     )
     learner = Learner(
-        policy, models["reference"], models["critic"], algorithm, cfg.train, device, torch.Generator().manual_seed(cfg.seed), GapWatch.from_config(cfg), bool(packs()) if callable(packs) else False,
+        policy, models["reference"], models["critic"], algorithm, spec.train, device, torch.Generator().manual_seed(cfg.seed), GapWatch.of(spec), bool(packs()) if callable(packs) else False,
         teacher=models["teacher"],
     )
     return Components(device, tokenizer, collector, learner, splits.eval, splits.report, backend)
 
 
-def filter_on(cfg, rewards: RewardSet) -> str:
+def filter_on(spec: RunSpec, rewards: RewardSet) -> str:
     """What dynamic sampling compares within a group: `algorithm.filter_on`, auto resolved (accuracy when a verifier
     scores single-turn responses, else score)."""
-    chosen = cfg.algorithm.filter_on
+    chosen = spec.config.algorithm.filter_on
     if chosen == "auto":
-        chosen = "accuracy" if rewards.has_verifier and cfg.env.name is None else "score"
+        chosen = "accuracy" if rewards.has_verifier and spec.env is None else "score"
     return chosen
 
 
@@ -264,11 +259,11 @@ def build_model(role: str, cfg, device: torch.device, total_optimizer_steps: int
     raise ValueError(f"unknown role {role!r}")
 
 
-def build_env(factory, env: EnvConfig, cfg, tokenizer, rewards: RewardSet) -> EpisodeRunner:
-    """The environment maker and its agent loop (``env``: the typed `env` node, `env_config`); the maker checks its own
-    keys (ids, files) before any model loads."""
+def build_env(factory, env: EnvConfig, stop_token: str, tokenizer, rewards: RewardSet) -> EpisodeRunner:
+    """The environment maker and its agent loop (``env``: the typed `env` node, `RunSpec.env`; ``stop_token``:
+    `generator.stop_token`); the maker checks its own keys (ids, files) before any model loads."""
     maker = factory(cfg=env, tokenizer=tokenizer, rewards=rewards)
-    stop_id = stop_token_id(tokenizer, cfg.generator.stop_token)
+    stop_id = stop_token_id(tokenizer, stop_token)
     check_template(env.template, tokenizer, tokenizer.convert_ids_to_tokens(stop_id))
     runner = getattr(maker, "runner", EpisodeRunner)  # an environment may bring its own loop (openai_agent: an endpoint)
     return runner(maker, env, tokenizer, stop_id)

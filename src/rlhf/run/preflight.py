@@ -31,7 +31,6 @@ from rlhf.algorithms import build_algorithm
 from rlhf.disk import REWARD_MODEL, TRAIN_ADAPTER, TRAIN_CHECKPOINTS, TRAIN_EXPORT, check_own_output, free_bytes, megabytes
 from rlhf.distributed.layout import role_ranks
 from rlhf.run.checkpoint import CONFIG_FILE, STATE_FILE, is_checkpoint_entry
-from rlhf.config.validate import longest_row
 from rlhf.errors import ConfigError
 from rlhf.models import lora
 from rlhf.models.dtypes import DTYPES
@@ -166,22 +165,24 @@ def checkpoint_bytes(cfg) -> int | None:
     return trained * STATE_COPIES * dtype_bytes(model.dtype)
 
 
-def log_bytes(cfg) -> int:
+def log_bytes(cfg, longest_row: int) -> int:
     """About how many bytes a whole run's logs take in its run folder: each step's metrics (JSON Lines, TensorBoard),
     the sample tables every `logging.sample_every` steps, and every evaluation's completions
-    (`eval.save_generations`), each completion as long as the longest row the run can produce."""
+    (`eval.save_generations`), each completion as long as ``longest_row``, the longest row the run can produce
+    (`DerivedSizes.longest_row`)."""
     steps, ev, logging_cfg = cfg.train.num_steps, cfg.eval, cfg.logging
-    row = ROW_OVERHEAD + TEXT_BYTES_PER_TOKEN * longest_row(cfg)[0]
+    row = ROW_OVERHEAD + TEXT_BYTES_PER_TOKEN * longest_row
     evals = 2 + (ev.num_evals if ev.num_evals else steps // ev.every if ev.every else 0)
     per_eval = (ev.max_prompts or EVAL_PROMPTS_IF_ALL) * (ev.num_samples + int(ev.greedy)) * row if ev.save_generations else 0
     tables = (steps // logging_cfg.sample_every if logging_cfg.sample_every else 0) * logging_cfg.num_sample_texts * row
     return steps * LOG_BYTES_PER_STEP + evals * per_eval + tables
 
 
-def train_outputs(cfg, out: Path, root: Path, checkpoint_size: int | None) -> list[Output]:
-    """The folders `rlhf.train` writes: the run folder (its logs), `checkpoint.dir`, and `<run folder>/final_model`."""
+def train_outputs(cfg, out: Path, root: Path, checkpoint_size: int | None, longest_row: int) -> list[Output]:
+    """The folders `rlhf.train` writes: the run folder (its logs, rows of up to ``longest_row`` tokens), `checkpoint.dir`,
+    and `<run folder>/final_model`."""
     outputs = [
-        Output("hydra.run.dir", out, out, "the run's logs and evaluation completions", log_bytes(cfg)),
+        Output("hydra.run.dir", out, out, "the run's logs and evaluation completions", log_bytes(cfg, longest_row)),
         Output("checkpoint.dir", root, root, "a checkpoint", checkpoint_size, TRAIN_CHECKPOINTS, ours=is_checkpoint_entry),
     ]
     if cfg.checkpoint.save_final_model:

@@ -83,7 +83,7 @@ class Rehearsal:
     def __init__(self, cfg, out: Path) -> None:
         self.cfg, self.out = cfg, out
         self.root = checkpoint.checkpoint_root(cfg, out)
-        self.c = self.sizes = self.scored = None
+        self.c = self.spec = self.scored = None
         self.sampling = parity.short_sampling(cfg.generator)
 
     def stages(self) -> list[tuple[str, object]]:
@@ -102,15 +102,16 @@ class Rehearsal:
         return named
 
     def config(self) -> str:
-        self.sizes = validate(self.cfg)
-        return f"{self.sizes.samples_per_step} samples per step, {self.sizes.optimizer_steps} optimiser steps in all"
+        self.spec = validate(self.cfg)
+        sizes = self.spec.sizes
+        return f"{sizes.samples_per_step} samples per step, {sizes.optimizer_steps} optimiser steps in all"
 
     def sources(self) -> str:
         hub.check_sources(self.cfg)
         return ""
 
     def plan(self) -> str:
-        made = plan.check(self.cfg)
+        made = plan.check(self.spec)
         if made is None:
             return "skipped (see the log)"
         verdict = " (does NOT fit: plan.enforce=false)" if made.fits is False else ""
@@ -118,16 +119,16 @@ class Rehearsal:
 
     def outputs(self) -> str:
         size = preflight.checkpoint_bytes(self.cfg)
-        preflight.check_outputs(preflight.train_outputs(self.cfg, self.out, self.root, size))
+        preflight.check_outputs(preflight.train_outputs(self.cfg, self.out, self.root, size, self.spec.sizes.longest_row))
         return f"a checkpoint needs about {size / 2**20:.0f} MiB"
 
     def load(self) -> str:
         seed_everything(self.cfg.seed)
-        self.c = build_components(self.cfg, self.sizes)
+        self.c = build_components(self.spec)
         return f"generator {self.cfg.generator.name}, policy {self.cfg.policy.name} on {self.c.device}"
 
     def parity(self) -> str:
-        figures = parity.gate(self.c, self.cfg)
+        figures = parity.gate(self.c, self.spec)
         if figures is None:
             return "skipped (checks.parity_prompts=0)"
         return f"mean |Δ log p| {figures['mean']:.2g}, max {figures['max']:.2g}, k3 KL {figures['k3']:.2g}"

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 class Learner:
     """Scored batches -> policy updates, for the policy and (PPO) the critic; ``reference`` is None without a KL term.
 
+    ``train_cfg`` is the run's typed `train.*` (`RunSpec.train`): epochs, mini batches and the micro-batch budget.
     ``shuffle`` orders the mini batches (checkpointed); ``gap_watch`` observes each step's generator-trainer logprob
     gap (`rlhf.checks.parity`); ``policy_packs``: the policy's training forwards pack their micro batches (for
     `perf/padding_fraction`). ``updates`` counts the updates begun: a step whose count moved may have changed the

@@ -21,7 +21,8 @@ from rlhf.trajectory import Forward, Trajectories
 
 
 def critic_init_path(cfg) -> str:
-    """The critic's starting weights: `critic.name_or_path`, else the reward model, else the policy's model."""
+    """The critic's starting weights: `critic.name_or_path`, else the reward model, else the policy's model (``cfg``:
+    the config, or the run's `RunSpec`, whose sections of those names are typed)."""
     return cfg.critic.name_or_path or cfg.reward.path or cfg.model.name_or_path
 
 
