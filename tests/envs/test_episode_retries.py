@@ -51,7 +51,7 @@ class FlakyArith(ArithRetryMaker):
 
 def built(*more: str):
     cfg = compose_config([*RUN, *more])
-    return build_components(cfg, validate(cfg))
+    return build_components(validate(cfg))
 
 
 def collect(c, fail: set[int]):

@@ -491,7 +491,7 @@ def test_the_unscored_share_is_a_steps_not_a_groups(tmp_path):
                  "reward.max_unscored_share=0.25", "eval.every=0", "eval.greedy=false", "eval.num_samples=0",
                  "checkpoint.every=1"]
     cfg = compose_config([*FAST, *unscoring])
-    c = build_components(cfg, validate(cfg))
+    c = build_components(validate(cfg))
     try:  # the stream draws one group's prompt at a time, 4 a step
         texts = [c.collector.prompts.next_batch(1)[0].text for _ in range(8)]
         ids = c.collector.prompts.ids_of(texts)
