@@ -167,11 +167,11 @@ def test_the_generator_of_your_own_trains_as_written(tmp_path):
 
 @pytest.mark.slow
 def test_the_agent_of_your_own_trains_as_written(tmp_path):
-    """docs/extending.md's agent file under env=openai_agent, cut to two steps: each episode asks once and returns +1
-    or -1, so the mean return is 2 x the success rate - 1."""
-    _, steps = run_as_written("env.path=my_agent.py", tmp_path)
+    """docs/extending.md's agent file under env=openai_agent, cut to two steps of 4 problems (x 8 episodes): each
+    episode asks once and returns +1 or -1, so the mean return is 2 x the success rate - 1."""
+    _, steps = run_as_written("env.path=my_agent.py", tmp_path, "train.prompts_per_step=4")
     for step in (1, 2):
-        assert steps[step]["env/num_episodes"] == 128 and steps[step]["env/failed_episodes"] == 0
+        assert steps[step]["env/num_episodes"] == 4 * 8 and steps[step]["env/failed_episodes"] == 0
         assert steps[step]["env/num_turns_per_episode"] == 1
         assert steps[step]["env/episode_return"] == pytest.approx(2 * steps[step]["env/success_rate"] - 1, abs=1e-6)
 
