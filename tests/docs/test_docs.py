@@ -92,17 +92,18 @@ def test_every_documented_command_composes(where, command, tmp_path, monkeypatch
     compose_config(overrides, config_name=CONFIGS[module])
 
 
-def run_as_written(marker: str, tmp_path: Path, *cut: str) -> tuple[str, dict]:
+def run_as_written(marker: str, tmp_path: Path, *cut: str, evaluate: bool = False) -> tuple[str, dict]:
     """docs/extending.md's command holding ``marker`` run as written on the tiny model: the blocks above it written
     where the reader would put them, run from that folder with PYTHONPATH=. (a `hydra.searchpath` pointed at the
-    reader's `myconf` there), cut by ``cut`` (e.g. fewer steps), no evaluation but the first. Fails the test unless it
-    exits 0; (its output, its records by step)."""
+    reader's `myconf` there), cut by ``cut`` (e.g. fewer steps), with no evaluation unless ``evaluate`` (then at the
+    start and the end only). Fails the test unless it exits 0; (its output, its records by step)."""
     ((where, command),) = [(w, c) for w, c in COMMANDS if w.startswith("docs/extending.md") and marker in c]
     page, line = where.split(":")
     own_files(ROOT / page, int(line), tmp_path)
     module, *args = words(command)
     args = [f"hydra.searchpath=[file://{tmp_path / 'myconf'}]" if a.startswith("hydra.searchpath=") else a for a in args]
-    cut = (*cut, "eval.every=0", "logging.tensorboard=false", f"hydra.run.dir={tmp_path / 'run'}")
+    no_eval = () if evaluate else ("eval.num_samples=0", "eval.greedy=false")
+    cut = (*cut, "eval.every=0", *no_eval, "logging.tensorboard=false", f"hydra.run.dir={tmp_path / 'run'}")
     done = subprocess.run([sys.executable, "-m", module, *args, *cut], cwd=tmp_path, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "PYTHONPATH": "."})
     assert done.returncode == 0, f"{command}\n{(done.stdout + done.stderr)[-3000:]}"
@@ -151,7 +152,7 @@ def test_the_generator_of_your_own_trains_as_written(tmp_path):
     """docs/extending.md's generator named by import path, with a key of its own: the memory plan covers it, and the
     rows it wrote for each training step (a call of 32 prompts x 4 samples) are the ones scored, their share of right
     answers the step's `reward/arith_correct`."""
-    output, steps = run_as_written("generator.name=", tmp_path)
+    output, steps = run_as_written("generator.name=", tmp_path, "eval.max_prompts=4", evaluate=True)
     assert "memory plan skipped" not in output
     rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert {row["greedy"] for row in rows} == {False, True}, "evaluation samples through it too"
@@ -166,11 +167,11 @@ def test_the_generator_of_your_own_trains_as_written(tmp_path):
 
 @pytest.mark.slow
 def test_the_agent_of_your_own_trains_as_written(tmp_path):
-    """docs/extending.md's agent file under env=openai_agent, cut to two steps and a few evaluation prompts: each
+    """docs/extending.md's agent file under env=openai_agent, cut to two steps of 4 problems (x 8 episodes): each
     episode asks once and returns +1 or -1, so the mean return is 2 x the success rate - 1."""
-    _, steps = run_as_written("env.path=my_agent.py", tmp_path, "eval.max_prompts=4")
+    _, steps = run_as_written("env.path=my_agent.py", tmp_path, "train.prompts_per_step=4")
     for step in (1, 2):
-        assert steps[step]["env/num_episodes"] == 128 and steps[step]["env/failed_episodes"] == 0
+        assert steps[step]["env/num_episodes"] == 4 * 8 and steps[step]["env/failed_episodes"] == 0
         assert steps[step]["env/num_turns_per_episode"] == 1
         assert steps[step]["env/episode_return"] == pytest.approx(2 * steps[step]["env/success_rate"] - 1, abs=1e-6)
 

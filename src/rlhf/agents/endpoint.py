@@ -336,7 +336,7 @@ class AgentRunner:
             self._start_more(live, started)
             if not live and self.jobs.empty():
                 return
-            jobs = self._gather([s for s in live if s.id in started])
+            jobs = self._gather([s for s in live if s.id in started], started)
             if jobs:
                 self._generate(generator, jobs)
 
@@ -394,8 +394,9 @@ class AgentRunner:
             return
         session.finished = True
 
-    def _gather(self, live: list[Session]) -> list[Job]:
-        """The next requests to generate together: the first waits up to `env.batch_wait_s` for the others."""
+    def _gather(self, live: list[Session], started: dict[str, Future]) -> list[Job]:
+        """The next requests to generate together: the first waits up to `env.batch_wait_s` for the others (no longer
+        once every agent still running waits for a reply: one that returned or raised meanwhile asks nothing more)."""
         try:
             jobs = [self.jobs.get(timeout=0.05)]
         except queue.Empty:
@@ -408,7 +409,8 @@ class AgentRunner:
             except queue.Empty:
                 pass
             with self.lock:  # every agent that can be running (`env.max_concurrency`) is waiting for a reply
-                everyone = sum(_waiting(s) for s in live) >= min(len(live), self.cfg.max_concurrency)
+                running = [s for s in live if not started[s.id].done()]
+                everyone = sum(_waiting(s) for s in running) >= min(len(running), self.cfg.max_concurrency)
             left = deadline - time.monotonic()
             if everyone:  # their jobs are all queued (`submit` queues under the lock): take them
                 while len(jobs) < self.cfg.num_parallel and not self.jobs.empty():

@@ -1,12 +1,13 @@
-"""The shared-prefix layout under FSDP2 (torchrun, two gloo processes of one thread each, blocks sharded as
-`policy/strategy=fsdp2` shards them): each rank lays its groups' prompts, and the turns its multi-turn episodes agree
-on, out once, and the sharded step's gradients equal those of the unshared layout, and of one process over the whole
-batch unshared.
+"""The shared-prefix layout under DDP and under FSDP2 (torchrun, two gloo processes of one thread each; blocks sharded
+as `policy/strategy=fsdp2` shards them): each rank lays its groups' prompts, and the turns its multi-turn episodes
+agree on, out once, and each strategy's averaged gradients equal those of the unshared layout, and of one process
+over the whole batch unshared. (One launch for both strategies: the two processes' start is most of the time.)
 
 Run by the test through torchrun; run as a script, this file is one rank (it writes its gradients under argv[1])."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -38,7 +39,8 @@ def gradients(model, batch, weights, denominator, share) -> dict[str, torch.Tens
     logp, _ = window_logprobs(model, batch.trimmed(), 1.0, share=share)
     (logp * weights[:, : logp.shape[1]]).sum().div(denominator).backward()
     whole = lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g
-    return {n: whole(p.grad).clone() for n, p in model.named_parameters() if p.grad is not None}
+    inner = getattr(model, "module", model)  # DDP: the names of the model inside
+    return {n: whole(p.grad).clone() for n, p in inner.named_parameters() if p.grad is not None}
 
 
 def rank_main(out: str) -> None:
@@ -50,21 +52,25 @@ def rank_main(out: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     try:
-        model = packed_model(llama)
-        for block in shard_units(model):
+        sharded = packed_model(llama)
+        for block in shard_units(sharded):
             fully_shard(block)
-        fully_shard(model)
+        fully_shard(sharded)
+        models = {"fsdp2": sharded, "ddp": torch.nn.parallel.DistributedDataParallel(packed_model(llama))}
         grads = {}
-        for name, (batch, weights) in batches().items():
-            rows = torch.arange(len(batch))[(batch.group_id % WORLD) == rank]  # whole groups per rank
-            denominator = batch.loss_mask.sum()
-            grads[name] = {share: gradients(model, batch.select(rows), weights[rows], denominator, share) for share in (True, False)}
+        for strategy, model in models.items():
+            for name, (batch, weights) in batches().items():
+                rows = torch.arange(len(batch))[(batch.group_id % WORLD) == rank]  # whole groups per rank
+                denominator = batch.loss_mask.sum()
+                grads[strategy, name] = {
+                    share: gradients(model, batch.select(rows), weights[rows], denominator, share) for share in (True, False)
+                }
         torch.save(grads, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def test_fsdp2_ranks_sharing_prefixes_give_the_unshared_and_single_process_gradients(tmp_path):
+def test_ddp_and_fsdp2_ranks_sharing_prefixes_give_the_unshared_and_single_process_gradients(tmp_path):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}"]
     proc = subprocess.run(
         [*launcher, __file__, str(tmp_path)], capture_output=True, text=True, timeout=600,
@@ -75,12 +81,13 @@ def test_fsdp2_ranks_sharing_prefixes_give_the_unshared_and_single_process_gradi
     model = packed_model(llama)
     for name, (batch, weights) in batches().items():
         single = gradients(model, batch, weights, batch.loss_mask.sum(), False)
-        for grads in ranks:
-            assert grads[name][True].keys() == single.keys() and single
+        for grads, strategy in itertools.product(ranks, ("fsdp2", "ddp")):
+            shared, unshared = grads[strategy, name][True], grads[strategy, name][False]
+            assert shared.keys() == single.keys() and single, strategy
             for param, grad in single.items():
-                torch.testing.assert_close(grads[name][True][param], grads[name][False][param], rtol=1e-4, atol=1e-6, msg=param)
-                # FSDP2 averages the ranks' gradients, as DDP does
-                torch.testing.assert_close(grads[name][True][param], grad / WORLD, rtol=1e-4, atol=1e-6, msg=f"{name}: {param}")
+                torch.testing.assert_close(shared[param], unshared[param], rtol=1e-4, atol=1e-6, msg=f"{strategy} {name}: {param}")
+                # both average the ranks' gradients
+                torch.testing.assert_close(shared[param], grad / WORLD, rtol=1e-4, atol=1e-6, msg=f"{strategy} {name}: {param}")
 
 
 if __name__ == "__main__":
