@@ -182,3 +182,37 @@ def test_pick_device_auto_and_cpu(monkeypatch):
     monkeypatch.setattr(loading.torch.cuda, "is_available", lambda: True)
     assert pick_device("auto").type == "cuda"
     assert pick_device("cuda:0") == torch.device("cuda:0")
+
+
+# --- the output layer's input in low precision on the CPU ------------------------------------------------------
+
+
+def largest_allocation(model, ids: torch.Tensor) -> int:
+    """Bytes of the largest single allocation of a no-grad forward keeping the last position's logits."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    return max(e.cpu_memory_usage for e in prof.events())
+
+
+def test_a_bf16_output_layer_on_the_cpu_copies_no_weight_per_row(tmp_path):
+    """A frozen model's prompt pass (the generator's, the reference's: weights without gradients, which torch's matmul
+    does not fold) keeps one position per row: its strided slice reaches the bf16 output layer contiguous, so no
+    allocation holds the layer's weight once per row (without the hook: rows copies of it), and the logits are those
+    of the layer applied to the last hidden state of each row."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    model = load_causal_lm(str(tmp_path / "m"), "bfloat16").eval().requires_grad_(False)
+    rows, weight = 8, model.lm_head.weight
+    ids = torch.randint(0, 4096, (rows, 12))
+    assert largest_allocation(model, ids) < 2 * weight.numel() * weight.element_size()
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state[:, -1:]
+        logits = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits
+    torch.testing.assert_close(logits, model.lm_head.weight.new_tensor(hidden.contiguous() @ weight.T), atol=0, rtol=0)
+    bare = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.bfloat16).eval().requires_grad_(False)
+    assert largest_allocation(bare, ids) >= rows * weight.numel() * weight.element_size()

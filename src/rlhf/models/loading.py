@@ -146,7 +146,29 @@ def load_causal_lm(
     model = AutoModelForCausalLM.from_pretrained(
         path, config=config, revision=revision, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
     )
+    contiguous_head_input(model)
     return disable_dropout(model).to(device)
+
+
+def contiguous_head_input(model: torch.nn.Module) -> None:
+    """Hands ``model``'s output layer a contiguous input wherever it computes in low precision on the CPU.
+
+    transformers slices the positions it keeps (`logits_to_keep`) out of the hidden states; torch's matmul cannot fold
+    that strided (rows, positions, width) slice into one matrix product, so it runs a batched one over the weight
+    expanded to every row, which the CPU's bfloat16 kernel (oneDNN) first copies whole: one copy of the output layer
+    per row (the hf generator's prompt pass of 64 rows of SmolLM2-135M: 3.4 GiB held at once). The copy of the slice
+    is rows x positions x width. Float32 and CUDA kernels read the expanded weight in place and keep their path."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if isinstance(head, torch.nn.Linear):
+        head.register_forward_pre_hook(_contiguous_low_precision_input)
+
+
+def _contiguous_low_precision_input(module: torch.nn.Linear, args: tuple) -> tuple | None:
+    hidden = args[0]
+    if hidden.is_contiguous() or hidden.device.type != "cpu" or module.weight.dtype == torch.float32:
+        return None
+    return (hidden.contiguous(), *args[1:])
 
 
 def check_vocab_match(
