@@ -126,7 +126,7 @@ def run_schedule(spec: RunSpec, out: Path, components, root: Path, resume_from: 
         (out / "dataset_report.json").write_text(json.dumps(components.data_report, indent=2) + "\n")
     log.info("run id %s, starting at step %d", state.run_id, state.step)
     with tracker:  # the tracker closes (a W&B run marked failed) on errors too
-        state = schedule(components.collector, components.learner, Loop(cfg, sizes, tracker, components.eval_examples, state, stop))
+        state = schedule(components.collector, components.learner, Loop(spec, tracker, components.eval_examples, state, stop))
     state.elapsed = tracker.elapsed()
     if state.preempted:
         return state
