@@ -60,7 +60,7 @@ def train(cfg: DictConfig, out: Path):
     hub.check_sources(cfg)
     plan.check(spec)
     root = checkpoint.checkpoint_root(cfg, out)
-    checkpoint_size = preflight.checkpoint_bytes(cfg)
+    checkpoint_size = preflight.checkpoint_bytes(spec)
     preflight.check_outputs(preflight.train_outputs(cfg, out, root, checkpoint_size, spec.sizes.longest_row))
     preflight.check_wandb(cfg.logging)
     preflight.check_ray_address(cfg.cluster)
@@ -83,7 +83,7 @@ def train_locked(spec: RunSpec, out: Path, root: Path):
     cfg, sizes = spec.config, spec.sizes
     resume_from = checkpoint.resume_path(cfg, root)
     if resume_from is not None:
-        preflight.check_resume(cfg, resume_from, sweep.swept_keys(sys.argv[1:]))
+        preflight.check_resume(spec, resume_from, sweep.swept_keys(sys.argv[1:]))
     log.info("output folder: %s", out)
     log.info("run: %s", spec.describe())
     log.info("derived sizes: %s", ", ".join(f"{k}={v}" for k, v in sizes.as_dict().items()))

@@ -88,3 +88,26 @@ def test_the_env_node_is_typed_once_for_validation_the_plan_and_the_build(monkey
     finally:
         components.close()
     assert typed == ["env"]
+
+
+def test_the_algorithm_is_built_once_for_the_checks_and_once_for_the_learner(tmp_path, monkeypatch):
+    """`validate` builds the algorithm the checks read (the spec's); the preflight checks (checkpoint size, resume)
+    read that one; the Learner trains one of its own (it keeps state as it trains). Fresh or resumed: two builds."""
+    from rlhf.algorithms import PolicyGradient
+    from rlhf.train import train
+
+    builds = []
+    init = PolicyGradient.__init__
+
+    def counted(self, *args, **kwargs):
+        builds.append(1)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(PolicyGradient, "__init__", counted)
+    run = [*SMALL, "eval.every=0", "eval.greedy=false", "eval.num_samples=0", "checkpoint.every=1",
+           "checkpoint.save_final_model=false"]
+    train(compose_config([*run, "train.num_steps=1"]), tmp_path)
+    assert len(builds) == 2
+    builds.clear()
+    state = train(compose_config([*run, "train.num_steps=2", "resume=auto"]), tmp_path)
+    assert state.step == 2 and len(builds) == 2
