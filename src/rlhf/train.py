@@ -60,10 +60,10 @@ def train(cfg: DictConfig, out: Path):
     hub.check_sources(cfg)
     plan.check(spec)
     root = checkpoint.checkpoint_root(cfg, out)
-    checkpoint_size = preflight.checkpoint_bytes(cfg)
+    checkpoint_size = preflight.checkpoint_bytes(spec)
     preflight.check_outputs(preflight.train_outputs(cfg, out, root, checkpoint_size, spec.sizes.longest_row))
-    preflight.check_wandb(cfg.logging)
-    preflight.check_ray_address(cfg.cluster)
+    preflight.check_wandb(spec.logging)
+    preflight.check_ray_address(spec.cluster)
     with run_folder_locks(out, root), checkpoint.recording(root, preflight.config_text(cfg), checkpoint_size):
         return train_locked(spec, out, root)
 
@@ -83,11 +83,11 @@ def train_locked(spec: RunSpec, out: Path, root: Path):
     cfg, sizes = spec.config, spec.sizes
     resume_from = checkpoint.resume_path(cfg, root)
     if resume_from is not None:
-        preflight.check_resume(cfg, resume_from, sweep.swept_keys(sys.argv[1:]))
+        preflight.check_resume(spec, resume_from, sweep.swept_keys(sys.argv[1:]))
     log.info("output folder: %s", out)
     log.info("run: %s", spec.describe())
     log.info("derived sizes: %s", ", ".join(f"{k}={v}" for k, v in sizes.as_dict().items()))
-    seed_everything(cfg.seed)
+    seed_everything(spec.seed)
     with StopSignals() as stop:  # from the first model load: a stop before the first step ends the run cleanly
         components = build_components(spec, push=resume_from is None)  # resuming: the checkpoint's weights are pushed
         stop.arm()  # the build may have put in handlers of its own (ray.init's SIGTERM handler exits at once)
@@ -107,7 +107,7 @@ def run_schedule(spec: RunSpec, out: Path, components, root: Path, resume_from: 
     max_skipped = spec.train.max_skipped_steps_in_row
     state = RunState(guard=NonFiniteGuard(max_skipped))
     if resume_from is not None:
-        state = RunState.from_dict(checkpoint.load(components.collector, components.learner, resume_from, cfg.checkpoint.allow_config_change), max_skipped)
+        state = RunState.from_dict(checkpoint.load(components.collector, components.learner, resume_from, spec.checkpoint.allow_config_change), max_skipped)
         resumed(components.collector.generator, state.step)
         components.collector.generator.update_weights(components.learner.policy.state_dict())  # the generator's first push
     with suppress(StopRequested):  # agents that play the probe are abandoned at a stop signal, answered below
@@ -118,19 +118,19 @@ def run_schedule(spec: RunSpec, out: Path, components, root: Path, resume_from: 
         state.preempted = True
         return state
     tracker = Tracker(
-        out, cfg.logging.tensorboard, resume_step=state.step if resume_from else None, checkpoint_root=root,
-        settings=cfg.logging,
+        out, spec.logging.tensorboard, resume_step=state.step if resume_from else None, checkpoint_root=root,
+        settings=spec.logging,
     )
     tracker.config(OmegaConf.to_yaml(cfg), sizes.as_dict())
     if components.data_report:
         (out / "dataset_report.json").write_text(json.dumps(components.data_report, indent=2) + "\n")
     log.info("run id %s, starting at step %d", state.run_id, state.step)
     with tracker:  # the tracker closes (a W&B run marked failed) on errors too
-        state = schedule(components.collector, components.learner, Loop(cfg, sizes, tracker, components.eval_examples, state, stop))
+        state = schedule(components.collector, components.learner, Loop(spec, tracker, components.eval_examples, state, stop))
     state.elapsed = tracker.elapsed()
     if state.preempted:
         return state
-    if cfg.checkpoint.save_final_model:
+    if spec.checkpoint.save_final_model:
         components.learner.policy.export(out / "final_model", components.tokenizer)
         log.info("final policy saved as a Hugging Face folder: %s", out / "final_model")
         if spec.policy.lora.rank is not None:

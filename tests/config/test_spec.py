@@ -4,12 +4,13 @@ memory plan and the build instead of the config's nodes."""
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import pytest
 
 from rlhf import plan
 from rlhf.config import RunSpec, compose_config, resolve, validate
-from rlhf.config.schema import TrainConfig
+from rlhf.config.schema import AlgorithmConfig, CheckpointConfig, ClusterConfig, EvalConfig, LoggingConfig, TrainConfig
 from rlhf.envs import base as env_base
 from rlhf.envs.base import EnvConfig
 from rlhf.run.build import build_components
@@ -37,6 +38,26 @@ def test_env_none_is_no_env_and_resolve_derives_the_same_sizes():
     assert spec.env is None
     assert spec.sizes.longest_row == cfg.dataset.max_prompt_length + cfg.generator.max_new_tokens
     assert resolve(cfg).sizes == spec.sizes
+
+
+def test_what_the_schedules_read_is_typed_and_the_spec_travels_to_ray_workers():
+    """The loop's settings (`eval`, `logging`, `checkpoint`, `seed`), `cluster` and `algorithm.*` are typed copies of
+    the config's values; the spec pickles whole (Ray ships it to each worker, which builds its models from it)."""
+    cfg = compose_config([
+        *SMALL, "eval.every=3", "logging.sample_every=5", "checkpoint.keep_last=4", "seed=7", "cluster.device=cpu",
+        "algorithm/rollout_correction=token_tis",
+    ])
+    spec = validate(cfg)
+    assert isinstance(spec.eval, EvalConfig) and spec.eval.every == 3
+    assert isinstance(spec.logging, LoggingConfig) and spec.logging.sample_every == 5
+    assert isinstance(spec.checkpoint, CheckpointConfig) and spec.checkpoint.keep_last == 4
+    assert isinstance(spec.cluster, ClusterConfig) and spec.cluster.device == "cpu" and spec.seed == 7
+    assert isinstance(spec.algorithm_keys, AlgorithmConfig) and spec.algorithm_keys.rollout_correction["name"] == "token_tis"
+    assert spec.algorithm_keys.num_samples_per_prompt == cfg.algorithm.num_samples_per_prompt
+    shipped = pickle.loads(pickle.dumps(spec))
+    assert shipped.config == cfg and shipped.sizes == spec.sizes and shipped.cluster == spec.cluster
+    assert shipped.generator.name == spec.generator.name and shipped.generator.config == spec.generator.config
+    assert type(shipped.algorithm) is type(spec.algorithm) and shipped.algorithm.needs_reference == spec.algorithm.needs_reference
 
 
 def test_the_spec_is_never_changed_and_changes_no_config():
@@ -67,3 +88,26 @@ def test_the_env_node_is_typed_once_for_validation_the_plan_and_the_build(monkey
     finally:
         components.close()
     assert typed == ["env"]
+
+
+def test_the_algorithm_is_built_once_for_the_checks_and_once_for_the_learner(tmp_path, monkeypatch):
+    """`validate` builds the algorithm the checks read (the spec's); the preflight checks (checkpoint size, resume)
+    read that one; the Learner trains one of its own (it keeps state as it trains). Fresh or resumed: two builds."""
+    from rlhf.algorithms import PolicyGradient
+    from rlhf.train import train
+
+    builds = []
+    init = PolicyGradient.__init__
+
+    def counted(self, *args, **kwargs):
+        builds.append(1)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(PolicyGradient, "__init__", counted)
+    run = [*SMALL, "eval.every=0", "eval.greedy=false", "eval.num_samples=0", "checkpoint.every=1",
+           "checkpoint.save_final_model=false"]
+    train(compose_config([*run, "train.num_steps=1"]), tmp_path)
+    assert len(builds) == 2
+    builds.clear()
+    state = train(compose_config([*run, "train.num_steps=2", "resume=auto"]), tmp_path)
+    assert state.step == 2 and len(builds) == 2

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rlhf.config.compose import compose_config
+from rlhf.config.spec import resolve
 from rlhf.distributed.cluster import RayRun, reserve, spawn
 from rlhf.distributed.layout import PlacementSpec
 from rlhf.distributed.remote import RemoteTrainer
@@ -38,13 +39,13 @@ class Started:
     def __init__(self) -> None:
         self.run = RayRun(started_ray=False)
 
-    def group(self, cfg, role: str, ranks: int, total_optimizer_steps: int = 10):
-        spec = PlacementSpec((role,), 1, ranks)
-        (pg,) = reserve([spec], cfg.cluster)
+    def group(self, cfg, role: str, ranks: int):
+        placement, spec = PlacementSpec((role,), 1, ranks), resolve(cfg)  # the workers receive the resolved run
+        (pg,) = reserve([placement], spec.cluster)
         self.run.placement_groups.append(pg)
-        group, pending = spawn(role, spec, pg, cfg, total_optimizer_steps, build_model)
+        group, pending = spawn(role, placement, pg, spec, build_model)
         self.run.groups[f"{role}-{len(self.run.groups)}"] = group
-        group.wait(pending, "setup", cfg.cluster.setup_timeout_s)  # as `start` does: the model-load budget
+        group.wait(pending, "setup", spec.cluster.setup_timeout_s)  # as `start` does: the model-load budget
         return group
 
     def trainer(self, cfg, ranks: int, role: str = "policy") -> RemoteTrainer:

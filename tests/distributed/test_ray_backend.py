@@ -17,6 +17,7 @@ from push_faults import inject_push_faults
 from rlhf.algorithms import build_algorithm
 from rlhf.run.build import build_components, build_model
 from rlhf.errors import ConfigError
+from rlhf.config.spec import resolve
 from rlhf.config.validate import validate
 from rlhf.distributed.cluster import start
 from rlhf.distributed.remote import WorkerError
@@ -40,7 +41,7 @@ def placements(run) -> dict[str, list[dict]]:
 
 def test_colocated_roles_share_bundles_and_split_roles_do_not(ray_cluster):
     cfg = compose("algorithm=ppo", "algorithm.num_samples_per_prompt=4", "cluster.colocate=[[policy,reference],[critic]]")
-    run, handles = start(cfg, algorithm_of(cfg), 10, 0, build_model)
+    run, handles = start(resolve(cfg), algorithm_of(cfg), 0, build_model)
     try:
         where = placements(run)
         assert set(where) == {"policy", "reference", "critic", "generator"}
@@ -61,7 +62,7 @@ def test_infeasible_layout_fails_up_front_with_the_arithmetic(ray_cluster):
     cfg = compose("cluster.roles.policy.devices_per_node=4", "cluster.roles.reference.devices_per_node=4", "cluster.roles.generator.devices_per_node=5")
     began = time.monotonic()
     with pytest.raises(ConfigError, match=r"needs 9 CPU .*policy\+reference: 1 node\(s\) x 4 = 4; generator: 1 node\(s\) x 5 = 5.* offers 8"):
-        start(cfg, algorithm_of(cfg), 10, 0, build_model)
+        start(resolve(cfg), algorithm_of(cfg), 0, build_model)
     assert time.monotonic() - began < 10
     assert ray.util.placement_group_table() == {} or all(
         pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()

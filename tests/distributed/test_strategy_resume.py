@@ -15,6 +15,7 @@ import pytest
 import yaml
 from conftest import compose
 
+from rlhf.config.spec import resolve
 from rlhf.errors import ConfigError
 from rlhf.run.preflight import check_strategy_resume
 
@@ -67,9 +68,9 @@ def test_a_deepspeed_checkpoint_resumed_by_what_cannot_read_it_is_refused_before
 
 def test_the_strategy_it_was_saved_under_passes_the_check(deepspeed_run):
     checkpoint = deepspeed_run / "checkpoints" / "step_00000001"
-    check_strategy_resume(compose("policy/strategy=deepspeed", "policy.strategy.zero_stage=1"), checkpoint, recorded(checkpoint))  # 1 and 2 share a format
+    check_strategy_resume(resolve(compose("policy/strategy=deepspeed", "policy.strategy.zero_stage=1")), checkpoint, recorded(checkpoint))  # 1 and 2 share a format
     with pytest.raises(ConfigError, match="policy/strategy=fsdp2 cannot read"):
-        check_strategy_resume(compose("policy/strategy=fsdp2"), checkpoint, recorded(checkpoint))
+        check_strategy_resume(resolve(compose("policy/strategy=fsdp2")), checkpoint, recorded(checkpoint))
 
 
 def test_a_ddp_checkpoint_resumed_under_deepspeed_is_refused_naming_the_strategy_it_was_saved_under(tmp_path):
@@ -81,7 +82,7 @@ def test_a_ddp_checkpoint_resumed_under_deepspeed_is_refused_naming_the_strategy
     assert proc.returncode == 2, log[-3000:]
     assert "holds full weights and optimiser state (saved under policy/strategy=ddp), which policy/strategy=deepspeed cannot load" in log
     assert "placed on Ray" not in log
-    check_strategy_resume(compose("policy/strategy=fsdp2", *ONE_RANK), run_dir / "checkpoints" / "step_00000001", {})  # any world size
+    check_strategy_resume(resolve(compose("policy/strategy=fsdp2", *ONE_RANK)), run_dir / "checkpoints" / "step_00000001", {})  # any world size
 
 
 def test_a_saved_critic_the_run_has_none_for_is_not_checked(deepspeed_run, tmp_path):
@@ -91,6 +92,6 @@ def test_a_saved_critic_the_run_has_none_for_is_not_checked(deepspeed_run, tmp_p
     checkpoint = tmp_path / "step_00000001"
     shutil.copytree(deepspeed_run / "checkpoints" / "step_00000001", checkpoint)
     shutil.copytree(checkpoint / "policy", checkpoint / "critic")
-    check_strategy_resume(compose("policy/strategy=deepspeed"), checkpoint, recorded(checkpoint))  # grpo: no critic
+    check_strategy_resume(resolve(compose("policy/strategy=deepspeed")), checkpoint, recorded(checkpoint))  # grpo: no critic
     with pytest.raises(ConfigError, match="critic is DeepSpeed's own sharded state .* critic/strategy=auto cannot read"):
-        check_strategy_resume(compose("algorithm=ppo", "policy/strategy=deepspeed"), checkpoint, recorded(checkpoint))
+        check_strategy_resume(resolve(compose("algorithm=ppo", "policy/strategy=deepspeed")), checkpoint, recorded(checkpoint))

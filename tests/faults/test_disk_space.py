@@ -53,12 +53,12 @@ def test_the_estimate_covers_a_real_checkpoint(tmp_path):
     cfg = compose_config([*SMALL, "train.num_steps=1", "checkpoint.every=1", "checkpoint.save_final_model=false"])
     train(cfg, tmp_path)
     saved = tree_bytes(checkpoint.complete_checkpoints(tmp_path / "checkpoints")[-1])
-    assert 0.8 * saved <= preflight.checkpoint_bytes(cfg) <= 1.2 * saved
+    assert 0.8 * saved <= preflight.checkpoint_bytes(validate(cfg)) <= 1.2 * saved
 
 
 def test_far_too_little_space_refuses_before_any_model_loads(tmp_path, monkeypatch, no_models):
     cfg = compose_config([*SMALL, "train.num_steps=1"])
-    needed = preflight.checkpoint_bytes(cfg)
+    needed = preflight.checkpoint_bytes(validate(cfg))
     free_space(monkeypatch, needed // 10)
     with pytest.raises(ConfigError, match=r"no space for a checkpoint: needs about [\d.]+ MB, [\d.]+ MB free") as err:
         train(cfg, tmp_path / "run")
@@ -68,7 +68,7 @@ def test_far_too_little_space_refuses_before_any_model_loads(tmp_path, monkeypat
 
 def test_a_little_too_little_space_warns_and_goes_on(tmp_path, monkeypatch, no_models, caplog):
     cfg = compose_config([*SMALL, "train.num_steps=1"])
-    free_space(monkeypatch, preflight.checkpoint_bytes(cfg) // 2)
+    free_space(monkeypatch, preflight.checkpoint_bytes(validate(cfg)) // 2)
     with caplog.at_level(logging.WARNING, logger="rlhf"), pytest.raises(NoModelLoaded):
         train(cfg, tmp_path / "run")
     warnings = [r.getMessage() for r in caplog.records if "no space for a checkpoint" in r.getMessage()]
@@ -263,8 +263,8 @@ def test_the_log_estimate_covers_what_a_run_folder_takes(tmp_path):
 def test_no_room_for_a_long_runs_logs_refuses_before_any_model_loads(tmp_path, monkeypatch, no_models):
     """Room for a checkpoint but not for 100,000 steps of logs and evaluations: refused, naming the run folder."""
     cfg = compose_config([*SMALL, "train.num_steps=100000", "eval.every=100", "eval.max_prompts=100", "eval.num_samples=4"])
-    free_space(monkeypatch, 2 * preflight.checkpoint_bytes(cfg))
-    assert preflight.log_bytes(cfg, validate(cfg).sizes.longest_row) > 8 * preflight.checkpoint_bytes(cfg)
+    free_space(monkeypatch, 2 * preflight.checkpoint_bytes(validate(cfg)))
+    assert preflight.log_bytes(cfg, validate(cfg).sizes.longest_row) > 8 * preflight.checkpoint_bytes(validate(cfg))
     with pytest.raises(ConfigError, match=r"hydra.run.dir=.*no space for the run's logs and evaluation completions: "
                                           r"needs about [\d.]+ MB, [\d.]+ MB free; free some space there or point hydra.run.dir"):
         train(cfg, tmp_path / "run")

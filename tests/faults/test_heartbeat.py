@@ -10,6 +10,7 @@ import time
 import pytest
 
 from rlhf.config.compose import compose_config
+from rlhf.config.spec import resolve
 from rlhf.distributed.cluster import RayRun, reserve, spawn
 from rlhf.distributed.layout import PlacementSpec
 from rlhf.distributed.remote import HEARTBEAT_GROUP, ActorGroup, WorkerError
@@ -56,9 +57,9 @@ def run(ray_session):
 
 
 def test_a_frozen_worker_fails_the_call_naming_role_rank_and_heartbeat(cfg, run, ray_session):
-    spec = PlacementSpec(("policy",), 1, 2)
-    run.placement_groups = reserve([spec], cfg.cluster)
-    group, pending = spawn("policy", spec, run.placement_groups[0], cfg, 10, build_model)
+    placement = PlacementSpec(("policy",), 1, 2)
+    run.placement_groups = reserve([placement], cfg.cluster)
+    group, pending = spawn("policy", placement, run.placement_groups[0], resolve(cfg), build_model)
     run.groups["policy"] = group
     group.wait(pending, "setup", cfg.cluster.setup_timeout_s)
     pid = ray_session.get(group.actors[1].ping.remote())["pid"]
@@ -89,7 +90,7 @@ def spinning_worker() -> type:
 
 def test_a_busy_worker_answers_its_pings_through_a_long_call(cfg, run, ray_session):
     worker = ray_session.remote(concurrency_groups={HEARTBEAT_GROUP: 1})(spinning_worker())  # as `spawn`
-    actor = worker.options(num_cpus=1).remote("policy", 0, 1, cfg, 10, build_model)
+    actor = worker.options(num_cpus=1).remote("policy", 0, 1, resolve(cfg), build_model)
     group = ActorGroup("policy", [actor], CALL_TIMEOUT_S, HEARTBEAT_S)
     run.groups["policy"] = group
     group.wait({0: actor.ping.remote()}, "start-up", CALL_TIMEOUT_S)

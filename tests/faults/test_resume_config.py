@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from rlhf.run.checkpoint import CONFIG_FILE, complete_checkpoints
-from rlhf.config import ConfigError, compose_config
+from rlhf.config import ConfigError, compose_config, validate
 from rlhf.train import train
 
 SMALL = [
@@ -157,13 +157,13 @@ def test_a_sweep_job_whose_swept_value_moved_is_refused(run_dir, caplog):
     path = run_dir / "checkpoints" / "step_00000002"
     cfg = compose_config([*SMALL, "train.num_steps=4", "resume=auto", "train.lr=5e-4"])
     with pytest.raises(ConfigError, match=r"^resume from .* in a sweep: this job's swept train.lr: .* -> 0.0005 differs .* new hydra.sweep.dir"):
-        check_resume(cfg, path, swept={"train.lr"})
+        check_resume(validate(cfg), path, swept={"train.lr"})
     with caplog.at_level(logging.WARNING, logger="rlhf"):
-        check_resume(cfg, path, swept={"seed"})  # swept, but not changed; the changed lr is listed only
+        check_resume(validate(cfg), path, swept={"seed"})  # swept, but not changed; the changed lr is listed only
     assert "train.lr" in caplog.text
     grouped = compose_config([*SMALL, "train.num_steps=4", "resume=auto", "dataset.max_operand=5", "checkpoint.allow_config_change=true"])
     with pytest.raises(ConfigError, match=r"in a sweep: this job's swept dataset.max_operand: 9 -> 5"):
-        check_resume(grouped, path, swept={"dataset"})  # `dataset=a,b`: the keys under the group
+        check_resume(validate(grouped), path, swept={"dataset"})  # `dataset=a,b`: the keys under the group
 
 
 

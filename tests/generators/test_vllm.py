@@ -226,8 +226,10 @@ class LengthReward:
     """Scores a response by its length in characters: a reward that tells greedy responses apart."""
 
     def score_rows(self, prompts, responses, ground_truths, batch, training=True):
-        """(scores, metrics, per-row verdicts, unscored rows): `RewardSet.score_rows`'s shape, no verifier."""
-        return torch.tensor([float(len(r)) for r in responses]), {}, None, torch.zeros(len(responses), dtype=torch.bool)
+        """`RewardSet.score_rows`'s `RowScores`: no verifier, every row scored."""
+        from rlhf.rewards.combine import RowScores
+
+        return RowScores(torch.tensor([float(len(r)) for r in responses]), {}, None, torch.zeros(len(responses), dtype=torch.bool), {})
 
 
 def test_remax_baseline_is_the_score_of_vllms_greedy_response(engine, tokenizer, encode):

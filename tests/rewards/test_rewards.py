@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 
 from rlhf.config import ConfigError, compose_config, validate
 from rlhf.config.schema import RewardConfig, RewardFunctionConfig
-from rlhf.registry import RegistryError
+from rlhf.registry import RegistryError, register
+from rlhf.rewards.failure import Unscored
 from rlhf.models.value import load_value_model, sequence_scores
 from rlhf.rewards.combine import RewardSet
 from rlhf.rewards.model import RewardModelScorer, RunningMoments
@@ -99,6 +100,26 @@ def test_reward_set_sums_with_weights_and_args():
     assert metrics["reward/arith_correct"] == pytest.approx(0.25)
     assert metrics["reward/integer_format"] == pytest.approx(0.75)
     assert metrics["reward/length_penalty"] == pytest.approx(-0.5)
+
+
+@register("reward", "test_unscored_on_x")
+def unscored_on_x(prompts, responses, ground_truths, **_):
+    """`Unscored` for a response "x" (retries too), else 1.0."""
+    return [Unscored(f"cannot read {r!r}") if r == "x" else 1.0 for r in responses]
+
+
+def test_score_rows_returns_each_functions_unscored_rows_with_the_scores():
+    """Each function that left rows unscored comes back with the batch's scores: its rows and first reason (it was
+    state of the RewardSet, `last_unscored`, which the next batch scored overwrote); a batch all scored has none."""
+    rewards = RewardSet(reward_cfg(("arith_correct", 1.0, {}), ("test_unscored_on_x", 1.0, {}), non_stop_penalty=False))
+    responses = ["7", "x", "x", "8"]
+    scored = rewards.score_rows(["p"] * 4, responses, ["7"] * 4, stopped_rollout([True] * 4))
+    assert scored.unscored.tolist() == [False, True, True, False]
+    assert scored.failures == {"test_unscored_on_x": (2, "cannot read 'x'")}
+    assert scored.scores.tolist() == [2.0, 0.0, 0.0, 1.0] and scored.metrics["reward/test_unscored_on_x_unscored"] == 2.0
+    clean = rewards.score_rows(["p"] * 2, ["7", "8"], ["7"] * 2, stopped_rollout([True] * 2))
+    assert clean.failures == {} and not clean.unscored.any()
+    assert scored.failures == {"test_unscored_on_x": (2, "cannot read 'x'")}  # what the first batch returned stays
 
 
 def test_non_stop_penalty_replaces_scores_of_truncated_responses():

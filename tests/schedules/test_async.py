@@ -210,12 +210,13 @@ def test_evaluation_is_not_disturbed_by_the_producer(tmp_path, monkeypatch):
     assert in_run
 
     cfg = compose_config(overrides)
-    c = build_components(validate(cfg))
+    spec = validate(cfg)
+    c = build_components(spec)
     checkpoint.load(c.collector, c.learner, tmp_path / "run" / "checkpoints" / "step_00000002")
     c.collector.generator.update_weights(c.learner.policy.state_dict())
     tracker = Tracker(tmp_path / "standalone", tensorboard=False)
     try:
-        standalone = run_eval(c.collector, c.learner, Loop(cfg, None, tracker, c.eval_examples, None, None), 2)
+        standalone = run_eval(c.collector, c.learner, Loop(spec, tracker, c.eval_examples, None, None), 2)
     finally:
         tracker.close()
     assert in_run == standalone

@@ -453,9 +453,9 @@ def test_the_stream_warnings_give_fixes_that_apply_to_the_run():
     from rlhf.schedules.streaming import stream_warnings
 
     def warnings(*overrides: str, pairwise: bool = False) -> list[str]:
-        cfg = compose_config(["schedule=stream", *overrides])
-        validate(cfg)
-        return stream_warnings(cfg, pairwise)
+        spec = validate(compose_config(["schedule=stream", *overrides]))
+        assert spec.algorithm.pairwise == pairwise
+        return stream_warnings(spec)
 
     (pairs,) = warnings("algorithm=online_dpo", pairwise=True)
     assert "pairwise algorithm (algorithm=online_dpo)" in pairs and "set schedule.max_staleness=0" in pairs

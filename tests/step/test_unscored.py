@@ -87,6 +87,27 @@ def test_an_unscored_row_is_asked_again_alone_and_then_scored():
     assert len(scored.batch) == 12 and "reward/unscored_rows" not in scored.metrics
 
 
+@register("reward", "test_unscored_sampled_rows")
+def unscored_sampled_rows(prompts, responses, ground_truths, **_):
+    """`Unscored` for every row of a training batch (12 rows), 1.0 for any other (ReMax's 4 greedy responses)."""
+    return [Unscored("the grader is down") if len(responses) == TRAINING_ROWS else 1.0 for _ in responses]
+
+
+def test_remaxs_error_names_the_functions_that_failed_the_sampled_rows():
+    """ReMax scores a greedy response per prompt after the sampled batch; the error names what failed the sampled
+    rows (the reward set's last batch was the greedy one, which every function scored: it named none)."""
+    cfg = compose_config([*RUN, "algorithm/advantage=remax", "reward.functions=[{name: test_unscored_sampled_rows}]",
+                          "reward.unscored_retries=0"])
+    c = build_components(validate(cfg))
+    try:
+        with pytest.raises(RewardUnavailable, match=r"12 of the batch's 12 rows could not be scored, past reward."
+                           r"max_unscored_share=0.25 \(reward function 'test_unscored_sampled_rows': 12 rows, first "
+                           r"reason: the grader is down\)"):
+            c.collector.collect()
+    finally:
+        c.close()
+
+
 def test_past_the_share_the_run_stops_naming_the_function_with_the_last_step_saved(tmp_path):
     TRAINING_CALLS["n"] = 0
     out = tmp_path / "run"

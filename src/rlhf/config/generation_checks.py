@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
-
 from rlhf.errors import require as _require
 from rlhf.generators.base import sleep_overrides
-from rlhf.parts import Part
+from rlhf.config.spec import RunSpec
 from rlhf.registry import schedule_trait
 
 
@@ -14,17 +12,18 @@ def _colocated(cfg, a: str, b: str) -> bool:
     return any(a in group and b in group for group in cfg.cluster.colocate)
 
 
-def check_generation(cfg: DictConfig, ranks: dict[str, int], generator: Part, schedule_part: Part) -> None:
-    """Raise ConfigError naming the key and the fix; ``ranks`` are the ranks per role from `validate_cluster`,
-    ``generator`` and ``schedule_part`` the chosen parts. The generator checks its own fit with the run (`check_run`);
-    what spans it and the schedule is checked here."""
+def check_generation(spec: RunSpec, ranks: dict[str, int]) -> None:
+    """Raise ConfigError naming the key and the fix; ``spec`` is the run, ``ranks`` the ranks per role from
+    `validate_cluster`. The generator and the schedule check their own fit with the run (`check_run`); what spans
+    them is checked here."""
+    cfg, generator, schedule_part = spec.config, spec.generator, spec.schedule
     gen, schedule, backend = cfg.generator, cfg.schedule, cfg.cluster.backend
     check_run = generator.trait("check_run")
     if check_run is not None:
         check_run(generator.config, cfg, ranks)
     schedule_check = schedule_part.trait("check_run")
     if schedule_check is not None:
-        schedule_check(schedule_part.config, cfg)
+        schedule_check(schedule_part.config, spec)
     if schedule_trait(schedule, "sleeps_generator"):
         needed = sleep_overrides(generator.obj, generator.config)
         _require(

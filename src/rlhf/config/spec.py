@@ -16,7 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhf.algorithms import build_algorithm
 from rlhf.config.schema import (
-    ChecksConfig, CriticConfig, ModelConfig, PlanConfig, PolicyConfig, ReferenceConfig, RewardConfig, TeacherConfig, TrainConfig,
+    AlgorithmConfig, CheckpointConfig, ChecksConfig, ClusterConfig, CriticConfig, EvalConfig, LoggingConfig, ModelConfig,
+    PlanConfig, PolicyConfig, ReferenceConfig, RewardConfig, TeacherConfig, TrainConfig,
 )
 from rlhf.config.sizes import DerivedSizes, derive_sizes
 from rlhf.envs.base import EnvConfig, env_config
@@ -43,6 +44,12 @@ class RunSpec:
     reward: RewardConfig  # `reward.*`
     plan: PlanConfig  # `plan.*`
     checks: ChecksConfig  # `checks.*`
+    cluster: ClusterConfig  # `cluster.*`
+    eval: EvalConfig  # `eval.*`
+    logging: LoggingConfig  # `logging.*`
+    checkpoint: CheckpointConfig  # `checkpoint.*`
+    algorithm_keys: AlgorithmConfig  # `algorithm.*` (its part nodes as dicts, as written; the parts typed are `algorithm`'s)
+    seed: int  # `seed`
 
     @property
     def max_new_tokens(self) -> int:
@@ -81,7 +88,10 @@ def choose_parts(cfg: DictConfig) -> ChosenParts:
     return ChosenParts(generator, schedule, dataset, env, algorithm)
 
 
-TYPED_SECTIONS = ("model", "train", "policy", "critic", "reference", "teacher", "reward", "plan", "checks")  # typed by the schema
+TYPED_SECTIONS = (  # typed by the schema
+    "model", "train", "policy", "critic", "reference", "teacher", "reward", "plan", "checks", "cluster", "eval", "logging",
+    "checkpoint",
+)
 
 
 def spec_of(cfg: DictConfig, parts: ChosenParts, sizes: DerivedSizes) -> RunSpec:
@@ -89,7 +99,8 @@ def spec_of(cfg: DictConfig, parts: ChosenParts, sizes: DerivedSizes) -> RunSpec
     sections = {name: OmegaConf.to_object(cfg[name]) for name in TYPED_SECTIONS}
     return RunSpec(
         config=cfg, sizes=sizes, generator=parts.generator, schedule=parts.schedule, dataset=parts.dataset,
-        env=parts.env, algorithm=parts.algorithm, **sections,
+        env=parts.env, algorithm=parts.algorithm, algorithm_keys=OmegaConf.to_object(cfg.algorithm), seed=int(cfg.seed),
+        **sections,
     )
 
 

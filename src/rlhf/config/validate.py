@@ -360,5 +360,6 @@ def validate(cfg: DictConfig) -> RunSpec:
     sizes = derive_sizes(cfg, parts.env, algorithm.pairwise)
     check_token_budget(cfg, sizes, algorithm.pairwise)
     ranks = validate_cluster(cfg, algorithm, sizes.samples_per_step, sizes.mini_batch_size)
-    check_generation(cfg, ranks, parts.generator, parts.schedule)
-    return spec_of(cfg, parts, sizes)
+    spec = spec_of(cfg, parts, sizes)
+    check_generation(spec, ranks)
+    return spec

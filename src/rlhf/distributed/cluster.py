@@ -199,29 +199,30 @@ def reserve(specs: list[PlacementSpec], cluster) -> list:
     return groups
 
 
-def spawn(role: str, spec: PlacementSpec, pg, cfg, total_optimizer_steps: int, build) -> tuple[ActorGroup, dict]:
+def spawn(role: str, placement: PlacementSpec, pg, spec, build) -> tuple[ActorGroup, dict]:
     """One `RoleWorker` per rank of ``role`` in ``pg`` (bundle i = rank i), set up; returns the group and its pending
     set-up calls ({rank: ObjectRef})."""
-    group = create(role, spec, pg, cfg, total_optimizer_steps, build)
-    return group, set_up(group, cfg.cluster)
+    group = create(role, placement, pg, spec, build)
+    return group, set_up(group, spec.cluster)
 
 
-def create(role: str, spec: PlacementSpec, pg, cfg, total_optimizer_steps: int, build) -> ActorGroup:
+def create(role: str, placement: PlacementSpec, pg, spec, build) -> ActorGroup:
     """Start one `RoleWorker` process per rank of ``role`` in ``pg`` (bundle i = rank i), without waiting for them:
-    every role's processes start (import, connect) at the same time."""
+    every role's processes start (import, connect) at the same time. Each receives the run's ``spec`` (a `RunSpec`,
+    pickled) and ``build``."""
     ray = import_ray()
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    cluster = cfg.cluster
-    share = 1.0 / len(spec.roles)
+    cluster = spec.cluster
+    share = 1.0 / len(placement.roles)
     bundle = bundle_resources(cluster)
     worker = ray.remote(concurrency_groups={HEARTBEAT_GROUP: 1})(RoleWorker)  # heartbeats: a thread of their own
     actors = [
         worker.options(
             num_cpus=bundle["CPU"] * share, num_gpus=bundle.get("GPU", 0.0) * share,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
-        ).remote(role, rank, spec.ranks, cfg, total_optimizer_steps, build)
-        for rank in range(spec.ranks)
+        ).remote(role, rank, placement.ranks, spec, build)
+        for rank in range(placement.ranks)
     ]
     return ActorGroup(role, actors, cluster.timeout_s, cluster.heartbeat_timeout_s)
 
@@ -233,21 +234,22 @@ def set_up(group: ActorGroup, cluster) -> dict:
     return {rank: actor.setup.remote(first["ip"], first["port"]) for rank, actor in enumerate(group.actors)}
 
 
-def start(cfg, algorithm, total_optimizer_steps: int, pad_id: int, build):
-    """Place and start every role this run uses, each rank's component made by ``build(role, cfg, device,
-    total_optimizer_steps)``. Returns (RayRun, {role: driver-side handle})."""
-    roles = used_roles(cfg, algorithm)
-    specs = placement_specs(cfg.cluster, roles)
-    run = RayRun(started_ray=connect(cfg.cluster))
+def start(spec, algorithm, pad_id: int, build):
+    """Place and start every role the run ``spec`` (its `RunSpec`) uses, each rank's component made by ``build(role,
+    spec, device)``. Returns (RayRun, {role: driver-side handle})."""
+    cluster = spec.cluster
+    roles = used_roles(spec, algorithm)
+    placements = placement_specs(cluster, roles)
+    run = RayRun(started_ray=connect(cluster))
     try:
-        run.placement_groups = reserve(specs, cfg.cluster)
-        for spec, pg in zip(specs, run.placement_groups):
-            log.info("placement group %s", spec.describe())
-            for role in spec.roles:
-                run.groups[role] = create(role, spec, pg, cfg, total_optimizer_steps, build)
-        pending = {role: set_up(group, cfg.cluster) for role, group in run.groups.items()}
+        run.placement_groups = reserve(placements, cluster)
+        for placement, pg in zip(placements, run.placement_groups):
+            log.info("placement group %s", placement.describe())
+            for role in placement.roles:
+                run.groups[role] = create(role, placement, pg, spec, build)
+        pending = {role: set_up(group, cluster) for role, group in run.groups.items()}
         for role, refs in pending.items():
-            run.groups[role].wait(refs, "setup (process group and model load)", cfg.cluster.setup_timeout_s)
+            run.groups[role].wait(refs, "setup (process group and model load)", cluster.setup_timeout_s)
     except BaseException:
         run.shutdown()
         raise

@@ -55,7 +55,8 @@ def used_roles(cfg, algorithm) -> list[str]:
 
 
 def role_ranks(cluster, role: str) -> int:
-    spec = cluster.roles[role]
+    """Ranks of ``role``: its nodes x devices per node (``cluster``: the `cluster` node, or `RunSpec.cluster`)."""
+    spec = getattr(cluster.roles, role)
     return spec.num_nodes * spec.devices_per_node
 
 
@@ -75,9 +76,10 @@ def placement_specs(cluster, roles: list[str]) -> list[PlacementSpec]:
         members = tuple(r for r in group if r in roles)
         if not members:
             continue
-        shapes = {(cluster.roles[r].num_nodes, cluster.roles[r].devices_per_node) for r in members}
+        shape = {r: getattr(cluster.roles, r) for r in members}  # the `cluster` node, or `RunSpec.cluster`
+        shapes = {(shape[r].num_nodes, shape[r].devices_per_node) for r in members}
         if len(shapes) > 1:
-            listing = ", ".join(f"{r} {cluster.roles[r].num_nodes}x{cluster.roles[r].devices_per_node}" for r in members)
+            listing = ", ".join(f"{r} {shape[r].num_nodes}x{shape[r].devices_per_node}" for r in members)
             raise ConfigError(
                 f"cluster.colocate groups {'+'.join(members)}, which must have the same num_nodes x devices_per_node "
                 f"(got {listing}); make cluster.roles.<role> agree or colocate fewer roles"

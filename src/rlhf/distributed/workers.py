@@ -30,11 +30,11 @@ TRAINED_ROLES = ("policy", "critic")
 class RoleWorker:
     """One rank of one role. The driver wraps this class with `ray.remote` and calls it through `ActorGroup`."""
 
-    def __init__(self, role: str, rank: int, world_size: int, cfg, total_optimizer_steps: int, build) -> None:
+    def __init__(self, role: str, rank: int, world_size: int, spec, build) -> None:
         logging.basicConfig(level=logging.INFO, format=f"[{role} {rank}] %(levelname)s %(name)s: %(message)s")
         self.role, self.rank, self.world_size = role, rank, world_size
-        self.cfg, self.total_optimizer_steps = cfg, total_optimizer_steps
-        self.build = build  # build(role, cfg, device, total_optimizer_steps): the component of a role (`rlhf.run.build.build_model`)
+        self.spec = spec  # the run's `RunSpec` (rlhf.config.spec), shipped pickled: its typed sections and sizes
+        self.build = build  # build(role, spec, device): the component of a role (`rlhf.run.build.build_model`)
         self.obj = None
 
     def ping(self) -> dict:
@@ -55,8 +55,8 @@ class RoleWorker:
 
     def setup(self, master_addr: str, master_port: int) -> None:
         """Join the role's process group (training roles) and build the component."""
-        cfg = self.cfg
-        gpu = cfg.cluster.device_type == "gpu"
+        spec = self.spec
+        gpu = spec.cluster.device_type == "gpu"
         device = torch.device("cuda", 0) if gpu else torch.device("cpu")  # Ray sets CUDA_VISIBLE_DEVICES per actor
         if gpu:
             torch.cuda.set_device(device)
@@ -69,11 +69,11 @@ class RoleWorker:
             # caught by the driver after cluster.timeout_s, which then kills every worker
             torch.distributed.init_process_group(
                 "nccl" if gpu else "gloo", rank=self.rank, world_size=self.world_size,
-                timeout=timedelta(seconds=max(cfg.cluster.timeout_s, cfg.cluster.setup_timeout_s)),
+                timeout=timedelta(seconds=max(spec.cluster.timeout_s, spec.cluster.setup_timeout_s)),
             )
         # training ranks build identical weights (a new critic head included); generation engines sample apart
-        seed_everything(cfg.seed + (self.rank if self.role == "generator" else 0))
-        self.obj = self.build(self.role, cfg, device, self.total_optimizer_steps)
+        seed_everything(spec.seed + (self.rank if self.role == "generator" else 0))
+        self.obj = self.build(self.role, spec, device)
         strategy = getattr(self.obj, "strategy", None)
         if strategy is not None:
             logging.getLogger("rlhf").info("%s rank %d/%d: strategy %s on %s", self.role, self.rank, self.world_size, strategy.name, device)

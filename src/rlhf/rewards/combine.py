@@ -7,6 +7,7 @@ import difflib
 import inspect
 import math
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 
@@ -130,6 +131,16 @@ def check_args(fn, args: dict, at: str, name: str) -> None:
             raise ConfigError(f"{at}.args.{key}: reward function {name} {takes}; {hint}")
 
 
+class RowScores(NamedTuple):
+    """What `RewardSet.score_rows` gives for a batch of B rows."""
+
+    scores: torch.Tensor  # (B,) the weighted sum after the shaping and the non-stop penalty; 0 where unscored
+    metrics: dict[str, float]  # reward/<name> per function, reward/unscored_share, objective/verifiable_correct_rate, ...
+    correct: torch.Tensor | None  # (B,) bool: every verifier passed and the response stopped; None without a verifier
+    unscored: torch.Tensor  # (B,) bool: a function could not score the row (after its retries)
+    failures: dict[str, tuple[int, str]]  # each function that left rows unscored -> (its unscored rows, its first reason)
+
+
 class RewardSet:
     """Scores responses with every configured function; see `rlhf.rewards.rules` for the call signature."""
 
@@ -139,7 +150,6 @@ class RewardSet:
         if cfg.overlong_buffer_len is not None and max_new_tokens is None:
             raise ValueError("reward.overlong_buffer_len is set: RewardSet needs the response budget, max_new_tokens")
         self.model = None  # a RewardModelScorer, attached once models may load
-        self.last_unscored: dict[str, tuple[int, str]] = {}  # the last batch's unscored rows: function -> (count, first reason)
         self.functions = []
         for i, fn_cfg in enumerate(cfg.functions):
             fn = registry.resolve("reward", fn_cfg.name, key=f"reward.functions[{i}].name")
@@ -190,8 +200,8 @@ class RewardSet:
         self, prompts: list[str], responses: list[str], ground_truths: list, batch: Trajectories, training: bool = True
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """(scores (B,), metrics): `score_rows` without the per-row verdict (a row no function could score: 0)."""
-        scores, metrics, _, _ = self.score_rows(prompts, responses, ground_truths, batch, training)
-        return scores, metrics
+        scored = self.score_rows(prompts, responses, ground_truths, batch, training)
+        return scored.scores, scored.metrics
 
     def call(self, name: str, fn, args: dict, prompts: list[str], responses: list[str], ground_truths: list):
         """One function's scores of every row (B,), the rows it could not score (B,) bool, its returned list (for
@@ -212,13 +222,13 @@ class RewardSet:
 
     def score_rows(
         self, prompts: list[str], responses: list[str], ground_truths: list, batch: Trajectories, training: bool = True
-    ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor | None, torch.Tensor]:
-        """(scores (B,), metrics, correct (B,) bool or None, unscored (B,) bool): weighted sum of every function and
-        the model, plus the overlong shaping, then the non-stop penalty (which replaces the whole score of a response
-        that never stopped); ``correct``: every verifier passed and the response stopped (None without a verifier);
-        ``unscored``: a function could not score the row (`rlhf.rewards.failure.Unscored`, after its retries): its
-        score is 0 here and means nothing, the Collector drops the row (`reward/unscored_share`, and
-        `reward/<name>_unscored` per function; ``last_unscored`` keeps each function's count and first reason).
+    ) -> RowScores:
+        """The batch's `RowScores`: the weighted sum of every function and the model, plus the overlong shaping, then
+        the non-stop penalty (which replaces the whole score of a response that never stopped); ``correct``: every
+        verifier passed and the response stopped (None without a verifier); ``unscored``: a function could not score
+        the row (`rlhf.rewards.failure.Unscored`, after its retries): its score is 0 here and means nothing, the
+        Collector drops the row (`reward/unscored_share`, and `reward/<name>_unscored` per function); ``failures``:
+        each such function's unscored rows and first reason, for the error that stops the run.
 
         ``training=False`` (evaluation) leaves the reward model's running statistics alone; the reward is the same.
         """
@@ -228,14 +238,14 @@ class RewardSet:
         has_verifier = False
         metrics: dict[str, float] = {}
         unscored = torch.zeros(len(responses), dtype=torch.bool)
-        self.last_unscored = {}
+        failures: dict[str, tuple[int, str]] = {}
         for name, weight, args, fn in self.functions:
             values, missed, scores, reason = self.call(name, fn, args, prompts, responses, ground_truths)
             total += weight * values
             unscored |= missed
             metrics[f"reward/{name}"] = values[~missed].mean().item() if not missed.all() else 0.0
             if reason is not None:
-                self.last_unscored[name] = (int(missed.sum()), reason)
+                failures[name] = (int(missed.sum()), reason)
                 metrics[f"reward/{name}_unscored"] = float(missed.sum())
             # a function returning `rules.Scores` reports more: reward/<name>_<metric>
             extra = getattr(scores, "metrics", {})
@@ -258,7 +268,7 @@ class RewardSet:
         if correct is not None:
             metrics["objective/verifiable_correct_rate"] = correct[~unscored].float().mean().item() if not unscored.all() else 0.0
         metrics["reward/unscored_share"] = unscored.float().mean().item()
-        return torch.where(unscored, torch.zeros_like(total), total), metrics, correct, unscored
+        return RowScores(torch.where(unscored, torch.zeros_like(total), total), metrics, correct, unscored, failures)
 
     def overlong_shaping(self, batch: Trajectories) -> torch.Tensor:
         """(B,) reward added for each response's length (`rlhf.functional.overlong_penalty`), on the CPU."""

@@ -18,8 +18,6 @@ from transformers import AutoConfig
 from rlhf import registry
 from rlhf.algorithms import build_algorithm
 from rlhf.errors import ConfigError
-from rlhf.parts import choose
-from rlhf.config.sizes import DerivedSizes
 from rlhf.config.spec import RunSpec
 from rlhf.data.context import check_episode_budget, check_prompt_budget, check_teacher_context, model_context
 from rlhf.data.prompts import PromptExample, PromptStream, origin
@@ -187,11 +185,11 @@ def build_components(spec: RunSpec, push: bool = True) -> Components:
         log.warning("%d of %d training prompts fill env.max_tokens=%d: their episodes will fail; raise env.max_tokens",
                     full, len(splits.train), env.max_tokens)
     # 3. models
-    if cfg.cluster.backend == "ray":
-        models, backend = build_remote_models(cfg, sizes, algorithm, tokenizer)
+    if spec.cluster.backend == "ray":
+        models, backend = build_remote_models(spec, algorithm, tokenizer)
         log.info("placed on Ray: %s", ", ".join(f"{role} x{len(group)}" for role, group in backend.groups.items()))
     else:
-        models, backend = build_local_models(cfg, sizes, algorithm, tokenizer, device), None
+        models, backend = build_local_models(spec, algorithm, tokenizer, device), None
     if cfg.teacher.url:  # a remote teacher: no weights here, its logprobs asked of teacher.url
         models["teacher"] = RemoteTeacher(cfg.teacher)
     if models["reward"] is not None:
@@ -227,35 +225,36 @@ def filter_on(spec: RunSpec, rewards: RewardSet) -> str:
     return chosen
 
 
-def build_model(role: str, cfg, device: torch.device, total_optimizer_steps: int, tokenizer=None):
-    """The component of ``role`` (policy, reference, teacher, critic, reward, generator) on ``device``: each local model, and what
-    every Ray worker builds for its rank. ``tokenizer`` (the generator's) is loaded when not given."""
-    model = cfg.model
+def build_model(role: str, spec: RunSpec, device: torch.device, tokenizer=None):
+    """The component of ``role`` (policy, reference, teacher, critic, reward, generator) on ``device``, from the run's
+    typed sections (``spec``): each local model, and what every Ray worker builds for its rank (the spec is shipped
+    to it). ``tokenizer`` (the generator's) is loaded when not given."""
+    model, train, steps = spec.model, spec.train, spec.sizes.optimizer_steps
+    temperature = spec.generator.config.temperature
     if role == "policy":
         return registry.build(
-            "policy", cfg.policy.name, key="policy.name", cfg=cfg.policy, model_cfg=model, train_cfg=cfg.train,
-            total_optimizer_steps=total_optimizer_steps, device=device, temperature=cfg.generator.temperature,
+            "policy", spec.policy.name, key="policy.name", cfg=spec.policy, model_cfg=model, train_cfg=train,
+            total_optimizer_steps=steps, device=device, temperature=temperature,
         )
     if role == "critic":
         return registry.build(
-            "critic", cfg.critic.name, key="critic.name", cfg=cfg.critic, model_cfg=model, init_path=critic_init_path(cfg),
-            train_cfg=cfg.train, total_optimizer_steps=total_optimizer_steps, device=device,
+            "critic", spec.critic.name, key="critic.name", cfg=spec.critic, model_cfg=model,
+            init_path=critic_init_path(spec), train_cfg=train, total_optimizer_steps=steps, device=device,
         )
     if role == "reference":
         return registry.build(
-            "reference", cfg.reference.name, key="reference.name", cfg=cfg.reference, model_cfg=model, device=device,
-            temperature=cfg.generator.temperature,
+            "reference", spec.reference.name, key="reference.name", cfg=spec.reference, model_cfg=model, device=device,
+            temperature=temperature,
         )
     if role == "teacher":  # frozen, scores like the reference: its own weights, the policy's dtype
-        return registry.build("reference", "frozen", key="teacher", cfg=cfg.teacher, model_cfg=model, device=device,
-                              temperature=cfg.generator.temperature)
+        return registry.build("reference", "frozen", key="teacher", cfg=spec.teacher, model_cfg=model, device=device,
+                              temperature=temperature)
     if role == "reward":
-        return RewardModelScorer(cfg.reward, model.dtype, device, cfg.train.micro_batch_size)
+        return RewardModelScorer(spec.reward, model.dtype, device, train.micro_batch_size)
     if role == "generator":
         if tokenizer is None:
             tokenizer = load_tokenizer(model.tokenizer or model.name_or_path, model.revision, model.trust_remote_code)
-        generator = choose("generator", cfg.generator, "generator")  # the backend and its typed config
-        return generator.obj(cfg=generator.config, model_cfg=model, tokenizer=tokenizer, device=device)
+        return spec.generator.obj(cfg=spec.generator.config, model_cfg=model, tokenizer=tokenizer, device=device)
     raise ValueError(f"unknown role {role!r}")
 
 
@@ -269,28 +268,28 @@ def build_env(factory, env: EnvConfig, stop_token: str, tokenizer, rewards: Rewa
     return runner(maker, env, tokenizer, stop_id)
 
 
-def build_local_models(cfg, sizes: DerivedSizes, algorithm, tokenizer, device) -> dict[str, Any]:
-    """Every model this run uses, in this process, on ``device``."""
-    built = {role: build_model(role, cfg, device, sizes.optimizer_steps, tokenizer) for role in used_roles(cfg, algorithm)}
+def build_local_models(spec: RunSpec, algorithm, tokenizer, device) -> dict[str, Any]:
+    """Every model the run ``spec`` uses, in this process, on ``device``."""
+    built = {role: build_model(role, spec, device, tokenizer) for role in used_roles(spec, algorithm)}
     if "reference" not in built and algorithm.needs_reference:
         built["reference"] = AdaptersOff(built["policy"])
     elif "reference" not in built:
         log.info("reference model not loaded: algorithm.beta=0 disables the KL term")
     if "critic" in built:
-        log.info("critic initialised from %s", critic_init_path(cfg))
+        log.info("critic initialised from %s", critic_init_path(spec))
     return {
         "policy": built["policy"], "reference": built.get("reference"), "critic": built.get("critic"),
         "reward": built.get("reward"), "generator": built["generator"], "teacher": built.get("teacher"),
     }
 
 
-def build_remote_models(cfg, sizes: DerivedSizes, algorithm, tokenizer) -> tuple[dict[str, Any], Any]:
+def build_remote_models(spec: RunSpec, algorithm, tokenizer) -> tuple[dict[str, Any], Any]:
     """Every model as Ray workers placed per `cluster.roles` / `cluster.colocate` (rlhf.distributed.cluster)."""
-    backend, handles = start(cfg, algorithm, sizes.optimizer_steps, int(tokenizer.pad_token_id), build_model)
+    backend, handles = start(spec, algorithm, int(tokenizer.pad_token_id), build_model)
     reward = None
     if handles["reward"] is not None:
-        reward = RewardModelScorer(cfg.reward, cfg.model.dtype, torch.device("cpu"), cfg.train.micro_batch_size, handles["reward"].raw_scores)
-    reference = AdaptersOff(handles["policy"]) if algorithm.needs_reference and reference_is_base(cfg) else handles["reference"]
+        reward = RewardModelScorer(spec.reward, spec.model.dtype, torch.device("cpu"), spec.train.micro_batch_size, handles["reward"].raw_scores)
+    reference = AdaptersOff(handles["policy"]) if algorithm.needs_reference and reference_is_base(spec) else handles["reference"]
     models = {"policy": handles["policy"], "reference": reference, "critic": handles["critic"], "reward": reward,
               "generator": handles["generator"], "teacher": handles["teacher"]}
     return models, backend

@@ -27,15 +27,16 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from rlhf.algorithms import build_algorithm
 from rlhf.disk import REWARD_MODEL, TRAIN_ADAPTER, TRAIN_CHECKPOINTS, TRAIN_EXPORT, check_own_output, free_bytes, megabytes
 from rlhf.distributed.layout import role_ranks
+from rlhf.config.spec import RunSpec
 from rlhf.run.checkpoint import CONFIG_FILE, STATE_FILE, is_checkpoint_entry
 from rlhf.errors import ConfigError
 from rlhf.models import lora
 from rlhf.models.dtypes import DTYPES
 from rlhf.plan import architecture
 from rlhf.plan.architecture import ModelSource
+from rlhf.training.critic import critic_init_path
 
 log = logging.getLogger("rlhf")
 
@@ -151,16 +152,16 @@ def dtype_bytes(dtype: str) -> int:
     return torch.empty((), dtype=DTYPES[dtype]).element_size()
 
 
-def checkpoint_bytes(cfg) -> int | None:
-    """About how many bytes one checkpoint of `rlhf.train` takes: policy (and critic) weights and AdamW moments."""
-    model = cfg.model
+def checkpoint_bytes(spec: RunSpec) -> int | None:
+    """About how many bytes one checkpoint of `rlhf.train` takes: policy (and critic) weights and AdamW moments
+    (``spec``: the run, as `validate` resolved it)."""
+    model = spec.model
     policy = parameter_count(model.name_or_path, model.revision, model.trust_remote_code)
     if policy is None:
         return None
     trained = policy
-    if build_algorithm(cfg.algorithm, cfg.generator.max_new_tokens).needs_critic:
-        critic_source = cfg.critic.name_or_path or cfg.reward.path or model.name_or_path
-        critic = parameter_count(critic_source, None, model.trust_remote_code)
+    if spec.algorithm.needs_critic:
+        critic = parameter_count(critic_init_path(spec), None, model.trust_remote_code)
         trained += critic if critic is not None else policy
     return trained * STATE_COPIES * dtype_bytes(model.dtype)
 
@@ -232,12 +233,12 @@ def breaks_exact_resume(key: str) -> bool:
     return key not in RESUME_FREE_KEYS and any(fnmatch.fnmatchcase(key, pattern) for pattern in EXACT_RESUME_KEYS)
 
 
-def check_lora_resume(cfg, path: Path) -> None:
-    """The checkpoint's policy and critic trained what this run trains: LoRA adapters of the same rank, or every
-    weight."""
-    check_model_resume(path, "policy", cfg.policy.lora.rank)
+def check_lora_resume(spec: RunSpec, path: Path) -> None:
+    """The checkpoint's policy and critic trained what the run ``spec`` trains: LoRA adapters of the same rank, or
+    every weight."""
+    check_model_resume(path, "policy", spec.policy.lora.rank)
     if (path / "critic" / "model").is_dir():
-        check_model_resume(path, "critic", cfg.critic.lora.rank)
+        check_model_resume(path, "critic", spec.critic.lora.rank)
 
 
 def check_model_resume(path: Path, role: str, rank: int | None) -> None:
@@ -261,15 +262,15 @@ def check_model_resume(path: Path, role: str, rank: int | None) -> None:
         )
 
 
-def check_strategy_resume(cfg, path: Path, saved_cfg: dict) -> None:
+def check_strategy_resume(spec: RunSpec, path: Path, saved_cfg: dict) -> None:
     """The checkpoint's policy and critic can be read by this run's strategies: DeepSpeed's own sharded state
     (`<role>/deepspeed`) only by DeepSpeed at the same number of ranks and with ZeRO-3 or not as saved, full weights and
     optimiser state (single, ddp, fsdp2) by any strategy but DeepSpeed. ``saved_cfg``: the checkpoint's `config.yaml`
     (empty when it records none), for the strategies it names."""
-    loaded = ("policy", "critic") if build_algorithm(cfg.algorithm, cfg.generator.max_new_tokens).needs_critic else ("policy",)
+    loaded = ("policy", "critic") if spec.algorithm.needs_critic else ("policy",)
     for role in loaded:  # a saved critic this run has none for is never read
         if (path / role).is_dir():
-            check_role_strategy_resume(cfg, path, role, saved_cfg.get(role, {}).get("strategy", {}))
+            check_role_strategy_resume(spec.config, path, role, saved_cfg.get(role, {}).get("strategy", {}))
 
 
 def check_role_strategy_resume(cfg, path: Path, role: str, saved_strategy: dict) -> None:
@@ -311,16 +312,18 @@ def check_role_strategy_resume(cfg, path: Path, role: str, saved_strategy: dict)
         )
 
 
-def check_resume(cfg, path: Path, swept: set[str] = frozenset()) -> None:
-    """A resume from checkpoint ``path`` continues its training: `train.num_steps` reaches its step, and the keys
-    that exact resume needs (`EXACT_RESUME_KEYS`) match its `config.yaml` unless `checkpoint.allow_config_change`.
-    Every changed key is logged. In a `--multirun` job, a key the sweep varies (``swept``) must match too: a
-    different value means the sweep's list changed since, and this job's folder holds another job's run."""
+def check_resume(spec: RunSpec, path: Path, swept: set[str] = frozenset()) -> None:
+    """A resume of the run ``spec`` from checkpoint ``path`` continues its training: `train.num_steps` reaches its
+    step, and the keys that exact resume needs (`EXACT_RESUME_KEYS`) match its `config.yaml` unless
+    `checkpoint.allow_config_change`. Every changed key is logged. In a `--multirun` job, a key the sweep varies
+    (``swept``) must match too: a different value means the sweep's list changed since, and this job's folder holds
+    another job's run."""
+    cfg = spec.config  # compared key by key with the checkpoint's config.yaml
     step = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))["step"]
     recorded = path / CONFIG_FILE
     saved_cfg = yaml.safe_load(recorded.read_text(encoding="utf-8")) if recorded.is_file() else None
-    check_lora_resume(cfg, path)
-    check_strategy_resume(cfg, path, saved_cfg or {})
+    check_lora_resume(spec, path)
+    check_strategy_resume(spec, path, saved_cfg or {})
     if cfg.train.num_steps < step:
         raise ConfigError(
             f"train.num_steps={cfg.train.num_steps} is below step {step} of the checkpoint {path} this run resumes "

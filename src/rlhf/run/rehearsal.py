@@ -118,7 +118,7 @@ class Rehearsal:
         return f"{made.needed(made.worst) / 2**30:.2f} GiB planned on the fullest device{verdict}"
 
     def outputs(self) -> str:
-        size = preflight.checkpoint_bytes(self.cfg)
+        size = preflight.checkpoint_bytes(self.spec)
         preflight.check_outputs(preflight.train_outputs(self.cfg, self.out, self.root, size, self.spec.sizes.longest_row))
         return f"a checkpoint needs about {size / 2**20:.0f} MiB"
 

@@ -275,10 +275,10 @@ def take(producer: RolloutProducer, step: int, max_staleness: int, times: dict[s
 @register("schedule", "async")
 def run(collector: Collector, learner: Learner, loop: Loop) -> RunState:
     """Train from ``loop.state.step`` to `train.num_steps` with generation one batch (or up to max_staleness) ahead."""
-    if loop.cfg.cluster.backend == "local":
+    if loop.spec.cluster.backend == "local":
         log.warning("schedule=async on the local backend: generation and training share this process and its devices, "
                     "so they overlap little; cluster=ray_local (or ray) gives the generator its own devices")
-    first, last, bound = loop.state.step + 1, loop.cfg.train.num_steps, loop.schedule.max_staleness
+    first, last, bound = loop.state.step + 1, loop.spec.train.num_steps, loop.schedule.max_staleness
     with producing(collector, loop.state.step, lambda versioned: RolloutProducer(versioned, first, last, bound)) as producer:
         return run_steps(
             producer.collector, learner, loop, lambda step: async_step(learner, loop, producer, step),

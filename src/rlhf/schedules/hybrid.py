@@ -70,7 +70,7 @@ def run(collector: Collector, learner: Learner, loop: Loop) -> RunState:
     offload = loop.schedule.offload_optimizer
     if not callable(getattr(collector.generator, "sleep", None)):
         raise ConfigError(
-            f"schedule=hybrid needs a generator that can sleep; generator.name={loop.cfg.generator.name} has no sleep() "
+            f"schedule=hybrid needs a generator that can sleep; generator.name={loop.spec.generator.name} has no sleep() "
             f"(see rlhf.generators.base.SleepingGenerator), use schedule=sync"
         )
     if offload:

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from rlhf.config.spec import RunSpec
 from rlhf.errors import StopRequested, user_exits_named
 from rlhf.run import checkpoint
 from rlhf.data.prompts import epochs_done
@@ -40,12 +41,11 @@ def timed(times: dict[str, float], name: str):
 
 @dataclass
 class Loop:
-    """What happens between steps, the same for every schedule: the run's settings (`train`, `eval`, `logging`,
-    `checkpoint`, `seed`; the schedule's own keys are `cfg.schedule`), its derived sizes, where it logs and saves,
-    the held-out prompts it evaluates on, its state (``state``, updated step by step) and the stop signals."""
+    """What happens between steps, the same for every schedule: the resolved run (``spec``: its typed `train`, `eval`,
+    `logging`, `checkpoint` and `seed`, the schedule's own keys, the derived sizes), where it logs and saves, the
+    held-out prompts it evaluates on, its state (``state``, updated step by step) and the stop signals."""
 
-    cfg: Any  # the run's config (DictConfig)
-    sizes: Any  # DerivedSizes: samples per step, eval_every, ...
+    spec: RunSpec  # the resolved run (`rlhf.config.validate`)
     tracker: Any  # Tracker: metrics, sample texts, the checkpoint folder
     eval_examples: list[PromptExample]
     state: RunState
@@ -53,24 +53,29 @@ class Loop:
 
     @property
     def schedule(self):
-        """The schedule's own config node (`schedule.*`)."""
-        return self.cfg.schedule
+        """The schedule's own keys (`schedule.*`), typed by its config class."""
+        return self.spec.schedule.config
+
+    @property
+    def sizes(self):
+        """The run's derived sizes (`DerivedSizes`: samples per step, eval_every, ...)."""
+        return self.spec.sizes
 
 
 def run_eval(collector: Collector, learner: Learner, loop: Loop, step: int) -> dict[str, float]:
     """Evaluate on a private RNG stream (seeded by seed and step), so evaluating never changes training."""
-    cfg, tracker = loop.cfg, loop.tracker
+    spec, tracker = loop.spec, loop.tracker
     devices = list(range(torch.cuda.device_count())) if learner.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(cfg.seed * 1_000_003 + step)
-        metrics, results = collector.evaluate(loop.eval_examples, cfg.eval)
+        torch.manual_seed(spec.seed * 1_000_003 + step)
+        metrics, results = collector.evaluate(loop.eval_examples, spec.eval)
     if metrics:
         tracker.log(step, metrics)
         log.info("eval @ step %d: %s", step, ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
-    n = cfg.logging.num_sample_texts
+    n = spec.logging.num_sample_texts
     for mode, scored in results.items():
         tracker.samples(step, scored.prompts[:n], scored.responses[:n], scored.scores[:n].tolist(), tag=f"eval_samples/{mode}")
-        if cfg.eval.save_generations:
+        if spec.eval.save_generations:
             tracker.generations(step, mode, scored)
     return metrics
 
@@ -96,9 +101,11 @@ def run_steps(
     so step k is saved as a regular checkpoint would have. An error during the update (the optimiser may have
     stepped for part of the batch), in a checkpoint save itself, or from a Ray worker saves nothing.
     """
-    cfg, state, stop, root = loop.cfg, loop.state, loop.stop, loop.tracker.checkpoint_root
+    state, stop, root = loop.state, loop.stop, loop.tracker.checkpoint_root
+    last, every = loop.spec.train.num_steps, loop.spec.checkpoint.every
     guard = guard if guard is not None else nullcontext()
-    save = lambda step, streams: checkpoint.save(collector, learner, root, step, state.to_dict(), cfg.checkpoint.keep_last, streams)
+    keep_last = loop.spec.checkpoint.keep_last
+    save = lambda step, streams: checkpoint.save(collector, learner, root, step, state.to_dict(), keep_last, streams)
     if state.step == 0:
         try:
             with guard, user_exits_named():  # the first evaluation runs the user's reward functions before any step
@@ -107,7 +114,7 @@ def run_steps(
             log.warning("%s before the first step: stopped, nothing to save; continue with resume=auto", stopped)
             state.preempted = True
             return state
-    for step in range(state.step + 1, cfg.train.num_steps + 1):
+    for step in range(state.step + 1, last + 1):
         before = StepStart.record(collector, learner)
         updates = learner.updates  # an update begun in this step may have changed the models
         try:
@@ -136,10 +143,9 @@ def run_steps(
         except Exception as err:
             save_on_failure(save, root, step, states, err)
             raise
-        every = cfg.checkpoint.every
-        if stop.requested or (every and step % every == 0) or (every and step == cfg.train.num_steps):
+        if stop.requested or (every and step % every == 0) or (every and step == last):
             save(step, states)
-            if not stop.requested and step < cfg.train.num_steps:  # the save took its room: is there one more?
+            if not stop.requested and step < last:  # the save took its room: is there one more?
                 checkpoint.check_room(root, step, saved=True)
         if stop.requested:
             log.warning("%s received: stopped after step %d with a checkpoint; continue with resume=auto", stop.requested, step)
@@ -152,8 +158,8 @@ def record_step(
     collector: Collector, learner: Learner, loop: Loop, metrics: dict, scored: Scored, states: dict | None, guard,
 ) -> None:
     """Log step ``loop.state.step``'s metrics and sample texts, and evaluate when the schedule says so."""
-    cfg, tracker, state = loop.cfg, loop.tracker, loop.state
-    step, train = state.step, cfg.train
+    spec, tracker, state = loop.spec, loop.tracker, loop.state
+    step, train = state.step, spec.train
     metrics |= {
         "episode": step * loop.sizes.samples_per_step,
         "epoch": epochs_done(states["prompts"]) if states is not None else collector.prompts.epochs_done,
@@ -164,8 +170,8 @@ def record_step(
     tracker.log(step, metrics)
     tracker.prompts(step, collector.prompts.ids_of(trained_prompts(scored)))
     tracker.console(step, train.num_steps, metrics)  # the bar every step, a line every logging.log_every
-    if cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
-        n = cfg.logging.num_sample_texts
+    if spec.logging.sample_every and step % spec.logging.sample_every == 0:
+        n = spec.logging.num_sample_texts
         tracker.samples(step, scored.prompts[:n], scored.responses[:n], scored.scores[:n].tolist())
     eval_every = loop.sizes.eval_every
     if (eval_every and step % eval_every == 0) or step == train.num_steps:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 
+from rlhf.config.spec import RunSpec
 from rlhf.errors import require
 from rlhf.functional.staleness import fresh_enough, oldest_version, token_staleness, versions_per_row
 from rlhf.parts import PartConfig
@@ -75,16 +76,15 @@ def rows_in_flight(config: StreamConfig, rows_per_step: int) -> int:
     return config.in_flight if config.in_flight is not None else (config.max_staleness + 1) * rows_per_step
 
 
-def check_run(config: StreamConfig, cfg) -> None:
-    """Its fit with the run, before any model loads: the generator continues responses, the buffer holds a step,
-    the algorithm needs nothing per batch, and the loss bounds what staleness does to it."""
-    algorithm = cfg.algorithm
-    samples, prompts = algorithm.num_samples_per_prompt, cfg.train.prompts_per_step
-    generator = resolve("generator", cfg.generator.name, key="generator.name")
+def check_run(config: StreamConfig, spec: RunSpec) -> None:
+    """Its fit with the run (``spec``), before any model loads: the generator continues responses, the buffer holds a
+    step, the algorithm needs nothing per batch, and the loss bounds what staleness does to it."""
+    algorithm, env = spec.algorithm_keys, spec.env
+    samples, prompts = algorithm.num_samples_per_prompt, spec.train.prompts_per_step
     require(
-        cfg.env.name is not None or callable(getattr(generator, "continue_rows", None)),
-        f"schedule=stream loads new weights mid-response, but generator={cfg.generator.name} does not say it continues a "
-        "response from its sampled prefix (a `continue_rows` method; `rlhf.generators.continuous.continue_by_generate` "
+        env is not None or callable(getattr(spec.generator.obj, "continue_rows", None)),
+        f"schedule=stream loads new weights mid-response, but generator={spec.generator.name} does not say it continues "
+        "a response from its sampled prefix (a `continue_rows` method; `rlhf.generators.continuous.continue_by_generate` "
         "makes one from `generate`): use generator=hf or vllm, or schedule=async",
     )
     rows = prompts * samples
@@ -93,20 +93,20 @@ def check_run(config: StreamConfig, cfg) -> None:
         f"schedule.in_flight={config.in_flight} rows cannot hold one step's groups (train.prompts_per_step={prompts} x "
         f"algorithm.num_samples_per_prompt={samples} = {rows} rows): raise it to at least {rows}, or null",
     )
-    if cfg.env.name is not None:
-        maker = resolve("env", cfg.env.name, key="env.name")
+    if env is not None:
+        maker = resolve("env", env.name, key="env.name")
         require(
             getattr(maker, "runner", None) is None,
-            f"env={cfg.env.name} plays its episodes through an agent loop of its own, which tags each episode with the "
+            f"env={env.name} plays its episodes through an agent loop of its own, which tags each episode with the "
             "version it started under; schedule=stream loads new weights between turns: use schedule=async",
         )
-    advantage = resolve("advantage", algorithm.advantage.name, key="algorithm.advantage.name")
+    advantage, policy_loss = algorithm.advantage["name"], algorithm.policy_loss["name"]
     require(
-        not getattr(advantage, "needs_greedy_baseline", False),
-        f"algorithm.advantage={algorithm.advantage.name} scores a greedy response per batch, which schedule=stream has "
-        "not: use schedule=async",
+        not spec.algorithm.needs_greedy_baseline,
+        f"algorithm.advantage={advantage} scores a greedy response per batch, which schedule=stream has not: use "
+        "schedule=async",
     )
-    unclipped = algorithm.policy_loss.name == "importance_sampling" and algorithm.rollout_correction is None
+    unclipped = policy_loss == "importance_sampling" and algorithm.rollout_correction is None
     require(
         not (unclipped and config.max_staleness > 0),
         "algorithm.policy_loss=importance_sampling weighs stale tokens by an unclipped ratio, which grows unstable with "
@@ -115,19 +115,19 @@ def check_run(config: StreamConfig, cfg) -> None:
     )
 
 
-def stream_warnings(cfg, pairwise: bool) -> list[str]:
-    """The warnings for a streaming run whose loss trains stale tokens as if the trainer had sampled them, or whose
-    token gap drops what the staleness bound lets through. ``pairwise``: the algorithm compares pairs (online DPO),
-    whose loss takes no rollout correction."""
+def stream_warnings(spec: RunSpec) -> list[str]:
+    """The warnings for a streaming run (``spec``) whose loss trains stale tokens as if the trainer had sampled them,
+    or whose token gap drops what the staleness bound lets through. A pairwise algorithm (online DPO) takes no
+    rollout correction."""
     warnings = []
-    staleness, gap = cfg.schedule.max_staleness, cfg.schedule.max_token_version_gap
-    if staleness > 0 and pairwise:
+    staleness, gap = spec.schedule.config.max_staleness, spec.schedule.config.max_token_version_gap
+    if staleness > 0 and spec.algorithm.pairwise:
         warnings.append(
             f"schedule=stream with schedule.max_staleness={staleness} and a pairwise algorithm "
-            f"(algorithm={cfg.algorithm.name}): its loss takes no rollout correction, so pairs sampled by older weights "
-            "train as if the trainer had sampled them; set schedule.max_staleness=0 for on-policy pairs"
+            f"(algorithm={spec.algorithm_keys.name}): its loss takes no rollout correction, so pairs sampled by older "
+            "weights train as if the trainer had sampled them; set schedule.max_staleness=0 for on-policy pairs"
         )
-    elif staleness > 0 and cfg.algorithm.rollout_correction is None:
+    elif staleness > 0 and spec.algorithm_keys.rollout_correction is None:
         warnings.append(
             f"schedule=stream with schedule.max_staleness={staleness} and no algorithm.rollout_correction: tokens "
             "sampled by older weights train as if the trainer had sampled them (the clip bounds the update, not the "
@@ -437,9 +437,9 @@ def stream_step(learner: Learner, loop: Loop, streaming: StreamingCollector, ste
 @register("schedule", "stream")
 def run(collector: Collector, learner: Learner, loop: Loop) -> RunState:
     """Train from ``loop.state.step`` to `train.num_steps` while the generator streams rows."""
-    for warning in stream_warnings(loop.cfg, learner.algorithm.pairwise):
+    for warning in stream_warnings(loop.spec):
         log.warning(warning)
-    base, last = loop.state.step, loop.cfg.train.num_steps
+    base, last = loop.state.step, loop.spec.train.num_steps
     make = lambda versioned: StreamingCollector(versioned, loop.schedule, base, last)
     with producing(collector, base, make) as streaming:
         state = run_steps(

@@ -150,18 +150,18 @@ class Collector:
             return self.play(examples, samples_per_prompt, sampling, generator, training)
         repeated = [ex for ex in examples for _ in range(samples_per_prompt)]
         batch = generator.generate([list(ex.token_ids) for ex in repeated], sampling)
-        scored = self.score(repeated, with_groups(batch, samples_per_prompt), training)
+        scored, failures = self.score(repeated, with_groups(batch, samples_per_prompt), training)
         scored.metrics |= getattr(generator, "last_metrics", {})  # the hf generator's shared prefill counts
         if training and self.greedy_baseline:
             scored = self.with_greedy_baseline(examples, scored, sampling, generator)
-        return self.drop_unscored(scored, self.max_unscored_share if training else None)
+        return self.drop_unscored(scored, self.max_unscored_share if training else None, failures)
 
     def with_greedy_baseline(self, examples: list[PromptExample], scored: Scored, sampling: SamplingParams, generator) -> Scored:
         """``scored`` with each row's baseline, the score of its prompt's greedy response (ReMax), as
         ``batch.extras['baseline_scores']`` (B,); its cost is logged as `time/greedy_baseline`."""
         start = time.perf_counter()
         greedy = generator.generate([list(ex.token_ids) for ex in examples], replace(sampling, greedy=True))
-        baseline = self.score(examples, with_groups(greedy, 1), training=False).scores
+        baseline = self.score(examples, with_groups(greedy, 1), training=False)[0].scores
         per_row = baseline.repeat_interleave(len(scored.batch) // len(examples))
         batch = replace(scored.batch, extras=dict(scored.batch.extras, baseline_scores=per_row))
         metrics = scored.metrics | {
@@ -196,13 +196,12 @@ class Collector:
         short = len(episodes) - failed - sum(map(len, kept))
         if past_share(failed, len(episodes), share if training else None) or not kept:
             first = next((ep.error for ep in episodes if ep.failed), None)
-            raise EpisodesFailed(
-                f"{failed} of the batch's {len(episodes)} episodes failed in environment {runner.cfg.name!r} after "
-                f"env.failed_retries={retries} (the run stops past env.max_failed_share={share}), {short} more went with "
-                f"groups left under {min(self.min_group, group_size)}; the first error: {first}. The failure is the "
-                f"environment's (or the agent's), not the policy's: fix it (or raise env.max_failed_share), then continue "
-                f"with resume=auto"
-            )
+            raise EpisodesFailed(breaker_message(
+                failed, len(episodes), f"episodes failed in environment {runner.cfg.name!r} after env.failed_retries={retries}",
+                "env.max_failed_share", share,
+                f"{short} more went with groups left under {min(self.min_group, group_size)}; the first error: {first}",
+                "the environment's (or the agent's)", "it",
+            ))
         played = [replace(episodes[row], group=n) for n, rows in enumerate(kept) for row in rows]
         batch = episode_rows(played, runner.cfg.reward_reduce, self.pad_id)
         metrics = episode_metrics(played, failed) | runner_metrics | {
@@ -212,23 +211,28 @@ class Collector:
         tasks = [episodes[rows[0]].group for rows in kept]
         return Scored(batch, [ep.turns[0].observation for ep in played], [transcript(ep) for ep in played], metrics, tasks=tasks)
 
-    def score(self, repeated: list[PromptExample], batch: Trajectories, training: bool = True) -> Scored:
-        """Decode and score trajectories of the prompts ``repeated`` (one row each)."""
+    def score(
+        self, repeated: list[PromptExample], batch: Trajectories, training: bool = True
+    ) -> tuple[Scored, dict[str, tuple[int, str]]]:
+        """Decode and score trajectories of the prompts ``repeated`` (one row each): the scored batch, and each reward
+        function that left rows unscored -> (its rows, its first reason) (`RowScores.failures`)."""
         responses = self.tokenizer.batch_decode(batch.window_ids, skip_special_tokens=True)
         prompts = [ex.text for ex in repeated]
-        scores, metrics, correct, unscored = self.rewards.score_rows(prompts, responses, [ex.ground_truth for ex in repeated], batch, training)
+        scores, metrics, correct, unscored, failures = self.rewards.score_rows(
+            prompts, responses, [ex.ground_truth for ex in repeated], batch, training
+        )
         if self.filter_on == "accuracy" and correct is not None:  # dynamic sampling filters on the verdicts
             batch = replace(batch, extras=dict(batch.extras, correct=correct.float()))
         if unscored.any():  # `drop_unscored` takes these rows out
             batch = replace(batch, extras=dict(batch.extras, unscored=unscored))
-        return Scored(replace(batch, scores=scores).to("cpu"), prompts, responses, metrics)
+        return Scored(replace(batch, scores=scores).to("cpu"), prompts, responses, metrics), failures
 
-    def drop_unscored(self, scored: Scored, limit: float | None) -> Scored:
+    def drop_unscored(self, scored: Scored, limit: float | None, failures: dict[str, tuple[int, str]]) -> Scored:
         """``scored`` without the rows no reward could score (`rlhf.rewards.failure`): they leave the loss and their
         groups' statistics, as if never drawn, and a group left with fewer rows than the estimator needs (its samples
         per prompt, at most the group's size) goes too (`reward/unscored_rows`, `reward/unscored_dropped_groups`).
         Past ``limit`` (`reward.max_unscored_share`; None: no limit, evaluation) of the rows unscored, or none left,
-        `RewardUnavailable` names the functions and their first reasons."""
+        `RewardUnavailable` names the functions and their first reasons (``failures``: `Collector.score`'s)."""
         unscored = scored.batch.extras.get("unscored")
         if unscored is None:
             return scored
@@ -237,7 +241,7 @@ class Collector:
         groups = group_rows(scored.batch.group_id)
         kept = kept_groups(groups, unscored.tolist(), self.min_group)
         if past_share(int(unscored.sum()), len(unscored), limit) or (limit is not None and not kept):
-            raise unscored_error(int(unscored.sum()), len(unscored), limit, self.rewards.last_unscored)
+            raise unscored_error(int(unscored.sum()), len(unscored), limit, failures)
         metrics = scored.metrics | {"reward/unscored_rows": float(unscored.sum()),
                                     "reward/unscored_dropped_groups": float(len(groups) - len(kept))}
         return replace(take_groups(scored, kept), metrics=metrics)
@@ -292,12 +296,21 @@ class Collector:
 
 def unscored_error(unscored: int, rows: int, limit: float, functions: dict[str, tuple[int, str]]) -> RewardUnavailable:
     """The breaker's error for ``unscored`` of ``rows`` rows past ``limit`` (`reward.max_unscored_share`), naming
-    each failing function with its count and first reason (``functions``: `RewardSet.last_unscored`'s shape)."""
+    each failing function with its count and first reason (``functions``: `RowScores.failures`' shape)."""
     failing = "; ".join(f"reward function {name!r}: {n} rows, first reason: {reason}" for name, (n, reason) in functions.items())
-    return RewardUnavailable(
-        f"{unscored} of the batch's {rows} rows could not be scored, past reward.max_unscored_share={limit} "
-        f"({failing}); the failure is the scorer's, not the policy's: fix the service (or raise "
-        f"reward.max_unscored_share), then continue with resume=auto"
+    return RewardUnavailable(breaker_message(
+        unscored, rows, "rows could not be scored", "reward.max_unscored_share", limit, failing, "the scorer's", "the service",
+    ))
+
+
+def breaker_message(lost: int, total: int, what: str, key: str, limit: float | None, details: str, whose: str, fix: str) -> str:
+    """The message of an error that stops the run when ``lost`` of a batch's ``total`` rows or episodes were lost
+    (``what`` happened to them) past the share ``key`` = ``limit`` allows (`past_share`), or none was left: the
+    ``details`` (each failing function, the first error), whose failure it is (``whose``, never the policy's), what to
+    ``fix``, and how to go on from the last complete step."""
+    return (
+        f"{lost} of the batch's {total} {what}, past {key}={limit} ({details}); the failure is {whose}, not the "
+        f"policy's: fix {fix} (or raise {key}), then continue with resume=auto"
     )
 
 
@@ -349,9 +362,8 @@ class StreamFeed:
         """One finished group's rows of ``example`` (group id 0) scored, its unscored rows dropped with no limit (the
         stream collector applies `reward.max_unscored_share` to a step's groups together); and what each reward
         function left unscored (function -> (rows, first reason))."""
-        scored = self._collector.score([example] * len(batch), batch)
-        unscored = dict(self._collector.rewards.last_unscored)
-        return self._collector.drop_unscored(scored, None), unscored
+        scored, failures = self._collector.score([example] * len(batch), batch)
+        return self._collector.drop_unscored(scored, None, failures), failures
 
     def play(self, examples: list[PromptExample]) -> Scored:
         """``group_size`` episodes of each task, played with the training sampling and scored (`Collector.play`)."""
