@@ -13,12 +13,12 @@ import torch
 from rlhf.config import compose_config, validate
 from rlhf.envs.builtin import ArithRetryMaker
 from rlhf.run.build import build_components
-from rlhf.step.collector import EpisodesFailed
+from rlhf.step.collector import EpisodesFailed, LostEpisodes
 from rlhf.step.scored import group_rows, take_groups
 from rlhf.train import train
 
 # episodes made, in order (the task's text), and the make indices whose episode raises in step()
-FLAKY: dict = {"made": [], "fail": set(), "fail_from": None}
+FLAKY: dict = {"made": [], "fail": set(), "fail_from": None, "of_16": 16}
 RUN = ["env=arith_retry", "env.name=test_episode_retries.FlakyArith", "model=tiny_arith_retry", "train.prompts_per_step=4",
        "algorithm.num_samples_per_prompt=4", "train.micro_batch_size=16", "logging.tensorboard=false",
        "checkpoint.save_final_model=false"]
@@ -39,13 +39,14 @@ class Broken:
 
 class FlakyArith(ArithRetryMaker):
     """(By import path, so no other test's registry sees it.) The built-in `arith_retry`, whose n-th episode made raises in step() when n is in FLAKY["fail"] (or from
-    make FLAKY["fail_from"] on)."""
+    make FLAKY["fail_from"] on, the first FLAKY["of_16"] of each 16 made)."""
 
     def make(self, task):
         episode = super().make(task)
         n = len(FLAKY["made"])
         FLAKY["made"].append(task.text)
-        broken = n in FLAKY["fail"] or (FLAKY["fail_from"] is not None and n >= FLAKY["fail_from"])
+        late = FLAKY["fail_from"] is not None and n >= FLAKY["fail_from"] and (n - FLAKY["fail_from"]) % 16 < FLAKY["of_16"]
+        broken = n in FLAKY["fail"] or late
         return Broken(episode) if broken else episode
 
 
@@ -124,3 +125,38 @@ def test_past_the_share_the_run_stops_naming_the_environment_with_the_last_step_
     saved = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_"))
     assert saved == ["step_00000001"]
     assert json.loads((out / "checkpoints" / "step_00000001" / "trainer_state.json").read_text())["step"] == 1
+
+
+def test_lost_episodes_add_up_over_plays_and_the_breaker_reads_the_sum():
+    """The stream plays a step's groups in several plays: their losses add up and the breaker reads the sum (one
+    play losing 3 of its 4 is not past 0.5 of the step's 16), and a step that kept nothing stops whatever the share."""
+    a = LostEpisodes("arith_retry", 0.5, 1, 2, total=4, failed=3, short=1, first="ConnectionError('down')")
+    b = LostEpisodes("arith_retry", 0.5, 1, 2, total=12, failed=2, short=0, first="TimeoutError()")
+    with pytest.raises(EpisodesFailed, match=r"3 of the batch's 4 episodes failed"):
+        a.check()
+    step = a.plus(b)
+    assert (step.total, step.failed, step.short, step.first) == (16, 5, 1, "ConnectionError('down')")
+    step.check()  # 5 of 16 failed: under 0.5, and episodes were kept
+    with pytest.raises(EpisodesFailed, match=r"5 of the batch's 16 .* the first error: ConnectionError\('down'\)"):
+        step.check(kept=False)  # the step's taken groups all came back empty
+    a.check(training=False, kept=True)  # an evaluation has no share limit
+
+
+def test_under_the_stream_schedule_the_breaker_stops_the_run_at_the_step_whose_episodes_failed(tmp_path):
+    """schedule=stream plays episodes on its producer thread, a step ahead: once 10 of every 16 fail (two groups
+    whole, two episodes of a third: the play keeps 6), the check of the step that took them stops the run naming the
+    environment, the steps before it saved."""
+    run = [*RUN, "schedule=stream", "eval.greedy=false", "eval.num_samples=0", "checkpoint.every=1", "env.failed_retries=0"]
+    FLAKY.update(made=[], fail=set(), fail_from=None)
+    train(compose_config([*run, "train.num_steps=1"]), tmp_path / "one_step")  # the start's checks, step 1, and a step ahead
+    FLAKY.update(made=[], fail=set(), fail_from=len(FLAKY["made"]), of_16=10)
+    out = tmp_path / "run"
+    try:
+        with pytest.raises(EpisodesFailed, match=r"10 of the batch's 16 episodes failed in environment 'test_episode_retries.FlakyArith' "
+                           r"after env.failed_retries=0, past env.max_failed_share=0.5"):
+            train(compose_config([*run, "train.num_steps=4"]), out)
+    finally:
+        FLAKY["of_16"] = 16
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert saved and saved == [f"step_{n:08d}" for n in range(1, len(saved) + 1)] and len(saved) < 4, saved
+    assert FLAKY["made"][FLAKY["fail_from"]:], "no episode failed: the breaker had nothing to stop"

@@ -42,7 +42,7 @@ from rlhf.registry import register, resolve
 from rlhf.run.state import RunState
 from rlhf.schedules.asynchronous import THREAD_NAME, producing, staleness_metrics, stop_thread
 from rlhf.schedules.loop import Loop, one_step, push_to_generator, run_steps, timed
-from rlhf.step.collector import Collector, StreamFeed, past_share, unscored_error
+from rlhf.step.collector import Collector, LostEpisodes, StreamFeed, past_share, unscored_error
 from rlhf.step.learner import Learner
 from rlhf.step.inflight import Group, advance, group_batch
 from rlhf.step.scored import Scored, group_rows, join, take_groups
@@ -181,6 +181,7 @@ class StreamingCollector:
         self.error: BaseException | None = None
         self.loaded = base  # the policy version the generator held at the last chunk
         self.stats = {"decode_s": 0.0, "chunks": 0, "tokens": 0, "slots": 0, "loads": 0}  # since the last `take`
+        self.lost: LostEpisodes | None = None  # multi-turn: the episodes lost since the last `take`, checked there
         self.thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
 
     # -- the producer thread --------------------------------------------------------------------------------------
@@ -234,7 +235,7 @@ class StreamingCollector:
             groups = self._start_groups(version, most=self.prompts_per_step)
             if groups:
                 start = time.perf_counter()
-                scored = self.feed.play([g.example for g in groups])
+                scored, lost = self.feed.play([g.example for g in groups])
                 self.stats["decode_s"] += time.perf_counter() - start
         if not groups:  # every allowed group is out: wait for the next weights
             self._wait_for_publish(version)
@@ -244,6 +245,7 @@ class StreamingCollector:
         self.stats["tokens"] += int(scored.batch.loss_mask.sum())
         rows = dict(zip(scored.tasks, group_rows(scored.batch.group_id)))
         with self.lock:
+            self.lost = lost if self.lost is None else self.lost.plus(lost)
             for n, group in enumerate(groups):
                 self.ready[group.index] = Finished(group, take_groups(scored, [rows[n]] if n in rows else []))
             self.lock.notify_all()
@@ -323,9 +325,12 @@ class StreamingCollector:
             for index in done:
                 del self.ready[index]
             stats, self.stats = self.stats, dict.fromkeys(self.stats, 0.0)
+            lost, self.lost = self.lost, None
         if self.filtering:
             stats |= {"kept": len(kept), "taken": len(taken)}
         stats |= self.unscored_in(taken)
+        if lost is not None:  # the breaker over the step's plays together, as the sync path reads its batch
+            lost.check(kept=any(len(f.scored.batch) for f in taken))
         return (kept if kept else taken[-want:]), stats
 
     def unscored_in(self, taken: list[Finished]) -> dict[str, float]:

@@ -13,7 +13,7 @@ import logging
 import copy
 import time
 import zlib
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -36,6 +36,38 @@ ENV_METRICS = ("success_rate", "first_turn_success_rate", "later_turn_success_ra
 
 class EpisodesFailed(RuntimeError):
     """Too many of a batch's episodes failed (`env.max_failed_share`), or all of them."""
+
+
+@dataclass(frozen=True)
+class LostEpisodes:
+    """The episodes a play lost, for the circuit breaker: ``failed`` of ``total`` failed (after ``retries`` more
+    tries each), ``short`` more went with groups left under ``min_group``; ``first`` is the first failure's error."""
+
+    env: str  # `env.name`
+    share: float  # `env.max_failed_share`
+    retries: int  # `env.failed_retries`
+    min_group: int  # the smallest group kept
+    total: int = 0  # episodes played (a retried one once)
+    failed: int = 0  # failed after their retries
+    short: int = 0  # lost with their group
+    first: str | None = None  # the first failure's error
+
+    def plus(self, other: LostEpisodes) -> LostEpisodes:
+        """Both plays' counts together (the first error the earlier one's)."""
+        return replace(self, total=self.total + other.total, failed=self.failed + other.failed,
+                       short=self.short + other.short, first=self.first if self.first is not None else other.first)
+
+    def check(self, training: bool = True, kept: bool | None = None) -> None:
+        """`EpisodesFailed` when more than `env.max_failed_share` failed (training only: an evaluation has no limit),
+        or episodes failed and none was ``kept`` (default: none of these plays' episodes was)."""
+        kept = self.failed + self.short < self.total if kept is None else kept
+        if past_share(self.failed, self.total, self.share if training else None) or (self.total and not kept):
+            raise EpisodesFailed(breaker_message(
+                self.failed, self.total, f"episodes failed in environment {self.env!r} after env.failed_retries={self.retries}",
+                "env.max_failed_share", self.share,
+                f"{self.short} more went with groups left under {self.min_group}; the first error: {self.first}",
+                "the environment's (or the agent's)", "it",
+            ))
 
 
 class Collector:
@@ -173,13 +205,22 @@ class Collector:
     def play(
         self, examples: list[PromptExample], group_size: int, sampling: SamplingParams, generator=None, training: bool = True,
     ) -> Scored:
-        """``group_size`` episodes of each task, as trajectory rows scored by the environment.
+        """``group_size`` episodes of each task, as trajectory rows scored by the environment (`play_batch`). A training
+        batch in which more than `env.max_failed_share` of the episodes failed, or any batch that kept no episode,
+        raises `EpisodesFailed`, naming the environment and the first error (`LostEpisodes.check`)."""
+        scored, lost = self.play_batch(examples, group_size, sampling, generator)
+        lost.check(training)
+        return scored
+
+    def play_batch(
+        self, examples: list[PromptExample], group_size: int, sampling: SamplingParams, generator=None,
+    ) -> tuple[Scored, LostEpisodes]:
+        """(the played groups as trajectory rows scored by the environment, the episodes lost), the share unchecked; a
+        play that kept no episode raises `EpisodesFailed`.
 
         A failed episode is played again, fresh, up to `env.failed_retries` times (`play_retrying`); one that still
         failed leaves its group as an unscored row does (`kept_groups`: a group left smaller than the estimator's
-        samples per prompt goes too), and is counted. A training batch in which more than `env.max_failed_share` of the
-        episodes failed, or any batch that kept no episode, raises `EpisodesFailed`, naming the environment and the
-        first error.
+        samples per prompt goes too), and is counted.
         """
         runner = self.env
         generator = generator if generator is not None else self.generator
@@ -192,24 +233,22 @@ class Collector:
         lost = [ep.failed for ep in episodes]
         groups = group_rows(torch.tensor([ep.group for ep in episodes]))
         kept = kept_groups(groups, lost, self.min_group)
-        failed, share = sum(lost), runner.cfg.max_failed_share
+        failed = sum(lost)
         short = len(episodes) - failed - sum(map(len, kept))
-        if past_share(failed, len(episodes), share if training else None) or not kept:
-            first = next((ep.error for ep in episodes if ep.failed), None)
-            raise EpisodesFailed(breaker_message(
-                failed, len(episodes), f"episodes failed in environment {runner.cfg.name!r} after env.failed_retries={retries}",
-                "env.max_failed_share", share,
-                f"{short} more went with groups left under {min(self.min_group, group_size)}; the first error: {first}",
-                "the environment's (or the agent's)", "it",
-            ))
+        first = next((ep.error for ep in episodes if ep.failed), None)
+        losses = LostEpisodes(runner.cfg.name, runner.cfg.max_failed_share, retries, min(self.min_group, group_size), len(episodes), failed, short,
+                              None if first is None else str(first))
+        if not kept:  # no episode to build rows from: stops whatever the share (a stream's play is a step's groups)
+            losses.check(training=False)
         played = [replace(episodes[row], group=n) for n, rows in enumerate(kept) for row in rows]
         batch = episode_rows(played, runner.cfg.reward_reduce, self.pad_id)
         metrics = episode_metrics(played, failed) | runner_metrics | {
-            "env/failed_share": failed / len(episodes), "env/retried_episodes": float(retried),
+            "env/failed_share": failed / len(episodes) if episodes else 0.0, "env/retried_episodes": float(retried),
             "env/short_group_episodes": float(short), "env/failed_dropped_groups": float(len(groups) - len(kept)),
         }
         tasks = [episodes[rows[0]].group for rows in kept]
-        return Scored(batch, [ep.turns[0].observation for ep in played], [transcript(ep) for ep in played], metrics, tasks=tasks)
+        scored = Scored(batch, [ep.turns[0].observation for ep in played], [transcript(ep) for ep in played], metrics, tasks=tasks)
+        return scored, losses
 
     def score(
         self, repeated: list[PromptExample], batch: Trajectories, training: bool = True
@@ -365,9 +404,10 @@ class StreamFeed:
         scored, failures = self._collector.score([example] * len(batch), batch)
         return self._collector.drop_unscored(scored, None, failures), failures
 
-    def play(self, examples: list[PromptExample]) -> Scored:
-        """``group_size`` episodes of each task, played with the training sampling and scored (`Collector.play`)."""
-        return self._collector.play(examples, self.group_size, self.sampling)
+    def play(self, examples: list[PromptExample]) -> tuple[Scored, LostEpisodes]:
+        """``group_size`` episodes of each task, played with the training sampling and scored, and the episodes lost,
+        unchecked (`Collector.play_batch`): the stream checks a step's plays together."""
+        return self._collector.play_batch(examples, self.group_size, self.sampling)
 
     def has_signal(self, scored: Scored) -> bool:
         """Whether one group's rows differ in what dynamic sampling looks at (`Collector.verdicts`)."""
