@@ -18,6 +18,7 @@ from transformers import AutoConfig
 from rlhf import registry
 from rlhf.algorithms import build_algorithm
 from rlhf.errors import ConfigError
+from rlhf.config.schema import ModelConfig
 from rlhf.config.spec import RunSpec
 from rlhf.data.context import check_episode_budget, check_prompt_budget, check_teacher_context, model_context
 from rlhf.data.prompts import PromptExample, PromptStream, origin
@@ -74,9 +75,9 @@ class Components:
             self.backend = None
 
 
-def check_output_rows(cfg, tokenizer) -> None:
-    """The policy's output layer covers the tokenizer (from the model config, before any weights load)."""
-    model = cfg.model
+def check_output_rows(model: ModelConfig, tokenizer) -> None:
+    """The policy's output layer covers the tokenizer (from the model config, before any weights load; ``model``: the
+    typed `model` section, `RunSpec.model`)."""
     config = AutoConfig.from_pretrained(resolve_model_path(model.name_or_path), revision=model.revision, trust_remote_code=model.trust_remote_code)
     rows = getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", None)
     if rows is not None and rows < len(tokenizer):
@@ -89,15 +90,17 @@ def check_output_rows(cfg, tokenizer) -> None:
 KIND_CHECKED = ("model.name_or_path", "reference.name_or_path", "teacher.name_or_path", "reward.path")  # a critic starts from either kind
 
 
-def check_model_sources(cfg) -> None:
-    """Local model folders exist and built-in names are shipped; hub names were checked by `rlhf.checks.hub`."""
+def check_model_sources(run) -> None:
+    """Local model folders exist and built-in names are shipped; hub names were checked by `rlhf.checks.hub`.
+    ``run``: the `RunSpec` (or a config), read for its `model`, `reference`, `teacher`, `reward` and `critic` sections."""
+    model, teacher = run.model, run.teacher
     for key, value in (
-        ("model.name_or_path", cfg.model.name_or_path),
-        ("model.tokenizer", cfg.model.tokenizer),
-        ("reference.name_or_path", cfg.reference.name_or_path),
-        ("teacher.name_or_path", None if cfg.teacher.url else cfg.teacher.name_or_path),  # remote: its tokenizer only
-        ("reward.path", cfg.reward.path),
-        ("critic.name_or_path", cfg.critic.name_or_path),
+        ("model.name_or_path", model.name_or_path),
+        ("model.tokenizer", model.tokenizer),
+        ("reference.name_or_path", run.reference.name_or_path),
+        ("teacher.name_or_path", None if teacher.url else teacher.name_or_path),  # remote: its tokenizer only
+        ("reward.path", run.reward.path),
+        ("critic.name_or_path", run.critic.name_or_path),
     ):
         if not value:
             continue
@@ -121,25 +124,26 @@ def build_components(spec: RunSpec, push: bool = True) -> Components:
     """Every component the run ``spec`` describes, models placed and loaded. ``push``: hand the policy's starting
     weights to the generator (the verified first push); a resumed run leaves that to the checkpoint's weights, loaded
     after this, so the generator never reloads weights it is about to replace."""
-    cfg, sizes, env = spec.config, spec.sizes, spec.env
-    device = pick_device(cfg.cluster.device) if cfg.cluster.backend == "local" else torch.device("cpu")  # ray: the driver only does the RL math
-    check_model_sources(cfg)
+    sizes, env, teacher = spec.sizes, spec.env, spec.teacher
+    device = pick_device(spec.cluster.device) if spec.cluster.backend == "local" else torch.device("cpu")  # ray: the driver only does the RL math
+    check_model_sources(spec)
     # 1. names: every registry lookup, so an unknown component fails before anything loads
-    for role in ("policy", "reference", "critic"):  # the spec's parts (dataset, generator, environment) resolved theirs
-        registry.resolve(role, cfg[role].name, key=f"{role}.name")
+    roles = {"policy": spec.policy, "reference": spec.reference, "critic": spec.critic}  # the spec's parts (dataset, generator, environment) resolved theirs
+    for role, section in roles.items():
+        registry.resolve(role, section.name, key=f"{role}.name")
     env_factory = registry.resolve("env", env.name, key="env.name") if env is not None else None
-    rewards = RewardSet(cfg.reward, spec.max_new_tokens)
-    algorithm = build_algorithm(cfg.algorithm, spec.max_new_tokens)  # the Learner's own: it keeps state as it trains (an adaptive KL)
+    rewards = RewardSet(spec.reward, spec.max_new_tokens)
+    algorithm = build_algorithm(spec.algorithm_keys, spec.max_new_tokens)  # the Learner's own: it keeps state as it trains (an adaptive KL)
     # 2. tokenizers and data (cheap); every other model must share the policy's vocabulary
     model, gen = spec.model, spec.generator.config
     tokenizer = load_tokenizer(model.tokenizer or model.name_or_path, model.revision, model.trust_remote_code)
     check_model_tokenizer(model, tokenizer)
     stop_token_id(tokenizer, gen.stop_token)  # the generator's stop token is one of the vocabulary's
     for key, path, used in (
-        ("reference.name_or_path", cfg.reference.name_or_path, algorithm.needs_reference),
-        ("teacher.name_or_path", cfg.teacher.name_or_path, True),
-        ("reward.path", cfg.reward.path, True),
-        ("critic.name_or_path", cfg.critic.name_or_path, algorithm.needs_critic),
+        ("reference.name_or_path", spec.reference.name_or_path, algorithm.needs_reference),
+        ("teacher.name_or_path", teacher.name_or_path, True),
+        ("reward.path", spec.reward.path, True),
+        ("critic.name_or_path", spec.critic.name_or_path, algorithm.needs_critic),
     ):
         if path and used:
             try:
@@ -152,7 +156,7 @@ def build_components(spec: RunSpec, push: bool = True) -> Components:
             splits = seed_tasks(getattr(runner.maker, "env_id", env.name), env.eval_size)  # reset seeds replace the dataset
         else:
             dataset = OmegaConf.structured(spec.dataset.config)  # typed by the builder's class, defaults filled
-            splits = spec.dataset.obj(cfg=dataset, tokenizer=tokenizer, seed=cfg.seed)
+            splits = spec.dataset.obj(cfg=dataset, tokenizer=tokenizer, seed=spec.seed)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     log.info("dataset %s: %d train prompts, %d eval prompts", spec.dataset.name, len(splits.train), len(splits.eval))
@@ -171,15 +175,15 @@ def build_components(spec: RunSpec, push: bool = True) -> Components:
     if runner is None or runner.maker.uses_dataset:
         examples = splits.train + splits.eval
         rewards.check_truths([ex.ground_truth for ex in examples], [origin(ex, i) for i, ex in enumerate(examples)])
-    check_output_rows(cfg, tokenizer)
+    check_output_rows(model, tokenizer)
     check_trained_layers(spec)
     context = model_context(model)
     if runner is None or runner.maker.uses_dataset:  # a prompt plus its response must fit the model's context
         check_prompt_budget(spec.dataset.config.max_prompt_length, spec.max_new_tokens, context, model.name_or_path)
     if runner is not None:  # so must a whole episode
         check_episode_budget(env.max_tokens, context, model.name_or_path)
-    if cfg.teacher.name_or_path:  # and the teacher must have room for every row it scores
-        check_teacher_context(sizes.longest_row, model_context(model, cfg.teacher.name_or_path), cfg.teacher.name_or_path,
+    if teacher.name_or_path:  # and the teacher must have room for every row it scores
+        check_teacher_context(sizes.longest_row, model_context(model, teacher.name_or_path), teacher.name_or_path,
                               sizes.longest_row_keys)
     if runner is not None and runner.maker.uses_dataset and (full := check_prompt_room(splits.train, env.max_tokens)):
         log.warning("%d of %d training prompts fill env.max_tokens=%d: their episodes will fail; raise env.max_tokens",
@@ -190,27 +194,28 @@ def build_components(spec: RunSpec, push: bool = True) -> Components:
         log.info("placed on Ray: %s", ", ".join(f"{role} x{len(group)}" for role, group in backend.groups.items()))
     else:
         models, backend = build_local_models(spec, algorithm, tokenizer, device), None
-    if cfg.teacher.url:  # a remote teacher: no weights here, its logprobs asked of teacher.url
-        models["teacher"] = RemoteTeacher(cfg.teacher)
+    if teacher.url:  # a remote teacher: no weights here, its logprobs asked of teacher.url
+        models["teacher"] = RemoteTeacher(teacher)
     if models["reward"] is not None:
         rewards.model = models["reward"]
-    policy, generator = models["policy"], verified(models["generator"], cfg.checks.weight_sync)
+    policy, generator = models["policy"], verified(models["generator"], spec.checks.weight_sync)
     if callable(describe := getattr(policy, "describe", None)):
         log.info("%s", describe())
     packs = getattr(policy, "packs", None)  # a registered policy of the user's may not say: counted as padded
     if push:
         generator.update_weights(policy.state_dict())
-    prompts = PromptStream(splits.train, seed=cfg.seed)
+    prompts = PromptStream(splits.train, seed=spec.seed)
     prompts.warn_if_short(spec.train.prompts_per_step)  # at the start, whichever schedule draws
+    keys = spec.algorithm_keys
     collector = Collector(
         generator, tokenizer, rewards, prompts, SamplingParams.of(gen),
-        prompts_per_step=spec.train.prompts_per_step, samples_per_prompt=cfg.algorithm.num_samples_per_prompt,
-        max_resample_rounds=cfg.algorithm.max_resample_rounds if cfg.algorithm.filter_groups else None,
+        prompts_per_step=spec.train.prompts_per_step, samples_per_prompt=keys.num_samples_per_prompt,
+        max_resample_rounds=keys.max_resample_rounds if keys.filter_groups else None,
         greedy_baseline=algorithm.needs_greedy_baseline, env=runner, filter_on=filter_on(spec, rewards),
-        min_group=getattr(algorithm, "min_samples_per_prompt", 1), max_unscored_share=cfg.reward.max_unscored_share,
+        min_group=getattr(algorithm, "min_samples_per_prompt", 1), max_unscored_share=spec.reward.max_unscored_share,
     )
     learner = Learner(
-        policy, models["reference"], models["critic"], algorithm, spec.train, device, torch.Generator().manual_seed(cfg.seed), GapWatch.of(spec), bool(packs()) if callable(packs) else False,
+        policy, models["reference"], models["critic"], algorithm, spec.train, device, torch.Generator().manual_seed(spec.seed), GapWatch.of(spec), bool(packs()) if callable(packs) else False,
         teacher=models["teacher"],
     )
     return Components(device, tokenizer, collector, learner, splits.eval, splits.report, backend)
@@ -219,7 +224,7 @@ def build_components(spec: RunSpec, push: bool = True) -> Components:
 def filter_on(spec: RunSpec, rewards: RewardSet) -> str:
     """What dynamic sampling compares within a group: `algorithm.filter_on`, auto resolved (accuracy when a verifier
     scores single-turn responses, else score)."""
-    chosen = spec.config.algorithm.filter_on
+    chosen = spec.algorithm_keys.filter_on
     if chosen == "auto":
         chosen = "accuracy" if rewards.has_verifier and spec.env is None else "score"
     return chosen
