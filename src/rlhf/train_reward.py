@@ -19,7 +19,7 @@ from pathlib import Path
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch.utils.tensorboard import SummaryWriter
 
 from rlhf import exits, registry
@@ -67,36 +67,36 @@ def evaluate(model, pairs, tokenizer, device, batch_size: int) -> dict[str, floa
     return {"eval/accuracy": correct / n, "eval/loss": loss / n, "eval/margin": margin / n}
 
 
-def train(cfg: DictConfig, out: Path) -> dict[str, float]:
-    """Train, evaluate, save; returns the final eval metrics."""
-    loop = cfg.train
+def train(job: RewardTrainConfig, out: Path) -> dict[str, float]:
+    """Train, evaluate, save; returns the final eval metrics. ``job``: the composed config, typed (`typed`)."""
+    loop, model_cfg = job.train, job.model
     for key in ("num_epochs", "batch_size", "eval_every"):
-        if loop[key] < 1:
-            raise ConfigError(f"train.{key}={loop[key]} must be >= 1")
+        if getattr(loop, key) < 1:
+            raise ConfigError(f"train.{key}={getattr(loop, key)} must be >= 1")
     check_lr("train.lr", loop.lr)
-    check_seed(cfg.seed)
-    if cfg.model.dtype != "float32":
-        raise ConfigError(f"model.dtype={cfg.model.dtype}: reward-model training keeps float32 weights; set model.dtype=float32")
-    builder = registry.resolve("preference_dataset", cfg.preferences.name, key="preferences.name")
-    device = pick_device(cfg.cluster.device)
-    seed_everything(cfg.seed)
-    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name_or_path, cfg.model.revision, cfg.model.trust_remote_code)
+    check_seed(job.seed)
+    if model_cfg.dtype != "float32":
+        raise ConfigError(f"model.dtype={model_cfg.dtype}: reward-model training keeps float32 weights; set model.dtype=float32")
+    builder = registry.resolve("preference_dataset", job.preferences.name, key="preferences.name")
+    device = pick_device(job.cluster.device)
+    seed_everything(job.seed)
+    tokenizer = load_tokenizer(model_cfg.tokenizer or model_cfg.name_or_path, model_cfg.revision, model_cfg.trust_remote_code)
     try:
-        splits = builder(cfg=cfg.preferences, tokenizer=tokenizer)
+        splits = builder(cfg=OmegaConf.structured(job.preferences), tokenizer=tokenizer)  # a node, as rlhf.data.preferences documents
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if len(splits.train) < loop.batch_size:
         raise ConfigError(f"train.batch_size={loop.batch_size} exceeds the {len(splits.train)} training pairs")
-    log.info("preferences %s: %d train pairs, %d eval pairs", cfg.preferences.name, len(splits.train), len(splits.eval))
-    model = load_value_model(cfg.model.name_or_path, cfg.model.dtype, cfg.model.revision, cfg.model.trust_remote_code, device)
+    log.info("preferences %s: %d train pairs, %d eval pairs", job.preferences.name, len(splits.train), len(splits.eval))
+    model = load_value_model(model_cfg.name_or_path, model_cfg.dtype, model_cfg.revision, model_cfg.trust_remote_code, device)
     model.train()
     steps = loop.num_epochs * (len(splits.train) // loop.batch_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=loop.lr, weight_decay=loop.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda("linear", 0, steps))
     writer = None
-    if cfg.tensorboard:
+    if job.tensorboard:
         writer = SummaryWriter(log_dir=str(out / "tensorboard"))
-    rng = random.Random(cfg.seed)
+    rng = random.Random(job.seed)
     metrics = evaluate(model, splits.eval, tokenizer, device, loop.batch_size)
     log.info("step 0/%d | eval accuracy %.3f", steps, metrics["eval/accuracy"])
     step = 0
@@ -126,16 +126,22 @@ def train(cfg: DictConfig, out: Path) -> dict[str, float]:
             metrics = {k: v for k, v in step_metrics.items() if k.startswith("eval/")} or metrics
     if writer is not None:
         writer.close()
-    save_dir = reward_model_dir(cfg, out)
+    save_dir = reward_model_dir(job, out)
     save_hf_folder(save_dir, model, tokenizer, owner=REWARD_MODEL)
     log.info("eval accuracy %.3f; reward model saved to %s (use: reward=model reward.path=%s)", metrics["eval/accuracy"], save_dir, save_dir)
     return metrics
 
 
-def reward_model_dir(cfg: DictConfig, out: Path) -> Path:
+def reward_model_dir(job: RewardTrainConfig, out: Path) -> Path:
     """Where the trained reward model goes: `save_dir` (made absolute: `save_dir=.` names the folder itself), or
     `<run folder>/reward_model`."""
-    return Path(os.path.abspath(os.path.expanduser(cfg.save_dir))) if cfg.save_dir else out / "reward_model"
+    return Path(os.path.abspath(os.path.expanduser(job.save_dir))) if job.save_dir else out / "reward_model"
+
+
+def typed(cfg: DictConfig) -> RewardTrainConfig:
+    """The composed config ``cfg`` as its schema's object, read by everything after `check_unknown_keys` (a copy:
+    changing it changes no config)."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RewardTrainConfig), cfg))
 
 
 def main() -> float:
@@ -159,11 +165,12 @@ def run(cfg: DictConfig) -> float:
     try:  # before any model loads: hub names are reachable (`rlhf.checks.hub`), the folders written are writable and have
         # room for the model (`rlhf.run.preflight`)
         check_unknown_keys(cfg, RewardTrainConfig)  # `+key=value` composes even into the typed schema
+        job = typed(cfg)
         hub.check_sources(cfg)
-        preflight.check_outputs(preflight.reward_outputs(cfg, out, reward_model_dir(cfg, out)))
+        preflight.check_outputs(preflight.reward_outputs(job, out, reward_model_dir(job, out)))
         with folder_lock(out, "run folder (hydra.run.dir)"):
-            with folder_lock(reward_model_dir(cfg, out), "save_dir", beside=True):
-                return train(cfg, out)["eval/accuracy"]
+            with folder_lock(reward_model_dir(job, out), "save_dir", beside=True):
+                return train(job, out)["eval/accuracy"]
     except ConfigError as err:
         log.error("config error: %s", err)
         raise SystemExit(exits.CONFIG_ERROR) from None

@@ -278,6 +278,8 @@ def test_train_reward_refuses_a_missing_hub_model_with_exit_2(offline, tmp_path,
 @pytest.mark.parametrize(("override", "message"), [
     ("train.lr=1e38", "train.lr=1e+38 must be in (0, 1]"),  # AdamW's first step would overflow float32 mid-step
     ("seed=-1", "seed=-1 must be in [0, 4294901760)"),  # numpy's ValueError, after the tokenizer and data loaded
+    ("train.eval_every=0", "train.eval_every=0 must be >= 1"),  # read from the typed config (`typed`)
+    ("model.dtype=bfloat16", "model.dtype=bfloat16: reward-model training keeps float32 weights; set model.dtype=float32"),
     ("+output_dir=/tmp/rm", "output_dir is not a config key (added with +?); this project calls it hydra.run.dir"),  # trained before
     ("output_dir=/tmp/rm", "output_dir is not a config key; this project calls it hydra.run.dir"),  # Hydra's "+" advice before
     ("train.lrr=0.1", "train.lrr is not a config key; did you mean train.lr?"),  # Hydra's "+" advice before
