@@ -359,7 +359,7 @@ def validate(cfg: DictConfig) -> RunSpec:
     check_ownership(cfg, algorithm)
     sizes = derive_sizes(cfg, parts.env, algorithm.pairwise)
     check_token_budget(cfg, sizes, algorithm.pairwise)
-    ranks = validate_cluster(cfg, algorithm, sizes.samples_per_step, sizes.mini_batch_size)
     spec = spec_of(cfg, parts, sizes)
+    ranks = validate_cluster(spec, algorithm, sizes.samples_per_step, sizes.mini_batch_size)
     check_generation(spec, ranks)
     return spec

@@ -33,23 +33,26 @@ class PlacementSpec:
         return f"{'+'.join(self.roles)}: {self.num_nodes} node(s) x {self.devices_per_node} = {self.ranks}"
 
 
-def reference_is_base(cfg) -> bool:
+def reference_is_base(run) -> bool:
     """Whether the KL reference is the LoRA policy's own base model, adapters switched off (no `ref` role): a
-    `policy.lora.rank` is set and `reference.name_or_path` names no other model."""
-    return cfg.policy.lora.rank is not None and not cfg.reference.name_or_path
+    `policy.lora.rank` is set and `reference.name_or_path` names no other model. ``run``: the `RunSpec` (or a config),
+    read for its `policy` and `reference` sections."""
+    return run.policy.lora.rank is not None and not run.reference.name_or_path
 
 
-def used_roles(cfg, algorithm) -> list[str]:
+def used_roles(run, algorithm) -> list[str]:
     """The roles this run needs: actor and generator always; ref, critic, reward and teacher when the run uses them (a LoRA
-    policy is its own reference: see `reference_is_base`)."""
+    policy is its own reference: see `reference_is_base`). ``run``: the `RunSpec` (or a config), read for its
+    `policy`, `reference`, `reward` and `teacher` sections."""
     roles = ["policy"]
-    if algorithm.needs_reference and not reference_is_base(cfg):
+    if algorithm.needs_reference and not reference_is_base(run):
         roles.append("reference")
     if algorithm.needs_critic:
         roles.append("critic")
-    if cfg.reward.path:
+    teacher = run.teacher
+    if run.reward.path:
         roles.append("reward")
-    if cfg.teacher.name_or_path and not cfg.teacher.url:  # a remote teacher (teacher.url) takes no devices here
+    if teacher.name_or_path and not teacher.url:  # a remote teacher (teacher.url) takes no devices here
         roles.append("teacher")
     return roles + ["generator"]
 
@@ -170,9 +173,10 @@ def _check_strategy(key: str, node, ranks: int, backend: str, role: str) -> None
         )
 
 
-def validate_cluster(cfg, algorithm, samples_per_step: int, mini_batch_units: int) -> dict[str, int]:
-    """Every check of `cluster.*` and the training strategies that needs no running cluster; returns ranks per role."""
-    cluster = cfg.cluster
+def validate_cluster(run, algorithm, samples_per_step: int, mini_batch_units: int) -> dict[str, int]:
+    """Every check of `cluster.*` and the training strategies that needs no running cluster; returns ranks per role.
+    ``run``: the `RunSpec` (or a config), read for its `cluster`, `policy`, `critic` and the sections `used_roles` reads."""
+    cluster = run.cluster
     if cluster.backend not in ("local", "ray"):
         raise ConfigError(f"cluster.backend={cluster.backend!r}; choose local or ray")
     if cluster.device_type not in ("cpu", "gpu"):
@@ -181,14 +185,14 @@ def validate_cluster(cfg, algorithm, samples_per_step: int, mini_batch_units: in
         raise ConfigError(f"cluster.timeout_s={cluster.timeout_s} and cluster.placement_timeout_s={cluster.placement_timeout_s} must be > 0")
     if cluster.setup_timeout_s <= 0:
         raise ConfigError(f"cluster.setup_timeout_s={cluster.setup_timeout_s} must be > 0")
-    roles = used_roles(cfg, algorithm)
+    roles = used_roles(run, algorithm)
     for role in ROLES:
-        spec = cluster.roles[role]
+        spec = getattr(cluster.roles, role)
         if spec.num_nodes < 1 or spec.devices_per_node < 1:
             raise ConfigError(f"cluster.roles.{role}: num_nodes={spec.num_nodes} and devices_per_node={spec.devices_per_node} must be >= 1")
     ranks = {role: role_ranks(cluster, role) if cluster.backend == "ray" else 1 for role in roles}
-    trained = [("policy", "policy.strategy", cfg.policy.strategy)] + (
-        [("critic", "critic.strategy", cfg.critic.strategy)] if "critic" in roles else []
+    trained = [("policy", "policy.strategy", run.policy.strategy)] + (
+        [("critic", "critic.strategy", run.critic.strategy)] if "critic" in roles else []
     )
     for role, key, strategy in trained:
         _check_strategy(key, strategy, ranks[role], cluster.backend, role)

@@ -91,7 +91,7 @@ def plan_of(spec: RunSpec) -> Plan:
     """The memory plan of the run ``spec`` (validated: `plan.*` and the cluster's sizes in range). Reads config.json
     files only; loads no weights. The `cluster` node is read as written: placement indexes it by role."""
     cluster = spec.config.cluster
-    used = used_roles(spec.config, spec.algorithm)
+    used = used_roles(spec, spec.algorithm)
     ray = cluster.backend == "ray"
     ranks = {role: role_ranks(cluster, role) if ray else 1 for role in used}
     kind = device_kind(cluster)
