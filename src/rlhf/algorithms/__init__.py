@@ -80,7 +80,8 @@ def check_composition(advantage: Part, loss: Part) -> None:
 
 
 def build_algorithm(cfg, max_new_tokens: int):
-    """The algorithm `algorithm.*` composes (cheap: no model); ConfigError for a bad part node or composition."""
+    """The algorithm `algorithm.*` composes (cheap: no model); ConfigError for a bad part node or composition. ``cfg``:
+    the `algorithm` node, or its typed copy `RunSpec.algorithm_keys` (part nodes as dicts)."""
     advantage, loss = parts(cfg)
     check_composition(advantage, loss)
     if is_pairwise(advantage, loss)[0]:

@@ -142,7 +142,8 @@ class RowScores(NamedTuple):
 
 
 class RewardSet:
-    """Scores responses with every configured function; see `rlhf.rewards.rules` for the call signature."""
+    """Scores responses with every configured function; see `rlhf.rewards.rules` for the call signature. ``cfg``: the
+    `reward` section, typed (`RunSpec.reward`) or as a node."""
 
     def __init__(self, cfg, max_new_tokens: int | None = None) -> None:
         self.cfg = cfg
