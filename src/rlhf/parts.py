@@ -103,8 +103,8 @@ def choose(kind: str, node: Any, at: str, base: type | None = None) -> Part:
         raise ConfigError(f"{at} has no `name`; choose one with {group}=<name> ({', '.join(registry.node_names(kind))})")
     obj = registry.resolve(kind, name, key=f"{at}.name")
     cls = config_class(obj, at, name) or base
-    if cls is None:
-        return Part(obj, node, at)
+    if cls is None:  # the node as written, read by attribute as a node is (a typed copy's part nodes are dicts)
+        return Part(obj, OmegaConf.create(node) if isinstance(node, dict) else node, at)
     if base is not None and not issubclass(cls, base):
         raise ConfigError(f"{at}.name={name}: its config class {cls.__name__} does not extend {base.__module__}."
                           f"{base.__name__}, whose keys every {kind} is read with; declare it as "
