@@ -162,3 +162,12 @@ def test_a_name_that_imports_something_not_callable_is_refused_naming_the_key():
         validate(compose_config(["algorithm.policy_loss.name=user_loss.not_a_function"]))
     with pytest.raises(ConfigError, match=r"reward 'user_loss.not_a_function' \(config key `reward.functions\[0\].name`\) is int"):
         validate(compose_config(["reward.functions=[{name: user_loss.not_a_function}]"]))
+
+
+def test_a_loss_without_a_config_class_reads_its_node_by_attribute_from_the_resolved_spec():
+    """The spec's typed copy of `algorithm` holds part nodes as dicts; a part that declares no class still gets its
+    node as a node (attribute reads), as documented."""
+    user_loss.CALLS.clear()
+    spec = validate(compose_config(["algorithm.policy_loss.name=user_loss.unclassed_clip", *FAST]))
+    loss = build_algorithm(spec.algorithm_keys, 8).surrogate
+    assert loss.name == "user_loss.unclassed_clip" and loss.config.clip_eps_low == 0.2

@@ -57,3 +57,9 @@ def check_raises(logp, batch, cfg):
 check_raises.config = CheckRaisesConfig
 
 not_a_function = 42  # named as a part or a reward function by mistake: refused before any model loads
+
+
+def unclassed_clip(logp: torch.Tensor, batch, cfg) -> PolicyLoss:
+    """A loss that declares no config class: it gets its node as written and reads its keys by attribute."""
+    CALLS.append(cfg.clip_eps_low)
+    return scaled_clip(logp, batch, ScaledClipConfig(name=cfg.name, scale=1.0, clip_eps=cfg.clip_eps_low))
