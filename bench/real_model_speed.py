@@ -3,6 +3,7 @@
     python bench/real_model_speed.py [--steps 4] [--dtypes float32 bfloat16] [--paths eager static static+compile vllm]
     python bench/real_model_speed.py --generation-only [--paths ...]   # only the generation table
     python bench/real_model_speed.py --shared-prefix [--steps 4]   # a group's prompt once against in every row
+    python bench/real_model_speed.py --cpu-attention [--steps 4]   # bf16: attention in float32 against bf16's kernel
 
 Prints, side by side in one run:
 - this CPU's matmul peak per dtype, measured at the model's own linear shapes (best of several calls);
@@ -80,14 +81,16 @@ def sum_params(config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def train_run(dtype: str, steps: int, folder: Path, extra: tuple[str, ...] = (), name: str = "") -> tuple[list[dict], int, int]:
+def train_run(
+    dtype: str, steps: int, folder: Path, extra: tuple[str, ...] = (), name: str = "", prelude: str = "",
+) -> tuple[list[dict], int, int]:
     """(step records after the first, planned bytes, peak resident bytes) of the preset at ``dtype`` (and ``extra``
-    overrides) in a child."""
+    overrides) in a child that first runs ``prelude`` (Python)."""
     out = folder / (name or dtype)
     overrides = ["experiment=grpo_arith_smollm2", f"model.dtype={dtype}", f"train.num_steps={steps}", "eval.every=0",
                  "eval.max_prompts=8", "eval.num_samples=0", "checkpoint.save_final_model=false",
                  "logging.tensorboard=false", f"hydra.run.dir={out}", *extra]
-    proc = subprocess.run([sys.executable, "-c", CHILD, *overrides], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", prelude + CHILD, *overrides], capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"{dtype} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -96,25 +99,31 @@ def train_run(dtype: str, steps: int, folder: Path, extra: tuple[str, ...] = (),
 
 
 UNSHARED = ("model.shared_prefix=false", "generator.share_prompt_prefill=false")  # each row computes its own prompt
+# the child's packed attention on the low-precision CPU kernel (`rlhf.models.cpu_attention`: no keys in float32)
+NATIVE_ATTENTION = "import rlhf.models.cpu_attention as attention; attention.MAX_KEYS = {}; "
 
 
-def shared_prefix(steps: int, folder: Path) -> None:
-    """The float32 preset's step with each group's prompt computed in every row (`UNSHARED`) and once per group
-    (the defaults: `model.shared_prefix` and `generator.share_prompt_prefill` choose it at this shape), alternated
-    twice, median stage times and the speed-ups."""
-    rows = {"unshared": [], "shared": []}
+def side_by_side(dtype: str, steps: int, folder: Path, variants: dict[str, tuple[tuple[str, ...], str]]) -> None:
+    """The preset's step at ``dtype`` under each of ``variants`` (name: (overrides, child prelude)), the first the
+    baseline, alternated twice: median stage times, peak resident memory and the speed-ups over the baseline."""
+    rows = {name: [] for name in variants}
+    peaks = {name: 0 for name in variants}
     for turn in range(2):
-        for layout, extra in (("unshared", UNSHARED), ("shared", ())):
-            records, _, _ = train_run("float32", steps, folder, extra, name=f"{layout}-{turn}")
-            rows[layout] += records
-    median = {layout: {k: statistics.median(r[k] for r in records) for k in ("time/generation", "time/training", "time/step")}
-              for layout, records in rows.items()}
-    print(f"\n{'float32 step':>13} {'generation':>11} {'training':>9} {'step':>6}")
-    for layout, times in median.items():
-        print(f"{layout:>13} {times['time/generation']:>10.1f}s {times['time/training']:>8.1f}s {times['time/step']:>5.1f}s")
-    ratio = {k: median["unshared"][k] / median["shared"][k] for k in median["shared"]}
-    print(f"{'speed-up':>13} {ratio['time/generation']:>10.2f}x {ratio['time/training']:>8.2f}x {ratio['time/step']:>5.2f}x",
-          flush=True)
+        for name, (extra, prelude) in variants.items():
+            records, _, peak = train_run(dtype, steps, folder, extra, name=f"{name}-{turn}", prelude=prelude)
+            rows[name] += records
+            peaks[name] = max(peaks[name], peak)
+    keys = ("time/generation", "time/training", "time/step")
+    median = {name: {k: statistics.median(r[k] for r in records) for k in keys} for name, records in rows.items()}
+    print(f"\n{dtype + ' step':>20} {'generation':>11} {'training':>9} {'step':>6} {'peak RSS':>9}")
+    for name, times in median.items():
+        print(f"{name:>20} {times['time/generation']:>10.1f}s {times['time/training']:>8.1f}s {times['time/step']:>5.1f}s "
+              f"{peaks[name] / 2**30:>8.2f}G")
+    base = median[next(iter(variants))]
+    for name, times in list(median.items())[1:]:
+        ratio = {k: base[k] / times[k] for k in keys}
+        print(f"{'speed-up ' + name:>20} {ratio['time/generation']:>10.2f}x {ratio['time/training']:>8.2f}x "
+              f"{ratio['time/step']:>5.2f}x", flush=True)
 
 
 def chat_prompts(tokenizer, sums: int = 8, samples: int = 8) -> list[list[int]]:
@@ -185,10 +194,14 @@ def main() -> None:
     parser.add_argument("--generation-only", action="store_true", help="only the generation table")
     parser.add_argument("--shared-prefix", action="store_true",
                         help="only the step with each group's prompt computed once against in every row (float32)")
+    parser.add_argument("--cpu-attention", action="store_true",
+                        help="only the bfloat16 step with attention on the bf16 kernel against in float32")
     args = parser.parse_args()
-    if args.shared_prefix:
+    if args.shared_prefix or args.cpu_attention:
+        variants = {"every row's prompt": (UNSHARED, ""), "a group's once": ((), "")} if args.shared_prefix else {
+            "bf16 attention": ((), NATIVE_ATTENTION), "float32 attention": ((), "")}
         with tempfile.TemporaryDirectory() as tmp:
-            shared_prefix(args.steps, Path(tmp))
+            side_by_side("float32" if args.shared_prefix else "bfloat16", args.steps, Path(tmp), variants)
         return
     from rlhf.models.loading import resolve_model_path
     from transformers import AutoConfig

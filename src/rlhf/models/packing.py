@@ -29,6 +29,7 @@ except ImportError:
     varlen_attn = None
 
 from rlhf.errors import ConfigError
+from rlhf.models.cpu_attention import sdpa
 from rlhf.models.loading import resolve_model_path
 from rlhf.models.shared_prefix import shared_attention
 from rlhf.trajectory import Trajectories
@@ -113,9 +114,7 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     fused_groups = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
     if groups > 1 and not fused_groups:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=groups > 1 and fused_groups
-    )
+    out = sdpa(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=groups > 1 and fused_groups)
     out = out.transpose(1, 2).reshape(rows * width, out.shape[1], out.shape[3])
     return out.index_select(0, kwargs["tokens_index"]).unsqueeze(0), None
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from rlhf.micro_batches import group_pays, pays
+from rlhf.models.cpu_attention import sdpa
 from rlhf.trajectory import Trajectories
 
 
@@ -279,7 +280,6 @@ def gathered(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def shared_attention(query, key, value, scaling, kwargs: dict) -> torch.Tensor:
     """Attention of a `SharedPacked` layout (its `attention_kwargs` in ``kwargs``): each prompt causally over itself,
     each response over its prompt and itself. Shapes: query (1, H, N, D), key and value (1, Hkv, N, D) -> (1, N, H, D)."""
-    sdpa = torch.nn.functional.scaled_dot_product_attention
     prompts = kwargs["prompt_index"]
     q, k, v = (gathered(t, prompts) for t in (query, key, value))
     k, v, gqa = heads_for(q, k, v)
