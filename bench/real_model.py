@@ -4,7 +4,8 @@ Runs `python -m rlhf.train experiment=grpo_arith_smollm2` through the real CLI a
 
     python bench/real_model.py learn [--steps 60] [--seed 1] [-- extra overrides]
         the greedy and sampled accuracy on the held-out sums at every evaluation, the wall time, the stage times of
-        a step, and which sums the last evaluation still gets wrong
+        a step, and which sums the last evaluation still gets wrong (past 0.8 greedy in 40-60 steps: add
+        `-- model.dtype=bfloat16 algorithm.num_samples_per_prompt=16 algorithm.filter_groups=true`)
     python bench/real_model.py compare [--steps 20] [--seeds 1 2 3] [--variants NAME ...] [-- extra overrides]
         the same budget under several settings (VARIANTS below), seeds in turns: the last greedy accuracy per run,
         and the mean per setting (greedy evaluation only, before and after)

@@ -4,7 +4,8 @@ norms, the output layer) compute no padding at all.
 Attention stays inside each row. The policy, reference and critic models run on an attention implementation
 registered here (`IMPLEMENTATION`): without packing arguments it is PyTorch SDPA unchanged (Hugging Face's own
 function); with them (`Packed.attention_kwargs`) it gathers each row's queries, keys and values into a (rows, heads,
-longest row, head dim) block, runs causal SDPA on it and scatters the outputs back. The block's columns past a row's
+longest row, head dim) block, runs causal SDPA on it (in float32 for low-precision weights on the CPU, where that is
+faster: `rlhf.models.cpu_attention`) and scatters the outputs back. The block's columns past a row's
 last token (filled with the tokens after it) come after every real token of the row, where causal attention keeps
 them from it, so every real token sees exactly what it sees in the padded layout, and their outputs are dropped.
 Attention pays for those columns; the token-wise layers, most of a forward, do not. On CUDA in half precision the
