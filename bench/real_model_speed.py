@@ -101,6 +101,11 @@ def train_run(
 UNSHARED = ("model.shared_prefix=false", "generator.share_prompt_prefill=false")  # each row computes its own prompt
 # the child's packed attention on the low-precision CPU kernel (`rlhf.models.cpu_attention`: no keys in float32)
 NATIVE_ATTENTION = "import rlhf.models.cpu_attention as attention; attention.MAX_KEYS = {}; "
+# the side-by-side comparisons: flag -> (dtype, {name: (overrides, child prelude)}, the baseline first)
+COMPARISONS = {
+    "shared_prefix": ("float32", {"every row's prompt": (UNSHARED, ""), "a group's once": ((), "")}),
+    "cpu_attention": ("bfloat16", {"bf16 attention": ((), NATIVE_ATTENTION), "float32 attention": ((), "")}),
+}
 
 
 def side_by_side(dtype: str, steps: int, folder: Path, variants: dict[str, tuple[tuple[str, ...], str]]) -> None:
@@ -197,12 +202,11 @@ def main() -> None:
     parser.add_argument("--cpu-attention", action="store_true",
                         help="only the bfloat16 step with attention on the bf16 kernel against in float32")
     args = parser.parse_args()
-    if args.shared_prefix or args.cpu_attention:
-        variants = {"every row's prompt": (UNSHARED, ""), "a group's once": ((), "")} if args.shared_prefix else {
-            "bf16 attention": ((), NATIVE_ATTENTION), "float32 attention": ((), "")}
-        with tempfile.TemporaryDirectory() as tmp:
-            side_by_side("float32" if args.shared_prefix else "bfloat16", args.steps, Path(tmp), variants)
-        return
+    for flag, (dtype, variants) in COMPARISONS.items():
+        if getattr(args, flag):
+            with tempfile.TemporaryDirectory() as tmp:
+                side_by_side(dtype, args.steps, Path(tmp), variants)
+            return
     from rlhf.models.loading import resolve_model_path
     from transformers import AutoConfig
 

@@ -32,7 +32,7 @@ except ImportError:
 from rlhf.errors import ConfigError
 from rlhf.models.cpu_attention import sdpa
 from rlhf.models.loading import resolve_model_path
-from rlhf.models.shared_prefix import shared_attention
+from rlhf.models.shared_prefix import gathered, heads_for, shared_attention
 from rlhf.trajectory import Trajectories
 
 IMPLEMENTATION = "rlhf_packed"  # the attention implementation name packed models run on
@@ -106,17 +106,10 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         return varlen_attention(query, key, value, kwargs["cu_seqlens"], kwargs["longest"], scaling), None
     # (1, H, N, D) -> (R, H, W, D): row r's column c is packed token rows_index[r, c] (past the row's end: a
     # token of the next row, whose outputs are dropped and which causal attention keeps from the real ones)
-    rows, width = rows_index.shape
-    flat = rows_index.reshape(-1)
-    q, k, v = (t[0].index_select(1, flat).unflatten(1, (rows, width)).transpose(0, 1) for t in (query, key, value))
-    # grouped-query attention: SDPA's own head grouping where it keeps a fused kernel (CUDA in half precision),
-    # else the key/value heads repeated, as transformers does
-    groups = q.shape[1] // k.shape[1]
-    fused_groups = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
-    if groups > 1 and not fused_groups:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    out = sdpa(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=groups > 1 and fused_groups)
-    out = out.transpose(1, 2).reshape(rows * width, out.shape[1], out.shape[3])
+    q, k, v = (gathered(t, rows_index) for t in (query, key, value))
+    k, v, gqa = heads_for(q, k, v)  # grouped-query attention: SDPA's own grouping, or the key/value heads repeated
+    out = sdpa(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
+    out = out.transpose(1, 2).reshape(rows_index.numel(), out.shape[1], out.shape[3])
     return out.index_select(0, kwargs["tokens_index"]).unsqueeze(0), None
 
 
